@@ -1,0 +1,156 @@
+//! The `cairn-runner` command line: flags, logging, then a call into the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// cairn's in-sandbox runner: cuts verified, content-addressed checkpoints of
+/// the workspace and restores them on any host.
+#[derive(Debug, Parser)]
+#[command(name = "cairn-runner", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// A summary for people.
+    Text,
+    /// One JSON object on stdout, for scripts.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Cut a checkpoint of the workspace and commit it to the coordinator.
+    Checkpoint(CheckpointArgs),
+    /// Restore the newest restorable checkpoint (or a chosen one) into the workspace.
+    Restore(RestoreArgs),
+}
+
+/// Where the coordinator is and how to authenticate.
+#[derive(Debug, Clone, Args)]
+pub struct CoordinatorArgs {
+    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
+    #[arg(long, env = "CAIRN_COORDINATOR")]
+    pub coordinator: String,
+
+    /// Bearer token (admin, client or the attempt's run token).
+    #[arg(long, env = "CAIRN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckpointArgs {
+    #[command(flatten)]
+    pub coordinator: CoordinatorArgs,
+
+    /// The workspace directory to checkpoint.
+    #[arg(long, default_value = "/workspace")]
+    pub root: PathBuf,
+
+    /// Workspace id or name.
+    #[arg(long, env = "CAIRN_WORKSPACE")]
+    pub workspace: String,
+
+    /// Why the checkpoint is cut: turn, pause, end, destroy, interval or manual.
+    #[arg(long, default_value = "manual")]
+    pub reason: String,
+
+    /// Where the fingerprint cache lives (outside the workspace).
+    #[arg(long, env = "CAIRN_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    /// Leave out files that git ignores (node_modules, build outputs, …).
+    #[arg(long)]
+    pub skip_ignored: bool,
+
+    /// Leave out paths matching this gitignore-style pattern (repeatable).
+    #[arg(long = "exclude", value_name = "PATTERN")]
+    pub excludes: Vec<String>,
+
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RestoreArgs {
+    #[command(flatten)]
+    pub coordinator: CoordinatorArgs,
+
+    /// The directory to restore into (created if missing).
+    #[arg(long, default_value = "/workspace")]
+    pub root: PathBuf,
+
+    /// Workspace id or name.
+    #[arg(long, env = "CAIRN_WORKSPACE")]
+    pub workspace: String,
+
+    /// Restore exactly this checkpoint (no fallback to older ones).
+    #[arg(long)]
+    pub checkpoint: Option<String>,
+
+    /// Where the fingerprint cache lives (outside the workspace).
+    #[arg(long, env = "CAIRN_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub output: OutputFormat,
+}
+
+/// The default cache directory: `$HOME/.cache/cairn`, else `/var/cache/cairn`.
+pub fn default_cache_dir() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(home) if !home.is_empty() => PathBuf::from(home).join(".cache").join("cairn"),
+        _ => PathBuf::from("/var/cache/cairn"),
+    }
+}
+
+/// Sets up tracing on stderr (`RUST_LOG` filters; default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Entry point of the `cairn-runner` binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Checkpoint(args) => crate::checkpoint::cli_main(args).await,
+            Command::Restore(args) => crate::restore::cli_main(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
