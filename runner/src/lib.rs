@@ -14,6 +14,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod cli;
 pub mod client;
+pub mod failpoint;
 pub mod format;
 pub mod restore;
 pub mod transfer;
