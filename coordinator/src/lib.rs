@@ -1,1 +1,275 @@
-//! placeholder
+//! cairn's control plane.
+//!
+//! The coordinator is thin: it never reads or writes checkpoint bytes. It
+//! keeps metadata (workspaces, checkpoints, which packs hold which blobs),
+//! hands out short-lived signed URLs through which runners move the bytes
+//! themselves, and commits checkpoints atomically after checking that every
+//! pack they reference is in the store.
+//!
+//! ```text
+//!   runner / cairnctl ──gRPC (bearer token)──► coordinator ──► SQLite (DIR/cairn.db)
+//!          │                                        │ signs URLs, stats objects
+//!          └──── PUT / GET signed URLs ───────► blob server ──► DIR/blobs/…
+//! ```
+//!
+//! Code map:
+//! - [`serve`] / [`Coordinator`]: start-up (data dir, database, keys, admin
+//!   token) and the two servers, until shutdown.
+//! - [`datadir`]: what lives in the data directory; first-start set-up.
+//! - [`db`]: [`db::MetadataStore`], the metadata in SQLite, one method per
+//!   operation; the commit transaction.
+//! - [`grpc`]: `cairn.v1` WorkspaceService and CheckpointService, health and
+//!   reflection; [`grpc::ServiceError`] → status codes in one place.
+//! - [`auth`] and [`tokens`]: the bearer-token layer over every gRPC service,
+//!   token format and hashing, scopes.
+//! - [`store`]: the [`store::ObjectStore`] trait, [`store::LocalStore`] and
+//!   the fault-injecting [`store::FaultyStore`].
+//! - [`signing`]: HMAC-SHA256 signed URLs of the embedded blob store.
+//! - [`blob_http`]: the embedded blob server (axum) behind those URLs.
+//!
+//! Invariants:
+//! - A checkpoint that did not commit does not exist: its record, its pack and
+//!   blob records and the workspace's sequence move together in one
+//!   transaction, after every referenced pack was found in the store.
+//! - A commit carrying a generation other than the workspace's is refused.
+//! - Tokens and signed URLs are never logged; tokens are stored hashed.
+
+pub mod auth;
+pub mod blob_http;
+pub mod datadir;
+pub mod db;
+pub mod grpc;
+pub mod signing;
+pub mod store;
+pub mod tokens;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cairn_proto::ids::TenantId;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::blob_http::BlobServer;
+use crate::datadir::{DataDir, DataDirError};
+use crate::db::{DbError, MetadataStore};
+use crate::grpc::{GrpcError, Limits, Shared};
+use crate::signing::UrlSigner;
+use crate::store::{LocalStore, ObjectStore, StoreLayer};
+use crate::tokens::Scope;
+
+/// How to run a coordinator.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// Where metadata, keys, the admin token and the embedded blob store live.
+    pub data_dir: PathBuf,
+    /// Base URL runners reach the blob server at (default: the blob
+    /// listener's address, `http://IP:PORT`).
+    pub blob_public_url: Option<String>,
+    /// URL lifetime and request limits.
+    pub limits: Limits,
+    /// Wraps the object store the services use (tests inject a
+    /// [`store::FaultyStore`] here).
+    pub store_layer: Option<StoreLayer>,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("data_dir", &self.data_dir)
+            .field("blob_public_url", &self.blob_public_url)
+            .field("limits", &self.limits)
+            .field("store_layer", &self.store_layer.is_some())
+            .finish()
+    }
+}
+
+impl ServerConfig {
+    /// Defaults: URLs live an hour; see [`Limits`].
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            blob_public_url: None,
+            limits: Limits::default(),
+            store_layer: None,
+        }
+    }
+}
+
+/// Why the coordinator could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("data directory: {0}")]
+    DataDir(#[from] DataDirError),
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("blob public URL {0:?} is not an http:// or https:// URL")]
+    BadPublicUrl(String),
+    #[error("signed URLs must live at least a second")]
+    UrlTtlTooShort,
+    #[error("could not read the address of a listener: {0}")]
+    Listener(std::io::Error),
+    #[error("blob server failed: {0}")]
+    BlobServer(std::io::Error),
+    #[error(transparent)]
+    Grpc(#[from] GrpcError),
+}
+
+/// A coordinator whose data directory, database and keys are ready.
+pub struct Coordinator {
+    config: ServerConfig,
+    data_dir: DataDir,
+    db: Arc<MetadataStore>,
+    signer: UrlSigner,
+    admin_token_created: bool,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("data_dir", &self.data_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Coordinator {
+    /// Prepares the data directory: creates it (0700), the database (and
+    /// applies migrations), the URL-signing key, the default tenant and its
+    /// key, and the admin token on first start; reuses them afterwards.
+    pub async fn open(config: ServerConfig) -> Result<Self, ServeError> {
+        if config.limits.url_ttl.as_secs() < 1 {
+            return Err(ServeError::UrlTtlTooShort);
+        }
+        if let Some(url) = &config.blob_public_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err(ServeError::BadPublicUrl(url.clone()));
+        }
+        let data_dir = DataDir::new(&config.data_dir);
+        data_dir.create()?;
+        let signer = UrlSigner::new(&data_dir.load_or_create_signing_key()?);
+        let db = MetadataStore::open(&data_dir.database()).await?;
+        let tenant = TenantId::default_tenant();
+        if db.ensure_tenant(&tenant).await? {
+            tracing::info!(%tenant, "created tenant and its first key");
+        }
+        // The file is written before its hash is recorded, so a crash in
+        // between leaves a token that the next start records.
+        let (admin_token, admin_token_created) = data_dir.load_or_create_admin_token()?;
+        db.ensure_token(
+            &tokens::hash(&admin_token),
+            &tenant,
+            Scope::Admin,
+            None,
+            "admin token (admin.token)",
+        )
+        .await?;
+        if admin_token_created {
+            tracing::info!(path = %data_dir.admin_token().display(), "admin token written");
+        }
+        Ok(Self {
+            config,
+            data_dir,
+            db: Arc::new(db),
+            signer,
+            admin_token_created,
+        })
+    }
+
+    pub fn data_dir(&self) -> &DataDir {
+        &self.data_dir
+    }
+
+    /// Whether [`Coordinator::open`] created the admin token (first start).
+    pub fn admin_token_created(&self) -> bool {
+        self.admin_token_created
+    }
+
+    /// Runs the gRPC server on `grpc_listener` and the blob server on
+    /// `blob_listener` until `shutdown` completes (or either server fails),
+    /// then lets open requests finish and closes the database.
+    pub async fn run(
+        self,
+        grpc_listener: TcpListener,
+        blob_listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let grpc_addr = grpc_listener.local_addr().map_err(ServeError::Listener)?;
+        let blob_addr = blob_listener.local_addr().map_err(ServeError::Listener)?;
+        let blob_url = match &self.config.blob_public_url {
+            Some(url) => url.trim_end_matches('/').to_owned(),
+            None => local_url(blob_addr),
+        };
+        let local: Arc<dyn ObjectStore> = Arc::new(LocalStore::new(
+            self.data_dir.blobs(),
+            self.signer.clone(),
+            &blob_url,
+        ));
+        let store = match &self.config.store_layer {
+            Some(layer) => layer(local),
+            None => local,
+        };
+        let shared = Shared {
+            db: self.db.clone(),
+            store,
+            limits: self.config.limits.clone(),
+        };
+        let blob_router = BlobServer::new(self.data_dir.blobs(), self.signer.clone())
+            .map_err(ServeError::BlobServer)?
+            .router();
+
+        tracing::info!(grpc = %local_url(grpc_addr), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
+        let stop = CancellationToken::new();
+        let grpc = async {
+            let result = grpc::serve(shared, grpc_listener, stop.clone().cancelled_owned()).await;
+            stop.cancel();
+            result
+        };
+        let blob = async {
+            let result =
+                blob_http::serve(blob_listener, blob_router, stop.clone().cancelled_owned()).await;
+            stop.cancel();
+            result
+        };
+        let signal = async {
+            tokio::select! {
+                () = shutdown => tracing::info!("shutting down"),
+                () = stop.cancelled() => {}
+            }
+            stop.cancel();
+        };
+        let (grpc_result, blob_result, ()) = tokio::join!(grpc, blob, signal);
+        self.db.close().await;
+        grpc_result?;
+        blob_result.map_err(ServeError::BlobServer)?;
+        Ok(())
+    }
+}
+
+/// `http://ADDR`, with an unspecified bind address (0.0.0.0, ::) replaced by
+/// loopback so the URL is usable from this machine.
+pub fn local_url(addr: SocketAddr) -> String {
+    let mut addr = addr;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    format!("http://{addr}")
+}
+
+/// Prepares the data directory and serves gRPC on `grpc_listener` and the
+/// blob store on `blob_listener` until `shutdown` completes.
+pub async fn serve(
+    config: ServerConfig,
+    grpc_listener: TcpListener,
+    blob_listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    Coordinator::open(config)
+        .await?
+        .run(grpc_listener, blob_listener, shutdown)
+        .await
+}

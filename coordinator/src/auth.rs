@@ -1,0 +1,112 @@
+//! Bearer-token authentication as a tower layer over the whole gRPC server.
+//!
+//! Sitting below tonic's router, it covers every service, health and
+//! reflection included. A request without a token is answered
+//! UNAUTHENTICATED; a token the coordinator does not know (or that expired)
+//! PERMISSION_DENIED. A known token's [`Principal`] is put into the request
+//! extensions, where the services read it to check scopes.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use cairn_proto::auth::bearer_token;
+use futures::future::BoxFuture;
+use tonic::Status;
+use tonic::body::Body;
+use tonic::metadata::MetadataMap;
+use tower::{Layer, Service};
+
+use crate::db::MetadataStore;
+use crate::tokens::{self, Principal};
+
+/// Adds [`AuthService`] to a server.
+#[derive(Debug, Clone)]
+pub struct AuthLayer {
+    db: Arc<MetadataStore>,
+}
+
+impl AuthLayer {
+    pub fn new(db: Arc<MetadataStore>) -> Self {
+        Self { db }
+    }
+}
+
+impl<S> Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService {
+            inner,
+            db: self.db.clone(),
+        }
+    }
+}
+
+/// Resolves the bearer token of every request before the inner service sees it.
+#[derive(Debug, Clone)]
+pub struct AuthService<S> {
+    inner: S,
+    db: Arc<MetadataStore>,
+}
+
+/// Resolves the token in `headers` to a principal.
+async fn authenticate(db: &MetadataStore, headers: &http::HeaderMap) -> Result<Principal, Status> {
+    let metadata = MetadataMap::from_headers(headers.clone());
+    let Some(token) = bearer_token(&metadata) else {
+        return Err(Status::unauthenticated(
+            "missing bearer token (send `authorization: Bearer <token>`)",
+        ));
+    };
+    match db.principal(&tokens::hash(token)).await {
+        Ok(Some(principal)) => Ok(principal),
+        Ok(None) => Err(Status::permission_denied("the bearer token is not valid")),
+        Err(e) => {
+            tracing::error!(error = %e, "could not look up a bearer token");
+            Err(if e.is_retryable() {
+                Status::unavailable("the coordinator's database is busy; try again")
+            } else {
+                Status::internal("could not check the bearer token")
+            })
+        }
+    }
+}
+
+impl<S> Service<http::Request<Body>> for AuthService<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+        // The clone that was polled ready serves this call; the fresh one waits
+        // for the next poll_ready.
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let db = self.db.clone();
+        Box::pin(async move {
+            match authenticate(&db, request.headers()).await {
+                Ok(principal) => {
+                    request.extensions_mut().insert(principal);
+                    inner.call(request).await
+                }
+                Err(status) => Ok(status.into_http()),
+            }
+        })
+    }
+}
+
+/// The principal the auth layer attached to a request.
+pub fn principal<T>(request: &tonic::Request<T>) -> Result<&Principal, Status> {
+    request.extensions().get::<Principal>().ok_or_else(|| {
+        // Only reachable if a service is mounted without the auth layer.
+        tracing::error!("request reached a service without passing the auth layer");
+        Status::internal("request was not authenticated")
+    })
+}

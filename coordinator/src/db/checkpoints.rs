@@ -1,0 +1,430 @@
+//! Checkpoint, pack and blob records, and the atomic commit.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use cairn_proto::domain::{CheckpointReason, PackKind, WorkspaceState};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, TenantId, WorkspaceId};
+use cairn_proto::pb;
+use prost::Message;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{QueryBuilder, Row, Sqlite};
+
+use super::{
+    Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, from_millis,
+    millis, parse_column, query_error, signed, unsigned,
+};
+
+const CHECKPOINT_COLUMNS: &str = "c.id, c.workspace_id, c.sequence, c.parent_id, c.reason, c.generation,
+     c.format_version, c.root_tree, c.key_id, c.stats, c.details, c.pack_count, c.stored_bytes, c.created_at";
+
+/// The optional parts of a checkpoint, stored together as one protobuf
+/// `cairn.v1.Checkpoint` holding only these fields.
+fn encode_details(
+    repos: &[pb::GitRepoState],
+    warnings: &[String],
+    harness: &Option<pb::HarnessSession>,
+) -> Vec<u8> {
+    pb::Checkpoint {
+        repos: repos.to_vec(),
+        warnings: warnings.to_vec(),
+        harness: harness.clone(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+fn checkpoint_from_row(row: &SqliteRow) -> Result<Checkpoint, DbError> {
+    let read = |source| DbError::Query {
+        op: "read checkpoint",
+        source,
+    };
+    let id: String = row.try_get("id").map_err(read)?;
+    let workspace_id: String = row.try_get("workspace_id").map_err(read)?;
+    let parent: Option<String> = row.try_get("parent_id").map_err(read)?;
+    let reason: String = row.try_get("reason").map_err(read)?;
+    let root_tree: Vec<u8> = row.try_get("root_tree").map_err(read)?;
+    let stats: Vec<u8> = row.try_get("stats").map_err(read)?;
+    let details: Vec<u8> = row.try_get("details").map_err(read)?;
+    let corrupt = |what: &str, e: prost::DecodeError| {
+        DbError::Corrupt(format!("stored {what} of checkpoint {id}: {e}"))
+    };
+    let stats = pb::CheckpointStats::decode(stats.as_slice()).map_err(|e| corrupt("stats", e))?;
+    let details = pb::Checkpoint::decode(details.as_slice()).map_err(|e| corrupt("details", e))?;
+    Ok(Checkpoint {
+        id: parse_column(&id, "checkpoint id")?,
+        workspace_id: parse_column(&workspace_id, "workspace id")?,
+        sequence: unsigned(row.try_get("sequence").map_err(read)?, "sequence")?,
+        parent: parent
+            .map(|p| parse_column(&p, "parent checkpoint id"))
+            .transpose()?,
+        reason: parse_column::<CheckpointReason>(&reason, "reason")?,
+        generation: Generation(unsigned(
+            row.try_get("generation").map_err(read)?,
+            "generation",
+        )?),
+        created_at: from_millis(row.try_get("created_at").map_err(read)?),
+        format_version: unsigned(
+            row.try_get("format_version").map_err(read)?,
+            "format version",
+        )?,
+        root_tree: BlobId::from_slice(&root_tree)
+            .map_err(|e| DbError::Corrupt(format!("stored root tree of checkpoint {id}: {e}")))?,
+        key_id: row.try_get("key_id").map_err(read)?,
+        stats,
+        repos: details.repos,
+        warnings: details.warnings,
+        harness: details.harness,
+        pack_count: unsigned(row.try_get("pack_count").map_err(read)?, "pack count")?,
+        stored_bytes: unsigned(row.try_get("stored_bytes").map_err(read)?, "stored bytes")?,
+    })
+}
+
+fn pack_from_row(row: &SqliteRow) -> Result<Pack, DbError> {
+    let read = |source| DbError::Query {
+        op: "read pack",
+        source,
+    };
+    let id: String = row.try_get("id").map_err(read)?;
+    let kind: String = row.try_get("kind").map_err(read)?;
+    Ok(Pack {
+        id: parse_column(&id, "pack id")?,
+        kind: parse_column::<PackKind>(&kind, "pack kind")?,
+        size: unsigned(row.try_get("size").map_err(read)?, "pack size")?,
+        index_offset: unsigned(row.try_get("index_offset").map_err(read)?, "index offset")?,
+        index_length: unsigned(row.try_get("index_length").map_err(read)?, "index length")?,
+    })
+}
+
+/// Appends ` (v1, v2, …)`, binding `bind(item)` for each item.
+fn push_in_list<'a, T, V>(
+    query: &mut QueryBuilder<'a, Sqlite>,
+    items: &'a [T],
+    bind: impl Fn(&'a T) -> V,
+) where
+    V: 'a + sqlx::Encode<'a, Sqlite> + sqlx::Type<Sqlite>,
+{
+    query.push(" (");
+    let mut list = query.separated(", ");
+    for item in items {
+        list.push_bind(bind(item));
+    }
+    query.push(")");
+}
+
+impl MetadataStore {
+    /// The newest checkpoint of each of `workspaces` that has one.
+    pub async fn latest_checkpoints(
+        &self,
+        workspaces: &[WorkspaceId],
+    ) -> Result<HashMap<WorkspaceId, Checkpoint>, DbError> {
+        let mut latest = HashMap::new();
+        for chunk in workspaces.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::new(format!(
+                "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c
+                 JOIN (SELECT workspace_id, MAX(sequence) AS sequence FROM checkpoints
+                       WHERE workspace_id IN"
+            ));
+            push_in_list(&mut query, chunk, WorkspaceId::as_str);
+            query.push(
+                " GROUP BY workspace_id) newest
+                 ON c.workspace_id = newest.workspace_id AND c.sequence = newest.sequence",
+            );
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("latest checkpoints"))?;
+            for row in &rows {
+                let checkpoint = checkpoint_from_row(row)?;
+                latest.insert(checkpoint.workspace_id.clone(), checkpoint);
+            }
+        }
+        Ok(latest)
+    }
+
+    /// A checkpoint of one of `tenant`'s workspaces.
+    pub async fn checkpoint(
+        &self,
+        tenant: &TenantId,
+        id: &CheckpointId,
+    ) -> Result<Option<Checkpoint>, DbError> {
+        let sql = format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c JOIN workspaces w ON w.id = c.workspace_id
+             WHERE w.tenant = $1 AND c.id = $2"
+        );
+        let row = sqlx::query(&sql)
+            .bind(tenant.as_str())
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(query_error("checkpoint"))?;
+        row.as_ref().map(checkpoint_from_row).transpose()
+    }
+
+    /// Checkpoints of a workspace, newest first, with a sequence below `before`.
+    pub async fn list_checkpoints(
+        &self,
+        workspace: &WorkspaceId,
+        before: Option<u64>,
+        limit: u32,
+    ) -> Result<Vec<Checkpoint>, DbError> {
+        let sql = format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c
+             WHERE c.workspace_id = $1 AND c.sequence < $2 ORDER BY c.sequence DESC LIMIT $3"
+        );
+        let before = before.map_or(Ok(i64::MAX), |b| signed(b, "sequence"))?;
+        let rows = sqlx::query(&sql)
+            .bind(workspace.as_str())
+            .bind(before)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(query_error("list checkpoints"))?;
+        rows.iter().map(checkpoint_from_row).collect()
+    }
+
+    /// Which of `blobs` the tenant has, and in which pack.
+    pub async fn find_blobs(
+        &self,
+        tenant: &TenantId,
+        blobs: &[BlobId],
+    ) -> Result<HashMap<BlobId, PackId>, DbError> {
+        let mut found = HashMap::new();
+        for chunk in blobs.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::new("SELECT blob_id, pack_id FROM blobs WHERE tenant = ");
+            query.push_bind(tenant.as_str()).push(" AND blob_id IN");
+            push_in_list(&mut query, chunk, |b| b.as_bytes().as_slice());
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("find blobs"))?;
+            for row in rows {
+                let read = |source| DbError::Query {
+                    op: "read blob",
+                    source,
+                };
+                let blob: Vec<u8> = row.try_get("blob_id").map_err(read)?;
+                let pack: String = row.try_get("pack_id").map_err(read)?;
+                let blob = BlobId::from_slice(&blob)
+                    .map_err(|e| DbError::Corrupt(format!("stored blob id: {e}")))?;
+                found.insert(blob, parse_column(&pack, "pack id")?);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The recorded packs of `tenant` among `ids` (unknown ids are left out).
+    pub async fn packs(
+        &self,
+        tenant: &TenantId,
+        ids: &[PackId],
+    ) -> Result<HashMap<PackId, Pack>, DbError> {
+        let mut packs = HashMap::new();
+        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::new(
+                "SELECT id, kind, size, index_offset, index_length FROM packs WHERE tenant = ",
+            );
+            query.push_bind(tenant.as_str()).push(" AND id IN");
+            push_in_list(&mut query, chunk, PackId::as_str);
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("packs"))?;
+            for row in &rows {
+                let pack = pack_from_row(row)?;
+                packs.insert(pack.id.clone(), pack);
+            }
+        }
+        Ok(packs)
+    }
+
+    /// The packs each of `checkpoints` references, sorted by pack id.
+    pub async fn checkpoint_packs(
+        &self,
+        checkpoints: &[CheckpointId],
+    ) -> Result<HashMap<CheckpointId, Vec<PackId>>, DbError> {
+        let mut by_checkpoint: HashMap<CheckpointId, Vec<PackId>> = HashMap::new();
+        for chunk in checkpoints.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::new(
+                "SELECT checkpoint_id, pack_id FROM checkpoint_packs WHERE checkpoint_id IN",
+            );
+            push_in_list(&mut query, chunk, CheckpointId::as_str);
+            query.push(" ORDER BY checkpoint_id, pack_id");
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("checkpoint packs"))?;
+            for row in rows {
+                let read = |source| DbError::Query {
+                    op: "read checkpoint pack",
+                    source,
+                };
+                let checkpoint: String = row.try_get("checkpoint_id").map_err(read)?;
+                let pack: String = row.try_get("pack_id").map_err(read)?;
+                by_checkpoint
+                    .entry(parse_column(&checkpoint, "checkpoint id")?)
+                    .or_default()
+                    .push(parse_column(&pack, "pack id")?);
+            }
+        }
+        Ok(by_checkpoint)
+    }
+
+    /// Records a checkpoint in one transaction: the workspace's sequence
+    /// counter, new packs, their blobs (first writer wins), the checkpoint and
+    /// its pack list. Refuses a workspace that is not active or whose
+    /// generation differs from the commit's; nothing is written then.
+    pub async fn commit_checkpoint(
+        &self,
+        tenant: &TenantId,
+        new: NewCheckpoint,
+    ) -> Result<Checkpoint, DbError> {
+        let now = SystemTime::now();
+        let now_ms = millis(now);
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(query_error("begin commit"))?;
+
+        // Writing first takes the database's write lock before anything is read.
+        let row = sqlx::query(
+            "UPDATE workspaces SET last_sequence = last_sequence + 1, updated_at = $1
+             WHERE id = $2 AND tenant = $3
+             RETURNING last_sequence, generation, state",
+        )
+        .bind(now_ms)
+        .bind(new.workspace_id.as_str())
+        .bind(tenant.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(query_error("advance workspace sequence"))?
+        .ok_or_else(|| DbError::WorkspaceNotFound(new.workspace_id.to_string()))?;
+        let read = |source| DbError::Query {
+            op: "advance workspace sequence",
+            source,
+        };
+        let sequence: u64 = unsigned(row.try_get("last_sequence").map_err(read)?, "sequence")?;
+        let current = Generation(unsigned(
+            row.try_get("generation").map_err(read)?,
+            "generation",
+        )?);
+        let state: String = row.try_get("state").map_err(read)?;
+        let state: WorkspaceState = parse_column(&state, "workspace state")?;
+        if state != WorkspaceState::Active {
+            return Err(DbError::WorkspaceNotActive {
+                id: new.workspace_id,
+                state,
+            });
+        }
+        if new.generation != current {
+            return Err(DbError::GenerationMismatch {
+                given: new.generation,
+                current,
+            });
+        }
+
+        for pack in &new.new_packs {
+            sqlx::query(
+                "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)
+                 ON CONFLICT (tenant, id) DO NOTHING",
+            )
+            .bind(tenant.as_str())
+            .bind(pack.pack_id.as_str())
+            .bind(pack.kind.as_str())
+            .bind(signed(pack.size, "pack size")?)
+            .bind(signed(pack.index_offset, "index offset")?)
+            .bind(i64::from(pack.index_length))
+            .bind(now_ms)
+            .execute(&mut *tx)
+            .await
+            .map_err(query_error("insert pack"))?;
+            for chunk in pack.blob_ids.chunks(ROWS_PER_STATEMENT) {
+                let mut query =
+                    QueryBuilder::<Sqlite>::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
+                query.push_values(chunk, |mut row, blob| {
+                    row.push_bind(tenant.as_str())
+                        .push_bind(blob.as_bytes().as_slice())
+                        .push_bind(pack.pack_id.as_str());
+                });
+                query.push(" ON CONFLICT (tenant, blob_id) DO NOTHING");
+                query
+                    .build()
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(query_error("insert blobs"))?;
+            }
+        }
+
+        let id = CheckpointId::generate();
+        let stats = new.stats.encode_to_vec();
+        let details = encode_details(&new.repos, &new.warnings, &new.harness);
+        let pack_count = u32::try_from(new.referenced_packs.len())
+            .map_err(|_| DbError::Corrupt("a checkpoint references more than 2^32 packs".into()))?;
+        sqlx::query(
+            "INSERT INTO checkpoints (id, workspace_id, sequence, parent_id, reason, generation, format_version,
+                                      root_tree, key_id, stats, details, pack_count, stored_bytes, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+        )
+        .bind(id.as_str())
+        .bind(new.workspace_id.as_str())
+        .bind(signed(sequence, "sequence")?)
+        .bind(new.parent.as_ref().map(CheckpointId::as_str))
+        .bind(new.reason.as_str())
+        .bind(signed(current.0, "generation")?)
+        .bind(i64::from(new.format_version))
+        .bind(new.root_tree.as_bytes().as_slice())
+        .bind(new.key_id.as_str())
+        .bind(stats)
+        .bind(details)
+        .bind(i64::from(pack_count))
+        .bind(signed(new.stored_bytes, "stored bytes")?)
+        .bind(now_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(query_error("insert checkpoint"))?;
+
+        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ",
+            );
+            query.push_values(chunk, |mut row, pack| {
+                row.push_bind(id.as_str())
+                    .push_bind(tenant.as_str())
+                    .push_bind(pack.as_str());
+            });
+            query
+                .build()
+                .execute(&mut *tx)
+                .await
+                .map_err(query_error("insert checkpoint packs"))?;
+        }
+
+        tx.commit()
+            .await
+            .map_err(query_error("commit checkpoint"))?;
+        Ok(Checkpoint {
+            id,
+            workspace_id: new.workspace_id,
+            sequence,
+            parent: new.parent,
+            reason: new.reason,
+            generation: current,
+            created_at: from_millis(now_ms),
+            format_version: new.format_version,
+            root_tree: new.root_tree,
+            key_id: new.key_id,
+            stats: new.stats,
+            repos: new.repos,
+            warnings: new.warnings,
+            harness: new.harness,
+            pack_count,
+            stored_bytes: new.stored_bytes,
+        })
+    }
+}

@@ -1,0 +1,388 @@
+//! Metadata: tenants and their keys, tokens, workspaces, packs, blobs and
+//! checkpoints, in SQLite (`DIR/cairn.db`).
+//!
+//! [`MetadataStore`] has one method per operation the services need and
+//! returns domain records. The database runs in WAL mode with foreign keys on
+//! and a busy timeout; `coordinator/migrations` is applied at open. The SQL is
+//! kept portable to PostgreSQL (numbered `$n` parameters, `ON CONFLICT`,
+//! `RETURNING`, BIGINT milliseconds for times) so a shared database can
+//! replace the file later; only SQLite runs today.
+//!
+//! Invariants kept here:
+//! - A checkpoint, its pack and blob records, and the workspace's sequence
+//!   counter are written in one transaction: a commit is all or nothing.
+//! - The workspace row is updated first in that transaction, which takes the
+//!   write lock before anything is read, so concurrent commits of a workspace
+//!   serialize and get consecutive sequence numbers.
+//! - A blob's pack is recorded once; later packs holding the same blob do not
+//!   replace it (first writer wins).
+
+mod checkpoints;
+mod workspaces;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, TenantId, WorkspaceId};
+use cairn_proto::pb;
+use ring::rand::{SecureRandom, SystemRandom};
+use sqlx::Row;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use crate::tokens::{Principal, Scope};
+
+/// Key id of a tenant's first key.
+pub const FIRST_KEY_ID: &str = "k1";
+
+/// Rows per multi-row statement (stays far below SQLite's bound-variable limit).
+const ROWS_PER_STATEMENT: usize = 300;
+
+/// Why a metadata operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("could not open the metadata database {path}: {source}")]
+    Open { path: PathBuf, source: sqlx::Error },
+    #[error("could not apply the metadata schema migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("metadata query failed ({op}): {source}")]
+    Query {
+        op: &'static str,
+        source: sqlx::Error,
+    },
+    #[error("metadata is inconsistent: {0}")]
+    Corrupt(String),
+    #[error("a workspace named {0:?} already exists")]
+    NameTaken(String),
+    #[error("workspace {0} does not exist")]
+    WorkspaceNotFound(String),
+    #[error("workspace {id} is {state}, not active")]
+    WorkspaceNotActive {
+        id: WorkspaceId,
+        state: WorkspaceState,
+    },
+    #[error("{}", generation_message(*given, *current))]
+    GenerationMismatch {
+        given: Generation,
+        current: Generation,
+    },
+    #[error("tenant {0} has no current key")]
+    NoTenantKey(TenantId),
+}
+
+pub(crate) fn generation_message(given: Generation, current: Generation) -> String {
+    let relation = if given < current { "older" } else { "newer" };
+    format!("generation {given} is {relation} than the workspace's {current}")
+}
+
+impl DbError {
+    /// Whether trying again may succeed (the database was busy or unreachable).
+    pub fn is_retryable(&self) -> bool {
+        let source = match self {
+            Self::Open { source, .. } | Self::Query { source, .. } => source,
+            _ => return false,
+        };
+        match source {
+            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => true,
+            sqlx::Error::Database(e) => e.code().is_some_and(|code| {
+                // SQLite: BUSY (5) and LOCKED (6), extended codes included;
+                // PostgreSQL: serialization failure and deadlock.
+                let sqlite_busy = code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6));
+                sqlite_busy || code == "40001" || code == "40P01"
+            }),
+            _ => false,
+        }
+    }
+}
+
+fn query_error(op: &'static str) -> impl FnOnce(sqlx::Error) -> DbError {
+    move |source| DbError::Query { op, source }
+}
+
+/// A tenant key: the secret runners derive blob ids and seals from.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TenantKey {
+    pub key_id: String,
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for TenantKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantKey")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A workspace with its checkpoint summary.
+#[derive(Debug, Clone)]
+pub struct Workspace {
+    pub id: WorkspaceId,
+    pub tenant: TenantId,
+    pub name: Option<String>,
+    pub state: WorkspaceState,
+    pub generation: Generation,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+    pub checkpoint_count: u64,
+    pub latest_checkpoint: Option<Checkpoint>,
+}
+
+/// A committed checkpoint.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    pub id: CheckpointId,
+    pub workspace_id: WorkspaceId,
+    pub sequence: u64,
+    pub parent: Option<CheckpointId>,
+    pub reason: CheckpointReason,
+    pub generation: Generation,
+    pub created_at: SystemTime,
+    pub format_version: u32,
+    pub root_tree: BlobId,
+    pub key_id: String,
+    pub stats: pb::CheckpointStats,
+    pub repos: Vec<pb::GitRepoState>,
+    pub warnings: Vec<String>,
+    pub harness: Option<pb::HarnessSession>,
+    pub pack_count: u32,
+    pub stored_bytes: u64,
+}
+
+/// A pack recorded in the metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pack {
+    pub id: PackId,
+    pub kind: PackKind,
+    pub size: u64,
+    pub index_offset: u64,
+    pub index_length: u32,
+}
+
+/// What a commit records (already validated and checked against the store).
+#[derive(Debug, Clone)]
+pub struct NewCheckpoint {
+    pub workspace_id: WorkspaceId,
+    pub generation: Generation,
+    pub parent: Option<CheckpointId>,
+    pub reason: CheckpointReason,
+    pub format_version: u32,
+    pub root_tree: BlobId,
+    pub key_id: String,
+    pub stats: pb::CheckpointStats,
+    pub repos: Vec<pb::GitRepoState>,
+    pub warnings: Vec<String>,
+    pub harness: Option<pb::HarnessSession>,
+    pub new_packs: Vec<NewPack>,
+    /// Every pack the checkpoint needs, without duplicates.
+    pub referenced_packs: Vec<PackId>,
+    /// Sum of the sizes of the referenced packs.
+    pub stored_bytes: u64,
+}
+
+/// The metadata database.
+#[derive(Debug, Clone)]
+pub struct MetadataStore {
+    pool: SqlitePool,
+}
+
+fn millis(t: SystemTime) -> i64 {
+    i64::try_from(t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis()).unwrap_or(i64::MAX)
+}
+
+fn from_millis(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// A stored integer that must fit the domain type.
+fn unsigned<T: TryFrom<i64>>(value: i64, what: &str) -> Result<T, DbError> {
+    T::try_from(value).map_err(|_| DbError::Corrupt(format!("{what} {value} is out of range")))
+}
+
+/// A domain integer to store (sizes and counters stay far below i64::MAX).
+fn signed(value: u64, what: &str) -> Result<i64, DbError> {
+    i64::try_from(value)
+        .map_err(|_| DbError::Corrupt(format!("{what} {value} does not fit the database")))
+}
+
+fn parse_column<T: FromStr>(value: &str, what: &str) -> Result<T, DbError> {
+    value
+        .parse()
+        .map_err(|_| DbError::Corrupt(format!("stored {what} {value:?} is not valid")))
+}
+
+fn random_secret() -> Vec<u8> {
+    let mut secret = vec![0u8; 32];
+    SystemRandom::new()
+        .fill(&mut secret)
+        .expect("the system random generator works");
+    secret
+}
+
+impl MetadataStore {
+    /// Opens (creating if needed) the database at `path` and migrates it.
+    pub async fn open(path: &Path) -> Result<Self, DbError> {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // A committed checkpoint must survive a power loss.
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .map_err(|source| DbError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        Ok(Self { pool })
+    }
+
+    /// Closes every connection (checkpoints the WAL).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Creates `tenant` with a first random key unless it exists. Returns
+    /// whether it was created.
+    pub async fn ensure_tenant(&self, tenant: &TenantId) -> Result<bool, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.pool.begin().await.map_err(query_error("begin"))?;
+        let inserted = sqlx::query(
+            "INSERT INTO tenants (id, current_key_id, created_at) VALUES ($1, $2, $3)
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(tenant.as_str())
+        .bind(FIRST_KEY_ID)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(query_error("insert tenant"))?
+        .rows_affected();
+        if inserted == 0 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO tenant_keys (tenant, key_id, secret, created_at) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(tenant.as_str())
+        .bind(FIRST_KEY_ID)
+        .bind(random_secret())
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(query_error("insert tenant key"))?;
+        tx.commit().await.map_err(query_error("commit tenant"))?;
+        Ok(true)
+    }
+
+    /// The key new checkpoints of `tenant` are sealed with.
+    pub async fn current_key(&self, tenant: &TenantId) -> Result<TenantKey, DbError> {
+        let row = sqlx::query(
+            "SELECT k.key_id, k.secret FROM tenants t
+             JOIN tenant_keys k ON k.tenant = t.id AND k.key_id = t.current_key_id
+             WHERE t.id = $1",
+        )
+        .bind(tenant.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(query_error("current key"))?
+        .ok_or_else(|| DbError::NoTenantKey(tenant.clone()))?;
+        Ok(TenantKey {
+            key_id: row.try_get("key_id").map_err(query_error("current key"))?,
+            secret: row.try_get("secret").map_err(query_error("current key"))?,
+        })
+    }
+
+    /// The keys of `tenant` among `key_ids` (unknown ids are left out).
+    pub async fn keys(
+        &self,
+        tenant: &TenantId,
+        key_ids: &[String],
+    ) -> Result<Vec<TenantKey>, DbError> {
+        let mut keys = Vec::new();
+        for chunk in key_ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query =
+                sqlx::QueryBuilder::new("SELECT key_id, secret FROM tenant_keys WHERE tenant = ");
+            query.push_bind(tenant.as_str()).push(" AND key_id IN (");
+            let mut list = query.separated(", ");
+            for id in chunk {
+                list.push_bind(id.as_str());
+            }
+            query.push(") ORDER BY key_id");
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("keys"))?;
+            for row in rows {
+                keys.push(TenantKey {
+                    key_id: row.try_get("key_id").map_err(query_error("keys"))?,
+                    secret: row.try_get("secret").map_err(query_error("keys"))?,
+                });
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Records a token by its hash unless it is already known.
+    pub async fn ensure_token(
+        &self,
+        hash: &[u8; 32],
+        tenant: &TenantId,
+        scope: Scope,
+        workspace: Option<&WorkspaceId>,
+        description: &str,
+    ) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (token_hash) DO NOTHING",
+        )
+        .bind(hash.as_slice())
+        .bind(tenant.as_str())
+        .bind(scope.as_str())
+        .bind(workspace.map(|w| w.as_str()))
+        .bind(description)
+        .bind(millis(SystemTime::now()))
+        .execute(&self.pool)
+        .await
+        .map_err(query_error("insert token"))?;
+        Ok(())
+    }
+
+    /// Who holds the token with this hash, if it is known and not expired.
+    pub async fn principal(&self, hash: &[u8; 32]) -> Result<Option<Principal>, DbError> {
+        let row = sqlx::query(
+            "SELECT tenant, scope, workspace_id FROM tokens
+             WHERE token_hash = $1 AND (expires_at IS NULL OR expires_at > $2)",
+        )
+        .bind(hash.as_slice())
+        .bind(millis(SystemTime::now()))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(query_error("token"))?;
+        let Some(row) = row else { return Ok(None) };
+        let tenant: String = row.try_get("tenant").map_err(query_error("token"))?;
+        let scope: String = row.try_get("scope").map_err(query_error("token"))?;
+        let workspace: Option<String> =
+            row.try_get("workspace_id").map_err(query_error("token"))?;
+        Ok(Some(Principal {
+            tenant: parse_column(&tenant, "tenant")?,
+            scope: parse_column(&scope, "token scope")?,
+            workspace: workspace
+                .map(|w| parse_column(&w, "workspace id"))
+                .transpose()?,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests;

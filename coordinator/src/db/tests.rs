@@ -1,0 +1,253 @@
+//! Tests of the metadata store against a real SQLite file.
+
+use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceRef, WorkspaceState};
+use cairn_proto::ids::{BlobId, Generation, PackId, TenantId};
+use cairn_proto::pb;
+
+use super::*;
+
+async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = MetadataStore::open(&dir.path().join("cairn.db"))
+        .await
+        .unwrap();
+    let tenant = TenantId::default_tenant();
+    db.ensure_tenant(&tenant).await.unwrap();
+    (dir, db, tenant)
+}
+
+fn pack_id(n: u8) -> PackId {
+    PackId::from_digest(&[n; 32])
+}
+
+fn new_pack(n: u8, blobs: &[u8]) -> NewPack {
+    NewPack {
+        pack_id: pack_id(n),
+        kind: PackKind::Data,
+        size: 100 + u64::from(n),
+        index_offset: 50,
+        index_length: 20,
+        blob_ids: blobs.iter().map(|b| BlobId([*b; 32])).collect(),
+    }
+}
+
+fn commit_of(
+    workspace: &Workspace,
+    new_packs: Vec<NewPack>,
+    referenced: Vec<PackId>,
+) -> NewCheckpoint {
+    NewCheckpoint {
+        workspace_id: workspace.id.clone(),
+        generation: workspace.generation,
+        parent: None,
+        reason: CheckpointReason::Manual,
+        format_version: 1,
+        root_tree: BlobId([1; 32]),
+        key_id: FIRST_KEY_ID.into(),
+        stats: pb::CheckpointStats {
+            files: 3,
+            ..Default::default()
+        },
+        repos: vec![pb::GitRepoState {
+            path: "app".into(),
+            branch: "main".into(),
+            ..Default::default()
+        }],
+        warnings: vec!["skipped a fifo".into()],
+        harness: None,
+        new_packs,
+        referenced_packs: referenced,
+        stored_bytes: 201,
+    }
+}
+
+#[tokio::test]
+async fn a_tenant_gets_one_key_however_often_it_is_ensured() {
+    let (_dir, db, tenant) = open().await;
+    assert!(!db.ensure_tenant(&tenant).await.unwrap());
+    let key = db.current_key(&tenant).await.unwrap();
+    assert_eq!(key.key_id, FIRST_KEY_ID);
+    assert_eq!(key.secret.len(), 32);
+    assert_eq!(
+        db.keys(&tenant, &["k1".into(), "k9".into()]).await.unwrap(),
+        vec![key]
+    );
+}
+
+#[tokio::test]
+async fn names_are_unique_per_tenant_and_lookups_work_by_id_or_name() {
+    let (_dir, db, tenant) = open().await;
+    let named = db
+        .create_workspace(&tenant, Some("fix-login"))
+        .await
+        .unwrap();
+    assert_eq!(named.state, WorkspaceState::Active);
+    assert_eq!(named.generation, Generation(1));
+    db.create_workspace(&tenant, None).await.unwrap();
+    db.create_workspace(&tenant, None).await.unwrap();
+    match db.create_workspace(&tenant, Some("fix-login")).await {
+        Err(DbError::NameTaken(name)) => assert_eq!(name, "fix-login"),
+        other => panic!("duplicate name accepted: {other:?}"),
+    }
+    let by_name = db
+        .workspace(&tenant, &WorkspaceRef::Name("fix-login".into()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(by_name.id, named.id);
+    let by_id = db
+        .workspace(&tenant, &WorkspaceRef::Id(named.id.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(by_id.name.as_deref(), Some("fix-login"));
+    let other_tenant: TenantId = "other".parse().unwrap();
+    assert!(
+        db.workspace(&other_tenant, &WorkspaceRef::Id(named.id))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn commits_number_checkpoints_and_record_packs_and_blobs() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let first = db
+        .commit_checkpoint(
+            &tenant,
+            commit_of(&ws, vec![new_pack(1, &[1, 2])], vec![pack_id(1)]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.sequence, 1);
+    // Blob 2 is also in pack 2, but pack 1 recorded it first.
+    let second = db
+        .commit_checkpoint(
+            &tenant,
+            commit_of(
+                &ws,
+                vec![new_pack(2, &[2, 3])],
+                vec![pack_id(1), pack_id(2)],
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second.sequence, 2);
+
+    let found = db
+        .find_blobs(
+            &tenant,
+            &[BlobId([2; 32]), BlobId([3; 32]), BlobId([9; 32])],
+        )
+        .await
+        .unwrap();
+    assert_eq!(found.get(&BlobId([2; 32])), Some(&pack_id(1)));
+    assert_eq!(found.get(&BlobId([3; 32])), Some(&pack_id(2)));
+    assert_eq!(found.len(), 2);
+
+    let packs = db
+        .checkpoint_packs(std::slice::from_ref(&second.id))
+        .await
+        .unwrap();
+    assert_eq!(packs[&second.id], vec![pack_id(1), pack_id(2)]);
+    let records = db.packs(&tenant, &[pack_id(2)]).await.unwrap();
+    assert_eq!(records[&pack_id(2)].size, 102);
+
+    let stored = db.checkpoint(&tenant, &second.id).await.unwrap().unwrap();
+    assert_eq!(stored.repos[0].branch, "main");
+    assert_eq!(stored.warnings, ["skipped a fifo"]);
+    assert_eq!(stored.stats.files, 3);
+    assert_eq!(stored.pack_count, 2);
+
+    let ws = db
+        .workspace(&tenant, &WorkspaceRef::Id(ws.id))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ws.checkpoint_count, 2);
+    assert_eq!(ws.latest_checkpoint.unwrap().id, second.id);
+    let newest_first = db.list_checkpoints(&ws.id, None, 10).await.unwrap();
+    assert_eq!(
+        newest_first.iter().map(|c| c.sequence).collect::<Vec<_>>(),
+        [2, 1]
+    );
+    assert_eq!(
+        db.list_checkpoints(&ws.id, Some(2), 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_refused_commit_leaves_no_trace() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let mut stale = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]);
+    stale.generation = Generation(0);
+    match db.commit_checkpoint(&tenant, stale).await {
+        Err(DbError::GenerationMismatch { given, current }) => {
+            assert_eq!((given, current), (Generation(0), Generation(1)));
+        }
+        other => panic!("stale commit accepted: {other:?}"),
+    }
+    // A referenced pack with no record violates a foreign key: the whole
+    // transaction rolls back, sequence counter included.
+    let dangling = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1), pack_id(7)]);
+    assert!(db.commit_checkpoint(&tenant, dangling).await.is_err());
+    assert!(db.packs(&tenant, &[pack_id(1)]).await.unwrap().is_empty());
+    assert!(
+        db.find_blobs(&tenant, &[BlobId([1; 32])])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let ok = db
+        .commit_checkpoint(
+            &tenant,
+            commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ok.sequence, 1);
+}
+
+#[tokio::test]
+async fn tokens_resolve_to_their_principal_by_hash() {
+    let (_dir, db, tenant) = open().await;
+    let token = crate::tokens::generate(Scope::Admin);
+    db.ensure_token(&token.hash, &tenant, Scope::Admin, None, "test")
+        .await
+        .unwrap();
+    db.ensure_token(&token.hash, &tenant, Scope::Admin, None, "test")
+        .await
+        .unwrap();
+    let principal = db.principal(&token.hash).await.unwrap().unwrap();
+    assert_eq!(principal.scope, Scope::Admin);
+    assert_eq!(principal.tenant, tenant);
+    assert!(
+        db.principal(&crate::tokens::hash("cairn_admin_unknown"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn workspaces_list_in_pages_by_id() {
+    let (_dir, db, tenant) = open().await;
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(db.create_workspace(&tenant, None).await.unwrap().id);
+    }
+    let first = db.list_workspaces(&tenant, None, 2).await.unwrap();
+    let rest = db
+        .list_workspaces(&tenant, Some(&first[1].id), 10)
+        .await
+        .unwrap();
+    let listed: Vec<_> = first.iter().chain(&rest).map(|w| w.id.clone()).collect();
+    assert_eq!(listed, ids);
+}

@@ -1,0 +1,593 @@
+//! `cairn.v1.CheckpointService`: the checkpoint protocol.
+//!
+//! Begin (keys, generation, parent) → FindMissingBlobs → PrepareUploads
+//! (signed PUT URLs; the runner uploads) → CommitCheckpoint (every pack
+//! checked in the store, then one transaction) → ListCheckpoints /
+//! GetCheckpoint / GetRestoreManifest (newest-first candidates with signed GET
+//! URLs). The coordinator sees ids, sizes and pack names, never bytes.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::SystemTime;
+
+use cairn_proto::domain::{CommitCheckpoint, PackKind, to_timestamp};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
+use cairn_proto::pb;
+use cairn_proto::pb::checkpoint_service_server::CheckpointService;
+use futures::{StreamExt, TryStreamExt};
+use tonic::{Request, Response, Status};
+
+use super::{
+    ServiceError, Shared, checkpoint_to_pb, decode_page_token, encode_page_token, ensure_active,
+    page_size,
+};
+use crate::auth::principal;
+use crate::db::{Checkpoint, DbError, NewCheckpoint, Workspace, generation_message};
+use crate::store::ObjectKey;
+use crate::tokens::{Action, Principal};
+
+const PAGE_KIND: &str = "checkpoints";
+
+/// Restore candidates when the request names no number.
+const DEFAULT_CANDIDATES: u32 = 5;
+/// Most restore candidates one manifest carries.
+const MAX_CANDIDATES: u32 = 50;
+
+/// Implements CheckpointService over the shared state.
+#[derive(Debug, Clone)]
+pub struct CheckpointApi {
+    shared: Shared,
+}
+
+impl CheckpointApi {
+    pub fn new(shared: Shared) -> Self {
+        Self { shared }
+    }
+
+    /// The workspace a checkpoint request is about, after the scope check.
+    async fn workspace_for(
+        &self,
+        principal: &Principal,
+        reference: &str,
+        action: for<'a> fn(&'a WorkspaceId) -> Action<'a>,
+    ) -> Result<Workspace, ServiceError> {
+        let workspace = self.shared.workspace(principal, reference).await?;
+        principal
+            .authorize(action(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        Ok(workspace)
+    }
+
+    /// Checks that every referenced pack is in the store with the size the
+    /// metadata (or, for new packs, the commit) gives it. Returns the total size.
+    async fn check_packs_in_store(
+        &self,
+        principal: &Principal,
+        expected: &[(PackId, u64)],
+    ) -> Result<u64, ServiceError> {
+        let lookups: Vec<(PackId, ObjectKey)> = expected
+            .iter()
+            .map(|(id, _)| (id.clone(), ObjectKey::for_pack(&principal.tenant, id)))
+            .collect();
+        let found: HashMap<PackId, Option<u64>> = futures::stream::iter(lookups)
+            .map(|(id, key)| {
+                let store = self.shared.store.clone();
+                async move { store.stat(&key).await.map(|size| (id, size)) }
+            })
+            .buffer_unordered(self.shared.limits.stat_concurrency)
+            .try_collect()
+            .await?;
+        let mut total = 0u64;
+        for (id, size) in expected {
+            match found.get(id).copied().flatten() {
+                None => {
+                    return Err(ServiceError::FailedPrecondition(format!(
+                        "pack {id} is not in the store (never uploaded, or lost)"
+                    )));
+                }
+                Some(actual) if actual != *size => {
+                    return Err(ServiceError::FailedPrecondition(format!(
+                        "pack {id} has {actual} bytes in the store, expected {size}"
+                    )));
+                }
+                Some(_) => total = total.saturating_add(*size),
+            }
+        }
+        Ok(total)
+    }
+
+    async fn commit(
+        &self,
+        principal: &Principal,
+        commit: CommitCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
+        let workspace = self
+            .shared
+            .workspace_by_ref(principal, &commit.workspace)
+            .await?;
+        principal
+            .authorize(Action::WriteCheckpoints(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        ensure_active(&workspace)?;
+        if commit.generation != workspace.generation {
+            return Err(ServiceError::FailedPrecondition(generation_message(
+                commit.generation,
+                workspace.generation,
+            )));
+        }
+        let db = &self.shared.db;
+        let tenant = &principal.tenant;
+        if db
+            .keys(tenant, std::slice::from_ref(&commit.key_id))
+            .await?
+            .is_empty()
+        {
+            return Err(ServiceError::InvalidArgument(format!(
+                "key_id {:?} is not a key of tenant {tenant}",
+                commit.key_id
+            )));
+        }
+        if let Some(parent) = &commit.parent {
+            let of_workspace = db
+                .checkpoint(tenant, parent)
+                .await?
+                .is_some_and(|p| p.workspace_id == workspace.id);
+            if !of_workspace {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "parent checkpoint {parent} is not a checkpoint of workspace {}",
+                    workspace.id
+                )));
+            }
+        }
+
+        let limits = &self.shared.limits;
+        if commit.new_packs.len() > limits.max_packs_per_call {
+            return Err(ServiceError::InvalidArgument(format!(
+                "{} new packs in one commit; the limit is {}",
+                commit.new_packs.len(),
+                limits.max_packs_per_call
+            )));
+        }
+        let mut new_sizes: HashMap<&PackId, u64> = HashMap::new();
+        for pack in &commit.new_packs {
+            if pack.size > limits.max_pack_size {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "pack {} is {} bytes; the largest pack accepted is {}",
+                    pack.pack_id, pack.size, limits.max_pack_size
+                )));
+            }
+            if new_sizes.insert(&pack.pack_id, pack.size).is_some() {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "pack {} is listed twice in new_packs",
+                    pack.pack_id
+                )));
+            }
+        }
+        let mut seen = HashSet::new();
+        let referenced: Vec<PackId> = commit
+            .referenced_packs
+            .iter()
+            .filter(|id| seen.insert(*id))
+            .cloned()
+            .collect();
+        let old: Vec<PackId> = referenced
+            .iter()
+            .filter(|id| !new_sizes.contains_key(id))
+            .cloned()
+            .collect();
+        let known = db.packs(tenant, &old).await?;
+        let mut expected = Vec::with_capacity(referenced.len());
+        for id in &referenced {
+            let size = match new_sizes.get(id) {
+                Some(size) => *size,
+                None => match known.get(id) {
+                    Some(pack) => pack.size,
+                    None => {
+                        return Err(ServiceError::FailedPrecondition(format!(
+                            "pack {id} is not known to the coordinator; send it as a new pack"
+                        )));
+                    }
+                },
+            };
+            expected.push((id.clone(), size));
+        }
+
+        let root_in_new = commit
+            .new_packs
+            .iter()
+            .any(|p| p.blob_ids.contains(&commit.root_tree));
+        if !root_in_new {
+            let recorded = db
+                .find_blobs(tenant, std::slice::from_ref(&commit.root_tree))
+                .await?;
+            let reachable = recorded
+                .get(&commit.root_tree)
+                .is_some_and(|pack| seen.contains(pack));
+            if !reachable {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "root tree {} is in none of the referenced packs",
+                    commit.root_tree
+                )));
+            }
+        }
+
+        let stored_bytes = self.check_packs_in_store(principal, &expected).await?;
+        let new_pack_count = commit.new_packs.len();
+        let checkpoint = db
+            .commit_checkpoint(
+                tenant,
+                NewCheckpoint {
+                    workspace_id: workspace.id.clone(),
+                    generation: commit.generation,
+                    parent: commit.parent,
+                    reason: commit.reason,
+                    format_version: commit.format_version,
+                    root_tree: commit.root_tree,
+                    key_id: commit.key_id,
+                    stats: commit.stats,
+                    repos: commit.repos,
+                    warnings: commit.warnings,
+                    harness: commit.harness,
+                    new_packs: commit.new_packs,
+                    referenced_packs: referenced,
+                    stored_bytes,
+                },
+            )
+            .await?;
+        tracing::info!(
+            checkpoint = %checkpoint.id,
+            workspace = %workspace.id,
+            sequence = checkpoint.sequence,
+            reason = %checkpoint.reason,
+            packs = checkpoint.pack_count,
+            new_packs = new_pack_count,
+            "checkpoint committed"
+        );
+        Ok(checkpoint)
+    }
+
+    async fn restore_manifest(
+        &self,
+        principal: &Principal,
+        req: pb::GetRestoreManifestRequest,
+    ) -> Result<pb::RestoreManifest, ServiceError> {
+        let workspace = self
+            .workspace_for(principal, &req.workspace, |id| Action::ReadCheckpoints(id))
+            .await?;
+        let db = &self.shared.db;
+        let tenant = &principal.tenant;
+        let candidates = if req.checkpoint_id.is_empty() {
+            let wanted = match req.max_candidates {
+                0 => DEFAULT_CANDIDATES,
+                n => n.min(MAX_CANDIDATES),
+            };
+            db.list_checkpoints(&workspace.id, None, wanted).await?
+        } else {
+            let id: CheckpointId = req.checkpoint_id.parse()?;
+            let checkpoint = db
+                .checkpoint(tenant, &id)
+                .await?
+                .filter(|c| c.workspace_id == workspace.id);
+            match checkpoint {
+                Some(c) => vec![c],
+                None => {
+                    return Err(ServiceError::NotFound(format!(
+                        "checkpoint {id} of workspace {} does not exist",
+                        workspace.id
+                    )));
+                }
+            }
+        };
+
+        let ids: Vec<CheckpointId> = candidates.iter().map(|c| c.id.clone()).collect();
+        let mut packs_of = db.checkpoint_packs(&ids).await?;
+        let all_packs: Vec<PackId> = packs_of
+            .values()
+            .flatten()
+            .cloned()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let records = db.packs(tenant, &all_packs).await?;
+        let key_ids: Vec<String> = candidates
+            .iter()
+            .map(|c| c.key_id.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let keys = db.keys(tenant, &key_ids).await?;
+
+        let ttl = self.shared.limits.url_ttl;
+        let mut lookups = Vec::with_capacity(all_packs.len());
+        for id in &all_packs {
+            let record = records.get(id).cloned().ok_or_else(|| {
+                DbError::Corrupt(format!(
+                    "a checkpoint references pack {id}, which has no record"
+                ))
+            })?;
+            lookups.push((ObjectKey::for_pack(tenant, id), record));
+        }
+        let signed: Vec<(SystemTime, pb::PackLocation)> = futures::stream::iter(lookups)
+            .map(|(key, record)| {
+                let store = self.shared.store.clone();
+                async move {
+                    let url = store.presign_get(&key, ttl).await?;
+                    let location = pb::PackLocation {
+                        pack_id: record.id.to_string(),
+                        kind: pb::PackKind::from(record.kind) as i32,
+                        size: record.size,
+                        index_offset: record.index_offset,
+                        index_length: record.index_length,
+                        url: url.url,
+                    };
+                    Ok::<_, ServiceError>((url.expires_at, location))
+                }
+            })
+            .buffer_unordered(self.shared.limits.stat_concurrency)
+            .try_collect()
+            .await?;
+        // The manifest is good until its first URL expires.
+        let urls_expire_at = signed
+            .iter()
+            .map(|(expires_at, _)| *expires_at)
+            .min()
+            .unwrap_or_else(|| SystemTime::now() + ttl);
+        let mut locations: Vec<pb::PackLocation> =
+            signed.into_iter().map(|(_, location)| location).collect();
+        locations.sort_by(|a, b| a.pack_id.cmp(&b.pack_id));
+
+        Ok(pb::RestoreManifest {
+            workspace_id: workspace.id.to_string(),
+            tenant: tenant.to_string(),
+            keys: keys
+                .into_iter()
+                .map(|k| pb::TenantKey {
+                    key_id: k.key_id,
+                    secret: k.secret,
+                })
+                .collect(),
+            candidates: candidates
+                .iter()
+                .map(|c| pb::RestoreCandidate {
+                    checkpoint: Some(checkpoint_to_pb(c)),
+                    packs: packs_of
+                        .remove(&c.id)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect(),
+                })
+                .collect(),
+            packs: locations,
+            urls_expire_at: Some(to_timestamp(urls_expire_at)),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl CheckpointService for CheckpointApi {
+    async fn begin_checkpoint(
+        &self,
+        request: Request<pb::BeginCheckpointRequest>,
+    ) -> Result<Response<pb::BeginCheckpointResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        let workspace = self
+            .workspace_for(&principal, &req.workspace, |id| {
+                Action::WriteCheckpoints(id)
+            })
+            .await?;
+        ensure_active(&workspace)?;
+        let generation = match Generation(req.generation) {
+            Generation(0) => workspace.generation,
+            given if given == workspace.generation => given,
+            given => {
+                return Err(ServiceError::FailedPrecondition(generation_message(
+                    given,
+                    workspace.generation,
+                ))
+                .into());
+            }
+        };
+        let key = self
+            .shared
+            .db
+            .current_key(&principal.tenant)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::BeginCheckpointResponse {
+            workspace_id: workspace.id.to_string(),
+            tenant: principal.tenant.to_string(),
+            key: Some(pb::TenantKey {
+                key_id: key.key_id,
+                secret: key.secret,
+            }),
+            generation: generation.0,
+            parent_checkpoint_id: workspace
+                .latest_checkpoint
+                .map(|c| c.id.to_string())
+                .unwrap_or_default(),
+            max_find_batch: self.shared.limits.max_find_batch,
+        }))
+    }
+
+    async fn find_missing_blobs(
+        &self,
+        request: Request<pb::FindMissingBlobsRequest>,
+    ) -> Result<Response<pb::FindMissingBlobsResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        self.workspace_for(&principal, &req.workspace, |id| {
+            Action::WriteCheckpoints(id)
+        })
+        .await?;
+        let max = self.shared.limits.max_find_batch as usize;
+        if req.blob_ids.len() > max {
+            return Err(ServiceError::InvalidArgument(format!(
+                "{} blob ids in one call; the limit is {max} (see max_find_batch)",
+                req.blob_ids.len()
+            ))
+            .into());
+        }
+        let blobs = req
+            .blob_ids
+            .iter()
+            .enumerate()
+            .map(|(i, bytes)| {
+                BlobId::from_slice(bytes).map_err(|e| {
+                    ServiceError::InvalidArgument(format!("invalid blob_ids[{i}]: {}", e.reason))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let found = self
+            .shared
+            .db
+            .find_blobs(&principal.tenant, &blobs)
+            .await
+            .map_err(ServiceError::from)?;
+        let mut packs: Vec<String> = Vec::new();
+        let mut pack_numbers: HashMap<&PackId, u32> = HashMap::new();
+        let locations = blobs
+            .iter()
+            .map(|blob| match found.get(blob) {
+                None => 0,
+                Some(pack) => *pack_numbers.entry(pack).or_insert_with(|| {
+                    packs.push(pack.to_string());
+                    packs.len() as u32
+                }),
+            })
+            .collect();
+        Ok(Response::new(pb::FindMissingBlobsResponse {
+            packs,
+            locations,
+        }))
+    }
+
+    async fn prepare_uploads(
+        &self,
+        request: Request<pb::PrepareUploadsRequest>,
+    ) -> Result<Response<pb::PrepareUploadsResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        let workspace = self
+            .workspace_for(&principal, &req.workspace, |id| {
+                Action::WriteCheckpoints(id)
+            })
+            .await?;
+        ensure_active(&workspace)?;
+        let limits = &self.shared.limits;
+        if req.packs.len() > limits.max_packs_per_call {
+            return Err(ServiceError::InvalidArgument(format!(
+                "{} packs in one call; the limit is {}",
+                req.packs.len(),
+                limits.max_packs_per_call
+            ))
+            .into());
+        }
+        let mut urls = Vec::with_capacity(req.packs.len());
+        for upload in &req.packs {
+            let id: PackId = upload.pack_id.parse().map_err(ServiceError::from)?;
+            PackKind::try_from(upload.kind).map_err(ServiceError::from)?;
+            if upload.size == 0 || upload.size > limits.max_pack_size {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "pack {id} is {} bytes; a pack must have 1 to {} bytes",
+                    upload.size, limits.max_pack_size
+                ))
+                .into());
+            }
+            let key = ObjectKey::for_pack(&principal.tenant, &id);
+            let signed = self
+                .shared
+                .store
+                .presign_put(&key, upload.size, id.digest(), limits.url_ttl)
+                .await
+                .map_err(ServiceError::from)?;
+            urls.push(pb::SignedUrl {
+                pack_id: id.to_string(),
+                url: signed.url,
+                method: signed.method.to_owned(),
+                expires_at: Some(to_timestamp(signed.expires_at)),
+            });
+        }
+        Ok(Response::new(pb::PrepareUploadsResponse { urls }))
+    }
+
+    async fn commit_checkpoint(
+        &self,
+        request: Request<pb::CommitCheckpointRequest>,
+    ) -> Result<Response<pb::Checkpoint>, Status> {
+        let principal = principal(&request)?.clone();
+        let commit =
+            CommitCheckpoint::try_from(request.into_inner()).map_err(ServiceError::from)?;
+        let checkpoint = self.commit(&principal, commit).await?;
+        Ok(Response::new(checkpoint_to_pb(&checkpoint)))
+    }
+
+    async fn list_checkpoints(
+        &self,
+        request: Request<pb::ListCheckpointsRequest>,
+    ) -> Result<Response<pb::ListCheckpointsResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        let workspace = self
+            .workspace_for(&principal, &req.workspace, |id| Action::ReadCheckpoints(id))
+            .await?;
+        let before = match decode_page_token(&req.page_token, PAGE_KIND)? {
+            Some(position) => Some(position.parse::<u64>().map_err(|_| {
+                ServiceError::InvalidArgument("page_token is not a token this list returned".into())
+            })?),
+            None => None,
+        };
+        let limit = page_size(req.page_size);
+        let mut checkpoints = self
+            .shared
+            .db
+            .list_checkpoints(&workspace.id, before, limit + 1)
+            .await
+            .map_err(ServiceError::from)?;
+        let next_page_token = if checkpoints.len() > limit as usize {
+            checkpoints.truncate(limit as usize);
+            let last = checkpoints.last().expect("a full page is not empty");
+            encode_page_token(PAGE_KIND, &last.sequence.to_string())
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListCheckpointsResponse {
+            checkpoints: checkpoints.iter().map(checkpoint_to_pb).collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn get_checkpoint(
+        &self,
+        request: Request<pb::GetCheckpointRequest>,
+    ) -> Result<Response<pb::Checkpoint>, Status> {
+        let principal = principal(&request)?.clone();
+        let id: CheckpointId = request
+            .get_ref()
+            .checkpoint_id
+            .parse()
+            .map_err(ServiceError::from)?;
+        let checkpoint = self
+            .shared
+            .db
+            .checkpoint(&principal.tenant, &id)
+            .await
+            .map_err(ServiceError::from)?
+            .ok_or_else(|| ServiceError::NotFound(format!("checkpoint {id} does not exist")))?;
+        principal
+            .authorize(Action::ReadCheckpoints(&checkpoint.workspace_id))
+            .map_err(ServiceError::Denied)?;
+        Ok(Response::new(checkpoint_to_pb(&checkpoint)))
+    }
+
+    async fn get_restore_manifest(
+        &self,
+        request: Request<pb::GetRestoreManifestRequest>,
+    ) -> Result<Response<pb::RestoreManifest>, Status> {
+        let principal = principal(&request)?.clone();
+        let manifest = self
+            .restore_manifest(&principal, request.into_inner())
+            .await?;
+        Ok(Response::new(manifest))
+    }
+}

@@ -1,0 +1,350 @@
+//! The gRPC server: `cairn.v1` services, grpc.health.v1 and reflection,
+//! behind the bearer-token layer.
+//!
+//! Service errors are a [`ServiceError`]; the one `From<ServiceError> for
+//! Status` decides every status code and logs internal failures with their
+//! cause where they are turned into a status.
+
+mod checkpoints;
+mod workspaces;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use cairn_proto::ValidationError;
+use cairn_proto::domain::{WorkspaceRef, WorkspaceState, to_timestamp};
+use cairn_proto::pb;
+use cairn_proto::pb::checkpoint_service_server::CheckpointServiceServer;
+use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Status;
+
+use crate::auth::AuthLayer;
+use crate::db::{Checkpoint, DbError, MetadataStore, Workspace};
+use crate::store::{ObjectStore, StoreError};
+use crate::tokens::Principal;
+
+pub use checkpoints::CheckpointApi;
+pub use workspaces::WorkspaceApi;
+
+/// Largest gRPC message either way (commits of big workspaces list many blob ids).
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Page size when a list request names none.
+const DEFAULT_PAGE_SIZE: u32 = 100;
+/// Largest page a list request gets.
+const MAX_PAGE_SIZE: u32 = 1000;
+
+/// Limits and lifetimes the services apply.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Lifetime of signed URLs.
+    pub url_ttl: Duration,
+    /// Blob ids one FindMissingBlobs call may carry.
+    pub max_find_batch: u32,
+    /// Largest pack accepted, in bytes.
+    pub max_pack_size: u64,
+    /// Packs one PrepareUploads or CommitCheckpoint call may name as new.
+    pub max_packs_per_call: usize,
+    /// Store lookups a commit runs at once.
+    pub stat_concurrency: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            url_ttl: Duration::from_secs(3600),
+            max_find_batch: 20_000,
+            max_pack_size: 1 << 30,
+            max_packs_per_call: 10_000,
+            stat_concurrency: 16,
+        }
+    }
+}
+
+/// What every service works with.
+#[derive(Clone)]
+pub struct Shared {
+    pub db: Arc<MetadataStore>,
+    pub store: Arc<dyn ObjectStore>,
+    pub limits: Limits,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a request failed, before it becomes a [`Status`].
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    Denied(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<ServiceError> for Status {
+    fn from(err: ServiceError) -> Self {
+        match err {
+            ServiceError::Invalid(e) => Status::invalid_argument(e.to_string()),
+            ServiceError::InvalidArgument(m) => Status::invalid_argument(m),
+            ServiceError::Denied(m) => Status::permission_denied(m),
+            ServiceError::NotFound(m) => Status::not_found(m),
+            ServiceError::FailedPrecondition(m) => Status::failed_precondition(m),
+            ServiceError::Db(e) => match e {
+                DbError::NameTaken(_) => Status::already_exists(e.to_string()),
+                DbError::WorkspaceNotFound(_) => Status::not_found(e.to_string()),
+                DbError::WorkspaceNotActive { .. } | DbError::GenerationMismatch { .. } => {
+                    Status::failed_precondition(e.to_string())
+                }
+                e if e.is_retryable() => {
+                    tracing::warn!(error = %e, "metadata database busy");
+                    Status::unavailable(format!(
+                        "the coordinator's database is busy, try again: {e}"
+                    ))
+                }
+                e => {
+                    tracing::error!(error = %e, "metadata operation failed");
+                    Status::internal(format!("internal error in the coordinator's metadata: {e}"))
+                }
+            },
+            ServiceError::Store(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, "object store unavailable");
+                Status::unavailable(e.to_string())
+            }
+            ServiceError::Store(e) => {
+                tracing::error!(error = %e, "object store operation failed");
+                Status::internal(e.to_string())
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Looks a workspace of the caller's tenant up by id or name.
+    async fn workspace(
+        &self,
+        principal: &Principal,
+        reference: &str,
+    ) -> Result<Workspace, ServiceError> {
+        let parsed: WorkspaceRef = reference.parse()?;
+        self.workspace_by_ref(principal, &parsed).await
+    }
+
+    async fn workspace_by_ref(
+        &self,
+        principal: &Principal,
+        reference: &WorkspaceRef,
+    ) -> Result<Workspace, ServiceError> {
+        self.db
+            .workspace(&principal.tenant, reference)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound(format!("workspace {reference} does not exist")))
+    }
+}
+
+fn ensure_active(workspace: &Workspace) -> Result<(), ServiceError> {
+    if workspace.state == WorkspaceState::Active {
+        Ok(())
+    } else {
+        Err(ServiceError::FailedPrecondition(format!(
+            "workspace {} is {}, not active",
+            workspace.id, workspace.state
+        )))
+    }
+}
+
+/// The page size to use for a request's `page_size`.
+fn page_size(requested: u32) -> u32 {
+    match requested {
+        0 => DEFAULT_PAGE_SIZE,
+        n => n.min(MAX_PAGE_SIZE),
+    }
+}
+
+/// An opaque page token: `kind` tells lists apart so a token of one list is
+/// refused by another.
+fn encode_page_token(kind: &str, position: &str) -> String {
+    URL_SAFE_NO_PAD.encode(format!("{kind}:{position}"))
+}
+
+/// The position in a page token of `kind` (`None` for an empty token).
+fn decode_page_token(token: &str, kind: &str) -> Result<Option<String>, ServiceError> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    let invalid =
+        || ServiceError::InvalidArgument("page_token is not a token this list returned".into());
+    let bytes = URL_SAFE_NO_PAD.decode(token).map_err(|_| invalid())?;
+    let text = String::from_utf8(bytes).map_err(|_| invalid())?;
+    let position = text
+        .strip_prefix(kind)
+        .and_then(|rest| rest.strip_prefix(':'))
+        .ok_or_else(invalid)?;
+    Ok(Some(position.to_owned()))
+}
+
+fn checkpoint_to_pb(c: &Checkpoint) -> pb::Checkpoint {
+    pb::Checkpoint {
+        id: c.id.to_string(),
+        workspace_id: c.workspace_id.to_string(),
+        sequence: c.sequence,
+        parent_checkpoint_id: c
+            .parent
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
+        reason: pb::CheckpointReason::from(c.reason) as i32,
+        generation: c.generation.0,
+        created_at: Some(to_timestamp(c.created_at)),
+        format_version: c.format_version,
+        root_tree: c.root_tree.as_bytes().to_vec(),
+        stats: Some(c.stats),
+        repos: c.repos.clone(),
+        warnings: c.warnings.clone(),
+        harness: c.harness.clone(),
+        pack_count: c.pack_count,
+        stored_bytes: c.stored_bytes,
+        key_id: c.key_id.clone(),
+    }
+}
+
+fn workspace_to_pb(w: &Workspace) -> pb::Workspace {
+    pb::Workspace {
+        id: w.id.to_string(),
+        name: w.name.clone().unwrap_or_default(),
+        tenant: w.tenant.to_string(),
+        state: pb::WorkspaceState::from(w.state) as i32,
+        created_at: Some(to_timestamp(w.created_at)),
+        updated_at: Some(to_timestamp(w.updated_at)),
+        generation: w.generation.0,
+        checkpoint_count: u32::try_from(w.checkpoint_count).unwrap_or(u32::MAX),
+        latest_checkpoint: w.latest_checkpoint.as_ref().map(checkpoint_to_pb),
+    }
+}
+
+/// Why the gRPC server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum GrpcError {
+    #[error("could not build the reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves every gRPC service on `listener` until `shutdown` completes, then
+/// drains the open calls.
+pub async fn serve(
+    shared: Shared,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), GrpcError> {
+    let auth = AuthLayer::new(shared.db.clone());
+    let workspaces = WorkspaceServiceServer::new(WorkspaceApi::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let checkpoints = CheckpointServiceServer::new(CheckpointApi::new(shared))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<WorkspaceServiceServer<WorkspaceApi>>()
+        .await;
+    health_reporter
+        .set_serving::<CheckpointServiceServer<CheckpointApi>>()
+        .await;
+
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(cairn_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+
+    tonic::transport::Server::builder()
+        .layer(auth)
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(workspaces)
+        .add_service(checkpoints)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_tokens_round_trip_and_are_bound_to_their_list() {
+        let token = encode_page_token("w", "ws-123");
+        assert_eq!(
+            decode_page_token(&token, "w").unwrap().as_deref(),
+            Some("ws-123")
+        );
+        assert!(decode_page_token(&token, "c").is_err());
+        assert!(decode_page_token("not base64!", "w").is_err());
+        assert_eq!(decode_page_token("", "w").unwrap(), None);
+    }
+
+    #[test]
+    fn page_sizes_default_and_cap() {
+        assert_eq!(page_size(0), DEFAULT_PAGE_SIZE);
+        assert_eq!(page_size(7), 7);
+        assert_eq!(page_size(1_000_000), MAX_PAGE_SIZE);
+    }
+
+    #[test]
+    fn domain_errors_map_to_precise_codes() {
+        let code = |e: ServiceError| Status::from(e).code();
+        assert_eq!(
+            code(DbError::NameTaken("x".into()).into()),
+            tonic::Code::AlreadyExists
+        );
+        let stale = DbError::GenerationMismatch {
+            given: cairn_proto::ids::Generation(1),
+            current: cairn_proto::ids::Generation(2),
+        };
+        let status = Status::from(ServiceError::from(stale));
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(
+            status.message(),
+            "generation g1 is older than the workspace's g2"
+        );
+        let down = StoreError::Unavailable {
+            op: crate::store::StoreOp::Stat,
+            key: "k".into(),
+            reason: "down".into(),
+        };
+        assert_eq!(code(down.into()), tonic::Code::Unavailable);
+        assert_eq!(
+            code(ValidationError::new("name", "bad").into()),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            code(DbError::Corrupt("x".into()).into()),
+            tonic::Code::Internal
+        );
+    }
+}

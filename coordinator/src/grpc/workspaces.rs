@@ -1,0 +1,129 @@
+//! `cairn.v1.WorkspaceService`: create, show and list workspaces.
+
+use cairn_proto::domain::validate_name;
+use cairn_proto::ids::WorkspaceId;
+use cairn_proto::pb;
+use cairn_proto::pb::workspace_service_server::WorkspaceService;
+use tonic::{Request, Response, Status};
+
+use super::{
+    ServiceError, Shared, decode_page_token, encode_page_token, page_size, workspace_to_pb,
+};
+use crate::auth::principal;
+use crate::tokens::Action;
+
+const PAGE_KIND: &str = "workspaces";
+
+/// Implements WorkspaceService over the shared state.
+#[derive(Debug, Clone)]
+pub struct WorkspaceApi {
+    shared: Shared,
+}
+
+impl WorkspaceApi {
+    pub fn new(shared: Shared) -> Self {
+        Self { shared }
+    }
+}
+
+/// A requested workspace name: empty means unnamed; a name must not look
+/// like a workspace id, or lookups by it would be read as an id.
+fn requested_name(name: &str) -> Result<Option<&str>, ServiceError> {
+    let name = name.trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    validate_name(name)?;
+    if WorkspaceId::looks_like(name) {
+        return Err(ServiceError::InvalidArgument(format!(
+            "invalid name: {name:?} looks like a workspace id"
+        )));
+    }
+    Ok(Some(name))
+}
+
+#[tonic::async_trait]
+impl WorkspaceService for WorkspaceApi {
+    async fn create_workspace(
+        &self,
+        request: Request<pb::CreateWorkspaceRequest>,
+    ) -> Result<Response<pb::Workspace>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::CreateWorkspace)
+            .map_err(ServiceError::Denied)?;
+        let name = requested_name(&request.get_ref().name)?;
+        let workspace = self
+            .shared
+            .db
+            .create_workspace(&principal.tenant, name)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(workspace = %workspace.id, name = name.unwrap_or(""), tenant = %principal.tenant, "workspace created");
+        Ok(Response::new(workspace_to_pb(&workspace)))
+    }
+
+    async fn get_workspace(
+        &self,
+        request: Request<pb::GetWorkspaceRequest>,
+    ) -> Result<Response<pb::Workspace>, Status> {
+        let principal = principal(&request)?.clone();
+        let workspace = self
+            .shared
+            .workspace(&principal, &request.get_ref().workspace)
+            .await?;
+        principal
+            .authorize(Action::ReadWorkspace(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        Ok(Response::new(workspace_to_pb(&workspace)))
+    }
+
+    async fn list_workspaces(
+        &self,
+        request: Request<pb::ListWorkspacesRequest>,
+    ) -> Result<Response<pb::ListWorkspacesResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::ListWorkspaces)
+            .map_err(ServiceError::Denied)?;
+        let req = request.into_inner();
+        let after = match decode_page_token(&req.page_token, PAGE_KIND)? {
+            Some(position) => Some(position.parse::<WorkspaceId>().map_err(|_| {
+                ServiceError::InvalidArgument("page_token is not a token this list returned".into())
+            })?),
+            None => None,
+        };
+        let limit = page_size(req.page_size);
+        let mut workspaces = self
+            .shared
+            .db
+            .list_workspaces(&principal.tenant, after.as_ref(), limit + 1)
+            .await
+            .map_err(ServiceError::from)?;
+        let next_page_token = if workspaces.len() > limit as usize {
+            workspaces.truncate(limit as usize);
+            let last = workspaces.last().expect("a full page is not empty");
+            encode_page_token(PAGE_KIND, last.id.as_str())
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListWorkspacesResponse {
+            workspaces: workspaces.iter().map(workspace_to_pb).collect(),
+            next_page_token,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_optional_validated_and_never_id_shaped() {
+        assert_eq!(requested_name("  ").unwrap(), None);
+        assert_eq!(requested_name("fix-login").unwrap(), Some("fix-login"));
+        assert!(requested_name("../x").is_err());
+        let id = WorkspaceId::generate();
+        assert!(requested_name(id.as_str()).is_err());
+    }
+}

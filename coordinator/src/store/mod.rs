@@ -1,0 +1,309 @@
+//! The object store, as the coordinator sees it.
+//!
+//! The coordinator never moves checkpoint bytes: it asks the store whether an
+//! object is there and how big it is, and it signs URLs through which runners
+//! move the bytes themselves. [`ObjectStore`] is that narrow interface, object
+//! safe so the server holds an `Arc<dyn ObjectStore>`:
+//!
+//! - [`LocalStore`]: files under `DIR/blobs`, served by the embedded blob
+//!   server ([`crate::blob_http`]) through URLs signed with
+//!   [`crate::signing::UrlSigner`].
+//! - [`FaultyStore`]: wraps any store and fails or hides what a test arms.
+//!
+//! Object keys are validated ([`ObjectKey`]); packs live at
+//! `packs/<tenant>/<first two hex digits>/<pack id>`.
+
+mod faulty;
+pub(crate) mod local;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use cairn_proto::ids::{PackId, TenantId};
+
+pub use faulty::{Faults, FaultyStore};
+pub use local::LocalStore;
+
+/// Longest object key accepted.
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// A validated object key: `/`-separated segments of `[a-z0-9_.-]`, none
+/// empty, none starting with `.` (so no `..`, and dot-names such as the blob
+/// server's `.tmp` are never addressable), not absolute.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey(String);
+
+impl ObjectKey {
+    pub fn new(key: impl Into<String>) -> Result<Self, StoreError> {
+        let key = key.into();
+        match Self::problem(&key) {
+            None => Ok(Self(key)),
+            Some(reason) => Err(StoreError::InvalidKey { key, reason }),
+        }
+    }
+
+    fn problem(key: &str) -> Option<&'static str> {
+        if key.is_empty() {
+            return Some("is empty");
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Some("is longer than 1024 bytes");
+        }
+        if key.starts_with('/') {
+            return Some("is absolute");
+        }
+        if !key
+            .bytes()
+            .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'/' | b'_' | b'.' | b'-'))
+        {
+            return Some("has characters outside [a-z0-9/_.-]");
+        }
+        if key.split('/').any(|segment| segment.is_empty()) {
+            return Some("has an empty path segment");
+        }
+        if key.split('/').any(|segment| segment.starts_with('.')) {
+            return Some("has a path segment starting with '.'");
+        }
+        None
+    }
+
+    /// Where a tenant's pack lives.
+    pub fn for_pack(tenant: &TenantId, pack: &PackId) -> Self {
+        let id = pack.as_str();
+        Self(format!("packs/{tenant}/{}/{id}", &id[..2]))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// An object found by [`ObjectStore::list`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub key: ObjectKey,
+    pub size: u64,
+}
+
+/// A URL that lets its bearer do one thing to one object until it expires.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PresignedUrl {
+    pub url: String,
+    /// `GET` (which also allows `HEAD`) or `PUT`.
+    pub method: &'static str,
+    pub expires_at: SystemTime,
+}
+
+impl fmt::Debug for PresignedUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The query string is a credential.
+        let path = self
+            .url
+            .split_once('?')
+            .map_or(self.url.as_str(), |(path, _)| path);
+        f.debug_struct("PresignedUrl")
+            .field("url", &format_args!("{path}?…"))
+            .field("method", &self.method)
+            .field("expires_at", &self.expires_at)
+            .finish()
+    }
+}
+
+/// An operation of [`ObjectStore`], for errors and fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreOp {
+    Stat,
+    Delete,
+    List,
+    PresignPut,
+    PresignGet,
+}
+
+impl fmt::Display for StoreOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Stat => "stat",
+            Self::Delete => "delete",
+            Self::List => "list",
+            Self::PresignPut => "presign PUT",
+            Self::PresignGet => "presign GET",
+        })
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid object key {key:?}: {reason}")]
+    InvalidKey { key: String, reason: &'static str },
+    #[error("object store: {op} {key}: {source}")]
+    Io {
+        op: StoreOp,
+        key: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("object store unavailable: {op} {key}: {reason}")]
+    Unavailable {
+        op: StoreOp,
+        key: String,
+        reason: String,
+    },
+}
+
+impl StoreError {
+    /// Whether the same operation may succeed if tried again.
+    pub fn is_retryable(&self) -> bool {
+        use std::io::ErrorKind;
+        match self {
+            Self::InvalidKey { .. } => false,
+            Self::Unavailable { .. } => true,
+            Self::Io { source, .. } => matches!(
+                source.kind(),
+                ErrorKind::Interrupted
+                    | ErrorKind::TimedOut
+                    | ErrorKind::WouldBlock
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::ResourceBusy
+                    | ErrorKind::StorageFull
+            ),
+        }
+    }
+}
+
+/// A boxed future of a store operation (keeps [`ObjectStore`] object safe).
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// What the coordinator needs from an object store.
+pub trait ObjectStore: Send + Sync + 'static {
+    /// The object's size, or `None` when it does not exist.
+    fn stat<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, Option<u64>>;
+
+    /// Removes the object; removing a missing object succeeds.
+    fn delete<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, ()>;
+
+    /// Every object whose key starts with `prefix`, sorted by key.
+    fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>>;
+
+    /// A URL that uploads exactly `size` bytes hashing to `sha256` to `key`.
+    fn presign_put<'a>(
+        &'a self,
+        key: &'a ObjectKey,
+        size: u64,
+        sha256: [u8; 32],
+        ttl: Duration,
+    ) -> StoreFuture<'a, PresignedUrl>;
+
+    /// A URL that reads `key` (whole or by byte ranges).
+    fn presign_get<'a>(
+        &'a self,
+        key: &'a ObjectKey,
+        ttl: Duration,
+    ) -> StoreFuture<'a, PresignedUrl>;
+}
+
+impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
+    fn stat<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, Option<u64>> {
+        (**self).stat(key)
+    }
+
+    fn delete<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, ()> {
+        (**self).delete(key)
+    }
+
+    fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>> {
+        (**self).list(prefix)
+    }
+
+    fn presign_put<'a>(
+        &'a self,
+        key: &'a ObjectKey,
+        size: u64,
+        sha256: [u8; 32],
+        ttl: Duration,
+    ) -> StoreFuture<'a, PresignedUrl> {
+        (**self).presign_put(key, size, sha256, ttl)
+    }
+
+    fn presign_get<'a>(
+        &'a self,
+        key: &'a ObjectKey,
+        ttl: Duration,
+    ) -> StoreFuture<'a, PresignedUrl> {
+        (**self).presign_get(key, ttl)
+    }
+}
+
+/// Wraps the store the server builds (e.g. in a [`FaultyStore`]).
+pub type StoreLayer = Arc<dyn Fn(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore> + Send + Sync>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_outside_the_safe_shape_are_refused_with_the_reason() {
+        let refused = [
+            ("", "is empty"),
+            ("/packs/a", "is absolute"),
+            ("packs/../etc", "has a path segment starting with '.'"),
+            ("packs/.tmp/x", "has a path segment starting with '.'"),
+            ("packs//x", "has an empty path segment"),
+            ("packs/x/", "has an empty path segment"),
+            ("Packs/x", "has characters outside [a-z0-9/_.-]"),
+            ("packs/x y", "has characters outside [a-z0-9/_.-]"),
+        ];
+        for (key, reason) in refused {
+            match ObjectKey::new(key) {
+                Err(StoreError::InvalidKey { reason: got, .. }) => {
+                    assert_eq!(got, reason, "{key:?}")
+                }
+                other => panic!("{key:?} was not refused: {other:?}"),
+            }
+        }
+        assert!(ObjectKey::new("x".repeat(MAX_KEY_LEN + 1)).is_err());
+        assert!(ObjectKey::new("packs/default/ab/ab12-x_y.z").is_ok());
+    }
+
+    #[test]
+    fn pack_keys_follow_the_store_layout() {
+        let pack: PackId = format!("ab{}", "0".repeat(62)).parse().unwrap();
+        let key = ObjectKey::for_pack(&TenantId::default_tenant(), &pack);
+        assert_eq!(key.as_str(), format!("packs/default/ab/{pack}"));
+        assert_eq!(ObjectKey::new(key.as_str()).unwrap(), key);
+    }
+
+    #[test]
+    fn only_transient_failures_are_retryable() {
+        let io = |kind: std::io::ErrorKind| StoreError::Io {
+            op: StoreOp::Stat,
+            key: "k".into(),
+            source: kind.into(),
+        };
+        assert!(io(std::io::ErrorKind::TimedOut).is_retryable());
+        assert!(!io(std::io::ErrorKind::PermissionDenied).is_retryable());
+        assert!(!ObjectKey::new("..").unwrap_err().is_retryable());
+        let down = StoreError::Unavailable {
+            op: StoreOp::Stat,
+            key: "k".into(),
+            reason: "down".into(),
+        };
+        assert!(down.is_retryable());
+    }
+}
