@@ -12,6 +12,7 @@
 pub mod auth;
 pub mod domain;
 pub mod ids;
+pub mod runs;
 
 pub use domain::ValidationError;
 

@@ -1,0 +1,266 @@
+//! Domain types of runs, attempts and hosts.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ValidationError;
+use crate::pb;
+
+macro_rules! wire_enum {
+    ($(#[$doc:meta])* $name:ident, $pb:ty, $field:literal, { $($variant:ident => $word:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name {
+            $($variant),+
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$(Self::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $word),+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = ValidationError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
+                    let words: Vec<&str> = Self::ALL.iter().map(|v| v.as_str()).collect();
+                    ValidationError::new($field, format!("{s:?} is not one of {}", words.join(", ")))
+                })
+            }
+        }
+
+        impl From<$name> for $pb {
+            fn from(v: $name) -> Self {
+                match v {
+                    $($name::$variant => <$pb>::$variant),+
+                }
+            }
+        }
+
+        impl TryFrom<i32> for $name {
+            type Error = ValidationError;
+            fn try_from(value: i32) -> Result<Self, Self::Error> {
+                match <$pb>::try_from(value) {
+                    $(Ok(<$pb>::$variant) => Ok(Self::$variant),)+
+                    _ => Err(ValidationError::new($field, format!("unknown or unspecified value {value}"))),
+                }
+            }
+        }
+    };
+}
+
+wire_enum!(
+    /// Where a run is in its life (DESIGN.md, Model).
+    RunState, pb::RunState, "state", {
+        Queued => "queued",
+        Assigned => "assigned",
+        Starting => "starting",
+        Running => "running",
+        Waiting => "waiting",
+        Suspended => "suspended",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Cancelled => "cancelled",
+    }
+);
+
+impl RunState {
+    /// Succeeded, failed and cancelled runs never change again.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+}
+
+wire_enum!(
+    /// A host's standing with the scheduler.
+    HostState, pb::HostState, "host_state", {
+        Ready => "ready",
+        Cordoned => "cordoned",
+        Draining => "draining",
+        Lost => "lost",
+    }
+);
+
+wire_enum!(
+    /// One attempt of a run.
+    AttemptState, pb::AttemptState, "attempt_state", {
+        Assigned => "assigned",
+        Starting => "starting",
+        Running => "running",
+        Waiting => "waiting",
+        Ended => "ended",
+    }
+);
+
+wire_enum!(
+    /// What a host reports about one of its sandboxes.
+    SandboxState, pb::SandboxState, "sandbox_state", {
+        Starting => "starting",
+        Running => "running",
+        Exited => "exited",
+        Destroyed => "destroyed",
+        Failed => "failed",
+    }
+);
+
+impl SandboxState {
+    /// The sandbox no longer exists (its slot is free).
+    pub fn is_gone(self) -> bool {
+        matches!(self, Self::Exited | Self::Destroyed | Self::Failed)
+    }
+}
+
+wire_enum!(
+    /// How an attempt's work ended, as its runner reports it.
+    Outcome, pb::Outcome, "outcome", {
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Interrupted => "interrupted",
+    }
+);
+
+wire_enum!(
+    /// What the runner is doing, as reported.
+    AttemptPhase, pb::AttemptPhase, "phase", {
+        Restoring => "restoring",
+        Preparing => "preparing",
+        Running => "running",
+        Checkpointed => "checkpointed",
+    }
+);
+
+/// Placement labels: `key=value` pairs; a run's labels must all match a host's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Labels(pub BTreeMap<String, String>);
+
+impl Labels {
+    /// Whether every label of `self` is present with the same value in `host`.
+    pub fn satisfied_by(&self, host: &Labels) -> bool {
+        self.0.iter().all(|(k, v)| host.0.get(k) == Some(v))
+    }
+
+    /// The labels of `self` that `host` lacks or has with another value.
+    pub fn unmet_by(&self, host: &Labels) -> Vec<String> {
+        self.0
+            .iter()
+            .filter(|(k, v)| host.0.get(*k) != Some(*v))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Validates labels received on the wire.
+    pub fn from_map(map: impl IntoIterator<Item = (String, String)>) -> Result<Self, ValidationError> {
+        let mut out = BTreeMap::new();
+        for (k, v) in map {
+            validate_label_key(&k)?;
+            if v.len() > 256 || v.contains(['\n', ',']) {
+                return Err(ValidationError::new("labels", format!("value of {k:?} is not a valid label value")));
+            }
+            out.insert(k, v);
+        }
+        Ok(Self(out))
+    }
+}
+
+fn validate_label_key(k: &str) -> Result<(), ValidationError> {
+    let ok = !k.is_empty()
+        && k.len() <= 63
+        && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ValidationError::new(
+            "labels",
+            format!("{k:?} is not a label key (1-63 of letters, digits, '-', '_', '.', '/')"),
+        ))
+    }
+}
+
+impl FromStr for Labels {
+    type Err = ValidationError;
+    /// Parses `k=v,k2=v2` (empty string: no labels).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut pairs = Vec::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| {
+                ValidationError::new("labels", format!("{item:?} is not key=value"))
+            })?;
+            pairs.push((k.trim().to_owned(), v.trim().to_owned()));
+        }
+        Self::from_map(pairs)
+    }
+}
+
+impl fmt::Display for Labels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// Converts a duration to protobuf.
+pub fn to_proto_duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+}
+
+/// Converts a protobuf duration back; negative durations are refused.
+pub fn from_proto_duration(d: &prost_types::Duration, field: &'static str) -> Result<Duration, ValidationError> {
+    if d.seconds < 0 || d.nanos < 0 {
+        return Err(ValidationError::new(field, "is negative"));
+    }
+    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+}
+
+/// Stations: a task's stages (implement, review, …). Same rules as names.
+pub fn validate_station(station: &str) -> Result<(), ValidationError> {
+    crate::domain::validate_name(station).map_err(|e| ValidationError::new("station", e.reason))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_parse_and_match() {
+        let run: Labels = "gpu=a100, zone=eu".parse().unwrap();
+        let host: Labels = "zone=eu,gpu=a100,arch=x86".parse().unwrap();
+        assert!(run.satisfied_by(&host));
+        let other: Labels = "zone=us".parse().unwrap();
+        assert_eq!(run.unmet_by(&other), vec!["gpu=a100", "zone=eu"]);
+        assert!("novalue".parse::<Labels>().is_err());
+        assert!("".parse::<Labels>().unwrap().is_empty());
+        assert_eq!(run.to_string(), "gpu=a100,zone=eu");
+    }
+
+    #[test]
+    fn states_round_trip() {
+        for s in RunState::ALL {
+            assert_eq!(s.as_str().parse::<RunState>().unwrap(), *s);
+            let wire: pb::RunState = (*s).into();
+            assert_eq!(RunState::try_from(wire as i32).unwrap(), *s);
+        }
+        assert!(RunState::try_from(0).is_err());
+        assert!(RunState::Cancelled.is_terminal());
+        assert!(!RunState::Suspended.is_terminal());
+    }
+}
