@@ -1,0 +1,783 @@
+//! Turning the scanned files into chunk lists, and new chunks into batches.
+//!
+//! Runs on a blocking thread while the async side stores what it sends. For
+//! each file, in path order:
+//! - a fingerprint the cache knows, whose chunks are all known to be
+//!   committed, reuses the cached chunk list without reading the file;
+//! - otherwise the file is read and cut ([`crate::chunker`]); small files are
+//!   read in parallel groups, large ones streamed one at a time with their
+//!   chunks hashed in parallel windows.
+//!
+//! A chunk the cache knows, or that this checkpoint already produced, is
+//! dropped at once; the others are gathered into [`Batch`]es of about
+//! [`BATCH_BYTES`] that are handed over through a channel of one slot, so the
+//! plaintext in memory stays bounded whatever the size of the workspace.
+//!
+//! A file that changes while it is read (its size, times or inode differ
+//! before and after) is read once more; if it changes again, what was read
+//! is kept, a warning says so, and its fingerprint is not cached.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+
+use cairn_proto::ids::BlobId;
+use rayon::prelude::*;
+
+use crate::cache::{Cache, CachedFile, Fingerprint};
+use crate::chunker;
+use crate::format::{ChunkRef, TenantKeys};
+use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel};
+
+/// Plaintext gathered before the store is asked which blobs it lacks.
+pub const BATCH_BYTES: usize = 16 << 20;
+/// Small files are read in parallel groups of about this many bytes.
+const GROUP_BYTES: u64 = 8 << 20;
+const GROUP_FILES: usize = 2048;
+/// Files larger than this are streamed one at a time.
+const LARGE_FILE: u64 = 8 << 20;
+/// Chunks of a streamed file are hashed in parallel windows of this size.
+const WINDOW_BYTES: usize = 4 << 20;
+
+/// A chunk with its id, and its plaintext.
+type Hashed = (ChunkRef, Vec<u8>);
+
+/// New plaintext blobs: neither known from the cache nor sent before.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub blobs: Vec<(BlobId, Vec<u8>)>,
+}
+
+/// A file as it goes into the checkpoint.
+#[derive(Debug, Clone)]
+pub struct FileContent {
+    pub chunks: Vec<ChunkRef>,
+    pub size: u64,
+    pub meta: Meta,
+    /// The fingerprint under which the cache may remember `chunks` (None
+    /// when the file changed too recently, or while it was read).
+    pub cacheable: Option<Fingerprint>,
+}
+
+impl FileContent {
+    /// What the fingerprint cache learns about this file, if anything.
+    pub fn cache_entry(&self) -> Option<CachedFile> {
+        self.cacheable.map(|fingerprint| CachedFile {
+            fingerprint,
+            chunks: self.chunks.clone(),
+        })
+    }
+}
+
+/// Everything the reader found out.
+#[derive(Debug)]
+pub struct Content {
+    /// Per scanned directory, per node: the file's content (None for other
+    /// kinds and for files that vanished or could not be read).
+    pub files: Vec<Vec<Option<FileContent>>>,
+    pub warnings: Vec<String>,
+    pub files_read: u64,
+    pub bytes_read: u64,
+}
+
+/// The receiving side went away (the checkpoint failed elsewhere).
+#[derive(Debug, Clone, Copy)]
+pub struct Cancelled;
+
+/// Reads what must be read and sends new blobs through `batches`.
+pub fn read_all(
+    scan: &Scan,
+    cache: &Cache,
+    keys: &TenantKeys,
+    batches: tokio::sync::mpsc::Sender<Batch>,
+) -> Result<Content, Cancelled> {
+    let mut content = Content {
+        files: scan
+            .dirs
+            .iter()
+            .map(|d| vec![None; d.nodes.len()])
+            .collect(),
+        warnings: Vec::new(),
+        files_read: 0,
+        bytes_read: 0,
+    };
+    let mut to_read = Vec::new();
+    for (d, dir) in scan.dirs.iter().enumerate() {
+        for (n, node) in dir.nodes.iter().enumerate() {
+            let NodeKind::File(fingerprint) = &node.kind else {
+                continue;
+            };
+            let rel = join_rel(&dir.path, &node.name);
+            let reusable = cache
+                .lookup(&rel, fingerprint)
+                .filter(|chunks| chunks.iter().all(|c| cache.knows_blob(&c.id)));
+            match reusable {
+                Some(chunks) => {
+                    content.files[d][n] = Some(FileContent {
+                        chunks: chunks.to_vec(),
+                        size: fingerprint.size,
+                        meta: node.meta,
+                        cacheable: Some(*fingerprint),
+                    });
+                }
+                None => {
+                    let abs = scan.root.join(OsStr::from_bytes(&rel));
+                    to_read.push(Job {
+                        dir: d,
+                        node: n,
+                        abs,
+                        rel,
+                        size: fingerprint.size,
+                    });
+                }
+            }
+        }
+    }
+
+    let mut batcher = Batcher {
+        sender: batches,
+        cache,
+        seen: HashSet::new(),
+        pending: Batch::default(),
+        pending_bytes: 0,
+    };
+    let (small, large): (Vec<Job>, Vec<Job>) =
+        to_read.into_iter().partition(|j| j.size <= LARGE_FILE);
+    let mut deferred = Vec::new();
+    for group in groups(small) {
+        let results: Vec<(Job, Option<ReadResult>)> = group
+            .into_par_iter()
+            .map(|job| {
+                let result = read_with_retry(&job, keys, &mut Collect, Some(LARGE_FILE));
+                (job, result)
+            })
+            .collect();
+        for (job, result) in results {
+            match result {
+                Some(result) => record(&mut content, &mut batcher, scan, job, result)?,
+                None => deferred.push(job),
+            }
+        }
+    }
+    for job in large.into_iter().chain(deferred) {
+        let result = read_with_retry(
+            &job,
+            keys,
+            &mut Stream {
+                batcher: &mut batcher,
+            },
+            None,
+        )
+        .expect("without a size limit every read has a result");
+        record(&mut content, &mut batcher, scan, job, result)?;
+    }
+    batcher.flush()?;
+    Ok(content)
+}
+
+struct Job {
+    dir: usize,
+    node: usize,
+    abs: PathBuf,
+    rel: Vec<u8>,
+    size: u64,
+}
+
+/// Splits small files into groups that are read in parallel.
+fn groups(jobs: Vec<Job>) -> Vec<Vec<Job>> {
+    let mut groups = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 0u64;
+    for job in jobs {
+        bytes += job.size;
+        current.push(job);
+        if bytes >= GROUP_BYTES || current.len() >= GROUP_FILES {
+            groups.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+    }
+    if !current.is_empty() {
+        groups.push(current);
+    }
+    groups
+}
+
+/// Stores one file's outcome and passes its new chunks on.
+fn record(
+    content: &mut Content,
+    batcher: &mut Batcher<'_>,
+    scan: &Scan,
+    job: Job,
+    result: ReadResult,
+) -> Result<(), Cancelled> {
+    let shown = display_rel(&job.rel);
+    match result {
+        ReadResult::Read {
+            read,
+            held,
+            changing,
+        } => {
+            content.files_read += 1;
+            content.bytes_read += read.size;
+            for (chunk, data) in held {
+                batcher.offer(chunk.id, data)?;
+            }
+            let stable = !changing && read.after.is_stable(scan.started);
+            if changing {
+                content.warnings.push(format!(
+                    "{shown} kept changing while it was read; the checkpoint holds one of its states"
+                ));
+            }
+            content.files[job.dir][job.node] = Some(FileContent {
+                cacheable: stable.then_some(read.after),
+                chunks: read.chunks,
+                size: read.size,
+                meta: read.meta,
+            });
+        }
+        ReadResult::Gone => {}
+        ReadResult::Failed(e) => {
+            content.warnings.push(format!(
+                "cannot read {shown}: {e}; it is not in the checkpoint"
+            ));
+        }
+        ReadResult::Cancelled => return Err(Cancelled),
+    }
+    Ok(())
+}
+
+/// Collects new chunks and sends them on in batches.
+struct Batcher<'a> {
+    sender: tokio::sync::mpsc::Sender<Batch>,
+    cache: &'a Cache,
+    seen: HashSet<BlobId>,
+    pending: Batch,
+    pending_bytes: usize,
+}
+
+impl Batcher<'_> {
+    fn offer(&mut self, id: BlobId, data: Vec<u8>) -> Result<(), Cancelled> {
+        if self.cache.knows_blob(&id) || !self.seen.insert(id) {
+            return Ok(());
+        }
+        self.pending_bytes += data.len();
+        self.pending.blobs.push((id, data));
+        if self.pending_bytes >= BATCH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), Cancelled> {
+        if self.pending.blobs.is_empty() {
+            return Ok(());
+        }
+        self.pending_bytes = 0;
+        self.sender
+            .blocking_send(std::mem::take(&mut self.pending))
+            .map_err(|_| Cancelled)
+    }
+}
+
+/// Where the hashed chunks of a file go while it is read.
+trait ChunkSink {
+    /// Takes a window of hashed chunks; returns those it does not keep, which
+    /// travel with the file's result (see [`ReadResult::Read`]).
+    fn take(&mut self, window: Vec<Hashed>) -> Result<Vec<Hashed>, Cancelled>;
+}
+
+/// Keeps every chunk with the file (small files, read in parallel).
+struct Collect;
+
+impl ChunkSink for Collect {
+    fn take(&mut self, window: Vec<Hashed>) -> Result<Vec<Hashed>, Cancelled> {
+        Ok(window)
+    }
+}
+
+/// Hands chunks straight to the batcher (large files, streamed).
+struct Stream<'a, 'b> {
+    batcher: &'a mut Batcher<'b>,
+}
+
+impl ChunkSink for Stream<'_, '_> {
+    fn take(&mut self, window: Vec<Hashed>) -> Result<Vec<Hashed>, Cancelled> {
+        for (chunk, data) in window {
+            self.batcher.offer(chunk.id, data)?;
+        }
+        Ok(Vec::new())
+    }
+}
+
+/// One completed read of a file.
+struct ReadFile {
+    chunks: Vec<ChunkRef>,
+    size: u64,
+    meta: Meta,
+    /// The fingerprint matching what was read (taken after reading).
+    after: Fingerprint,
+    changed: bool,
+}
+
+enum ReadResult {
+    /// `held`: chunks the sink returned, still to be offered.
+    Read {
+        read: ReadFile,
+        held: Vec<Hashed>,
+        changing: bool,
+    },
+    /// Vanished or replaced by something that is not a regular file.
+    Gone,
+    Failed(io::Error),
+    Cancelled,
+}
+
+enum ReadError {
+    Gone,
+    Io(io::Error),
+    Cancelled,
+    TooLarge,
+}
+
+/// Reads a file, once more if it changed meanwhile. None: the file is
+/// larger than `size_limit` (it is read again later, streaming).
+fn read_with_retry(
+    job: &Job,
+    keys: &TenantKeys,
+    sink: &mut dyn ChunkSink,
+    size_limit: Option<u64>,
+) -> Option<ReadResult> {
+    let mut attempt = 0;
+    loop {
+        match read_once(job, keys, sink, size_limit) {
+            Ok((read, _)) if read.changed && attempt == 0 => {
+                tracing::debug!(path = %display_rel(&job.rel), "file changed while being read; reading it again");
+                attempt += 1;
+            }
+            Ok((read, held)) => {
+                let changing = read.changed;
+                return Some(ReadResult::Read {
+                    read,
+                    held,
+                    changing,
+                });
+            }
+            Err(ReadError::Gone) => return Some(ReadResult::Gone),
+            Err(ReadError::Io(e)) => return Some(ReadResult::Failed(e)),
+            Err(ReadError::Cancelled) => return Some(ReadResult::Cancelled),
+            Err(ReadError::TooLarge) => return None,
+        }
+    }
+}
+
+fn open_regular(job: &Job) -> Result<(File, std::fs::Metadata), ReadError> {
+    // O_NOFOLLOW: a path that became a symlink is not followed out of the
+    // workspace. O_NONBLOCK: a path that became a fifo does not hang the read.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&job.abs)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ELOOP) | Some(libc::ENOTDIR) => ReadError::Gone,
+            _ => ReadError::Io(e),
+        })?;
+    let meta = file.metadata().map_err(ReadError::Io)?;
+    if !meta.is_file() {
+        return Err(ReadError::Gone);
+    }
+    Ok((file, meta))
+}
+
+/// Hashes chunks in parallel windows and passes them to a sink.
+struct Hasher<'a> {
+    keys: &'a TenantKeys,
+    sink: &'a mut dyn ChunkSink,
+    window: Vec<Vec<u8>>,
+    window_bytes: usize,
+    chunks: Vec<ChunkRef>,
+    held: Vec<Hashed>,
+    cancelled: bool,
+}
+
+impl Hasher<'_> {
+    fn push(&mut self, data: Vec<u8>) -> io::Result<()> {
+        self.window_bytes += data.len();
+        self.window.push(data);
+        if self.window_bytes >= WINDOW_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.window_bytes = 0;
+        let keys = self.keys;
+        let hashed: Vec<Hashed> = std::mem::take(&mut self.window)
+            .into_par_iter()
+            .map(|data| {
+                (
+                    ChunkRef {
+                        id: keys.blob_id(&data),
+                        len: data.len() as u32,
+                    },
+                    data,
+                )
+            })
+            .collect();
+        self.chunks.extend(hashed.iter().map(|(c, _)| *c));
+        match self.sink.take(hashed) {
+            Ok(returned) => {
+                self.held.extend(returned);
+                Ok(())
+            }
+            Err(Cancelled) => {
+                self.cancelled = true;
+                Err(io::Error::other("the checkpoint was cancelled"))
+            }
+        }
+    }
+}
+
+/// One read of a file, with the chunks the sink handed back.
+fn read_once(
+    job: &Job,
+    keys: &TenantKeys,
+    sink: &mut dyn ChunkSink,
+    size_limit: Option<u64>,
+) -> Result<(ReadFile, Vec<Hashed>), ReadError> {
+    let (file, before_meta) = open_regular(job)?;
+    if size_limit.is_some_and(|limit| before_meta.len() > limit) {
+        return Err(ReadError::TooLarge);
+    }
+    let before = Fingerprint::of(&before_meta);
+    let mut hasher = Hasher {
+        keys,
+        sink,
+        window: Vec::new(),
+        window_bytes: 0,
+        chunks: Vec::new(),
+        held: Vec::new(),
+        cancelled: false,
+    };
+    let read = chunker::for_each_chunk(&file, before.size, |data| hasher.push(data))
+        .and_then(|size| hasher.flush().map(|()| size));
+    if hasher.cancelled {
+        return Err(ReadError::Cancelled);
+    }
+    let size = read.map_err(ReadError::Io)?;
+    let after_meta = file.metadata().map_err(ReadError::Io)?;
+    let after = Fingerprint::of(&after_meta);
+    let read = ReadFile {
+        chunks: hasher.chunks,
+        size,
+        meta: Meta::of(&after_meta),
+        after,
+        changed: before != after || size != after.size,
+    };
+    Ok((read, hasher.held))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::time::{Duration, SystemTime};
+
+    use super::*;
+    use crate::scan::{ScanOptions, scan};
+
+    fn keys() -> TenantKeys {
+        TenantKeys::derive("k", &[5; 32]).unwrap()
+    }
+
+    fn scan_of(root: &std::path::Path) -> Scan {
+        let opts = ScanOptions {
+            root: root.to_path_buf(),
+            skip_ignored: false,
+            excludes: vec![],
+            exclude_paths: vec![],
+        };
+        scan(&opts, &|_| {}).unwrap()
+    }
+
+    /// Reads everything, gathering the batches it sends.
+    fn read(scan: &Scan, cache: &Cache) -> (Content, Vec<(BlobId, Vec<u8>)>) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let keys = keys();
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| read_all(scan, cache, &keys, tx));
+            let mut blobs = Vec::new();
+            while let Some(batch) = rx.blocking_recv() {
+                blobs.extend(batch.blobs);
+            }
+            (reader.join().unwrap().unwrap(), blobs)
+        })
+    }
+
+    #[test]
+    fn every_byte_is_covered_and_duplicates_are_sent_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..20_000_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        fs::write(tmp.path().join("big"), &big).unwrap();
+        fs::write(tmp.path().join("a"), b"same").unwrap();
+        fs::write(tmp.path().join("b"), b"same").unwrap();
+        fs::write(tmp.path().join("empty"), b"").unwrap();
+        let scan = scan_of(tmp.path());
+        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let (content, blobs) = read(&scan, &cache);
+
+        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.clone()).collect();
+        assert_eq!(
+            names,
+            [
+                b"a".to_vec(),
+                b"b".to_vec(),
+                b"big".to_vec(),
+                b"empty".to_vec()
+            ]
+        );
+        let files = &content.files[0];
+        assert_eq!(
+            files[0].as_ref().unwrap().chunks,
+            files[1].as_ref().unwrap().chunks
+        );
+        assert!(files[3].as_ref().unwrap().chunks.is_empty());
+        let big_file = files[2].as_ref().unwrap();
+        assert_eq!(big_file.size, big.len() as u64);
+        let by_id: std::collections::HashMap<_, _> = blobs.iter().map(|(id, d)| (*id, d)).collect();
+        assert_eq!(by_id.len(), blobs.len(), "no blob is sent twice");
+        let rebuilt: Vec<u8> = big_file
+            .chunks
+            .iter()
+            .flat_map(|c| by_id[&c.id].iter().copied())
+            .collect();
+        assert!(rebuilt == big, "the chunks of a streamed file rebuild it");
+        assert_eq!(content.files_read, 4);
+        assert_eq!(content.bytes_read, big.len() as u64 + 8);
+        assert!(content.warnings.is_empty());
+    }
+
+    #[test]
+    fn cached_files_are_not_read_and_fresh_files_are_not_cached() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("old"), b"old content").unwrap();
+        fs::write(tmp.path().join("new"), b"new content").unwrap();
+        // Setting an old mtime would make the ctime new; instead "new" gets a
+        // fresh mtime and the scan is dated well after both were written.
+        let later = SystemTime::now() + Duration::from_secs(60);
+        fs::File::options()
+            .write(true)
+            .open(tmp.path().join("new"))
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let mut scan = scan_of(tmp.path());
+        scan.started = later;
+        let (first, _) = read(&scan, &cache);
+        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.clone()).collect();
+        assert_eq!(names, [b"new".to_vec(), b"old".to_vec()]);
+        assert!(
+            first.files[0][0].as_ref().unwrap().cacheable.is_none(),
+            "just written: racy, not cached"
+        );
+        let old_entry = first.files[0][1]
+            .as_ref()
+            .unwrap()
+            .cache_entry()
+            .expect("old files are cached");
+
+        // A cache that knows the old file and its blob: it is not read again.
+        let mut cache = Cache::empty(tmp.path().join("unused"), "k");
+        let pack = "ab".repeat(32).parse().unwrap();
+        for chunk in &old_entry.chunks {
+            cache.insert_blob(chunk.id, &pack);
+        }
+        cache.insert_file(b"old".to_vec(), old_entry.clone());
+        let (second, blobs) = read(&scan, &cache);
+        assert_eq!(second.files_read, 1);
+        assert_eq!(
+            second.files[0][1].as_ref().unwrap().chunks,
+            old_entry.chunks
+        );
+        assert_eq!(blobs.len(), 1, "only the new file's blob is new");
+
+        // The same fingerprint whose blob is not known to be stored is read again.
+        let mut forgetful = Cache::empty(tmp.path().join("unused"), "k");
+        forgetful.insert_file(b"old".to_vec(), old_entry);
+        let (third, _) = read(&scan, &forgetful);
+        assert_eq!(third.files_read, 2);
+    }
+
+    #[test]
+    fn an_unreadable_file_is_left_out_with_a_warning() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("locked"), b"secret").unwrap();
+        let scan = scan_of(tmp.path());
+        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let (sender, _receiver) = tokio::sync::mpsc::channel(1);
+        let mut batcher = Batcher {
+            sender,
+            cache: &cache,
+            seen: HashSet::new(),
+            pending: Batch::default(),
+            pending_bytes: 0,
+        };
+        let mut content = Content {
+            files: vec![vec![None]],
+            warnings: vec![],
+            files_read: 0,
+            bytes_read: 0,
+        };
+        // Permission bits do not stop root, so the failed read is handed in directly.
+        let job = Job {
+            dir: 0,
+            node: 0,
+            abs: tmp.path().join("locked"),
+            rel: b"locked".to_vec(),
+            size: 6,
+        };
+        let denied = io::Error::from(io::ErrorKind::PermissionDenied);
+        record(
+            &mut content,
+            &mut batcher,
+            &scan,
+            job,
+            ReadResult::Failed(denied),
+        )
+        .unwrap();
+        assert!(content.files[0][0].is_none());
+        assert_eq!(content.files_read, 0);
+        assert_eq!(content.warnings.len(), 1);
+        assert!(
+            content.warnings[0].starts_with("cannot read locked: permission denied"),
+            "{:?}",
+            content.warnings
+        );
+    }
+
+    /// A sink that appends to the file being read, the first `times` times it is called.
+    struct Meddler {
+        path: std::path::PathBuf,
+        times: usize,
+    }
+
+    impl ChunkSink for Meddler {
+        fn take(&mut self, window: Vec<Hashed>) -> Result<Vec<Hashed>, Cancelled> {
+            if self.times > 0 {
+                self.times -= 1;
+                use std::io::Write;
+                fs::OpenOptions::new()
+                    .append(true)
+                    .open(&self.path)
+                    .unwrap()
+                    .write_all(b"more")
+                    .unwrap();
+            }
+            Ok(window)
+        }
+    }
+
+    #[test]
+    fn a_file_changed_during_its_read_is_read_again_and_if_it_keeps_changing_not_trusted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("log");
+        fs::write(&path, b"first line\n").unwrap();
+        let job = Job {
+            dir: 0,
+            node: 0,
+            abs: path.clone(),
+            rel: b"log".to_vec(),
+            size: 11,
+        };
+        let keys = keys();
+
+        let once = read_with_retry(
+            &job,
+            &keys,
+            &mut Meddler {
+                path: path.clone(),
+                times: 1,
+            },
+            None,
+        );
+        let Some(ReadResult::Read {
+            read,
+            held,
+            changing,
+        }) = once
+        else {
+            panic!("the file was read")
+        };
+        assert!(!changing, "the second read saw a stable file");
+        assert_eq!(read.size, 15);
+        assert_eq!(
+            held.iter().map(|(_, d)| d.clone()).collect::<Vec<_>>(),
+            [b"first line\nmore".to_vec()]
+        );
+
+        let always = read_with_retry(
+            &job,
+            &keys,
+            &mut Meddler {
+                path: path.clone(),
+                times: 2,
+            },
+            None,
+        );
+        let Some(ReadResult::Read { read, changing, .. }) = always else {
+            panic!("the file was read")
+        };
+        assert!(changing);
+        assert_eq!(read.size, 19, "what the last read saw is kept");
+
+        let scan = scan_of(tmp.path());
+        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let (sender, _receiver) = tokio::sync::mpsc::channel(4);
+        let mut batcher = Batcher {
+            sender,
+            cache: &cache,
+            seen: HashSet::new(),
+            pending: Batch::default(),
+            pending_bytes: 0,
+        };
+        let mut content = Content {
+            files: vec![vec![None]],
+            warnings: vec![],
+            files_read: 0,
+            bytes_read: 0,
+        };
+        let result = ReadResult::Read {
+            read,
+            held: Vec::new(),
+            changing: true,
+        };
+        record(&mut content, &mut batcher, &scan, job, result).unwrap();
+        let file = content.files[0][0].as_ref().unwrap();
+        assert!(
+            file.cacheable.is_none(),
+            "a changing file's fingerprint is not cached"
+        );
+        assert_eq!(
+            content.warnings,
+            ["log kept changing while it was read; the checkpoint holds one of its states"]
+        );
+    }
+
+    #[test]
+    fn a_file_that_vanished_after_the_scan_is_just_gone() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("brief"), b"here for a moment").unwrap();
+        let scan = scan_of(tmp.path());
+        fs::remove_file(tmp.path().join("brief")).unwrap();
+        let (content, blobs) = read(&scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        assert!(content.files[0][0].is_none());
+        assert!(content.warnings.is_empty());
+        assert!(blobs.is_empty());
+    }
+}

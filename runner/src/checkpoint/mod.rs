@@ -1,0 +1,753 @@
+//! Cutting a checkpoint: `cairn-runner checkpoint` and the library call behind it.
+//!
+//! ```text
+//!  BeginCheckpoint ─► tenant keys, generation, parent          (remote)
+//!  walk the root in parallel ──────► git metadata, own thread   (scan, git)
+//!  per file: fingerprint cached? reuse chunks : read, cut, hash (content)
+//!     └─ new chunks, ~16 MiB batches ─► FindMissingBlobs
+//!          └─ missing ones sealed in parallel ─► DATA packs ─► upload, 4 at a time (upload)
+//!  one tree per directory, deepest first ─► FindMissingBlobs    (trees)
+//!     └─ missing trees sealed ─► META packs ─► upload
+//!  all uploads done ─► failpoint checkpoint-before-commit ─► CommitCheckpoint
+//!  committed ─► the fingerprint cache learns stable files and blob → pack
+//! ```
+//!
+//! Memory stays bounded by the batch size, not the workspace: chunks the
+//! cache or this checkpoint already know are dropped as soon as they are
+//! hashed, a batch is sealed only after the store said which of its blobs it
+//! lacks, and packs are written to spool files and streamed from there.
+//!
+//! A commit refused because a referenced pack is gone (the cache remembered
+//! a pack that was collected, or the store lost it) is cut again with the
+//! cache's blob map forgotten, which re-reads and re-asks about everything;
+//! blobs the store still places in a pack the refusal named are sent again.
+//! Further redos happen only while each refusal names a pack not seen before.
+
+mod content;
+mod remote;
+mod trees;
+mod upload;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cairn_proto::domain::{CheckpointReason, PackKind};
+use cairn_proto::ids::{BlobId, PackId};
+use cairn_proto::pb;
+use rayon::prelude::*;
+use serde::Serialize;
+use tonic::Code;
+
+use self::content::{Cancelled, Content, FileContent};
+use self::remote::Session;
+use self::upload::{Packer, Spool, SpooledPack, Uploader};
+use crate::cache::Cache;
+use crate::cli::{CheckpointArgs, OutputFormat};
+use crate::client::{ConnectError, Coordinator};
+use crate::failpoint::{self, FailpointError};
+use crate::format::{FORMAT_VERSION, seal};
+use crate::git::{self, RepoState};
+use crate::scan::{self, Scan, ScanError, ScanOptions, join_rel};
+use crate::transfer::TransferError;
+
+/// At most this many warnings are recorded on a checkpoint; the rest are counted.
+const MAX_WARNINGS: usize = 100;
+
+/// What to checkpoint and where to send it.
+#[derive(Debug, Clone)]
+pub struct CheckpointOptions {
+    /// Coordinator gRPC address, e.g. `http://127.0.0.1:7400`.
+    pub coordinator: String,
+    pub token: Option<String>,
+    /// Workspace id or name.
+    pub workspace: String,
+    pub root: PathBuf,
+    pub reason: CheckpointReason,
+    /// Where the fingerprint cache and the spool live.
+    pub cache_dir: PathBuf,
+    /// Leave out what git ignores.
+    pub skip_ignored: bool,
+    /// Gitignore-style patterns relative to the root.
+    pub excludes: Vec<String>,
+    /// The attempt's generation; 0 checkpoints at the workspace's current one.
+    pub generation: u64,
+    /// The harness session the checkpoint belongs to, if any.
+    pub harness: Option<pb::HarnessSession>,
+}
+
+/// Sizes and counts of one checkpoint (the `stats` of the JSON output).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    pub files: u64,
+    pub directories: u64,
+    pub symlinks: u64,
+    /// Logical size of all file contents.
+    pub total_bytes: u64,
+    /// Files whose contents were read (not known from the fingerprint cache).
+    pub files_read: u64,
+    pub bytes_read: u64,
+    /// Blobs the store did not have, and their plaintext bytes.
+    pub new_blobs: u64,
+    pub new_bytes: u64,
+    /// Sealed pack bytes uploaded.
+    pub uploaded_bytes: u64,
+    pub packs_uploaded: u32,
+    pub duration_ms: u64,
+}
+
+impl From<&Stats> for pb::CheckpointStats {
+    fn from(s: &Stats) -> Self {
+        Self {
+            files: s.files,
+            directories: s.directories,
+            symlinks: s.symlinks,
+            total_bytes: s.total_bytes,
+            files_read: s.files_read,
+            bytes_read: s.bytes_read,
+            new_blobs: s.new_blobs,
+            new_bytes: s.new_bytes,
+            uploaded_bytes: s.uploaded_bytes,
+            packs_uploaded: s.packs_uploaded,
+            duration_ms: s.duration_ms,
+        }
+    }
+}
+
+/// A committed checkpoint (the JSON output of `cairn-runner checkpoint`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckpointReport {
+    pub checkpoint_id: String,
+    pub workspace_id: String,
+    pub sequence: u64,
+    pub reason: CheckpointReason,
+    pub stats: Stats,
+    pub warnings: Vec<String>,
+    pub repos: Vec<RepoState>,
+}
+
+/// Why a checkpoint was not committed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error("workspace {0} not found")]
+    WorkspaceNotFound(String),
+    #[error("{call} failed: {} ({:?})", .status.message(), .status.code())]
+    Rpc {
+        call: &'static str,
+        status: tonic::Status,
+    },
+    #[error("the coordinator's answer to {call} is unusable: {reason}")]
+    BadResponse { call: &'static str, reason: String },
+    #[error("cache directory {path}: {source}")]
+    CacheDir { path: PathBuf, source: io::Error },
+    #[error("spool file {path}: {source}")]
+    Spool { path: PathBuf, source: io::Error },
+    #[error("uploading pack {pack}: {source}")]
+    Upload { pack: PackId, source: TransferError },
+    #[error("blob {0} of this checkpoint is in no known pack")]
+    UnlocatedBlob(BlobId),
+    #[error(transparent)]
+    Failpoint(#[from] FailpointError),
+    #[error("{0}")]
+    Task(String),
+}
+
+impl CheckpointError {
+    /// Whether running the same checkpoint again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Connect(ConnectError::Unreachable { .. }) => true,
+            Self::Rpc { status, .. } => {
+                matches!(
+                    status.code(),
+                    Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted
+                )
+            }
+            Self::Upload { source, .. } => {
+                source.is_retryable() || matches!(source, TransferError::Forbidden { .. })
+            }
+            _ => false,
+        }
+    }
+
+    /// The coordinator refused the commit because a referenced pack is not
+    /// in the store (the cache named a pack that has been collected).
+    pub fn is_missing_pack(&self) -> bool {
+        match self {
+            Self::Rpc {
+                call: "CommitCheckpoint",
+                status,
+            } => {
+                status.code() == Code::FailedPrecondition
+                    && status.message().to_ascii_lowercase().contains("pack")
+            }
+            _ => false,
+        }
+    }
+
+    /// The pack ids a refusal names (64 hex digits each).
+    pub fn named_packs(&self) -> Vec<PackId> {
+        let Self::Rpc { status, .. } = self else {
+            return Vec::new();
+        };
+        status
+            .message()
+            .split(|c: char| !c.is_ascii_hexdigit())
+            .filter_map(|word| word.parse().ok())
+            .collect()
+    }
+}
+
+/// Redos after a commit refused for a lost pack (each must name a new pack).
+const MAX_REDOS: u32 = 3;
+
+/// Cuts a checkpoint of `opts.root` and commits it.
+pub async fn checkpoint(opts: CheckpointOptions) -> Result<CheckpointReport, CheckpointError> {
+    let started = Instant::now();
+    let root = scan::resolve_root(&opts.root)?;
+    scan::exclude_matcher(&root, &opts.excludes)?;
+    let coordinator = Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await?;
+    let mut lost: HashSet<PackId> = HashSet::new();
+    let mut redos = 0;
+    loop {
+        match run(&coordinator, &opts, &root, redos > 0, &lost, started).await {
+            Err(e) if e.is_missing_pack() && redos < MAX_REDOS => {
+                let named = e.named_packs();
+                if redos > 0 && named.iter().all(|p| lost.contains(p)) {
+                    return Err(e);
+                }
+                tracing::warn!(error = %e, "a pack this checkpoint relied on is gone; checkpointing again without it");
+                lost.extend(named);
+                redos += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn blocking<T, F>(work: F) -> Result<T, CheckpointError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| CheckpointError::Task(format!("a checkpoint worker failed: {e}")))
+}
+
+async fn run(
+    coordinator: &Coordinator,
+    opts: &CheckpointOptions,
+    root: &Path,
+    forget_blobs: bool,
+    lost: &HashSet<PackId>,
+    started: Instant,
+) -> Result<CheckpointReport, CheckpointError> {
+    let session = Session::begin(coordinator, &opts.workspace, opts.generation).await?;
+    let cache_dir_error = |source| CheckpointError::CacheDir {
+        path: opts.cache_dir.clone(),
+        source,
+    };
+    fs::create_dir_all(&opts.cache_dir).map_err(cache_dir_error)?;
+    let cache_dir = fs::canonicalize(&opts.cache_dir).map_err(cache_dir_error)?;
+    let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
+    let ms = || started.elapsed().as_millis() as u64;
+    tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
+    let mut cache = Cache::load(&cache_dir, &session.workspace_id, session.keys.key_id());
+    if forget_blobs {
+        // Which of the remembered blobs sat in a lost pack is not known.
+        cache.forget_blobs();
+    }
+    tracing::debug!(
+        files = cache.file_count(),
+        blobs = cache.blob_count(),
+        elapsed_ms = ms(),
+        "fingerprint cache loaded"
+    );
+    let cache = Arc::new(cache);
+    let keys = session.keys.clone();
+
+    let scan_options = ScanOptions {
+        root: root.to_path_buf(),
+        skip_ignored: opts.skip_ignored,
+        excludes: opts.excludes.clone(),
+        exclude_paths: vec![cache_dir.clone()],
+    };
+    let (scanned, inspector) = blocking(move || {
+        let inspector = git::Inspector::start();
+        let scanned = scan::scan(&scan_options, &|found| inspector.submit(found));
+        (scanned, inspector)
+    })
+    .await?;
+    let scan = Arc::new(scanned?);
+    tracing::debug!(
+        files = scan.file_count(),
+        directories = scan.dirs.len(),
+        elapsed_ms = ms(),
+        "workspace scanned"
+    );
+
+    let mut store = Store::new(&session, &spool, lost);
+
+    // File contents: the reader sends batches of new chunks while this task stores them.
+    let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
+    let reader = {
+        let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
+        tokio::task::spawn_blocking(move || content::read_all(&scan, &cache, &keys, batches))
+    };
+    let mut stored = Ok(());
+    while let Some(batch) = incoming.recv().await {
+        if let Err(e) = store.store(PackKind::Data, batch.blobs).await {
+            stored = Err(e);
+            break;
+        }
+    }
+    // Closing the channel stops the reader if storing failed.
+    drop(incoming);
+    let read = reader
+        .await
+        .map_err(|e| CheckpointError::Task(format!("the file reader failed: {e}")));
+    stored?;
+    let content =
+        read?.map_err(|Cancelled| CheckpointError::Task("the file reader stopped early".into()))?;
+    store.finish_pack(PackKind::Data).await?;
+    tracing::debug!(
+        files_read = content.files_read,
+        bytes_read = content.bytes_read,
+        elapsed_ms = ms(),
+        "contents stored"
+    );
+
+    // Trees, then what is left to upload.
+    let (mut trees, content) = {
+        let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
+        blocking(move || {
+            let trees = trees::build(&scan, &content.files, &keys, &|id| cache.knows_blob(id));
+            (trees, content)
+        })
+        .await?
+    };
+    store
+        .store(PackKind::Meta, std::mem::take(&mut trees.unknown))
+        .await?;
+    store.finish_pack(PackKind::Meta).await?;
+    let Store {
+        uploader,
+        located,
+        mut stats,
+        ..
+    } = store;
+    let new_packs = uploader.finish().await?;
+    tracing::debug!(
+        packs = new_packs.len(),
+        elapsed_ms = ms(),
+        "trees stored, uploads finished"
+    );
+    let (repos, git_warnings) = blocking(move || inspector.finish()).await?;
+
+    failpoint::hit("checkpoint-before-commit")?;
+
+    let reachable = locate_reachable(&content, &trees, &located, &cache)?;
+    let referenced: BTreeSet<&PackId> = reachable.values().collect();
+
+    stats.files = trees.counts.files;
+    stats.directories = trees.counts.directories;
+    stats.symlinks = trees.counts.symlinks;
+    stats.total_bytes = trees.counts.total_bytes;
+    stats.files_read = content.files_read;
+    stats.bytes_read = content.bytes_read;
+    stats.duration_ms = started.elapsed().as_millis() as u64;
+    let warnings = capped_warnings(
+        scan.warnings
+            .iter()
+            .chain(&content.warnings)
+            .chain(&git_warnings)
+            .cloned()
+            .collect(),
+    );
+    let request = pb::CommitCheckpointRequest {
+        workspace: session.workspace_id.to_string(),
+        generation: session.generation,
+        parent_checkpoint_id: session.parent.clone(),
+        reason: pb::CheckpointReason::from(opts.reason) as i32,
+        format_version: FORMAT_VERSION,
+        root_tree: trees.root.as_bytes().to_vec(),
+        new_packs,
+        referenced_packs: referenced.iter().map(|p| p.to_string()).collect(),
+        stats: Some(pb::CheckpointStats::from(&stats)),
+        repos: repos.iter().cloned().map(pb::GitRepoState::from).collect(),
+        warnings: warnings.clone(),
+        harness: opts.harness.clone(),
+        key_id: keys.key_id().to_owned(),
+    };
+    let committed = remote::commit(&session.client, request).await?;
+    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
+    drop(spool);
+
+    save_cache(cache, &scan, &content, reachable);
+    tracing::debug!(elapsed_ms = ms(), "fingerprint cache saved");
+    Ok(CheckpointReport {
+        checkpoint_id: committed.id,
+        workspace_id: session.workspace_id.to_string(),
+        sequence: committed.sequence,
+        reason: opts.reason,
+        stats,
+        warnings,
+        repos,
+    })
+}
+
+/// Every blob the checkpoint reaches (file chunks and trees), with the pack
+/// holding it: found or written by this checkpoint, else known to the cache.
+fn locate_reachable(
+    content: &Content,
+    trees: &trees::Trees,
+    located: &HashMap<BlobId, PackId>,
+    cache: &Cache,
+) -> Result<HashMap<BlobId, PackId>, CheckpointError> {
+    let mut reachable = HashMap::new();
+    let chunk_ids = content
+        .files
+        .iter()
+        .flatten()
+        .flatten()
+        .flat_map(|f| f.chunks.iter().map(|c| c.id));
+    for id in chunk_ids.chain(trees.by_dir.values().copied()) {
+        if reachable.contains_key(&id) {
+            continue;
+        }
+        let pack = located
+            .get(&id)
+            .or_else(|| cache.blob_pack(&id))
+            .ok_or(CheckpointError::UnlocatedBlob(id))?;
+        reachable.insert(id, pack.clone());
+    }
+    Ok(reachable)
+}
+
+fn capped_warnings(mut warnings: Vec<String>) -> Vec<String> {
+    if warnings.len() > MAX_WARNINGS {
+        let more = warnings.len() - (MAX_WARNINGS - 1);
+        warnings.truncate(MAX_WARNINGS - 1);
+        warnings.push(format!("… and {more} more warnings"));
+    }
+    warnings
+}
+
+/// Teaches the cache what this committed checkpoint holds and saves it. A
+/// cache that cannot be saved only makes the next checkpoint slower.
+fn save_cache(
+    cache: Arc<Cache>,
+    scan: &Scan,
+    content: &Content,
+    reachable: HashMap<BlobId, PackId>,
+) {
+    let Ok(mut cache) = Arc::try_unwrap(cache) else {
+        tracing::warn!("the fingerprint cache is still in use; not updating it");
+        return;
+    };
+    let mut files = HashMap::new();
+    for (dir, results) in scan.dirs.iter().zip(&content.files) {
+        for (node, result) in dir.nodes.iter().zip(results) {
+            if let Some(entry) = result.as_ref().and_then(FileContent::cache_entry) {
+                files.insert(join_rel(&dir.path, &node.name), entry);
+            }
+        }
+    }
+    cache.replace_files(files);
+    cache.forget_blobs();
+    for (id, pack) in &reachable {
+        cache.insert_blob(*id, pack);
+    }
+    if let Err(e) = cache.save() {
+        tracing::warn!(error = %e, "cannot save the fingerprint cache; the next checkpoint reads every file");
+    }
+}
+
+/// Stores new blobs: asks which the store lacks, seals and packs those, and
+/// uploads every pack as it fills.
+struct Store<'a> {
+    session: &'a Session,
+    /// Packs known to be gone: blobs the store places there are sent again.
+    lost: &'a HashSet<PackId>,
+    uploader: Uploader,
+    /// One packer per kind; lent to a blocking task while it seals a batch.
+    data: Option<Packer>,
+    meta: Option<Packer>,
+    /// Blobs of this checkpoint found in the store or written to a new pack.
+    located: HashMap<BlobId, PackId>,
+    stats: Stats,
+}
+
+impl<'a> Store<'a> {
+    fn new(session: &'a Session, spool: &Spool, lost: &'a HashSet<PackId>) -> Self {
+        Self {
+            session,
+            lost,
+            uploader: Uploader::new(session),
+            data: Some(Packer::new(PackKind::Data, session.keys.clone(), spool)),
+            meta: Some(Packer::new(PackKind::Meta, session.keys.clone(), spool)),
+            located: HashMap::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    fn packer(&mut self, kind: PackKind) -> &mut Option<Packer> {
+        match kind {
+            PackKind::Data => &mut self.data,
+            PackKind::Meta => &mut self.meta,
+        }
+    }
+
+    async fn store(
+        &mut self,
+        kind: PackKind,
+        blobs: Vec<(BlobId, Vec<u8>)>,
+    ) -> Result<(), CheckpointError> {
+        if blobs.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<BlobId> = blobs.iter().map(|(id, _)| *id).collect();
+        let present = self.session.find_missing(&ids).await?;
+        let mut missing = Vec::new();
+        for ((id, data), pack) in blobs.into_iter().zip(present) {
+            match pack {
+                Some(pack) if !self.lost.contains(&pack) => {
+                    self.located.insert(id, pack);
+                }
+                _ => missing.push((id, data)),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.stats.new_blobs += missing.len() as u64;
+        self.stats.new_bytes += missing
+            .iter()
+            .map(|(_, data)| data.len() as u64)
+            .sum::<u64>();
+        let keys = self.session.keys.clone();
+        let mut packer = self
+            .packer(kind)
+            .take()
+            .expect("a failed batch ends the checkpoint, so the packer is back");
+        let (packer, finished) = blocking(move || -> Result<_, CheckpointError> {
+            let sealed: Vec<(BlobId, Vec<u8>, u32)> = missing
+                .into_par_iter()
+                .map(|(id, data)| {
+                    // seal() reserves exactly what the sealed blob needs.
+                    let mut out = Vec::new();
+                    seal(&keys, &id, &data, &mut out);
+                    (id, out, data.len() as u32)
+                })
+                .collect();
+            let mut finished = Vec::new();
+            for (id, bytes, plain_len) in sealed {
+                finished.extend(packer.add(id, &bytes, plain_len)?);
+            }
+            Ok((packer, finished))
+        })
+        .await??;
+        *self.packer(kind) = Some(packer);
+        for pack in finished {
+            self.upload(pack).await?;
+        }
+        Ok(())
+    }
+
+    /// Finishes and uploads the last pack of `kind`, if it holds anything.
+    async fn finish_pack(&mut self, kind: PackKind) -> Result<(), CheckpointError> {
+        let Some(mut packer) = self.packer(kind).take() else {
+            return Ok(());
+        };
+        if let Some(pack) = packer.finish()? {
+            self.upload(pack).await?;
+        }
+        Ok(())
+    }
+
+    async fn upload(&mut self, pack: SpooledPack) -> Result<(), CheckpointError> {
+        for id in &pack.blob_ids {
+            self.located.insert(*id, pack.id.clone());
+        }
+        self.stats.uploaded_bytes += pack.record.size;
+        self.stats.packs_uploaded += 1;
+        self.uploader.upload(pack).await
+    }
+}
+
+/// `cairn-runner checkpoint`.
+pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
+    let reason: CheckpointReason = args.reason.parse()?;
+    let opts = CheckpointOptions {
+        coordinator: args.coordinator.coordinator,
+        token: args.coordinator.token,
+        workspace: args.workspace,
+        root: args.root,
+        reason,
+        cache_dir: args.cache_dir.unwrap_or_else(crate::cli::default_cache_dir),
+        skip_ignored: args.skip_ignored,
+        excludes: args.excludes,
+        generation: 0,
+        harness: None,
+    };
+    let report = checkpoint(opts)
+        .await
+        .map_err(|e| anyhow::anyhow!(one_line(&e)))?;
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string(&report)?),
+        OutputFormat::Text => {
+            println!("{}", summary(&report));
+            for warning in &report.warnings {
+                eprintln!("warning: {warning}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An error and its causes on one line, each cause said once.
+fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Bytes for people: `512 B`, `41 KiB`, `312.4 MiB`, `1.2 GiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else if b < KIB * KIB {
+        format!("{:.0} KiB", b / KIB)
+    } else if b < KIB * KIB * KIB {
+        format!("{:.1} MiB", b / (KIB * KIB))
+    } else {
+        format!("{:.1} GiB", b / (KIB * KIB * KIB))
+    }
+}
+
+/// The one-line text output.
+pub fn summary(report: &CheckpointReport) -> String {
+    let s = &report.stats;
+    format!(
+        "checkpoint {} of {} (#{}, {}): {}, {}; read {} ({}); uploaded {}, {}, in {} ms",
+        report.checkpoint_id,
+        report.workspace_id,
+        report.sequence,
+        report.reason,
+        plural(s.files, "file", "files"),
+        human_bytes(s.total_bytes),
+        plural(s.files_read, "file", "files"),
+        human_bytes(s.bytes_read),
+        plural(u64::from(s.packs_uploaded), "pack", "packs"),
+        human_bytes(s.uploaded_bytes),
+        s.duration_ms,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_reads_like_the_contract() {
+        let report = CheckpointReport {
+            checkpoint_id: "ck-1".into(),
+            workspace_id: "ws-1".into(),
+            sequence: 3,
+            reason: CheckpointReason::Manual,
+            stats: Stats {
+                files: 50123,
+                total_bytes: 327_579_238,
+                files_read: 10,
+                bytes_read: 41 * 1024,
+                packs_uploaded: 1,
+                uploaded_bytes: 143 * 1024,
+                duration_ms: 85,
+                ..Stats::default()
+            },
+            warnings: vec![],
+            repos: vec![],
+        };
+        assert_eq!(
+            summary(&report),
+            "checkpoint ck-1 of ws-1 (#3, manual): 50123 files, 312.4 MiB; read 10 files (41 KiB); \
+             uploaded 1 pack, 143 KiB, in 85 ms"
+        );
+        let json: serde_json::Value = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["reason"], "manual");
+        assert_eq!(json["stats"]["files_read"], 10);
+        assert!(json["repos"].is_array() && json["warnings"].is_array());
+    }
+
+    #[test]
+    fn too_many_warnings_are_summed_up() {
+        let warnings = capped_warnings((0..250).map(|i| format!("w{i}")).collect());
+        assert_eq!(warnings.len(), MAX_WARNINGS);
+        assert_eq!(warnings.last().unwrap(), "… and 151 more warnings");
+    }
+
+    #[test]
+    fn a_commit_refused_for_a_missing_pack_is_told_apart() {
+        let missing = CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition("pack 0123abcd is not in the store"),
+        };
+        assert!(missing.is_missing_pack());
+        let pack = "0123abcd".repeat(8);
+        let named = CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition(format!(
+                "pack {pack} is not in the store (never uploaded, or lost)"
+            )),
+        };
+        assert_eq!(named.named_packs(), [pack.parse::<PackId>().unwrap()]);
+        assert!(
+            missing.named_packs().is_empty(),
+            "a short hex word is not a pack id"
+        );
+        let stale = CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition("generation 2 is older than 3"),
+        };
+        assert!(!stale.is_missing_pack());
+        let unavailable = CheckpointError::Rpc {
+            call: "FindMissingBlobs",
+            status: tonic::Status::unavailable("down"),
+        };
+        assert!(unavailable.is_retryable() && !stale.is_retryable());
+    }
+
+    #[test]
+    fn error_causes_are_said_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer: {0}")]
+        struct Outer(#[source] Inner);
+        #[derive(Debug, thiserror::Error)]
+        #[error("inner")]
+        struct Inner(#[source] io::Error);
+        let e = Outer(Inner(io::Error::other("disk on fire")));
+        assert_eq!(one_line(&e), "outer: inner: disk on fire");
+    }
+}

@@ -1,0 +1,386 @@
+//! Packing sealed blobs into spool files and uploading them as they fill.
+//!
+//! A [`Packer`] writes one kind of pack (tree objects or file chunks, never
+//! mixed) to a spool file and starts a new one at [`PACK_TARGET`] bytes. An
+//! [`Uploader`] sends each finished pack through a signed URL while the
+//! checkpoint goes on, at most [`PARALLEL_UPLOADS`] at a time; a URL that
+//! expired before its turn (403) is replaced by a fresh one. A spool file is
+//! deleted once uploaded, and the [`Spool`] directory with whatever is left
+//! when the checkpoint ends, committed or not.
+
+use std::fs::{self, File};
+use std::io::{self, BufWriter};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cairn_proto::domain::PackKind;
+use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
+use cairn_proto::pb;
+use rand::Rng;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use super::CheckpointError;
+use super::remote::{self, Session};
+use crate::format::{PackBuilder, TenantKeys};
+use crate::transfer::{BlobTransfer, TransferError};
+
+/// A pack is finished once it holds about this many bytes.
+pub const PACK_TARGET: u64 = 16 << 20;
+/// Packs uploaded at the same time.
+pub const PARALLEL_UPLOADS: usize = 4;
+/// How many fresh URLs one pack may need (each 403 asks for another).
+const URL_ATTEMPTS: u32 = 3;
+
+/// This checkpoint's spool directory, removed with everything in it on drop.
+#[derive(Debug)]
+pub struct Spool {
+    dir: PathBuf,
+}
+
+impl Spool {
+    /// Creates `<cache_dir>/spool/<pid>-<random>/`, first removing the spools
+    /// of runners that died without cleaning up (killed mid-checkpoint).
+    pub fn create(cache_dir: &Path) -> io::Result<Self> {
+        let parent = cache_dir.join("spool");
+        Self::sweep_dead(&parent);
+        let unique = format!(
+            "{}-{:016x}",
+            std::process::id(),
+            rand::rng().random::<u64>()
+        );
+        let dir = parent.join(unique);
+        fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+
+    fn sweep_dead(parent: &Path) {
+        let Ok(entries) = fs::read_dir(parent) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .and_then(|n| n.split_once('-'))
+                .map(|(pid, _)| pid)
+            else {
+                continue;
+            };
+            if pid.parse::<u32>().is_err() || Path::new("/proc").join(pid).exists() {
+                continue;
+            }
+            match fs::remove_dir_all(entry.path()) {
+                Ok(()) => {
+                    tracing::debug!(spool = %entry.path().display(), "removed the spool of a runner that died")
+                }
+                Err(e) => {
+                    tracing::debug!(spool = %entry.path().display(), error = %e, "cannot remove a stale spool")
+                }
+            }
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_dir_all(&self.dir)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove the spool directory");
+        }
+    }
+}
+
+/// A finished pack waiting in the spool.
+#[derive(Debug)]
+pub struct SpooledPack {
+    pub record: pb::NewPack,
+    pub id: PackId,
+    pub kind: PackKind,
+    pub blob_ids: Vec<BlobId>,
+    pub path: PathBuf,
+}
+
+/// Writes sealed blobs of one kind into packs of about [`PACK_TARGET`] bytes.
+pub struct Packer {
+    kind: PackKind,
+    keys: Arc<TenantKeys>,
+    dir: PathBuf,
+    current: Option<(PackBuilder<BufWriter<File>>, PathBuf)>,
+    written: u32,
+}
+
+impl Packer {
+    pub fn new(kind: PackKind, keys: Arc<TenantKeys>, spool: &Spool) -> Self {
+        Self {
+            kind,
+            keys,
+            dir: spool.dir().to_path_buf(),
+            current: None,
+            written: 0,
+        }
+    }
+
+    fn spool_error(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
+        move |source| CheckpointError::Spool {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    /// Adds one sealed blob; returns the pack it completed, if any.
+    pub fn add(
+        &mut self,
+        id: BlobId,
+        sealed: &[u8],
+        plain_len: u32,
+    ) -> Result<Option<SpooledPack>, CheckpointError> {
+        let full = self.current.as_ref().is_some_and(|(builder, _)| {
+            !builder.is_empty() && builder.len() + sealed.len() as u64 > PACK_TARGET
+        });
+        let finished = if full { self.finish()? } else { None };
+        if self.current.is_none() {
+            self.written += 1;
+            let path = self
+                .dir
+                .join(format!("{}-{}.pack", self.kind, self.written));
+            let file = File::create(&path).map_err(Self::spool_error(&path))?;
+            let builder = PackBuilder::new(self.kind, BufWriter::with_capacity(1 << 20, file))
+                .map_err(Self::spool_error(&path))?;
+            self.current = Some((builder, path));
+        }
+        let (builder, path) = self.current.as_mut().expect("a pack was just started");
+        builder
+            .add(id, sealed, plain_len)
+            .map_err(Self::spool_error(path))?;
+        Ok(finished)
+    }
+
+    /// Finishes the pack being written, if it holds anything.
+    pub fn finish(&mut self) -> Result<Option<SpooledPack>, CheckpointError> {
+        let Some((builder, path)) = self.current.take() else {
+            return Ok(None);
+        };
+        let done = builder
+            .finish(&self.keys)
+            .map_err(Self::spool_error(&path))?;
+        done.sink.into_inner().map_err(|e| CheckpointError::Spool {
+            path: path.clone(),
+            source: e.into_error(),
+        })?;
+        let record = pb::NewPack {
+            pack_id: done.id.to_string(),
+            kind: pb::PackKind::from(done.kind) as i32,
+            size: done.size,
+            index_offset: done.index_offset,
+            index_length: done.index_length,
+            blob_ids: done
+                .blob_ids
+                .iter()
+                .map(|id| id.as_bytes().to_vec())
+                .collect(),
+        };
+        Ok(Some(SpooledPack {
+            record,
+            id: done.id,
+            kind: done.kind,
+            blob_ids: done.blob_ids,
+            path,
+        }))
+    }
+}
+
+/// Uploads finished packs in the background, a few at a time.
+pub struct Uploader {
+    client: pb::checkpoint_service_client::CheckpointServiceClient<crate::client::AuthChannel>,
+    workspace: WorkspaceId,
+    transfer: BlobTransfer,
+    slots: Arc<Semaphore>,
+    tasks: JoinSet<Result<pb::NewPack, CheckpointError>>,
+    uploaded: Vec<pb::NewPack>,
+}
+
+impl Uploader {
+    pub fn new(session: &Session) -> Self {
+        Self {
+            client: session.client.clone(),
+            workspace: session.workspace_id.clone(),
+            transfer: BlobTransfer::default(),
+            slots: Arc::new(Semaphore::new(PARALLEL_UPLOADS)),
+            tasks: JoinSet::new(),
+            uploaded: Vec::new(),
+        }
+    }
+
+    fn collect(
+        &mut self,
+        joined: Result<Result<pb::NewPack, CheckpointError>, tokio::task::JoinError>,
+    ) -> Result<(), CheckpointError> {
+        let pack =
+            joined.map_err(|e| CheckpointError::Task(format!("an upload task failed: {e}")))??;
+        self.uploaded.push(pack);
+        Ok(())
+    }
+
+    /// Starts uploading `pack`; waits while all upload slots are busy.
+    pub async fn upload(&mut self, pack: SpooledPack) -> Result<(), CheckpointError> {
+        while let Some(joined) = self.tasks.try_join_next() {
+            self.collect(joined)?;
+        }
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let client = self.client.clone();
+        let workspace = self.workspace.clone();
+        let transfer = self.transfer.clone();
+        self.tasks.spawn(async move {
+            let result = upload_one(&client, &workspace, &transfer, &pack).await;
+            drop(slot);
+            result.map(|()| pack.record)
+        });
+        Ok(())
+    }
+
+    /// Waits for every upload; returns the packs uploaded.
+    pub async fn finish(mut self) -> Result<Vec<pb::NewPack>, CheckpointError> {
+        while let Some(joined) = self.tasks.join_next().await {
+            self.collect(joined)?;
+        }
+        Ok(self.uploaded)
+    }
+}
+
+async fn upload_one(
+    client: &pb::checkpoint_service_client::CheckpointServiceClient<crate::client::AuthChannel>,
+    workspace: &WorkspaceId,
+    transfer: &BlobTransfer,
+    pack: &SpooledPack,
+) -> Result<(), CheckpointError> {
+    let upload = pb::PackUpload {
+        pack_id: pack.id.to_string(),
+        size: pack.record.size,
+        kind: pb::PackKind::from(pack.kind) as i32,
+    };
+    let mut attempt = 1;
+    loop {
+        let url = remote::prepare_upload(client, workspace, upload.clone()).await?;
+        match transfer.put_file(&url, &pack.path).await {
+            Ok(()) => break,
+            Err(TransferError::Forbidden { .. }) if attempt < URL_ATTEMPTS => {
+                tracing::info!(pack = %pack.id, "the store refused the upload URL; asking for a fresh one");
+                attempt += 1;
+            }
+            Err(source) => {
+                return Err(CheckpointError::Upload {
+                    pack: pack.id.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    if let Err(e) = fs::remove_file(&pack.path) {
+        tracing::debug!(path = %pack.path.display(), error = %e, "cannot remove an uploaded spool file");
+    }
+    tracing::debug!(pack = %pack.id, kind = %pack.kind, size = pack.record.size, "pack uploaded");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::format::{
+        PACK_TRAILER_LEN, PackIndex, open, parse_pack_header, parse_trailer, seal,
+    };
+
+    #[test]
+    fn packs_rotate_at_the_target_size_and_read_back() {
+        let cache = tempfile::tempdir().unwrap();
+        let spool = Spool::create(cache.path()).unwrap();
+        let keys = Arc::new(TenantKeys::derive("k", &[1; 32]).unwrap());
+        let mut packer = Packer::new(PackKind::Data, keys.clone(), &spool);
+        let mut finished = Vec::new();
+        let mut blobs = HashMap::new();
+        // Incompressible 1 MiB blobs: a 16 MiB pack holds 15 of them.
+        for i in 0..40u32 {
+            let mut data = vec![0u8; 1 << 20];
+            rand::rng().fill(&mut data[..]);
+            data[..4].copy_from_slice(&i.to_le_bytes());
+            let id = keys.blob_id(&data);
+            let mut sealed = Vec::new();
+            seal(&keys, &id, &data, &mut sealed);
+            finished.extend(packer.add(id, &sealed, data.len() as u32).unwrap());
+            blobs.insert(id, data);
+        }
+        finished.extend(packer.finish().unwrap());
+        assert_eq!(finished.len(), 3);
+        let mut seen = 0;
+        for pack in &finished {
+            let bytes = fs::read(&pack.path).unwrap();
+            assert_eq!(bytes.len() as u64, pack.record.size);
+            assert!(
+                pack.record.size <= PACK_TARGET,
+                "{} bytes",
+                pack.record.size
+            );
+            assert_eq!(parse_pack_header(&pack.id, &bytes).unwrap(), PackKind::Data);
+            let (offset, len) = parse_trailer(
+                &pack.id,
+                pack.record.size,
+                &bytes[bytes.len() - PACK_TRAILER_LEN..],
+            )
+            .unwrap();
+            let index = PackIndex::open(
+                &keys,
+                &pack.id,
+                PackKind::Data,
+                offset,
+                &bytes[offset as usize..][..len as usize],
+            )
+            .unwrap();
+            assert_eq!(
+                index.entries.iter().map(|e| e.id).collect::<Vec<_>>(),
+                pack.blob_ids
+            );
+            for entry in &index.entries {
+                let sealed = &bytes[entry.offset as usize..][..entry.sealed_len as usize];
+                assert_eq!(
+                    open(&keys, &entry.id, sealed, entry.plain_len as usize).unwrap(),
+                    blobs[&entry.id]
+                );
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 40);
+    }
+
+    #[test]
+    fn a_spool_is_removed_when_dropped_and_dead_runners_spools_are_swept() {
+        let cache = tempfile::tempdir().unwrap();
+        // No process has pid 4294967295; a live pid's spool is left alone.
+        let dead = cache.path().join("spool").join("4294967295-00");
+        let alive = cache
+            .path()
+            .join("spool")
+            .join(format!("{}-00", std::process::id()));
+        fs::create_dir_all(&dead).unwrap();
+        fs::create_dir_all(&alive).unwrap();
+        fs::write(dead.join("data-1.pack"), b"left over").unwrap();
+        let spool = Spool::create(cache.path()).unwrap();
+        assert!(!dead.exists());
+        assert!(alive.exists());
+        fs::write(spool.dir().join("data-1.pack"), b"x").unwrap();
+        let dir = spool.dir().to_path_buf();
+        drop(spool);
+        assert!(!dir.exists());
+    }
+}

@@ -1,0 +1,396 @@
+//! Git metadata of the repositories in a workspace, recorded with each checkpoint.
+//!
+//! For every repository the walk finds, this reads (with libgit2, locally,
+//! never touching the network) the branch, HEAD, upstream, how far ahead and
+//! behind the upstream it is, the counts of staged, unstaged and untracked
+//! paths, and the stash count. It only reads: the index is not refreshed or
+//! written, no lock file is taken, nothing in the repository changes.
+//!
+//! [`Inspector`] does this on its own thread while the walk is still going,
+//! so the metadata costs no wall time in a checkpoint.
+
+use std::path::Path;
+use std::sync::Once;
+use std::sync::mpsc;
+use std::thread;
+
+use cairn_proto::pb;
+use git2::{ErrorCode, Repository, Status, StatusOptions};
+use serde::Serialize;
+
+use crate::scan::{RepoFound, display_rel};
+
+/// The state of one repository.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RepoState {
+    /// Relative to the workspace root ("" for the root itself).
+    pub path: String,
+    /// Empty when HEAD is detached.
+    pub branch: String,
+    /// Commit id of HEAD; empty before the first commit.
+    pub head: String,
+    /// e.g. `origin/main`; empty when the branch tracks nothing.
+    pub upstream: String,
+    pub ahead: u32,
+    pub behind: u32,
+    /// Paths whose index entry differs from HEAD.
+    pub staged: u32,
+    /// Tracked paths whose working copy differs from the index.
+    pub unstaged: u32,
+    /// Untracked files (not ignored), counted one by one.
+    pub untracked: u32,
+    pub stashes: u32,
+    pub detached: bool,
+}
+
+impl From<RepoState> for pb::GitRepoState {
+    fn from(s: RepoState) -> Self {
+        Self {
+            path: s.path,
+            branch: s.branch,
+            head: s.head,
+            upstream: s.upstream,
+            ahead: s.ahead,
+            behind: s.behind,
+            staged: s.staged,
+            unstaged: s.unstaged,
+            untracked: s.untracked,
+            stashes: s.stashes,
+            detached: s.detached,
+        }
+    }
+}
+
+/// Why a repository's metadata could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read git repository {path}: {message}")]
+pub struct GitError {
+    pub path: String,
+    pub message: String,
+}
+
+/// Process-wide libgit2 settings, applied once before any repository is opened.
+pub fn init() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        // A restored workspace may be owned by another uid than the runner's.
+        // libgit2's ownership check guards against running hooks or filters
+        // from a foreign config; this module only reads refs, the index and
+        // the working tree, so the check would only lose metadata.
+        // SAFETY: called once, before any other libgit2 call of this process
+        // (every caller goes through this function first).
+        if let Err(e) = unsafe { git2::opts::set_verify_owner_validation(false) } {
+            tracing::debug!(error = %e, "cannot turn off libgit2's owner validation");
+        }
+    });
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Reads the state of the repository whose working directory is `dir`.
+pub fn inspect(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
+    init();
+    let fail = |e: git2::Error| GitError {
+        path: display_rel(rel.as_bytes()),
+        message: e.message().to_owned(),
+    };
+    let mut repo = Repository::open(dir).map_err(fail)?;
+    let mut state = RepoState {
+        path: rel.to_owned(),
+        ..RepoState::default()
+    };
+
+    state.detached = repo.head_detached().map_err(fail)?;
+    match repo.head() {
+        Ok(head) => {
+            let local = head.target();
+            if let Some(oid) = local {
+                state.head = oid.to_string();
+            }
+            if head.is_branch() {
+                state.branch = head.shorthand().unwrap_or_default().to_owned();
+                let branch = git2::Branch::wrap(head);
+                match branch.upstream() {
+                    Ok(upstream) => {
+                        state.upstream = upstream
+                            .name()
+                            .ok()
+                            .flatten()
+                            .unwrap_or_default()
+                            .to_owned();
+                        if let (Some(local), Some(remote)) = (local, upstream.get().target()) {
+                            let (ahead, behind) =
+                                repo.graph_ahead_behind(local, remote).map_err(fail)?;
+                            state.ahead = count(ahead);
+                            state.behind = count(behind);
+                        }
+                    }
+                    Err(e) if e.code() == ErrorCode::NotFound => {}
+                    Err(e) => return Err(fail(e)),
+                }
+            }
+        }
+        // Before the first commit HEAD names a branch that does not exist yet.
+        Err(e) if e.code() == ErrorCode::UnbornBranch => {
+            if let Ok(head) = repo.find_reference("HEAD")
+                && let Some(target) = head.symbolic_target()
+            {
+                state.branch = target
+                    .strip_prefix("refs/heads/")
+                    .unwrap_or(target)
+                    .to_owned();
+            }
+        }
+        Err(e) => return Err(fail(e)),
+    }
+
+    let mut options = StatusOptions::new();
+    options
+        .include_untracked(true)
+        .recurse_untracked_dirs(true)
+        .include_ignored(false)
+        .exclude_submodules(false);
+    {
+        let statuses = repo.statuses(Some(&mut options)).map_err(fail)?;
+        let staged_bits = Status::INDEX_NEW
+            | Status::INDEX_MODIFIED
+            | Status::INDEX_DELETED
+            | Status::INDEX_RENAMED
+            | Status::INDEX_TYPECHANGE;
+        let unstaged_bits = Status::WT_MODIFIED
+            | Status::WT_DELETED
+            | Status::WT_RENAMED
+            | Status::WT_TYPECHANGE
+            | Status::CONFLICTED;
+        let (mut staged, mut unstaged, mut untracked) = (0usize, 0usize, 0usize);
+        for entry in statuses.iter() {
+            let status = entry.status();
+            staged += usize::from(status.intersects(staged_bits));
+            unstaged += usize::from(status.intersects(unstaged_bits));
+            untracked += usize::from(status.contains(Status::WT_NEW));
+        }
+        state.staged = count(staged);
+        state.unstaged = count(unstaged);
+        state.untracked = count(untracked);
+    }
+
+    let mut stashes = 0usize;
+    match repo.stash_foreach(|_, _, _| {
+        stashes += 1;
+        true
+    }) {
+        Ok(()) => {}
+        Err(e) if e.code() == ErrorCode::NotFound => {}
+        Err(e) => return Err(fail(e)),
+    }
+    state.stashes = count(stashes);
+    Ok(state)
+}
+
+/// Reads repositories on a background thread as the walk reports them.
+#[derive(Debug)]
+pub struct Inspector {
+    sender: mpsc::Sender<RepoFound>,
+    thread: thread::JoinHandle<(Vec<RepoState>, Vec<String>)>,
+}
+
+impl Inspector {
+    pub fn start() -> Self {
+        let (sender, receiver) = mpsc::channel::<RepoFound>();
+        let thread = thread::Builder::new()
+            .name("cairn-git".into())
+            .spawn(move || {
+                let mut repos = Vec::new();
+                let mut warnings = Vec::new();
+                for found in receiver {
+                    let rel = String::from_utf8_lossy(&found.rel).into_owned();
+                    match inspect(&found.dir, &rel) {
+                        Ok(state) => repos.push(state),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "git metadata unavailable");
+                            warnings.push(e.to_string());
+                        }
+                    }
+                }
+                repos.sort_by(|a, b| a.path.cmp(&b.path));
+                (repos, warnings)
+            })
+            .expect("spawning a thread only fails when the process is out of resources");
+        Self { sender, thread }
+    }
+
+    /// Queues a repository (called from the walk's threads).
+    pub fn submit(&self, found: RepoFound) {
+        // The receiver lives until `finish`, which consumes `self`.
+        let _ = self.sender.send(found);
+    }
+
+    /// Waits for every queued repository; returns their states (sorted by
+    /// path) and a warning per repository that could not be read.
+    pub fn finish(self) -> (Vec<RepoState>, Vec<String>) {
+        drop(self.sender);
+        self.thread.join().unwrap_or_else(|_| {
+            (
+                Vec::new(),
+                vec!["git metadata is missing: the reading thread panicked".to_owned()],
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::process::Command;
+
+    use super::*;
+
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let out = Command::new("git")
+            .args([
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@example.com",
+                "-c",
+                "init.defaultBranch=main",
+            ])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    }
+
+    fn commit(dir: &Path, file: &str, content: &str) {
+        fs::write(dir.join(file), content).unwrap();
+        git(dir, &["add", file]);
+        git(dir, &["commit", "-qm", file]);
+    }
+
+    #[test]
+    fn a_working_repository_reports_branch_upstream_and_every_count() {
+        let tmp = tempfile::tempdir().unwrap();
+        let origin = tmp.path().join("origin.git");
+        fs::create_dir(&origin).unwrap();
+        git(&origin, &["init", "-q", "--bare"]);
+        let work = tmp.path().join("work");
+        let other = tmp.path().join("other");
+        git(
+            tmp.path(),
+            &["clone", "-q", origin.to_str().unwrap(), "work"],
+        );
+        commit(&work, "a.txt", "a\n");
+        git(&work, &["push", "-q", "origin", "main"]);
+        git(
+            tmp.path(),
+            &["clone", "-q", origin.to_str().unwrap(), "other"],
+        );
+        // Two commits the work clone has not pushed, one it has not fetched.
+        commit(&other, "o.txt", "o\n");
+        git(&other, &["push", "-q", "origin", "main"]);
+        commit(&work, "b.txt", "b\n");
+        commit(&work, "c.txt", "c\n");
+        git(&work, &["fetch", "-q"]);
+        // A stash, then: one staged, one unstaged, two untracked, one ignored.
+        fs::write(work.join("a.txt"), "stashed\n").unwrap();
+        git(&work, &["stash", "-q"]);
+        fs::write(work.join("b.txt"), "staged\n").unwrap();
+        git(&work, &["add", "b.txt"]);
+        fs::write(work.join("c.txt"), "unstaged\n").unwrap();
+        fs::create_dir(work.join("new")).unwrap();
+        fs::write(work.join("new/u1"), "u\n").unwrap();
+        fs::write(work.join("new/u2"), "u\n").unwrap();
+        fs::write(work.join(".git/info/exclude"), "*.log\n").unwrap();
+        fs::write(work.join("build.log"), "ignored\n").unwrap();
+        let index_before = fs::read(work.join(".git/index")).unwrap();
+        let index_mtime = fs::metadata(work.join(".git/index"))
+            .unwrap()
+            .modified()
+            .unwrap();
+
+        let state = inspect(&work, "work").unwrap();
+        let head = git(&work, &["rev-parse", "HEAD"]);
+        assert_eq!(
+            state,
+            RepoState {
+                path: "work".into(),
+                branch: "main".into(),
+                head,
+                upstream: "origin/main".into(),
+                ahead: 2,
+                behind: 1,
+                staged: 1,
+                unstaged: 1,
+                untracked: 2,
+                stashes: 1,
+                detached: false,
+            }
+        );
+        assert_eq!(
+            fs::read(work.join(".git/index")).unwrap(),
+            index_before,
+            "the index must not be rewritten"
+        );
+        assert_eq!(
+            fs::metadata(work.join(".git/index"))
+                .unwrap()
+                .modified()
+                .unwrap(),
+            index_mtime
+        );
+        assert!(!work.join(".git/index.lock").exists());
+    }
+
+    #[test]
+    fn a_detached_head_has_no_branch() {
+        let tmp = tempfile::tempdir().unwrap();
+        git(tmp.path(), &["init", "-q"]);
+        commit(tmp.path(), "a", "1");
+        commit(tmp.path(), "b", "2");
+        git(tmp.path(), &["checkout", "-q", "--detach", "HEAD~1"]);
+        let state = inspect(tmp.path(), "").unwrap();
+        assert!(state.detached);
+        assert_eq!(state.branch, "");
+        assert_eq!(state.upstream, "");
+        assert_eq!(state.head, git(tmp.path(), &["rev-parse", "HEAD"]));
+    }
+
+    #[test]
+    fn a_repository_without_commits_names_its_unborn_branch() {
+        let tmp = tempfile::tempdir().unwrap();
+        git(tmp.path(), &["init", "-q"]);
+        fs::write(tmp.path().join("x"), "x").unwrap();
+        let state = inspect(tmp.path(), "").unwrap();
+        assert_eq!(
+            (state.branch.as_str(), state.head.as_str(), state.untracked),
+            ("main", "", 1)
+        );
+    }
+
+    #[test]
+    fn an_unreadable_repository_becomes_a_warning() {
+        let tmp = tempfile::tempdir().unwrap();
+        let broken = tmp.path().join("broken");
+        fs::create_dir_all(broken.join(".git")).unwrap();
+        let inspector = Inspector::start();
+        inspector.submit(RepoFound {
+            dir: broken,
+            rel: b"broken".to_vec(),
+        });
+        let (repos, warnings) = inspector.finish();
+        assert!(repos.is_empty());
+        assert_eq!(warnings.len(), 1);
+        assert!(
+            warnings[0].starts_with("cannot read git repository broken:"),
+            "{warnings:?}"
+        );
+    }
+}
