@@ -9,12 +9,21 @@
 //! - [`format`]: the versioned checkpoint format (trees, sealed blobs, packs).
 //! - [`transfer`]: HTTP transfers through signed URLs, with retries.
 //! - [`client`]: the gRPC connection to the coordinator.
+//! - [`restore`]: restoring a checkpoint, verified, with fallback to older
+//!   ones; also the pack-reading and tree-walking pieces `cairnctl` reuses.
+//! - [`scan`]: the parallel walk of a workspace (metadata only, ignore rules).
+//! - [`chunker`]: cutting file content into chunks (whole or FastCDC).
+//! - [`git`]: per-repository git metadata recorded with each checkpoint.
+//! - [`checkpoint`]: cutting, sealing, uploading and committing a checkpoint.
 
 pub mod cache;
 pub mod checkpoint;
+pub mod chunker;
 pub mod cli;
 pub mod client;
 pub mod failpoint;
 pub mod format;
+pub mod git;
 pub mod restore;
+pub mod scan;
 pub mod transfer;

@@ -1,0 +1,141 @@
+//! `cairnctl workspace create|list|show`.
+
+use std::process::ExitCode;
+
+use cairn_proto::pb;
+use cairn_runner::client::Coordinator;
+
+use super::output::{self, time_of};
+use super::{Output, emit, print_json, rpc_error};
+
+pub async fn create(
+    coordinator: &Coordinator,
+    name: Option<String>,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let workspace = client
+        .create_workspace(pb::CreateWorkspaceRequest {
+            name: name.unwrap_or_default(),
+        })
+        .await
+        .map_err(rpc_error("creating the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&workspace))?,
+        Output::Table => {
+            let named = if workspace.name.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", workspace.name)
+            };
+            emit(&format!("created workspace {}{named}", workspace.id))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn list(coordinator: &Coordinator, out: Output) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let mut workspaces = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_workspaces(pb::ListWorkspacesRequest {
+                page_size: 500,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(rpc_error("listing workspaces"))?
+            .into_inner();
+        workspaces.extend(page.workspaces);
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            workspaces.iter().map(output::workspace_json).collect(),
+        ))?,
+        Output::Table => {
+            let rows: Vec<Vec<String>> = workspaces
+                .iter()
+                .map(|w| {
+                    vec![
+                        w.id.clone(),
+                        if w.name.is_empty() {
+                            "-".into()
+                        } else {
+                            w.name.clone()
+                        },
+                        output::state(w.state).to_owned(),
+                        w.generation.to_string(),
+                        w.checkpoint_count.to_string(),
+                        w.latest_checkpoint
+                            .as_ref()
+                            .map(|c| output::age(time_of!(c.created_at)))
+                            .unwrap_or_else(|| "-".into()),
+                        output::age(time_of!(w.created_at)),
+                    ]
+                })
+                .collect();
+            emit(&output::table(
+                &[
+                    "ID",
+                    "NAME",
+                    "STATE",
+                    "GEN",
+                    "CHECKPOINTS",
+                    "LATEST",
+                    "CREATED",
+                ],
+                &rows,
+            ))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn show(
+    coordinator: &Coordinator,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let w = client
+        .get_workspace(pb::GetWorkspaceRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("showing the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&w))?,
+        Output::Table => {
+            let latest = match &w.latest_checkpoint {
+                Some(c) => output::checkpoint_brief(c),
+                None => "-".into(),
+            };
+            emit(&output::key_values(&[
+                ("id", w.id.clone()),
+                (
+                    "name",
+                    if w.name.is_empty() {
+                        "-".into()
+                    } else {
+                        w.name.clone()
+                    },
+                ),
+                ("tenant", w.tenant.clone()),
+                ("state", output::state(w.state).to_owned()),
+                ("generation", w.generation.to_string()),
+                ("checkpoints", w.checkpoint_count.to_string()),
+                ("latest", latest),
+                ("created", output::when(time_of!(w.created_at))),
+                ("updated", output::when(time_of!(w.updated_at))),
+            ]))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

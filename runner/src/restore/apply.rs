@@ -1,0 +1,591 @@
+//! Writing a checked plan into the restore root.
+//!
+//! ```text
+//! survey   (read only)  which directories on disk are real; which files
+//!                       already hold the planned content (fingerprint cache,
+//!                       or the blob ids recomputed from disk) → reuse
+//! prepare  (top-down)   directories created, or replaced when something else
+//!                       sits there; stale files unlinked; multi-chunk files
+//!                       created and sized; metadata of reused files fixed
+//! download (parallel)   coalesced ranged GETs per pack; each response opened
+//!                       (AEAD + keyed digest) and written at its offsets off
+//!                       the async threads; a file is finished (owner, mode,
+//!                       mtime) by whichever write completes it
+//! finish                symlinks (replacing what is there), entries the plan
+//!                       lacks removed, directory metadata bottom-up
+//! ```
+//!
+//! Nothing is written through a symlink or a hard link: directories are
+//! verified or created parent first, files are created fresh with
+//! `O_EXCL|O_NOFOLLOW` after the old entry is unlinked, and only files with a
+//! single link are reused. Everything happens below the root, whose own mode
+//! and mtime are left alone.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cairn_proto::ids::{BlobId, PackId};
+use rayon::prelude::*;
+
+use crate::cache::{Cache, Fingerprint};
+use crate::format::{self, ChunkRef, FormatError, TenantKeys};
+
+use super::fsops::{self, EntryMeta};
+use super::plan::{Plan, PlanKind};
+
+/// A problem on the local filesystem (not the checkpoint's fault).
+#[derive(Debug, thiserror::Error)]
+#[error("{action} {}: {source}", path.display())]
+pub struct LocalError {
+    pub action: &'static str,
+    pub path: PathBuf,
+    pub source: io::Error,
+}
+
+fn local<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LocalError + 'a {
+    move |source| LocalError {
+        action,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What a restore writes into, shared with the blocking workers.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub root: PathBuf,
+    pub plan: Arc<Plan>,
+    pub keys: Arc<TenantKeys>,
+    pub cache: Option<Arc<Cache>>,
+    /// Restore uid/gid (only when running as root).
+    pub set_owner: bool,
+    /// Relative paths never removed as extras (the runner's own cache dir).
+    pub protected: Vec<Vec<u8>>,
+}
+
+impl Target {
+    fn path(&self, rel: &[u8]) -> PathBuf {
+        if rel.is_empty() {
+            self.root.clone()
+        } else {
+            self.root.join(std::ffi::OsStr::from_bytes(rel))
+        }
+    }
+}
+
+/// What sits at a planned file's path before the restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Existing {
+    Nothing,
+    Dir,
+    /// A file, symlink or special file; `bytes` it occupies if a file.
+    Other {
+        bytes: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum FileState {
+    /// The content on disk is the planned content.
+    Reuse {
+        meta_ok: bool,
+        fingerprint: Fingerprint,
+    },
+    Write {
+        existing: Existing,
+    },
+}
+
+/// The survey's findings.
+#[derive(Debug)]
+pub(crate) struct Survey {
+    pub root_exists: bool,
+    /// Per plan entry; `None` for directories and symlinks.
+    pub files: Vec<Option<FileState>>,
+}
+
+impl Survey {
+    /// Bytes the files to write need, less what the files they replace free.
+    pub fn bytes_needed(&self, plan: &Plan) -> u64 {
+        let mut needed = 0u64;
+        let mut freed = 0u64;
+        for (entry, state) in plan.entries.iter().zip(&self.files) {
+            if let (PlanKind::File { size, .. }, Some(FileState::Write { existing })) =
+                (&entry.kind, state)
+            {
+                needed += size;
+                if let Existing::Other { bytes } = existing {
+                    freed += bytes;
+                }
+            }
+        }
+        needed.saturating_sub(freed)
+    }
+}
+
+/// Looks at the root without changing anything.
+pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
+    let plan = &target.plan;
+    // The root itself may be a symlink the operator chose; only below it is
+    // nothing followed.
+    let root_exists = match fs::metadata(&target.root) {
+        Ok(meta) if meta.is_dir() => true,
+        Ok(_) => {
+            return Err(LocalError {
+                action: "restoring into",
+                path: target.root.clone(),
+                source: io::Error::new(io::ErrorKind::NotADirectory, "the root is not a directory"),
+            });
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) => return Err(local("inspecting", &target.root)(e)),
+    };
+    // A directory is usable when it and all its ancestors are real
+    // directories on disk; below anything else, nothing on disk counts.
+    let mut usable = vec![false; plan.entries.len()];
+    for (i, entry) in plan.entries.iter().enumerate() {
+        if !matches!(entry.kind, PlanKind::Dir { .. }) {
+            continue;
+        }
+        let parent_usable = entry.parent.map_or(root_exists, |p| usable[p]);
+        if parent_usable {
+            let path = target.path(&entry.path);
+            usable[i] = match fs::symlink_metadata(&path) {
+                Ok(meta) => meta.file_type().is_dir(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                Err(e) => return Err(local("inspecting", &path)(e)),
+            };
+        }
+    }
+    let files = (0..plan.entries.len())
+        .into_par_iter()
+        .map(|i| {
+            let entry = &plan.entries[i];
+            let PlanKind::File { size, chunks } = &entry.kind else {
+                return Ok(None);
+            };
+            if !entry.parent.map_or(root_exists, |p| usable[p]) {
+                return Ok(Some(FileState::Write {
+                    existing: Existing::Nothing,
+                }));
+            }
+            let path = target.path(&entry.path);
+            let meta = match fs::symlink_metadata(&path) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Ok(Some(FileState::Write {
+                        existing: Existing::Nothing,
+                    }));
+                }
+                Err(e) => return Err(local("inspecting", &path)(e)),
+            };
+            if meta.file_type().is_dir() {
+                return Ok(Some(FileState::Write {
+                    existing: Existing::Dir,
+                }));
+            }
+            if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, *size, chunks) {
+                let meta_ok = entry.meta.matches(&meta, target.set_owner);
+                return Ok(Some(FileState::Reuse {
+                    meta_ok,
+                    fingerprint,
+                }));
+            }
+            let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
+                meta.len()
+            } else {
+                0
+            };
+            Ok(Some(FileState::Write {
+                existing: Existing::Other { bytes },
+            }))
+        })
+        .collect::<Result<Vec<_>, LocalError>>()?;
+    Ok(Survey { root_exists, files })
+}
+
+/// The fingerprint of the file at `path` if it already holds `chunks`.
+fn reusable(
+    target: &Target,
+    rel: &[u8],
+    path: &Path,
+    meta: &fs::Metadata,
+    size: u64,
+    chunks: &[ChunkRef],
+) -> Option<Fingerprint> {
+    // A file with other links may be shared with something outside the
+    // root; it is replaced rather than kept and re-permissioned.
+    if !meta.file_type().is_file() || meta.len() != size || meta.nlink() != 1 {
+        return None;
+    }
+    let fingerprint = Fingerprint::of(meta);
+    if let Some(cache) = &target.cache
+        && cache.lookup(rel, &fingerprint) == Some(chunks)
+    {
+        return Some(fingerprint);
+    }
+    let mut file = fsops::open_for_read(path).ok()?;
+    let mut buf = Vec::new();
+    for chunk in chunks {
+        buf.resize(chunk.len as usize, 0);
+        file.read_exact(&mut buf).ok()?;
+        if !target.keys.verify_blob_id(&chunk.id, &buf) {
+            return None;
+        }
+    }
+    // The file must not have changed while it was read.
+    let after = Fingerprint::of(&file.metadata().ok()?);
+    (after == fingerprint).then_some(fingerprint)
+}
+
+/// A file the download writes.
+#[derive(Debug)]
+pub(crate) struct FileJob {
+    pub plan_index: usize,
+    pub path: PathBuf,
+    meta: EntryMeta,
+    /// Chunk writes still to come; the one that brings it to zero finishes the file.
+    remaining: AtomicU32,
+    /// A single-chunk file: created by its one write instead of in advance.
+    create_on_write: bool,
+    pub fingerprint: OnceLock<Fingerprint>,
+}
+
+/// What `prepare` leaves for the download and the report.
+#[derive(Debug, Default)]
+pub(crate) struct Prepared {
+    pub jobs: Vec<FileJob>,
+    /// Files kept as they were, with their fingerprint.
+    pub reused: Vec<(usize, Fingerprint)>,
+    /// Empty files, created and finished by `prepare`.
+    pub created_empty: Vec<(usize, Fingerprint)>,
+}
+
+/// Creates the directory skeleton and readies every file for the download.
+pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, LocalError> {
+    let plan = &target.plan;
+    if !survey.root_exists {
+        fs::create_dir_all(&target.root).map_err(local("creating the root", &target.root))?;
+    }
+    for entry in &plan.entries {
+        if matches!(entry.kind, PlanKind::Dir { .. }) {
+            ensure_dir(&target.path(&entry.path))?;
+        }
+    }
+    let mut prepared = Prepared::default();
+    for (i, (entry, state)) in plan.entries.iter().zip(survey.files).enumerate() {
+        let (PlanKind::File { size, chunks }, Some(state)) = (&entry.kind, state) else {
+            continue;
+        };
+        let path = target.path(&entry.path);
+        let existing = match state {
+            FileState::Reuse {
+                meta_ok: true,
+                fingerprint,
+            } => {
+                prepared.reused.push((i, fingerprint));
+                continue;
+            }
+            FileState::Reuse { meta_ok: false, .. } => {
+                match fix_meta(&path, &entry.meta, target.set_owner) {
+                    Ok(fingerprint) => {
+                        prepared.reused.push((i, fingerprint));
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::debug!(path = %path.display(), error = %e, "cannot fix the metadata of a matching file; rewriting it");
+                        Existing::Other { bytes: 0 }
+                    }
+                }
+            }
+            FileState::Write { existing } => existing,
+        };
+        if existing != Existing::Nothing {
+            fsops::remove_entry(&path).map_err(local("removing", &path))?;
+        }
+        if *size == 0 {
+            let file = fsops::create_new(&path).map_err(local("creating", &path))?;
+            let fingerprint = finish_file(&file, &path, &entry.meta, target.set_owner)?;
+            prepared.created_empty.push((i, fingerprint));
+            continue;
+        }
+        let create_on_write = chunks.len() == 1;
+        if !create_on_write {
+            let file = fsops::create_new(&path).map_err(local("creating", &path))?;
+            file.set_len(*size).map_err(local("sizing", &path))?;
+        }
+        prepared.jobs.push(FileJob {
+            plan_index: i,
+            path,
+            meta: entry.meta,
+            remaining: AtomicU32::new(chunks.len() as u32),
+            create_on_write,
+            fingerprint: OnceLock::new(),
+        });
+    }
+    Ok(prepared)
+}
+
+/// Makes `path` a real directory the restore can write into.
+fn ensure_dir(path: &Path) -> Result<(), LocalError> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_dir() => {
+            if meta.mode() & 0o700 != 0o700 {
+                // Final modes are set at the end; until then the owner writes.
+                fs::set_permissions(
+                    path,
+                    fs::Permissions::from_mode((meta.mode() | 0o700) & 0o7777),
+                )
+                .map_err(local("making writable", path))?;
+            }
+            return Ok(());
+        }
+        Ok(_) => fsops::remove_entry(path).map_err(local("removing", path))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(local("inspecting", path)(e)),
+    }
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(path)
+        .map_err(local("creating directory", path))
+}
+
+fn fix_meta(path: &Path, meta: &EntryMeta, set_owner: bool) -> io::Result<Fingerprint> {
+    let file = fsops::open_for_read(path)?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(io::Error::other("no longer a regular file"));
+    }
+    fsops::apply_meta(&file, meta, set_owner)?;
+    Ok(Fingerprint::of(&file.metadata()?))
+}
+
+fn finish_file(
+    file: &fs::File,
+    path: &Path,
+    meta: &EntryMeta,
+    set_owner: bool,
+) -> Result<Fingerprint, LocalError> {
+    fsops::apply_meta(file, meta, set_owner).map_err(local("setting metadata of", path))?;
+    let after = file.metadata().map_err(local("inspecting", path))?;
+    Ok(Fingerprint::of(&after))
+}
+
+/// A blob the download needs and where its plaintext goes.
+#[derive(Debug, Clone)]
+pub(crate) struct NeededBlob {
+    pub id: BlobId,
+    pub plain_len: u32,
+    /// (file job, offset in the file)
+    pub targets: Vec<(usize, u64)>,
+}
+
+/// Why writing one downloaded range failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SpanError {
+    #[error("pack {pack}: {source}")]
+    Blob { pack: PackId, source: FormatError },
+    #[error(transparent)]
+    Local(#[from] LocalError),
+}
+
+/// The download side shared by all blocking writers.
+#[derive(Debug)]
+pub(crate) struct Writers {
+    pub jobs: Vec<FileJob>,
+    pub keys: Arc<TenantKeys>,
+    pub set_owner: bool,
+    /// Set on the first failure so that writers still queued stop early.
+    pub cancelled: AtomicBool,
+}
+
+/// What one range's writes achieved.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct SpanDone {
+    pub bytes: u64,
+    pub files: u64,
+}
+
+/// Opens every blob of one downloaded range and writes it to its files.
+/// `items` are `(offset in pack, sealed length, blob)`.
+pub(crate) fn write_span(
+    writers: &Writers,
+    pack: &PackId,
+    start: u64,
+    bytes: &[u8],
+    items: &[(u64, u64, NeededBlob)],
+) -> Result<SpanDone, SpanError> {
+    let mut done = SpanDone::default();
+    let mut open_files: HashMap<usize, fs::File> = HashMap::new();
+    for (offset, sealed_len, blob) in items {
+        if writers.cancelled.load(Ordering::Relaxed) {
+            break;
+        }
+        let at = (offset - start) as usize;
+        let sealed = &bytes[at..at + *sealed_len as usize];
+        let plain = format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize)
+            .map_err(|source| SpanError::Blob {
+                pack: pack.clone(),
+                source,
+            })?;
+        for &(job_index, file_offset) in &blob.targets {
+            let job = &writers.jobs[job_index];
+            if job.create_on_write {
+                let mut file =
+                    fsops::create_new(&job.path).map_err(local("creating", &job.path))?;
+                file.write_all(&plain)
+                    .map_err(local("writing", &job.path))?;
+                let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
+                let _ = job.fingerprint.set(fingerprint);
+                done.files += 1;
+            } else {
+                let file = match open_files.entry(job_index) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                        fsops::open_for_write(&job.path).map_err(local("opening", &job.path))?,
+                    ),
+                };
+                file.write_all_at(&plain, file_offset)
+                    .map_err(local("writing", &job.path))?;
+                if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    let fingerprint = finish_file(file, &job.path, &job.meta, writers.set_owner)?;
+                    let _ = job.fingerprint.set(fingerprint);
+                    done.files += 1;
+                }
+            }
+            done.bytes += plain.len() as u64;
+        }
+    }
+    Ok(done)
+}
+
+/// Symlinks, removal of what the plan lacks, and directory metadata.
+/// Returns how many entries were removed.
+pub(crate) fn finish(target: &Target) -> Result<u64, LocalError> {
+    let plan = &target.plan;
+    for entry in &plan.entries {
+        let PlanKind::Symlink {
+            target: link_target,
+        } = &entry.kind
+        else {
+            continue;
+        };
+        let path = target.path(&entry.path);
+        let link_target = std::ffi::OsStr::from_bytes(link_target);
+        let in_place = match fs::symlink_metadata(&path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                fs::read_link(&path).is_ok_and(|current| current.as_os_str() == link_target)
+            }
+            _ => false,
+        };
+        if !in_place {
+            fsops::remove_entry(&path).map_err(local("removing", &path))?;
+            std::os::unix::fs::symlink(link_target, &path)
+                .map_err(local("creating symlink", &path))?;
+        }
+        if target.set_owner {
+            std::os::unix::fs::lchown(&path, Some(entry.meta.uid), Some(entry.meta.gid))
+                .map_err(local("setting the owner of", &path))?;
+        }
+        fsops::set_symlink_mtime(&path, &entry.meta)
+            .map_err(local("setting the mtime of", &path))?;
+    }
+
+    let mut removed = 0;
+    let dirs = std::iter::once(None).chain(
+        plan.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e.kind, PlanKind::Dir { .. }))
+            .map(|(i, _)| Some(i)),
+    );
+    for dir in dirs {
+        let rel: &[u8] = dir.map_or(&[], |i| &plan.entries[i].path);
+        let dir_path = target.path(rel);
+        let listing = fs::read_dir(&dir_path).map_err(local("listing", &dir_path))?;
+        for item in listing {
+            let item = item.map_err(local("listing", &dir_path))?;
+            let name = item.file_name();
+            if plan.has_child(dir, name.as_bytes()) {
+                continue;
+            }
+            let child_rel = if rel.is_empty() {
+                name.as_bytes().to_vec()
+            } else {
+                [rel, b"/", name.as_bytes()].concat()
+            };
+            if target.protected.contains(&child_rel) {
+                continue;
+            }
+            let path = item.path();
+            fsops::remove_entry(&path).map_err(local("removing", &path))?;
+            removed += 1;
+        }
+    }
+
+    for entry in plan.entries.iter().rev() {
+        if !matches!(entry.kind, PlanKind::Dir { .. }) {
+            continue;
+        }
+        let path = target.path(&entry.path);
+        let dir = fsops::open_dir(&path).map_err(local("opening", &path))?;
+        fsops::apply_meta(&dir, &entry.meta, target.set_owner)
+            .map_err(local("setting metadata of", &path))?;
+    }
+    Ok(removed)
+}
+
+/// Relative paths of `inner` and its ancestors below `root`, if `inner` lies
+/// inside `root` (compared after resolving both).
+pub(crate) fn protected_paths(root: &Path, inner: &Path) -> Vec<Vec<u8>> {
+    let (Ok(root), Ok(inner)) = (root.canonicalize(), inner.canonicalize()) else {
+        return Vec::new();
+    };
+    let Ok(rel) = inner.strip_prefix(&root) else {
+        return Vec::new();
+    };
+    let mut paths = Vec::new();
+    let mut current = Vec::new();
+    for component in rel.components() {
+        if !current.is_empty() {
+            current.push(b'/');
+        }
+        current.extend_from_slice(component.as_os_str().as_bytes());
+        paths.push(current.clone());
+    }
+    paths
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_dir_inside_the_root_is_protected_with_its_ancestors() {
+        let dir = tempfile::tempdir().unwrap();
+        let inner = dir.path().join(".cache/cairn");
+        fs::create_dir_all(&inner).unwrap();
+        let paths = protected_paths(dir.path(), &inner);
+        assert_eq!(paths, [b".cache".to_vec(), b".cache/cairn".to_vec()]);
+        let elsewhere = tempfile::tempdir().unwrap();
+        assert!(protected_paths(dir.path(), elsewhere.path()).is_empty());
+    }
+
+    #[test]
+    fn ensure_dir_replaces_a_symlink_without_touching_its_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        let link = dir.path().join("a");
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        ensure_dir(&link).unwrap();
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_dir());
+        assert!(outside.is_dir(), "the link's target stays");
+        assert_eq!(fs::read_dir(&outside).unwrap().count(), 0);
+    }
+}

@@ -1,0 +1,224 @@
+//! Filesystem operations of the restore writer that never follow a symlink.
+//!
+//! The writer works on paths below the restore root whose every directory
+//! component it has checked (lstat) or created itself, top-down, before it
+//! touches anything inside. What remains is the last component, which may be
+//! anything the previous occupant of the root left there: files are opened
+//! with `O_NOFOLLOW` (and created with `O_EXCL`, so a symlink or a hard link
+//! planted at the path is never written through), and metadata is set on
+//! open descriptors, or with the `l*`/`AT_SYMLINK_NOFOLLOW` calls for
+//! symlinks.
+
+use std::ffi::CString;
+use std::fs::{self, File, FileTimes, OpenOptions};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The metadata a restored entry gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EntryMeta {
+    pub mode: u32,
+    pub mtime_sec: i64,
+    pub mtime_nsec: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl EntryMeta {
+    pub fn mtime(&self) -> SystemTime {
+        let nanos = Duration::from_nanos(u64::from(self.mtime_nsec.min(999_999_999)));
+        if self.mtime_sec >= 0 {
+            UNIX_EPOCH + Duration::from_secs(self.mtime_sec as u64) + nanos
+        } else {
+            UNIX_EPOCH - Duration::from_secs(self.mtime_sec.unsigned_abs()) + nanos
+        }
+    }
+
+    /// Whether an entry on disk already carries this metadata.
+    pub fn matches(&self, meta: &fs::Metadata, set_owner: bool) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        meta.mode() & 0o7777 == self.mode & 0o7777
+            && meta.mtime() == self.mtime_sec
+            && meta.mtime_nsec() == i64::from(self.mtime_nsec)
+            && (!set_owner || (meta.uid() == self.uid && meta.gid() == self.gid))
+    }
+}
+
+/// Whether this process may give files away (restore uid/gid).
+pub(crate) fn running_as_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Creates a new regular file for writing. Fails if anything is at `path`.
+pub(crate) fn create_new(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Opens an existing regular file that the writer created, for writing.
+pub(crate) fn open_for_write(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Opens a file for reading without following a symlink and without
+/// blocking on a fifo that might have replaced it.
+pub(crate) fn open_for_read(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Opens a directory (not a symlink to one) to set its metadata.
+pub(crate) fn open_dir(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Sets owner (when `set_owner`), mode and mtime on an open file or directory.
+/// The owner goes first because chown clears setuid/setgid bits.
+pub(crate) fn apply_meta(file: &File, meta: &EntryMeta, set_owner: bool) -> io::Result<()> {
+    if set_owner {
+        std::os::unix::fs::fchown(file, Some(meta.uid), Some(meta.gid))?;
+    }
+    file.set_permissions(fs::Permissions::from_mode(meta.mode & 0o7777))?;
+    file.set_times(FileTimes::new().set_modified(meta.mtime()))
+}
+
+/// Removes whatever is at `path` without following it: a directory with all
+/// its content, anything else by unlinking the entry itself.
+pub(crate) fn remove_entry(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// Sets the mtime of a symlink itself (std has no stable call for this).
+pub(crate) fn set_symlink_mtime(path: &Path, meta: &EntryMeta) -> io::Result<()> {
+    let c = c_path(path)?;
+    // SAFETY: timespec is plain old data; all-zero is a valid value.
+    let mut times: [libc::timespec; 2] = unsafe { std::mem::zeroed() };
+    times[0].tv_nsec = libc::UTIME_OMIT;
+    times[1].tv_sec = meta.mtime_sec as libc::time_t;
+    times[1].tv_nsec = i64::from(meta.mtime_nsec.min(999_999_999)) as _;
+    // SAFETY: `c` is a NUL-terminated path and `times` holds the two
+    // timespecs utimensat reads; neither outlives this call.
+    let rc = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Bytes available to this user on the filesystem holding `path` (or its
+/// nearest existing ancestor).
+pub(crate) fn available_bytes(path: &Path) -> io::Result<u64> {
+    let mut probe = path;
+    while fs::symlink_metadata(probe).is_err() {
+        match probe.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => probe = parent,
+            _ => {
+                probe = Path::new(".");
+                break;
+            }
+        }
+    }
+    let c = c_path(probe)?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is NUL-terminated and `stat` is a writable statvfs buffer.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), stat.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it filled the buffer.
+    let stat = unsafe { stat.assume_init() };
+    // The field types are 32 bits wide on some targets.
+    #[allow(clippy::unnecessary_cast)]
+    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn files_are_never_created_or_opened_through_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        fs::write(&outside, b"keep").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        assert!(create_new(&link).is_err());
+        assert!(open_for_write(&link).is_err());
+        assert!(open_for_read(&link).is_err());
+        assert_eq!(fs::read(&outside).unwrap(), b"keep");
+        remove_entry(&link).unwrap();
+        assert!(outside.exists(), "removing a link leaves its target alone");
+    }
+
+    #[test]
+    fn symlink_mtimes_are_set_on_the_link_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        fs::write(&target, b"x").unwrap();
+        let before = fs::metadata(&target).unwrap().mtime();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("target", &link).unwrap();
+        let meta = EntryMeta {
+            mode: 0o777,
+            mtime_sec: 1_000_000,
+            mtime_nsec: 5,
+            uid: 0,
+            gid: 0,
+        };
+        set_symlink_mtime(&link, &meta).unwrap();
+        let got = fs::symlink_metadata(&link).unwrap();
+        assert_eq!((got.mtime(), got.mtime_nsec()), (1_000_000, 5));
+        assert_eq!(fs::metadata(&target).unwrap().mtime(), before);
+    }
+
+    #[test]
+    fn negative_mtimes_convert_to_times_before_the_epoch() {
+        let meta = EntryMeta {
+            mode: 0,
+            mtime_sec: -2,
+            mtime_nsec: 500_000_000,
+            uid: 0,
+            gid: 0,
+        };
+        assert_eq!(
+            UNIX_EPOCH.duration_since(meta.mtime()).unwrap(),
+            Duration::from_millis(1500)
+        );
+    }
+}

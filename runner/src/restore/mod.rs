@@ -1,0 +1,961 @@
+//! Restoring a checkpoint into a directory, verified, newest-first.
+//!
+//! ```text
+//! GetRestoreManifest ─► candidates, newest first (or exactly --checkpoint)
+//!   for each candidate until one succeeds:
+//!     META packs, whole ─► verify ─► trees ─► plan     (plan.rs: refuses
+//!                                                        unsafe entries)
+//!     DATA pack indexes (ranged GETs) ─► every chunk located
+//!     ── nothing has been written up to here ──
+//!     survey, prepare, download + write, finish        (apply.rs)
+//!   a failure of the checkpoint's own (corrupt or missing pack, bad tree,
+//!   blob that does not verify) is recorded and the next candidate restores
+//!   over what the failed one left; a local failure (disk full, permission)
+//!   stops the restore, since an older checkpoint would not fix it
+//! fingerprint cache updated with what was written, so the next checkpoint
+//! does not read the restored files again
+//! ```
+//!
+//! A restore never presents an empty directory as a restored workspace: no
+//! candidates is an error, and when every candidate fails the error lists
+//! each with its reason.
+
+mod apply;
+pub mod fetch;
+mod fsops;
+pub mod manifest;
+pub mod plan;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use cairn_proto::domain::PackKind;
+use cairn_proto::ids::{BlobId, CheckpointId, PackId, WorkspaceId};
+use cairn_proto::pb;
+use futures::{StreamExt, TryStreamExt, stream};
+
+use crate::cache::{Cache, CachedFile, Fingerprint};
+use crate::cli::{OutputFormat, RestoreArgs, default_cache_dir};
+use crate::client::{ConnectError, Coordinator};
+use crate::format::{ChunkRef, IndexEntry, PackIndex};
+use crate::transfer::BlobTransfer;
+
+use apply::{LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
+use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetcher, coalesce};
+pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
+pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
+
+/// Ranged GETs in flight at once.
+const PARALLEL_REQUESTS: usize = 8;
+
+/// What to restore, and where.
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// The directory to restore into; created if missing.
+    pub root: PathBuf,
+    /// Workspace id or name.
+    pub workspace: String,
+    /// Restore exactly this checkpoint, with no fallback.
+    pub checkpoint: Option<CheckpointId>,
+    /// The runner's fingerprint cache: consulted to reuse files and updated
+    /// afterwards. `None` leaves every cache alone (e.g. `cairnctl checkout`).
+    pub cache_dir: Option<PathBuf>,
+    /// How many candidates to ask for (0: the coordinator's default).
+    pub max_candidates: u32,
+    pub limits: Limits,
+}
+
+impl RestoreOptions {
+    pub fn new(root: impl Into<PathBuf>, workspace: impl Into<String>) -> Self {
+        Self {
+            root: root.into(),
+            workspace: workspace.into(),
+            checkpoint: None,
+            cache_dir: None,
+            max_candidates: 0,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A candidate that was not restored, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SkippedCheckpoint {
+    pub checkpoint_id: String,
+    pub reason: String,
+}
+
+/// What a successful restore did.
+#[derive(Debug, Clone)]
+pub struct RestoreReport {
+    pub checkpoint_id: CheckpointId,
+    pub workspace_id: WorkspaceId,
+    /// The restored checkpoint's record, as the coordinator sent it.
+    pub checkpoint: pb::Checkpoint,
+    /// Newer candidates that failed, newest first.
+    pub fell_back_from: Vec<SkippedCheckpoint>,
+    pub files: u64,
+    pub directories: u64,
+    pub symlinks: u64,
+    /// Logical size of the checkpoint's files.
+    pub total_bytes: u64,
+    /// File content written (files already on disk that matched are not).
+    pub bytes_written: u64,
+    /// Bytes received from the store, over every candidate tried.
+    pub bytes_downloaded: u64,
+    pub files_reused: u64,
+    /// Entries on disk the checkpoint does not have, removed.
+    pub entries_removed: u64,
+    pub duration_ms: u64,
+}
+
+#[derive(serde::Serialize)]
+struct ReportJson<'a> {
+    checkpoint_id: &'a str,
+    workspace_id: &'a str,
+    fell_back_from: &'a [SkippedCheckpoint],
+    files: u64,
+    directories: u64,
+    symlinks: u64,
+    bytes_written: u64,
+    bytes_downloaded: u64,
+    files_reused: u64,
+    duration_ms: u64,
+}
+
+impl RestoreReport {
+    /// The report as the JSON object of `--output json`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(ReportJson {
+            checkpoint_id: self.checkpoint_id.as_str(),
+            workspace_id: self.workspace_id.as_str(),
+            fell_back_from: &self.fell_back_from,
+            files: self.files,
+            directories: self.directories,
+            symlinks: self.symlinks,
+            bytes_written: self.bytes_written,
+            bytes_downloaded: self.bytes_downloaded,
+            files_reused: self.files_reused,
+            duration_ms: self.duration_ms,
+        })
+        .expect("the report serialises")
+    }
+
+    /// A few lines for people: the checkpoint used and every one skipped.
+    pub fn summary(&self, root: &Path) -> String {
+        let mut out = format!(
+            "restored checkpoint {} (#{}, {}{}) of workspace {} into {}\n  {} files ({}), {} directories, {} symlinks; \
+             wrote {}, reused {} files, removed {} stale entries; downloaded {} in {} ms",
+            self.checkpoint_id,
+            self.checkpoint.sequence,
+            cairn_proto::domain::CheckpointReason::try_from(self.checkpoint.reason)
+                .map(|r| r.as_str())
+                .unwrap_or("unknown reason"),
+            self.checkpoint
+                .created_at
+                .as_ref()
+                .map(|t| format!(", {}", human_age(cairn_proto::domain::from_timestamp(t))))
+                .unwrap_or_default(),
+            self.workspace_id,
+            root.display(),
+            self.files,
+            human_bytes(self.total_bytes),
+            self.directories,
+            self.symlinks,
+            human_bytes(self.bytes_written),
+            self.files_reused,
+            self.entries_removed,
+            human_bytes(self.bytes_downloaded),
+            self.duration_ms,
+        );
+        for skipped in &self.fell_back_from {
+            out.push_str(&format!(
+                "\n  fell back from checkpoint {}: {}",
+                skipped.checkpoint_id, skipped.reason
+            ));
+        }
+        out
+    }
+}
+
+/// Binary-prefixed byte count, e.g. `312.4 MiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// How long ago `then` was, coarsely: `42s ago`, `5m ago`, `3h ago`, `2d ago`.
+pub fn human_age(then: SystemTime) -> String {
+    match SystemTime::now().duration_since(then) {
+        Ok(d) if d.as_secs() < 60 => format!("{}s ago", d.as_secs()),
+        Ok(d) if d.as_secs() < 3600 => format!("{}m ago", d.as_secs() / 60),
+        Ok(d) if d.as_secs() < 86_400 => format!("{}h ago", d.as_secs() / 3600),
+        Ok(d) => format!("{}d ago", d.as_secs() / 86_400),
+        Err(_) => "just now".into(),
+    }
+}
+
+/// Progress of a restore, for progress bars. Every method has a no-op default.
+pub trait RestoreProgress: Send + Sync {
+    /// Starting on a candidate.
+    fn trying(&self, _checkpoint: &CheckpointId) {}
+    /// A candidate failed; the next one follows.
+    fn skipped(&self, _checkpoint: &str, _reason: &str) {}
+    /// The candidate's work is known.
+    fn planned(&self, _work: &PlannedWork) {}
+    fn downloaded(&self, _bytes: u64) {}
+    fn written(&self, _bytes: u64, _files: u64) {}
+}
+
+/// What restoring one candidate takes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlannedWork {
+    pub files: u64,
+    pub files_to_write: u64,
+    pub files_reused: u64,
+    pub bytes_to_write: u64,
+    pub bytes_to_download: u64,
+}
+
+/// Reports nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoProgress;
+
+impl RestoreProgress for NoProgress {}
+
+/// Why a restore failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("workspace {workspace} has no checkpoints")]
+    NoCheckpoints { workspace: String },
+    #[error("checkpoint {checkpoint} is not a checkpoint of workspace {workspace}")]
+    CheckpointNotFound {
+        workspace: String,
+        checkpoint: CheckpointId,
+    },
+    #[error("no checkpoint of workspace {workspace} could be restored: {}", list_failures(.failures))]
+    NothingRestorable {
+        workspace: String,
+        failures: Vec<SkippedCheckpoint>,
+    },
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error("coordinator: {}", describe_status(.0))]
+    Coordinator(tonic::Status),
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(transparent)]
+    Local(#[from] LocalError),
+    #[error(
+        "checkpoint {checkpoint} needs {} more on the filesystem of {}, which has {} free",
+        human_bytes(*.needed), .root.display(), human_bytes(*.available)
+    )]
+    NoSpace {
+        checkpoint: CheckpointId,
+        root: PathBuf,
+        needed: u64,
+        available: u64,
+    },
+}
+
+impl RestoreError {
+    /// Whether running the same restore again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Connect(ConnectError::Unreachable { .. }) => true,
+            Self::Coordinator(status) => matches!(
+                status.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::ResourceExhausted
+            ),
+            _ => false,
+        }
+    }
+}
+
+fn list_failures(failures: &[SkippedCheckpoint]) -> String {
+    failures
+        .iter()
+        .map(|f| format!("{}: {}", f.checkpoint_id, f.reason))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A gRPC status in words: the code spelled out, then the message, e.g.
+/// `not found: workspace "x" does not exist`.
+pub fn describe_status(status: &tonic::Status) -> String {
+    use tonic::Code;
+    let words = match status.code() {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown error",
+        Code::InvalidArgument => "invalid argument",
+        Code::DeadlineExceeded => "deadline exceeded",
+        Code::NotFound => "not found",
+        Code::AlreadyExists => "already exists",
+        Code::PermissionDenied => "permission denied",
+        Code::ResourceExhausted => "resource exhausted",
+        Code::FailedPrecondition => "failed precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out of range",
+        Code::Unimplemented => "not implemented",
+        Code::Internal => "internal error",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data loss",
+        Code::Unauthenticated => "unauthenticated",
+    };
+    let message = status.message().trim();
+    if message.is_empty() {
+        words.to_owned()
+    } else if message.to_lowercase().contains(words) {
+        message.to_owned()
+    } else {
+        format!("{words}: {message}")
+    }
+}
+
+/// Why one candidate could not be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum CandidateError {
+    #[error("{0}")]
+    Manifest(String),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Corrupt(#[from] CorruptPack),
+    #[error(transparent)]
+    Fetch(FetchError),
+    #[error("blob {blob} is in none of the checkpoint's packs")]
+    MissingBlob { blob: BlobId },
+    #[error("blob {blob} holds {actual} bytes in pack {pack} but the tree says {expected}")]
+    BlobLength {
+        blob: BlobId,
+        pack: PackId,
+        actual: u32,
+        expected: u32,
+    },
+    #[error("pack {pack}: {source}")]
+    Blob {
+        pack: PackId,
+        source: crate::format::FormatError,
+    },
+}
+
+/// A failed attempt: the candidate's fault (try the next) or not (stop).
+#[derive(Debug)]
+enum AttemptError {
+    Candidate(CandidateError),
+    Fatal(RestoreError),
+}
+
+impl<E: Into<CandidateError>> From<E> for AttemptError {
+    fn from(e: E) -> Self {
+        Self::Candidate(e.into())
+    }
+}
+
+impl From<FetchError> for CandidateError {
+    fn from(e: FetchError) -> Self {
+        Self::Fetch(e)
+    }
+}
+
+impl AttemptError {
+    fn fetch(e: FetchError) -> Self {
+        match e {
+            FetchError::Refresh(status) => Self::Fatal(RestoreError::Coordinator(status)),
+            other => Self::Candidate(CandidateError::Fetch(other)),
+        }
+    }
+
+    fn index(e: IndexError) -> Self {
+        match e {
+            IndexError::Fetch(f) => Self::fetch(f),
+            IndexError::Corrupt(c) => Self::Candidate(c.into()),
+        }
+    }
+
+    fn span(e: SpanError) -> Self {
+        match e {
+            SpanError::Local(local) => Self::Fatal(local.into()),
+            SpanError::Blob { pack, source } => {
+                Self::Candidate(CandidateError::Blob { pack, source })
+            }
+        }
+    }
+
+    fn local(e: LocalError) -> Self {
+        Self::Fatal(e.into())
+    }
+}
+
+/// Runs a blocking closure on tokio's blocking pool, passing panics on.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(value) => value,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// Restores the newest restorable checkpoint of `opts.workspace` (or exactly
+/// `opts.checkpoint`) into `opts.root`.
+pub async fn restore(
+    source: &dyn ManifestSource,
+    opts: &RestoreOptions,
+    progress: &dyn RestoreProgress,
+) -> Result<RestoreReport, RestoreError> {
+    let started = Instant::now();
+    let started_at = SystemTime::now();
+    let request = pb::GetRestoreManifestRequest {
+        workspace: opts.workspace.clone(),
+        checkpoint_id: opts
+            .checkpoint
+            .as_ref()
+            .map(|c| c.to_string())
+            .unwrap_or_default(),
+        max_candidates: opts.max_candidates,
+    };
+    let manifest = source
+        .restore_manifest(request.clone())
+        .await
+        .map_err(RestoreError::Coordinator)?;
+    let manifest = Manifest::parse(manifest)?;
+    let mut candidates = manifest.candidates.clone();
+    if let Some(wanted) = &opts.checkpoint {
+        candidates.retain(|c| c.id == wanted.as_str());
+        if candidates.is_empty() {
+            return Err(RestoreError::CheckpointNotFound {
+                workspace: opts.workspace.clone(),
+                checkpoint: wanted.clone(),
+            });
+        }
+    }
+    if candidates.is_empty() {
+        return Err(RestoreError::NoCheckpoints {
+            workspace: opts.workspace.clone(),
+        });
+    }
+
+    let fetcher = PackFetcher::new(
+        BlobTransfer::default(),
+        source,
+        request,
+        manifest.urls.clone(),
+    );
+    let protected = match &opts.cache_dir {
+        Some(dir) => apply::protected_paths(&opts.root, dir),
+        None => Vec::new(),
+    };
+    let attempt_ctx = AttemptContext {
+        fetcher: &fetcher,
+        opts,
+        progress,
+        workspace_id: &manifest.workspace_id,
+        protected,
+        set_owner: fsops::running_as_root(),
+    };
+    let mut skipped = Vec::new();
+    for candidate in &candidates {
+        let outcome = match manifest.resolve(candidate) {
+            Ok(resolved) => {
+                progress.trying(&resolved.id);
+                attempt(&attempt_ctx, &resolved)
+                    .await
+                    .map(|outcome| (resolved, outcome))
+            }
+            Err(reason) => Err(AttemptError::Candidate(CandidateError::Manifest(reason))),
+        };
+        match outcome {
+            Ok((resolved, mut outcome)) => {
+                if let Some(cache_dir) = &opts.cache_dir {
+                    let dir = cache_dir.clone();
+                    let workspace_id = manifest.workspace_id.clone();
+                    let key_id = resolved.keys.key_id().to_owned();
+                    let update = std::mem::take(&mut outcome.cache_update);
+                    blocking(move || {
+                        update_cache(&dir, &workspace_id, &key_id, update, started_at)
+                    })
+                    .await;
+                }
+                return Ok(RestoreReport {
+                    checkpoint_id: resolved.id,
+                    workspace_id: manifest.workspace_id.clone(),
+                    checkpoint: candidate.checkpoint.clone(),
+                    fell_back_from: skipped,
+                    files: outcome.plan_files,
+                    directories: outcome.plan_directories,
+                    symlinks: outcome.plan_symlinks,
+                    total_bytes: outcome.plan_bytes,
+                    bytes_written: outcome.bytes_written,
+                    bytes_downloaded: fetcher.downloaded_bytes(),
+                    files_reused: outcome.files_reused,
+                    entries_removed: outcome.entries_removed,
+                    duration_ms: started.elapsed().as_millis() as u64,
+                });
+            }
+            Err(AttemptError::Candidate(e)) => {
+                let reason = e.to_string();
+                tracing::warn!(checkpoint = %candidate.id, %reason, "checkpoint cannot be restored; trying the next one");
+                progress.skipped(&candidate.id, &reason);
+                skipped.push(SkippedCheckpoint {
+                    checkpoint_id: candidate.id.clone(),
+                    reason,
+                });
+            }
+            Err(AttemptError::Fatal(e)) => return Err(e),
+        }
+    }
+    Err(RestoreError::NothingRestorable {
+        workspace: opts.workspace.clone(),
+        failures: skipped,
+    })
+}
+
+struct AttemptContext<'a> {
+    fetcher: &'a PackFetcher<'a>,
+    opts: &'a RestoreOptions,
+    progress: &'a dyn RestoreProgress,
+    workspace_id: &'a WorkspaceId,
+    protected: Vec<Vec<u8>>,
+    set_owner: bool,
+}
+
+/// What the fingerprint cache learns from a restore.
+#[derive(Debug, Clone, Default)]
+struct CacheUpdate {
+    files: Vec<(Vec<u8>, Fingerprint, Vec<ChunkRef>)>,
+    blobs: Vec<(BlobId, PackId)>,
+}
+
+#[derive(Debug)]
+struct AttemptOutcome {
+    plan_files: u64,
+    plan_directories: u64,
+    plan_symlinks: u64,
+    plan_bytes: u64,
+    bytes_written: u64,
+    files_reused: u64,
+    entries_removed: u64,
+    cache_update: CacheUpdate,
+}
+
+async fn attempt(
+    ctx: &AttemptContext<'_>,
+    candidate: &ResolvedCandidate,
+) -> Result<AttemptOutcome, AttemptError> {
+    let phase = Instant::now();
+    let (plan, mut blob_packs) = read_plan(ctx.fetcher, candidate, &ctx.opts.limits).await?;
+    tracing::debug!(checkpoint = %candidate.id, entries = plan.entries.len(), elapsed = ?phase.elapsed(), "trees read and checked");
+
+    let phase = Instant::now();
+    let located = locate_chunks(ctx.fetcher, candidate, &plan).await?;
+    blob_packs.extend(located.blob_packs.iter().cloned());
+    tracing::debug!(blobs = located.blobs.len(), elapsed = ?phase.elapsed(), "pack indexes read");
+
+    // Nothing has been written so far; from here on the root changes.
+    let phase = Instant::now();
+    let (target, prepared) = prepare_root(ctx, candidate, &plan).await?;
+    tracing::debug!(reused = prepared.reused.len(), to_write = prepared.jobs.len(), elapsed = ?phase.elapsed(), "root surveyed and prepared");
+
+    let phase = Instant::now();
+    let files_reused = prepared.reused.len() as u64;
+    let (writers, bytes_written) =
+        download(ctx, candidate, &plan, prepared.jobs, files_reused, &located).await?;
+    tracing::debug!(bytes_written, elapsed = ?phase.elapsed(), "downloaded and written");
+
+    let phase = Instant::now();
+    let entries_removed = blocking(move || apply::finish(&target))
+        .await
+        .map_err(AttemptError::local)?;
+    tracing::debug!(entries_removed, elapsed = ?phase.elapsed(), "links, stale entries and directory metadata done");
+
+    let written = writers.jobs.iter().map(|job| {
+        let fingerprint = *job
+            .fingerprint
+            .get()
+            .expect("every downloaded file was finished");
+        (job.plan_index, fingerprint)
+    });
+    let files = prepared
+        .reused
+        .iter()
+        .chain(&prepared.created_empty)
+        .copied()
+        .chain(written)
+        .filter_map(|(i, fingerprint)| {
+            let entry = &plan.entries[i];
+            match &entry.kind {
+                plan::PlanKind::File { chunks, .. } => {
+                    Some((entry.path.clone(), fingerprint, chunks.clone()))
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    Ok(AttemptOutcome {
+        plan_files: plan.files,
+        plan_directories: plan.directories,
+        plan_symlinks: plan.symlinks,
+        plan_bytes: plan.total_bytes,
+        bytes_written,
+        files_reused,
+        entries_removed,
+        cache_update: CacheUpdate {
+            files,
+            blobs: blob_packs,
+        },
+    })
+}
+
+/// Downloads and verifies the candidate's META packs and checks its trees.
+/// Also returns which pack holds each tree blob, for the cache.
+async fn read_plan(
+    fetcher: &PackFetcher<'_>,
+    candidate: &ResolvedCandidate,
+    limits: &Limits,
+) -> Result<(Arc<Plan>, Vec<(BlobId, PackId)>), AttemptError> {
+    let meta_infos = candidate
+        .packs
+        .iter()
+        .filter(|p| p.kind == PackKind::Meta)
+        .cloned();
+    let opened: Vec<(PackInfo, Bytes, PackIndex)> = stream::iter(meta_infos)
+        .map(|info| {
+            let keys = candidate.keys.clone();
+            async move {
+                let bytes = fetcher.get(&info.id).await.map_err(AttemptError::fetch)?;
+                let opened = blocking(move || {
+                    fetch::open_whole_pack(&info, &bytes, &keys).map(|index| (info, bytes, index))
+                })
+                .await?;
+                Ok::<_, AttemptError>(opened)
+            }
+        })
+        .buffer_unordered(PARALLEL_REQUESTS)
+        .try_collect()
+        .await?;
+    let mut meta = MetaBlobs::new();
+    let mut blob_packs = Vec::new();
+    for (info, bytes, index) in opened {
+        blob_packs.extend(index.entries.iter().map(|e| (e.id, info.id.clone())));
+        meta.add_pack(bytes, &index);
+    }
+    let keys = candidate.keys.clone();
+    let root_tree = candidate.root_tree;
+    let limits = limits.clone();
+    let plan = blocking(move || build_plan(&meta, &keys, root_tree, &limits)).await?;
+    Ok((Arc::new(plan), blob_packs))
+}
+
+/// Where every chunk of a plan lies in the candidate's DATA packs.
+struct Located {
+    packs: Vec<PackInfo>,
+    /// Blob → (index into `packs`, where in that pack).
+    blobs: HashMap<BlobId, (usize, IndexEntry)>,
+    blob_packs: Vec<(BlobId, PackId)>,
+}
+
+/// Reads every DATA pack's index and checks that each chunk the plan needs
+/// is in one, with the length the tree says.
+async fn locate_chunks(
+    fetcher: &PackFetcher<'_>,
+    candidate: &ResolvedCandidate,
+    plan: &Plan,
+) -> Result<Located, AttemptError> {
+    let packs: Vec<PackInfo> = candidate
+        .packs
+        .iter()
+        .filter(|p| p.kind == PackKind::Data)
+        .cloned()
+        .collect();
+    let keys = &candidate.keys;
+    let indexes: Vec<(usize, PackIndex)> = stream::iter(packs.iter().enumerate())
+        .map(|(i, info)| async move {
+            let index = fetch::fetch_index(fetcher, info, keys)
+                .await
+                .map_err(AttemptError::index)?;
+            Ok::<_, AttemptError>((i, index))
+        })
+        .buffer_unordered(PARALLEL_REQUESTS)
+        .try_collect()
+        .await?;
+    let mut blobs: HashMap<BlobId, (usize, IndexEntry)> = HashMap::new();
+    let mut blob_packs = Vec::new();
+    for (i, index) in &indexes {
+        for entry in &index.entries {
+            blobs.entry(entry.id).or_insert((*i, *entry));
+            blob_packs.push((entry.id, packs[*i].id.clone()));
+        }
+    }
+    for chunk in plan.chunks() {
+        let Some((pack, entry)) = blobs.get(&chunk.id) else {
+            return Err(CandidateError::MissingBlob { blob: chunk.id }.into());
+        };
+        if entry.plain_len != chunk.len {
+            return Err(CandidateError::BlobLength {
+                blob: chunk.id,
+                pack: packs[*pack].id.clone(),
+                actual: entry.plain_len,
+                expected: chunk.len,
+            }
+            .into());
+        }
+    }
+    Ok(Located {
+        packs,
+        blobs,
+        blob_packs,
+    })
+}
+
+/// Surveys the root, refuses a restore the filesystem cannot hold, and
+/// readies directories and files.
+async fn prepare_root(
+    ctx: &AttemptContext<'_>,
+    candidate: &ResolvedCandidate,
+    plan: &Arc<Plan>,
+) -> Result<(Arc<Target>, apply::Prepared), AttemptError> {
+    let cache = match &ctx.opts.cache_dir {
+        Some(dir) => {
+            let (dir, workspace_id) = (dir.clone(), ctx.workspace_id.clone());
+            let key_id = candidate.keys.key_id().to_owned();
+            Some(Arc::new(
+                blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await,
+            ))
+        }
+        None => None,
+    };
+    let target = Arc::new(Target {
+        root: ctx.opts.root.clone(),
+        plan: plan.clone(),
+        keys: candidate.keys.clone(),
+        cache,
+        set_owner: ctx.set_owner,
+        protected: ctx.protected.clone(),
+    });
+    let survey = {
+        let target = target.clone();
+        blocking(move || apply::survey(&target))
+            .await
+            .map_err(AttemptError::local)?
+    };
+    let needed = survey.bytes_needed(plan);
+    if needed > 0 {
+        let root = ctx.opts.root.clone();
+        match blocking(move || fsops::available_bytes(&root)).await {
+            Ok(available) if needed > available => {
+                return Err(AttemptError::Fatal(RestoreError::NoSpace {
+                    checkpoint: candidate.id.clone(),
+                    root: ctx.opts.root.clone(),
+                    needed,
+                    available,
+                }));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "cannot tell the free space of the restore root"),
+        }
+    }
+    let prepared = {
+        let target = target.clone();
+        blocking(move || apply::prepare(&target, survey))
+            .await
+            .map_err(AttemptError::local)?
+    };
+    Ok((target, prepared))
+}
+
+/// Fetches the chunks of the files to write, coalesced per pack, and writes
+/// them. Returns the writers (with each file's final fingerprint) and the
+/// bytes written.
+async fn download(
+    ctx: &AttemptContext<'_>,
+    candidate: &ResolvedCandidate,
+    plan: &Plan,
+    jobs: Vec<apply::FileJob>,
+    files_reused: u64,
+    located: &Located,
+) -> Result<(Arc<Writers>, u64), AttemptError> {
+    let mut needed: HashMap<BlobId, NeededBlob> = HashMap::new();
+    let mut bytes_to_write = 0;
+    for (job_index, job) in jobs.iter().enumerate() {
+        let plan::PlanKind::File { chunks, size } = &plan.entries[job.plan_index].kind else {
+            unreachable!("jobs are made for files only")
+        };
+        bytes_to_write += size;
+        let mut offset = 0u64;
+        for chunk in chunks {
+            needed
+                .entry(chunk.id)
+                .or_insert_with(|| NeededBlob {
+                    id: chunk.id,
+                    plain_len: chunk.len,
+                    targets: Vec::new(),
+                })
+                .targets
+                .push((job_index, offset));
+            offset += u64::from(chunk.len);
+        }
+    }
+    let mut per_pack: HashMap<usize, Vec<(u64, u64, NeededBlob)>> = HashMap::new();
+    for blob in needed.into_values() {
+        let (pack, entry) = located.blobs[&blob.id];
+        per_pack
+            .entry(pack)
+            .or_default()
+            .push((entry.offset, u64::from(entry.sealed_len), blob));
+    }
+    let spans: Vec<(usize, fetch::Span<NeededBlob>)> = per_pack
+        .into_iter()
+        .flat_map(|(pack, items)| {
+            coalesce(items, MAX_GAP, MAX_REQUEST)
+                .into_iter()
+                .map(move |s| (pack, s))
+        })
+        .collect();
+    ctx.progress.planned(&PlannedWork {
+        files: plan.files,
+        files_to_write: jobs.len() as u64,
+        files_reused,
+        bytes_to_write,
+        bytes_to_download: spans.iter().map(|(_, s)| s.end - s.start).sum(),
+    });
+
+    let writers = Arc::new(Writers {
+        jobs,
+        keys: candidate.keys.clone(),
+        set_owner: ctx.set_owner,
+        cancelled: AtomicBool::new(false),
+    });
+    let mut downloads = stream::iter(spans)
+        .map(|(pack, span)| {
+            let writers = writers.clone();
+            let pack = located.packs[pack].id.clone();
+            async move {
+                if writers.cancelled.load(Ordering::Relaxed) {
+                    return Ok(SpanDone::default());
+                }
+                let bytes = ctx
+                    .fetcher
+                    .get_range(&pack, span.start, span.end - span.start)
+                    .await
+                    .map_err(AttemptError::fetch)?;
+                ctx.progress.downloaded(bytes.len() as u64);
+                blocking(move || {
+                    apply::write_span(&writers, &pack, span.start, &bytes, &span.items)
+                })
+                .await
+                .map_err(AttemptError::span)
+            }
+        })
+        .buffer_unordered(PARALLEL_REQUESTS);
+    let mut bytes_written = 0;
+    let mut failure = None;
+    // Drain every download even after a failure: the blocking writers of
+    // this candidate must be done before the next candidate starts writing.
+    while let Some(result) = downloads.next().await {
+        match result {
+            Ok(done) => {
+                bytes_written += done.bytes;
+                ctx.progress.written(done.bytes, done.files);
+            }
+            Err(e) => {
+                writers.cancelled.store(true, Ordering::Relaxed);
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    drop(downloads);
+    match failure {
+        Some(e) => Err(e),
+        None => Ok((writers, bytes_written)),
+    }
+}
+
+/// Whether a restored file's fingerprint can go into the cache. Its ctime is
+/// always "just now" (the restore wrote it), so [`Fingerprint::is_stable`]
+/// would refuse it; but its mtime was set by the restore to the recorded one,
+/// and any later write moves the mtime to the present. An mtime safely older
+/// than the restore therefore still tells a change apart.
+fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: SystemTime) -> bool {
+    let guard = restore_started
+        .checked_sub(Duration::from_secs(2))
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs() as i64);
+    fingerprint.mtime_sec < guard
+}
+
+fn update_cache(
+    dir: &Path,
+    workspace: &WorkspaceId,
+    key_id: &str,
+    update: CacheUpdate,
+    restore_started: SystemTime,
+) {
+    let mut cache = Cache::load(dir, workspace, key_id);
+    let files = update
+        .files
+        .into_iter()
+        .filter(|(_, fingerprint, _)| restored_fingerprint_is_stable(fingerprint, restore_started))
+        .map(|(path, fingerprint, chunks)| {
+            (
+                path,
+                CachedFile {
+                    fingerprint,
+                    chunks,
+                },
+            )
+        })
+        .collect();
+    cache.replace_files(files);
+    for (blob, pack) in &update.blobs {
+        cache.insert_blob(*blob, pack);
+    }
+    if let Err(e) = cache.save() {
+        // The cache only saves work; the restore itself succeeded.
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot save the fingerprint cache");
+    }
+}
+
+/// `cairn-runner restore`.
+pub async fn cli_main(args: RestoreArgs) -> anyhow::Result<()> {
+    let checkpoint = args
+        .checkpoint
+        .as_deref()
+        .map(str::parse::<CheckpointId>)
+        .transpose()
+        .context("--checkpoint")?;
+    let coordinator = Coordinator::connect(
+        &args.coordinator.coordinator,
+        args.coordinator.token.as_deref(),
+    )
+    .await?;
+    let opts = RestoreOptions {
+        checkpoint,
+        cache_dir: Some(args.cache_dir.unwrap_or_else(default_cache_dir)),
+        ..RestoreOptions::new(args.root, args.workspace)
+    };
+    let report = restore(&coordinator, &opts, &NoProgress).await?;
+    match args.output {
+        OutputFormat::Text => println!("{}", report.summary(&opts.root)),
+        OutputFormat::Json => println!("{}", report.to_json()),
+    }
+    Ok(())
+}
