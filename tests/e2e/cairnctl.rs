@@ -1,0 +1,144 @@
+//! cairnctl: workspaces, checkpoints, checkout and verify, for people
+//! (tables) and scripts (`--output json`); and a coordinator restart that
+//! keeps everything.
+
+use cairn_e2e::{
+    Coordinator, PACK_DATA, TreeSnapshot, flip_byte, ids_with_prefix, json_str, pack_files,
+    pack_kind, populate_small_workspace, run, tempdir, write, write_pseudo_random,
+};
+
+#[test]
+fn cairnctl_manages_workspaces_lists_checkpoints_checks_out_and_verifies() {
+    let tmp = tempdir("cairnctl");
+    let coordinator = Coordinator::start();
+    let client = coordinator.client();
+
+    let created = client.ctl_json(&["workspace", "create", "--name", "demo"]);
+    let workspace = ids_with_prefix(&created, "ws-")
+        .first()
+        .cloned()
+        .unwrap_or_else(|| panic!("no ws- id in {created}"));
+    assert!(
+        created.to_string().contains("\"demo\""),
+        "the created workspace's name is not shown: {created}"
+    );
+    let listed = client.ctl_json(&["workspace", "list"]);
+    assert_eq!(
+        ids_with_prefix(&listed, "ws-"),
+        vec![workspace.clone()],
+        "{listed}"
+    );
+    let shown = client.ctl_json(&["workspace", "show", "demo"]);
+    assert_eq!(
+        ids_with_prefix(&shown, "ws-").first(),
+        Some(&workspace),
+        "show by name: {shown}"
+    );
+    let table = run(client.ctl().args(["workspace", "list"])).assert_success();
+    assert!(
+        table.stdout.contains(&workspace) && table.stdout.contains("demo"),
+        "the table lacks the workspace: {table}"
+    );
+    let duplicate =
+        run(client.ctl().args(["workspace", "create", "--name", "demo"])).assert_exit(1);
+    assert!(duplicate.stderr.contains("error:"), "{duplicate}");
+
+    let root = tmp.path().join("workspace");
+    populate_small_workspace(&root, 6);
+    let first = client.checkpoint(&root, "demo");
+    let first_id = json_str(&first, "checkpoint_id").to_owned();
+    let first_state = TreeSnapshot::take(&root);
+    let packs_of_first = pack_files(&coordinator.blobs_dir());
+    write_pseudo_random(&root.join("data/blob.bin"), 1 << 20, 606);
+    write(&root.join("src/second.rs"), "pub fn second() {}\n");
+    let second = client.checkpoint(&root, &workspace);
+    let second_id = json_str(&second, "checkpoint_id").to_owned();
+
+    let checkpoints = client.ctl_json(&["checkpoints", "demo"]);
+    assert_eq!(
+        ids_with_prefix(&checkpoints, "ck-"),
+        vec![second_id.clone(), first_id.clone()],
+        "newest first: {checkpoints}"
+    );
+    let table = run(client.ctl().args(["checkpoints", &workspace])).assert_success();
+    assert!(
+        table.stdout.contains(&first_id) && table.stdout.contains(&second_id),
+        "{table}"
+    );
+
+    // checkout: the newest by default, any one on request.
+    let newest = tmp.path().join("checkout-newest");
+    run(coordinator
+        .client()
+        .ctl()
+        .arg("checkout")
+        .arg(&workspace)
+        .arg(&newest))
+    .assert_success();
+    TreeSnapshot::take(&root).assert_matches(&newest, false);
+    let older = tmp.path().join("checkout-first");
+    let out = run(coordinator
+        .client()
+        .ctl()
+        .arg("checkout")
+        .arg("demo")
+        .arg(&older)
+        .args(["--checkpoint", &first_id]))
+    .assert_success();
+    assert!(
+        out.all_output().contains(&first_id),
+        "checkout does not say which checkpoint it wrote: {out}"
+    );
+    first_state.assert_matches(&older, false);
+
+    run(client.ctl().args(["verify", &workspace])).assert_success();
+    run(client.ctl().args(["verify", &workspace, "--read-data"])).assert_success();
+
+    // A flipped byte in a pack only the second checkpoint uses.
+    let added: Vec<_> = pack_files(&coordinator.blobs_dir())
+        .difference(&packs_of_first)
+        .cloned()
+        .collect();
+    let data_pack = added
+        .iter()
+        .find(|p| pack_kind(p) == PACK_DATA)
+        .expect("the second checkpoint added a data pack");
+    flip_byte(data_pack, std::fs::metadata(data_pack).unwrap().len() / 2);
+    let verified = run(client.ctl().args(["verify", &workspace, "--read-data"])).assert_exit(1);
+    let pack_id = data_pack.file_name().unwrap().to_str().unwrap();
+    let output = verified.all_output();
+    assert!(
+        output.contains(&second_id),
+        "verify does not name the damaged checkpoint: {verified}"
+    );
+    assert!(
+        output.contains(&pack_id[..12]),
+        "verify does not name the damaged pack {pack_id}: {verified}"
+    );
+}
+
+#[test]
+fn a_restarted_coordinator_keeps_workspaces_checkpoints_and_the_admin_token() {
+    let tmp = tempdir("restart");
+    let mut coordinator = Coordinator::start();
+    let token = coordinator.admin_token().to_owned();
+    let workspace = coordinator.create_workspace("durable");
+    let root = tmp.path().join("workspace");
+    populate_small_workspace(&root, 7);
+    let checkpoint = coordinator.client().checkpoint(&root, &workspace);
+
+    coordinator.restart();
+    assert_eq!(
+        coordinator.admin_token(),
+        token,
+        "the admin token changed across a restart"
+    );
+    let listed = coordinator.client().ctl_json(&["checkpoints", "durable"]);
+    assert_eq!(
+        ids_with_prefix(&listed, "ck-"),
+        vec![json_str(&checkpoint, "checkpoint_id").to_owned()]
+    );
+    let restored = tmp.path().join("restored");
+    coordinator.client().restore(&restored, &workspace);
+    TreeSnapshot::take(&root).assert_matches(&restored, false);
+}

@@ -1,0 +1,239 @@
+//! Tokens: every service — cairn's own, health and reflection — refuses a
+//! request without a token (UNAUTHENTICATED) or with an unknown one
+//! (PERMISSION_DENIED); the admin token opens all of them. The CLIs say so
+//! clearly and exit 1.
+
+use cairn_e2e::{Coordinator, block_on, populate_small_workspace, run, tempdir};
+use cairn_proto::pb;
+use cairn_runner::client::Coordinator as Api;
+use tonic::{Code, Status};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+const WRONG_TOKEN: &str = "cairn_admin_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+
+async fn health(api: &Api, service: &str) -> Result<i32, Status> {
+    let response = HealthClient::new(api.auth_channel())
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?;
+    Ok(response.into_inner().status)
+}
+
+async fn reflected_services(api: &Api) -> Result<Vec<String>, Status> {
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = ServerReflectionClient::new(api.auth_channel())
+        .server_reflection_info(tokio_stream::iter(vec![request]))
+        .await?
+        .into_inner();
+    let response = stream
+        .message()
+        .await?
+        .ok_or_else(|| Status::unknown("reflection sent no response"))?;
+    match response.message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            Ok(list.service.into_iter().map(|s| s.name).collect())
+        }
+        other => Err(Status::unknown(format!(
+            "unexpected reflection response {other:?}"
+        ))),
+    }
+}
+
+/// One call of every service; `name` is the workspace CreateWorkspace would make.
+async fn call_every_service(
+    api: &mut Api,
+    workspace: &str,
+    name: &str,
+) -> Vec<(&'static str, Result<(), Status>)> {
+    let ws = || workspace.to_owned();
+    vec![
+        (
+            "cairn.v1.WorkspaceService/ListWorkspaces",
+            api.workspaces
+                .list_workspaces(pb::ListWorkspacesRequest::default())
+                .await
+                .map(drop),
+        ),
+        (
+            "cairn.v1.WorkspaceService/GetWorkspace",
+            api.workspaces
+                .get_workspace(pb::GetWorkspaceRequest { workspace: ws() })
+                .await
+                .map(drop),
+        ),
+        (
+            "cairn.v1.WorkspaceService/CreateWorkspace",
+            api.workspaces
+                .create_workspace(pb::CreateWorkspaceRequest {
+                    name: name.to_owned(),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "cairn.v1.CheckpointService/BeginCheckpoint",
+            api.checkpoints
+                .begin_checkpoint(pb::BeginCheckpointRequest {
+                    workspace: ws(),
+                    generation: 0,
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "cairn.v1.CheckpointService/ListCheckpoints",
+            api.checkpoints
+                .list_checkpoints(pb::ListCheckpointsRequest {
+                    workspace: ws(),
+                    ..Default::default()
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "cairn.v1.CheckpointService/GetRestoreManifest",
+            api.checkpoints
+                .get_restore_manifest(pb::GetRestoreManifestRequest {
+                    workspace: ws(),
+                    ..Default::default()
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "grpc.health.v1.Health/Check",
+            health(api, "").await.map(drop),
+        ),
+        (
+            "grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            reflected_services(api).await.map(drop),
+        ),
+    ]
+}
+
+#[test]
+fn every_service_refuses_missing_and_wrong_tokens_and_admits_the_admin() {
+    let tmp = tempdir("tokens");
+    let coordinator = Coordinator::start();
+    let workspace = coordinator.create_workspace("tokens");
+    let root = tmp.path().join("workspace");
+    populate_small_workspace(&root, 4);
+    coordinator.client().checkpoint(&root, &workspace);
+
+    block_on(async {
+        let mut anonymous = coordinator.connect(None).await;
+        for (rpc, result) in
+            call_every_service(&mut anonymous, &workspace, "made-without-token").await
+        {
+            let status = result.expect_err(rpc);
+            assert_eq!(
+                status.code(),
+                Code::Unauthenticated,
+                "{rpc} without a token: {status:?}"
+            );
+        }
+        let mut stranger = coordinator.connect(Some(WRONG_TOKEN)).await;
+        for (rpc, result) in
+            call_every_service(&mut stranger, &workspace, "made-with-wrong-token").await
+        {
+            let status = result.expect_err(rpc);
+            assert_eq!(
+                status.code(),
+                Code::PermissionDenied,
+                "{rpc} with an unknown token: {status:?}"
+            );
+        }
+
+        let mut admin = coordinator.admin().await;
+        for (rpc, result) in call_every_service(&mut admin, &workspace, "made-by-admin").await {
+            result.unwrap_or_else(|s| panic!("{rpc} with the admin token: {s:?}"));
+        }
+        assert_eq!(
+            health(&admin, "").await.unwrap(),
+            ServingStatus::Serving as i32
+        );
+        assert_eq!(
+            health(&admin, "cairn.v1.CheckpointService").await.unwrap(),
+            ServingStatus::Serving as i32
+        );
+        let services = reflected_services(&admin).await.unwrap();
+        for service in ["cairn.v1.WorkspaceService", "cairn.v1.CheckpointService"] {
+            assert!(
+                services.iter().any(|s| s == service),
+                "reflection does not list {service}: {services:?}"
+            );
+        }
+
+        // The refused CreateWorkspace calls made nothing.
+        let names: Vec<String> = admin
+            .workspaces
+            .list_workspaces(pb::ListWorkspacesRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .workspaces
+            .into_iter()
+            .map(|w| w.name)
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(
+            names.contains(&"tokens".to_owned()) && names.contains(&"made-by-admin".to_owned()),
+            "{names:?}"
+        );
+    });
+}
+
+#[test]
+fn the_clis_refuse_to_work_with_a_wrong_or_missing_token_and_say_why() {
+    let tmp = tempdir("tokens-cli");
+    let coordinator = Coordinator::start();
+    let workspace = coordinator.create_workspace("tokens-cli");
+    let root = tmp.path().join("workspace");
+    populate_small_workspace(&root, 5);
+
+    let wrong = coordinator.client_with_token(Some(WRONG_TOKEN));
+    let missing = coordinator.client_with_token(None);
+    for (client, words) in [
+        (&wrong, ["permission", "denied"]),
+        (&missing, ["unauthenticated", "token"]),
+    ] {
+        let listed = run(client.ctl().args(["workspace", "list"])).assert_exit(1);
+        let stderr = listed.stderr.to_lowercase();
+        assert!(stderr.contains("error:"), "{listed}");
+        assert!(
+            words.iter().any(|w| stderr.contains(w)),
+            "cairnctl does not say the token was refused: {listed}"
+        );
+        assert!(
+            !listed.stderr.contains(WRONG_TOKEN),
+            "cairnctl printed the token: {listed}"
+        );
+
+        let checkpoint = run(client
+            .runner()
+            .arg("checkpoint")
+            .arg("--root")
+            .arg(&root)
+            .args(["--workspace", &workspace]))
+        .assert_exit(1);
+        assert!(checkpoint.stderr.contains("error:"), "{checkpoint}");
+        let restore = client
+            .try_restore(&tmp.path().join("restored"), &workspace, &[])
+            .assert_exit(1);
+        assert!(restore.stderr.contains("error:"), "{restore}");
+    }
+    assert!(
+        coordinator.list_checkpoints(&workspace).is_empty(),
+        "a refused runner committed a checkpoint"
+    );
+}
