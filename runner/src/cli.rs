@@ -38,6 +38,11 @@ pub enum Command {
     Checkpoint(CheckpointArgs),
     /// Restore the newest restorable checkpoint (or a chosen one) into the workspace.
     Restore(RestoreArgs),
+    /// Run the attempt this sandbox was started for: restore, drive the
+    /// harness, checkpoint, report (inside a sandbox, started by cairn-host).
+    Run(RunArgs),
+    /// End the agent's turn with a question for a person (writes the outcome file).
+    Ask(AskArgs),
 }
 
 /// Where the coordinator is and how to authenticate.
@@ -110,6 +115,36 @@ pub struct RestoreArgs {
     pub output: OutputFormat,
 }
 
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
+    #[arg(long, env = "CAIRN_COORDINATOR")]
+    pub coordinator: String,
+
+    /// The attempt's run token (the host agent passes it).
+    #[arg(long, env = "CAIRN_RUN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// The workspace directory.
+    #[arg(long, default_value = "/workspace")]
+    pub root: PathBuf,
+
+    /// Where the fingerprint cache lives (outside the workspace).
+    #[arg(long, env = "CAIRN_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AskArgs {
+    /// The question for a person (several words are joined with spaces).
+    #[arg(required = true, num_args = 1..)]
+    pub question: Vec<String>,
+
+    /// The outcome file to write (default: /workspace/.cairn/outcome.json).
+    #[arg(long, env = "CAIRN_OUTCOME_FILE")]
+    pub outcome_file: Option<PathBuf>,
+}
+
 /// The default cache directory: `$HOME/.cache/cairn`, else `/var/cache/cairn`.
 pub fn default_cache_dir() -> PathBuf {
     match std::env::var_os("HOME") {
@@ -122,7 +157,11 @@ pub fn default_cache_dir() -> PathBuf {
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a person at a terminal; a host agent keeps plain logs.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
@@ -133,7 +172,10 @@ pub fn init_logging(format: LogFormat) {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -144,6 +186,8 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Checkpoint(args) => crate::checkpoint::cli_main(args).await,
             Command::Restore(args) => crate::restore::cli_main(args).await,
+            Command::Run(args) => crate::run::cli_main(args).await,
+            Command::Ask(args) => crate::run::outcome::ask_main(args),
         }
     });
     match result {

@@ -15,15 +15,24 @@
 //! - [`chunker`]: cutting file content into chunks (whole or FastCDC).
 //! - [`git`]: per-repository git metadata recorded with each checkpoint.
 //! - [`checkpoint`]: cutting, sealing, uploading and committing a checkpoint.
+//! - [`host`]: the host agent `cairn-host` (sandboxes, drivers, heartbeats).
+//! - [`run`]: `cairn-runner run`, one attempt of a run inside its sandbox:
+//!   restore, harness turns, checkpoints, reports.
+//! - [`harness`]: the agent CLIs a run drives (Claude Code, command templates).
+//! - [`demo_agent`]: `cairn-demo-agent`, a model-free stand-in for Claude Code.
 
 pub mod cache;
 pub mod checkpoint;
 pub mod chunker;
 pub mod cli;
 pub mod client;
+pub mod demo_agent;
 pub mod failpoint;
 pub mod format;
 pub mod git;
+pub mod harness;
+pub mod host;
 pub mod restore;
+pub mod run;
 pub mod scan;
 pub mod transfer;

@@ -22,6 +22,12 @@
 //! cache's blob map forgotten, which re-reads and re-asks about everything;
 //! blobs the store still places in a pack the refusal named are sent again.
 //! Further redos happen only while each refusal names a pack not seen before.
+//!
+//! [`checkpoint_if_changed`] cuts a checkpoint only when the workspace
+//! differs from a known one (the runner's periodic checkpoints): the root
+//! tree id is a keyed digest of the whole tree, so equal ids mean equal
+//! content. Nothing new is uploaded for an unchanged workspace (every blob
+//! is already in the store), and the commit is skipped.
 
 mod content;
 mod remote;
@@ -127,6 +133,16 @@ pub struct CheckpointReport {
     pub stats: Stats,
     pub warnings: Vec<String>,
     pub repos: Vec<RepoState>,
+    /// Keyed id of the root tree (not part of the JSON output).
+    #[serde(skip)]
+    pub root_tree: BlobId,
+}
+
+/// A committed checkpoint that a later one is compared with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Baseline {
+    pub checkpoint_id: String,
+    pub root_tree: BlobId,
 }
 
 /// Why a checkpoint was not committed.
@@ -210,6 +226,24 @@ const MAX_REDOS: u32 = 3;
 
 /// Cuts a checkpoint of `opts.root` and commits it.
 pub async fn checkpoint(opts: CheckpointOptions) -> Result<CheckpointReport, CheckpointError> {
+    let report = cut(opts, None).await?;
+    Ok(report.expect("without a baseline every checkpoint is committed"))
+}
+
+/// Cuts a checkpoint of `opts.root` and commits it, unless the workspace's
+/// newest checkpoint is still `baseline` and the content has not changed
+/// since (then `None`).
+pub async fn checkpoint_if_changed(
+    opts: CheckpointOptions,
+    baseline: &Baseline,
+) -> Result<Option<CheckpointReport>, CheckpointError> {
+    cut(opts, Some(baseline)).await
+}
+
+async fn cut(
+    opts: CheckpointOptions,
+    baseline: Option<&Baseline>,
+) -> Result<Option<CheckpointReport>, CheckpointError> {
     let started = Instant::now();
     let root = scan::resolve_root(&opts.root)?;
     scan::exclude_matcher(&root, &opts.excludes)?;
@@ -217,7 +251,17 @@ pub async fn checkpoint(opts: CheckpointOptions) -> Result<CheckpointReport, Che
     let mut lost: HashSet<PackId> = HashSet::new();
     let mut redos = 0;
     loop {
-        match run(&coordinator, &opts, &root, redos > 0, &lost, started).await {
+        match run(
+            &coordinator,
+            &opts,
+            &root,
+            baseline,
+            redos > 0,
+            &lost,
+            started,
+        )
+        .await
+        {
             Err(e) if e.is_missing_pack() && redos < MAX_REDOS => {
                 let named = e.named_packs();
                 if redos > 0 && named.iter().all(|p| lost.contains(p)) {
@@ -246,10 +290,11 @@ async fn run(
     coordinator: &Coordinator,
     opts: &CheckpointOptions,
     root: &Path,
+    baseline: Option<&Baseline>,
     forget_blobs: bool,
     lost: &HashSet<PackId>,
     started: Instant,
-) -> Result<CheckpointReport, CheckpointError> {
+) -> Result<Option<CheckpointReport>, CheckpointError> {
     let session = Session::begin(coordinator, &opts.workspace, opts.generation).await?;
     let cache_dir_error = |source| CheckpointError::CacheDir {
         path: opts.cache_dir.clone(),
@@ -352,6 +397,14 @@ async fn run(
     );
     let (repos, git_warnings) = blocking(move || inspector.finish()).await?;
 
+    if let Some(baseline) = baseline
+        && baseline.checkpoint_id == session.parent
+        && baseline.root_tree == trees.root
+    {
+        tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
+        return Ok(None);
+    }
+
     failpoint::hit("checkpoint-before-commit")?;
 
     let reachable = locate_reachable(&content, &trees, &located, &cache)?;
@@ -393,7 +446,7 @@ async fn run(
 
     save_cache(cache, &scan, &content, reachable);
     tracing::debug!(elapsed_ms = ms(), "fingerprint cache saved");
-    Ok(CheckpointReport {
+    Ok(Some(CheckpointReport {
         checkpoint_id: committed.id,
         workspace_id: session.workspace_id.to_string(),
         sequence: committed.sequence,
@@ -401,7 +454,8 @@ async fn run(
         stats,
         warnings,
         repos,
-    })
+        root_tree: trees.root,
+    }))
 }
 
 /// Every blob the checkpoint reaches (file chunks and trees), with the pack
@@ -689,6 +743,7 @@ mod tests {
             },
             warnings: vec![],
             repos: vec![],
+            root_tree: BlobId([7; 32]),
         };
         assert_eq!(
             summary(&report),
@@ -699,6 +754,10 @@ mod tests {
         assert_eq!(json["reason"], "manual");
         assert_eq!(json["stats"]["files_read"], 10);
         assert!(json["repos"].is_array() && json["warnings"].is_array());
+        assert!(
+            json.get("root_tree").is_none(),
+            "the JSON output keeps its contract"
+        );
     }
 
     #[test]

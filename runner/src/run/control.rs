@@ -1,0 +1,225 @@
+//! The runner's calls to the coordinator's RunnerService, with retries.
+//!
+//! Every call carries the attempt's run token. A coordinator that is
+//! restarting or briefly unreachable is retried with backoff; a refusal
+//! saying this attempt is no longer the run's current one (or that the token
+//! no longer counts) is final: the runner stops.
+
+use std::future::Future;
+use std::time::Duration;
+
+use cairn_proto::pb;
+use cairn_proto::pb::runner_service_client::RunnerServiceClient;
+use tonic::Code;
+
+use crate::client::AuthChannel;
+use crate::restore::describe_status;
+
+const ATTEMPTS: u32 = 8;
+const FIRST_BACKOFF: Duration = Duration::from_millis(250);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Added to a long poll's own timeout for the request deadline.
+const POLL_SLACK: Duration = Duration::from_secs(15);
+/// Texts sent (details, questions, summaries, errors) are cut to this many
+/// bytes: the coordinator refuses reports that are far larger, and a
+/// harness may say a lot.
+pub const MAX_TEXT: usize = 32 << 10;
+
+/// `text`, cut at a character boundary to at most [`MAX_TEXT`] bytes.
+pub fn clip(mut text: String) -> String {
+    const MARK: &str = " … (cut)";
+    if text.len() > MAX_TEXT {
+        let mut end = MAX_TEXT - MARK.len();
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str(MARK);
+    }
+    text
+}
+
+/// A RunnerService call the coordinator refused or could not answer.
+#[derive(Debug, thiserror::Error)]
+#[error("{call}: {}", describe_status(.status))]
+pub struct ControlError {
+    pub call: &'static str,
+    pub status: tonic::Status,
+}
+
+impl ControlError {
+    /// This attempt may not act for the run any more (superseded by a newer
+    /// attempt, or its token is no longer valid).
+    pub fn is_superseded(&self) -> bool {
+        matches!(
+            self.status.code(),
+            Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated
+        )
+    }
+}
+
+fn retryable(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted
+    )
+}
+
+/// The runner's side of RunnerService.
+#[derive(Debug, Clone)]
+pub struct Control {
+    client: RunnerServiceClient<AuthChannel>,
+}
+
+impl Control {
+    /// Uses `channel`, which carries the run token.
+    pub fn new(channel: AuthChannel) -> Self {
+        Self {
+            client: RunnerServiceClient::new(channel),
+        }
+    }
+
+    async fn call<T, F, Fut>(&self, name: &'static str, mut rpc: F) -> Result<T, ControlError>
+    where
+        F: FnMut(RunnerServiceClient<AuthChannel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut backoff = FIRST_BACKOFF;
+        let mut attempt = 1;
+        loop {
+            match rpc(self.client.clone()).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if retryable(status.code()) && attempt < ATTEMPTS => {
+                    tracing::info!(call = name, code = ?status.code(), message = status.message(), ?backoff, "coordinator unavailable; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    attempt += 1;
+                }
+                Err(status) => return Err(ControlError { call: name, status }),
+            }
+        }
+    }
+
+    pub async fn claim(&self) -> Result<pb::AttemptSpec, ControlError> {
+        self.call("ClaimAttempt", |mut c| async move {
+            c.claim_attempt(pb::ClaimAttemptRequest {}).await
+        })
+        .await
+    }
+
+    pub async fn progress(
+        &self,
+        phase: pb::AttemptPhase,
+        detail: impl Into<String>,
+        checkpoint_id: impl Into<String>,
+    ) -> Result<(), ControlError> {
+        let request = pb::ReportProgressRequest {
+            phase: phase as i32,
+            detail: clip(detail.into()),
+            checkpoint_id: checkpoint_id.into(),
+        };
+        self.call("ReportProgress", |mut c| {
+            let request = request.clone();
+            async move { c.report_progress(request).await }
+        })
+        .await
+        .map(drop)
+    }
+
+    pub async fn session(&self, harness: &str, session_id: &str) -> Result<(), ControlError> {
+        let request = pb::ReportHarnessSessionRequest {
+            harness: harness.to_owned(),
+            session_id: session_id.to_owned(),
+        };
+        self.call("ReportHarnessSession", |mut c| {
+            let request = request.clone();
+            async move { c.report_harness_session(request).await }
+        })
+        .await
+        .map(drop)
+    }
+
+    pub async fn waiting(
+        &self,
+        question: &str,
+        checkpoint_id: &str,
+        consumed_inputs: Vec<u64>,
+    ) -> Result<pb::ReportWaitingResponse, ControlError> {
+        let request = pb::ReportWaitingRequest {
+            question: clip(question.to_owned()),
+            checkpoint_id: checkpoint_id.to_owned(),
+            consumed_inputs,
+        };
+        self.call("ReportWaiting", |mut c| {
+            let request = request.clone();
+            async move { c.report_waiting(request).await }
+        })
+        .await
+    }
+
+    /// Long-polls for answers for up to `timeout` (empty when none came).
+    pub async fn wait_for_input(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<pb::RunInput>, ControlError> {
+        let response = self
+            .call("WaitForInput", |mut c| async move {
+                let mut request = tonic::Request::new(pb::WaitForInputRequest {
+                    timeout: Some(cairn_proto::runs::to_proto_duration(timeout)),
+                });
+                request.set_timeout(timeout + POLL_SLACK);
+                c.wait_for_input(request).await
+            })
+            .await?;
+        Ok(response.inputs)
+    }
+
+    pub async fn outcome(&self, mut request: pb::ReportOutcomeRequest) -> Result<(), ControlError> {
+        request.summary = clip(std::mem::take(&mut request.summary));
+        request.error = clip(std::mem::take(&mut request.error));
+        self.call("ReportOutcome", |mut c| {
+            let request = request.clone();
+            async move { c.report_outcome(request).await }
+        })
+        .await
+        .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_texts_are_cut_at_a_character_boundary() {
+        assert_eq!(clip("short".into()), "short");
+        let long = "é".repeat(MAX_TEXT);
+        let cut = clip(long);
+        assert!(
+            cut.len() <= MAX_TEXT && cut.ends_with(" … (cut)"),
+            "{}",
+            cut.len()
+        );
+        assert!(cut.starts_with("éé"));
+    }
+
+    #[test]
+    fn superseded_attempts_are_told_apart() {
+        let refused = ControlError {
+            call: "ReportProgress",
+            status: tonic::Status::failed_precondition(
+                "attempt 1 of run r was superseded by attempt 2",
+            ),
+        };
+        assert!(refused.is_superseded());
+        assert_eq!(
+            refused.to_string(),
+            "ReportProgress: failed precondition: attempt 1 of run r was superseded by attempt 2"
+        );
+        let down = ControlError {
+            call: "ReportProgress",
+            status: tonic::Status::unavailable("restarting"),
+        };
+        assert!(!down.is_superseded() && retryable(down.status.code()));
+    }
+}

@@ -1,0 +1,206 @@
+//! What the harness is told: the opening turn of an attempt, the message
+//! after a person's answer, and the handoff briefing when a conversation
+//! cannot be continued.
+
+use cairn_proto::pb;
+
+use crate::harness::TurnRequest;
+
+/// The label every handoff briefing starts with.
+pub const LOSSY_HANDOFF: &str = "lossy handoff: the earlier conversation could not be resumed";
+
+/// Sent when an attempt continues a conversation that nobody answered (its
+/// sandbox was lost while the agent worked).
+pub const CARRY_ON: &str = "The sandbox this conversation ran in was lost; the workspace was restored from its \
+     last checkpoint, so files may be a little older than you remember. Carry on with the task.";
+
+/// The first turn of an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opening {
+    pub request: TurnRequest,
+    /// The ids of the inputs its message carries.
+    pub input_ids: Vec<u64>,
+    /// The inputs' texts other than the run's prompt (people's messages).
+    pub messages: Vec<String>,
+}
+
+/// The first turn of an attempt.
+pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool) -> Opening {
+    let input_ids: Vec<u64> = spec.inputs.iter().map(|i| i.id).collect();
+    let messages = messages_of(spec);
+    let session = spec.resume_session_id.trim();
+    let question = Some(spec.question.trim()).filter(|q| !q.is_empty());
+    let request = if !session.is_empty() && can_resume {
+        let message = if messages.is_empty() {
+            CARRY_ON.to_owned()
+        } else {
+            messages.join("\n\n")
+        };
+        TurnRequest::Resume {
+            session_id: session.to_owned(),
+            message,
+        }
+    } else if !session.is_empty() {
+        let why = format!("this harness cannot continue conversation {session}");
+        TurnRequest::Start {
+            message: briefing(&spec.prompt, question, &messages, &why),
+        }
+    } else if question.is_some() {
+        let why = "the harness never reported a conversation id";
+        TurnRequest::Start {
+            message: briefing(&spec.prompt, question, &messages, why),
+        }
+    } else if messages.is_empty() {
+        TurnRequest::Start {
+            message: spec.prompt.clone(),
+        }
+    } else {
+        TurnRequest::Start {
+            message: format!("{}\n\n{}", spec.prompt, messages.join("\n\n")),
+        }
+    };
+    Opening {
+        request,
+        input_ids,
+        messages,
+    }
+}
+
+/// The texts of the inputs, without the run's own prompt (which the
+/// coordinator may hand over as the first input).
+fn messages_of(spec: &pb::AttemptSpec) -> Vec<String> {
+    spec.inputs
+        .iter()
+        .filter(|i| !(i.kind == "prompt" && i.text.trim() == spec.prompt.trim()))
+        .map(|i| i.text.clone())
+        .collect()
+}
+
+/// A new conversation's first message when the old one is gone: the task,
+/// the open question and the answers, labelled as a lossy handoff.
+pub fn briefing(task: &str, question: Option<&str>, answers: &[String], why: &str) -> String {
+    let mut out = format!(
+        "{LOSSY_HANDOFF} ({why}). This is a new conversation; the workspace holds the work done so far.\n\n\
+         The task:\n{}\n",
+        task.trim()
+    );
+    if let Some(question) = question {
+        out.push_str(&format!("\nThe question you asked:\n{}\n", question.trim()));
+    }
+    match answers {
+        [] => out.push_str("\nCarry on with the task from where the work stands.\n"),
+        [answer] => out.push_str(&format!("\nThe answer:\n{}\n", answer.trim())),
+        answers => {
+            out.push_str("\nThe answers, oldest first:\n");
+            for answer in answers {
+                out.push_str(&format!("- {}\n", answer.trim()));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(id: u64, kind: &str, text: &str) -> pb::RunInput {
+        pb::RunInput {
+            id,
+            kind: kind.into(),
+            text: text.into(),
+            created_at: None,
+        }
+    }
+
+    fn spec(inputs: Vec<pb::RunInput>, session: &str, question: &str) -> pb::AttemptSpec {
+        pb::AttemptSpec {
+            prompt: "Build the thing.".into(),
+            inputs,
+            resume_session_id: session.into(),
+            question: question.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_first_attempt_starts_with_the_prompt() {
+        let opening = opening_turn(
+            &spec(vec![input(1, "prompt", "Build the thing.")], "", ""),
+            true,
+        );
+        assert_eq!(
+            opening.request,
+            TurnRequest::Start {
+                message: "Build the thing.".into()
+            }
+        );
+        assert_eq!(opening.input_ids, [1]);
+        assert!(
+            opening.messages.is_empty(),
+            "the prompt is not a person's message"
+        );
+    }
+
+    #[test]
+    fn a_suspended_run_resumes_with_the_answers() {
+        let s = spec(
+            vec![
+                input(4, "answer", "Blue."),
+                input(5, "answer", "And round."),
+            ],
+            "s-1",
+            "Which colour?",
+        );
+        let opening = opening_turn(&s, true);
+        assert_eq!(
+            opening.request,
+            TurnRequest::Resume {
+                session_id: "s-1".into(),
+                message: "Blue.\n\nAnd round.".into()
+            }
+        );
+        assert_eq!(opening.input_ids, [4, 5]);
+        assert_eq!(opening.messages, ["Blue.", "And round."]);
+        let lost = opening_turn(&spec(vec![], "s-1", ""), true).request;
+        assert_eq!(
+            lost,
+            TurnRequest::Resume {
+                session_id: "s-1".into(),
+                message: CARRY_ON.into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_conversation_that_cannot_continue_gets_a_briefing() {
+        let s = spec(vec![input(4, "answer", "Blue.")], "s-1", "Which colour?");
+        let TurnRequest::Start { message } = opening_turn(&s, false).request else {
+            panic!("a new conversation")
+        };
+        assert_eq!(
+            message,
+            "lossy handoff: the earlier conversation could not be resumed (this harness cannot continue \
+             conversation s-1). This is a new conversation; the workspace holds the work done so far.\n\n\
+             The task:\nBuild the thing.\n\nThe question you asked:\nWhich colour?\n\nThe answer:\nBlue.\n"
+        );
+        let turn = opening_turn(
+            &spec(vec![input(4, "answer", "Blue.")], "", "Which colour?"),
+            true,
+        )
+        .request;
+        assert!(
+            turn.message().starts_with(LOSSY_HANDOFF) && turn.message().contains("never reported")
+        );
+    }
+
+    #[test]
+    fn several_answers_are_listed() {
+        let text = briefing("Task.", None, &["one".into(), "two".into()], "gone");
+        assert!(
+            text.ends_with("The answers, oldest first:\n- one\n- two\n"),
+            "{text}"
+        );
+        assert!(!text.contains("The question"));
+    }
+}

@@ -1,0 +1,848 @@
+//! `cairn-runner run`: one attempt of a run, inside its sandbox.
+//!
+//! ```text
+//! ClaimAttempt ─► AttemptSpec (workspace, generation, harness, prompt, inputs, resume id)
+//! restore the newest checkpoint ──► RESTORING <checkpoint>
+//!   or, when there is none: clone the run's repos / start empty ──► PREPARING
+//! turn: harness process (own process group) ──► RUNNING
+//!   │  init event ─► ReportHarnessSession; the turn's inputs are now heard
+//!   │  every checkpoint_interval ─► checkpoint (interval) if anything changed
+//!   ▼  exit ─► outcome file (or the exit status) says how the turn ended
+//!   needs_input ─► checkpoint (pause) ─► ReportWaiting ─► WaitForInput …
+//!                    answer ─► RUNNING ─► next turn, same conversation (--resume)
+//!   done / failed ─► checkpoint (end) ─► ReportOutcome
+//!   conversation gone ─► new conversation opened with a handoff briefing
+//! SIGTERM / SIGINT at any point after the harness started: SIGTERM to the
+//!   harness's group, grace, SIGKILL ─► checkpoint (destroy) ─► INTERRUPTED
+//! ```
+//!
+//! Every checkpoint is cut with the attempt's generation, so once a newer
+//! attempt owns the workspace this one's commits are refused; a refusal
+//! like that (or a RunnerService call refused as superseded) stops the
+//! harness and ends the runner without another write.
+//!
+//! The lifecycle checkpoints (pause, end, destroy) are always committed —
+//! they are the moments the run's timeline shows; the periodic ones only
+//! when the workspace's root tree differs from the last checkpoint's.
+//! A harness turn ends either in a question or in the run's end, so the
+//! checkpoint after a turn carries that reason (pause or end).
+
+pub mod control;
+pub mod messages;
+pub mod outcome;
+pub mod prepare;
+pub mod store;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cairn_proto::domain::CheckpointReason;
+use cairn_proto::pb::{self, AttemptPhase};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::Baseline;
+use crate::cli::{RunArgs, default_cache_dir};
+use crate::client::{ConnectError, Coordinator};
+use crate::harness::{
+    self, Harness, OUTCOME_ENV, RunningTurn, TurnEvent, TurnExit, TurnRequest, spawn_turn,
+};
+
+pub use control::{Control, ControlError};
+pub use outcome::Outcome as OutcomeFile;
+pub use store::{
+    CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreError, StoreTarget, WorkspaceStore,
+};
+
+/// Patterns no checkpoint of a run contains, whatever the harness.
+const ALWAYS_EXCLUDED: &[&str] = &["/.cairn/outcome.json"];
+
+/// How an attempt is run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// The workspace (`/workspace` in a sandbox).
+    pub root: PathBuf,
+    /// How long the harness gets between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+    /// How long one WaitForInput call waits for an answer.
+    pub wait_timeout: Duration,
+}
+
+impl RunOptions {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            stop_grace: Duration::from_secs(5),
+            wait_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// How the attempt ended, as reported to the coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    Succeeded,
+    Failed,
+    Interrupted,
+}
+
+/// Why the runner could not see its attempt through (exit status 1).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot claim the attempt: {0}")]
+    Claim(#[source] ControlError),
+    #[error("this attempt no longer owns the run: {0}")]
+    Superseded(String),
+    #[error(transparent)]
+    Control(ControlError),
+    #[error("cannot prepare the workspace: {0}")]
+    Prepare(#[source] StoreError),
+    #[error("cannot create the workspace {}: {source}", .path.display())]
+    Workspace {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl From<ControlError> for RunError {
+    fn from(e: ControlError) -> Self {
+        if e.is_superseded() {
+            Self::Superseded(e.to_string())
+        } else {
+            Self::Control(e)
+        }
+    }
+}
+
+/// Makes the store of an attempt once its workspace and generation are known.
+pub type StoreFactory<'a> = dyn Fn(StoreTarget) -> Arc<dyn WorkspaceStore> + Sync + 'a;
+
+/// Claims the attempt the run token names and sees it through.
+pub async fn run(
+    control: Control,
+    stores: &StoreFactory<'_>,
+    options: RunOptions,
+    shutdown: CancellationToken,
+) -> Result<Finished, RunError> {
+    let spec = control.claim().await.map_err(RunError::Claim)?;
+    tracing::info!(
+        run = %spec.run_id,
+        attempt = spec.attempt,
+        generation = spec.generation,
+        workspace = %spec.workspace_id,
+        harness = %spec.harness.as_ref().map_or("", |h| h.name.as_str()),
+        resume = %spec.resume_session_id,
+        "attempt claimed"
+    );
+    let harness_spec = spec.harness.clone().unwrap_or_default();
+    let harness = match harness::from_spec(&harness_spec, &options.root) {
+        Ok(harness) => harness,
+        Err(e) => {
+            tracing::error!(error = %e, "the run's harness cannot be used");
+            control
+                .outcome(pb::ReportOutcomeRequest {
+                    outcome: pb::Outcome::Failed as i32,
+                    error: e.to_string(),
+                    ..Default::default()
+                })
+                .await?;
+            return Ok(Finished::Failed);
+        }
+    };
+    let mut excludes: Vec<String> = ALWAYS_EXCLUDED.iter().map(|p| p.to_string()).collect();
+    excludes.extend(harness.excludes());
+    let store = stores(StoreTarget {
+        workspace_id: spec.workspace_id.clone(),
+        generation: spec.generation,
+        excludes,
+    });
+    let attempt = Attempt {
+        control,
+        store,
+        harness,
+        spec,
+        options,
+        shutdown,
+        session: None,
+        reported_session: None,
+        heard: BTreeSet::new(),
+        baseline: None,
+        last_checkpoint: String::new(),
+        harness_started: false,
+    };
+    attempt.run().await
+}
+
+/// One turn, and what it carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Turn {
+    request: TurnRequest,
+    /// Input ids the message carries; heard once the harness reports its
+    /// session, or the turn runs to its own end.
+    input_ids: Vec<u64>,
+    /// The people's messages in it (for a briefing if the turn cannot run).
+    answers: Vec<String>,
+}
+
+/// How a turn ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TurnEnd {
+    Asked(String),
+    Done(String),
+    Failed(String),
+    /// The conversation to resume does not exist.
+    SessionLost(String),
+    Interrupted,
+}
+
+enum Prepared {
+    Ready,
+    Interrupted,
+    Failed(String),
+}
+
+enum Driven {
+    Exited(TurnExit),
+    Interrupted,
+}
+
+/// What a lifecycle checkpoint came to.
+enum Cut {
+    Committed(Checkpointed),
+    Failed(String),
+}
+
+struct Attempt {
+    control: Control,
+    store: Arc<dyn WorkspaceStore>,
+    harness: Arc<dyn Harness>,
+    spec: pb::AttemptSpec,
+    options: RunOptions,
+    shutdown: CancellationToken,
+    /// The conversation's id, once the harness reported one.
+    session: Option<String>,
+    reported_session: Option<String>,
+    /// Input ids the harness has heard in this attempt.
+    heard: BTreeSet<u64>,
+    /// The last checkpoint restored or committed, to compare with.
+    baseline: Option<Baseline>,
+    last_checkpoint: String,
+    harness_started: bool,
+}
+
+impl Attempt {
+    async fn run(mut self) -> Result<Finished, RunError> {
+        match self.prepare_workspace().await? {
+            Prepared::Ready => {}
+            Prepared::Interrupted => return self.finish_interrupted().await,
+            Prepared::Failed(error) => return self.finish_unstarted(error).await,
+        }
+        if let Err(e) = self.harness.prepare() {
+            return self.finish_unstarted(e.to_string()).await;
+        }
+        self.converse().await
+    }
+
+    async fn prepare_workspace(&mut self) -> Result<Prepared, RunError> {
+        let (store, shutdown) = (self.store.clone(), self.shutdown.clone());
+        let restored = tokio::select! {
+            restored = store.restore() => restored,
+            _ = shutdown.cancelled() => return Ok(Prepared::Interrupted),
+        };
+        match restored {
+            Ok(Restored::Checkpoint {
+                id,
+                root_tree,
+                summary,
+            }) => {
+                tracing::info!(checkpoint = %id, %summary, "workspace restored");
+                self.baseline = root_tree.map(|root_tree| Baseline {
+                    checkpoint_id: id.clone(),
+                    root_tree,
+                });
+                self.last_checkpoint = id.clone();
+                self.control
+                    .progress(AttemptPhase::Restoring, summary, id)
+                    .await?;
+            }
+            Ok(Restored::NoCheckpoint) => {
+                let root = &self.options.root;
+                fs::create_dir_all(root).map_err(|source| RunError::Workspace {
+                    path: root.clone(),
+                    source,
+                })?;
+                if self.spec.repos.is_empty() {
+                    tracing::info!("the workspace has no checkpoint: starting empty");
+                    self.control
+                        .progress(
+                            AttemptPhase::Preparing,
+                            "workspace has no checkpoint: started empty",
+                            "",
+                        )
+                        .await?;
+                }
+                for repo in self.spec.repos.clone() {
+                    let cloned = tokio::select! {
+                        cloned = prepare::clone_repo(root, &repo) => cloned,
+                        _ = shutdown.cancelled() => return Ok(Prepared::Interrupted),
+                    };
+                    match cloned {
+                        Ok(done) => {
+                            tracing::info!(repo = %repo.name, "{done}");
+                            self.control
+                                .progress(AttemptPhase::Preparing, done, "")
+                                .await?;
+                        }
+                        Err(e) => return Ok(Prepared::Failed(e.to_string())),
+                    }
+                }
+            }
+            Err(e) if e.is_permanent() => {
+                tracing::error!(error = %e, "the workspace cannot be restored");
+                return Ok(Prepared::Failed(format!(
+                    "cannot restore the workspace: {e}"
+                )));
+            }
+            Err(e) => return Err(RunError::Prepare(e)),
+        }
+        Ok(Prepared::Ready)
+    }
+
+    async fn converse(&mut self) -> Result<Finished, RunError> {
+        let opening = messages::opening_turn(&self.spec, self.harness.can_resume());
+        let mut turn = Turn {
+            request: opening.request,
+            input_ids: opening.input_ids,
+            answers: opening.messages,
+        };
+        let mut question = Some(self.spec.question.clone()).filter(|q| !q.trim().is_empty());
+        loop {
+            match self.turn(&turn).await? {
+                TurnEnd::Interrupted => return self.finish_interrupted().await,
+                TurnEnd::Done(summary) => {
+                    return self
+                        .finish(pb::Outcome::Succeeded, summary, String::new())
+                        .await;
+                }
+                TurnEnd::Failed(error) => {
+                    return self.finish(pb::Outcome::Failed, String::new(), error).await;
+                }
+                TurnEnd::SessionLost(session_id) => {
+                    tracing::warn!(session = %session_id, harness = self.harness.name(), "the conversation to resume is gone; starting a new one with a handoff briefing");
+                    self.control
+                        .progress(
+                            AttemptPhase::Running,
+                            format!(
+                                "{} has no conversation {session_id} any more; started a new conversation with a \
+                                 handoff briefing (lossy handoff)",
+                                self.harness.name()
+                            ),
+                            "",
+                        )
+                        .await?;
+                    self.session = None;
+                    let why = format!(
+                        "{} has no conversation {session_id} any more",
+                        self.harness.name()
+                    );
+                    let message = messages::briefing(
+                        &self.spec.prompt,
+                        question.as_deref(),
+                        &turn.answers,
+                        &why,
+                    );
+                    turn = Turn {
+                        request: TurnRequest::Start { message },
+                        ..turn
+                    };
+                }
+                TurnEnd::Asked(asked) => {
+                    tracing::info!(question = %asked, "the agent asks a person");
+                    let checkpoint = match self.checkpoint(CheckpointReason::Pause).await? {
+                        Cut::Committed(checkpoint) => checkpoint.id,
+                        Cut::Failed(_) => self.last_checkpoint.clone(),
+                    };
+                    let held = self
+                        .control
+                        .waiting(&asked, &checkpoint, self.heard())
+                        .await?;
+                    tracing::info!(hold_until = ?held.hold_until, "waiting for an answer");
+                    let Some(inputs) = self.wait_for_answers().await? else {
+                        return self.finish_interrupted().await;
+                    };
+                    turn = self.answered(&inputs, &asked);
+                    let detail = match &turn.request {
+                        TurnRequest::Resume { session_id, .. } => {
+                            format!("answered; resuming conversation {session_id}")
+                        }
+                        TurnRequest::Start { .. } => {
+                            "answered; starting a new conversation with a briefing".to_owned()
+                        }
+                    };
+                    self.control
+                        .progress(AttemptPhase::Running, detail, "")
+                        .await?;
+                    question = Some(asked);
+                }
+            }
+        }
+    }
+
+    /// The turn that carries a person's answers.
+    fn answered(&self, inputs: &[pb::RunInput], question: &str) -> Turn {
+        let answers: Vec<String> = inputs.iter().map(|i| i.text.clone()).collect();
+        let input_ids = inputs.iter().map(|i| i.id).collect();
+        let request = match &self.session {
+            Some(session_id) if self.harness.can_resume() => TurnRequest::Resume {
+                session_id: session_id.clone(),
+                message: answers.join("\n\n"),
+            },
+            session => {
+                let why = if session.is_some() {
+                    "this harness cannot continue a conversation"
+                } else {
+                    "the harness never reported a conversation id"
+                };
+                TurnRequest::Start {
+                    message: messages::briefing(&self.spec.prompt, Some(question), &answers, why),
+                }
+            }
+        };
+        Turn {
+            request,
+            input_ids,
+            answers,
+        }
+    }
+
+    async fn wait_for_answers(&mut self) -> Result<Option<Vec<pb::RunInput>>, RunError> {
+        let shutdown = self.shutdown.clone();
+        loop {
+            let mut inputs = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                inputs = self.control.wait_for_input(self.options.wait_timeout) => inputs?,
+            };
+            // Inputs the harness already heard are not news, even if the
+            // coordinator has not recorded that yet.
+            let received = inputs.len();
+            inputs.retain(|input| !self.heard.contains(&input.id));
+            if !inputs.is_empty() {
+                tracing::info!(inputs = inputs.len(), "answer received");
+                return Ok(Some(inputs));
+            }
+            if received > 0 {
+                // Do not poll in a tight loop while the coordinator catches up.
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    }
+
+    /// Where a turn runs: a resumed conversation where it started, a new one
+    /// where the configuration says, else in the only repository, else the root.
+    fn cwd_for(&self, request: &TurnRequest) -> PathBuf {
+        let root = &self.options.root;
+        let recorded = match request {
+            TurnRequest::Resume { session_id, .. } => prepare::session_cwd(root, session_id),
+            TurnRequest::Start { .. } => None,
+        };
+        recorded
+            .or_else(|| self.harness.configured_cwd())
+            .unwrap_or_else(|| harness::default_cwd(root))
+    }
+
+    async fn turn(&mut self, turn: &Turn) -> Result<TurnEnd, RunError> {
+        let cwd = self.cwd_for(&turn.request);
+        let outcome_path = outcome::path_in(&self.options.root);
+        let prepared = fs::create_dir_all(&cwd)
+            .map_err(|e| {
+                format!(
+                    "cannot create the harness's directory {}: {e}",
+                    cwd.display()
+                )
+            })
+            .and_then(|()| outcome::clear(&outcome_path).map_err(|e| e.to_string()))
+            .and_then(|()| {
+                self.harness
+                    .command(&turn.request, &cwd)
+                    .map_err(|e| e.to_string())
+            });
+        let mut command = match prepared {
+            Ok(command) => command,
+            Err(error) => return Ok(TurnEnd::Failed(error)),
+        };
+        command.env.push((
+            OUTCOME_ENV.to_owned(),
+            outcome_path.to_string_lossy().into_owned(),
+        ));
+        let (mut running, mut events) = match spawn_turn(self.harness.clone(), command) {
+            Ok(started) => started,
+            Err(e) => return Ok(TurnEnd::Failed(e.to_string())),
+        };
+        self.harness_started = true;
+        let detail = match &turn.request {
+            TurnRequest::Start { .. } => format!(
+                "{} started a new conversation in {}",
+                self.harness.name(),
+                cwd.display()
+            ),
+            TurnRequest::Resume { session_id, .. } => {
+                format!(
+                    "{} resumed conversation {session_id} in {}",
+                    self.harness.name(),
+                    cwd.display()
+                )
+            }
+        };
+        tracing::info!(pgid = running.pgid(), "{detail}");
+        let driven = match self
+            .control
+            .progress(AttemptPhase::Running, detail, "")
+            .await
+        {
+            Ok(()) => self.drive(&mut running, &mut events, turn, &cwd).await,
+            Err(e) => Err(e.into()),
+        };
+        let exit = match driven {
+            Ok(Driven::Exited(exit)) => exit,
+            Ok(Driven::Interrupted) => {
+                tracing::info!(grace = ?self.options.stop_grace, "stopping the harness");
+                let exit = running.stop(self.options.stop_grace).await;
+                tracing::info!(
+                    "the harness {}",
+                    harness::process::describe_status(exit.status)
+                );
+                // A session it announced meanwhile still counts: its inputs were heard.
+                while let Ok(event) = events.try_recv() {
+                    self.on_event(event, turn, &cwd).await?;
+                }
+                return Ok(TurnEnd::Interrupted);
+            }
+            Err(e) => {
+                running.stop(self.options.stop_grace).await;
+                return Err(e);
+            }
+        };
+        while let Ok(event) = events.try_recv() {
+            self.on_event(event, turn, &cwd).await?;
+        }
+        tracing::info!(summary = ?exit.observed.summary, "the harness {}", harness::process::describe_status(exit.status));
+        let ended = self.classify(exit, turn);
+        if !matches!(ended, TurnEnd::SessionLost(_)) {
+            // A turn that ran to its own end read its message, session or not.
+            self.heard.extend(&turn.input_ids);
+        }
+        Ok(ended)
+    }
+
+    async fn drive(
+        &mut self,
+        running: &mut RunningTurn,
+        events: &mut mpsc::UnboundedReceiver<TurnEvent>,
+        turn: &Turn,
+        cwd: &Path,
+    ) -> Result<Driven, RunError> {
+        let shutdown = self.shutdown.clone();
+        let every = self
+            .spec
+            .checkpoint_interval
+            .as_ref()
+            .and_then(|d| cairn_proto::runs::from_proto_duration(d, "checkpoint_interval").ok())
+            .filter(|d| !d.is_zero());
+        let mut ticker = every.map(|every| {
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker
+        });
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(Driven::Interrupted),
+                Some(event) = events.recv() => self.on_event(event, turn, cwd).await?,
+                exit = running.finished() => return Ok(Driven::Exited(exit)),
+                _ = tick(&mut ticker) => self.interval_checkpoint().await?,
+            }
+        }
+    }
+
+    async fn on_event(
+        &mut self,
+        event: TurnEvent,
+        turn: &Turn,
+        cwd: &Path,
+    ) -> Result<(), RunError> {
+        let TurnEvent::Session(session_id) = event;
+        if session_id.len() > 256 || session_id.contains(char::is_whitespace) {
+            tracing::warn!(session = %session_id, "the harness reported something that is not a session id; ignoring it");
+            return Ok(());
+        }
+        self.heard.extend(&turn.input_ids);
+        self.session = Some(session_id.clone());
+        if self.reported_session.as_ref() != Some(&session_id) {
+            tracing::info!(session = %session_id, "harness session");
+            self.control
+                .session(self.harness.name(), &session_id)
+                .await?;
+            self.reported_session = Some(session_id.clone());
+        }
+        if let Err(e) =
+            prepare::record_session(&self.options.root, self.harness.name(), &session_id, cwd)
+        {
+            tracing::warn!(error = %e, "cannot record where the conversation runs; a resume elsewhere uses the default directory");
+        }
+        Ok(())
+    }
+
+    fn classify(&self, exit: TurnExit, turn: &Turn) -> TurnEnd {
+        if let TurnRequest::Resume { session_id, .. } = &turn.request
+            && exit.observed.session_lost
+        {
+            return TurnEnd::SessionLost(session_id.clone());
+        }
+        match outcome::take(&outcome::path_in(&self.options.root)) {
+            Ok(Some(OutcomeFile::NeedsInput { question })) => TurnEnd::Asked(question),
+            Ok(Some(OutcomeFile::Done { summary })) => TurnEnd::Done(
+                summary
+                    .or(exit.observed.summary)
+                    .or(exit.last_stdout)
+                    .unwrap_or_default(),
+            ),
+            Ok(Some(OutcomeFile::Failed { error })) => TurnEnd::Failed(error),
+            Ok(None) if exit.status.success() && exit.observed.error.is_none() => TurnEnd::Done(
+                exit.observed
+                    .summary
+                    .or(exit.last_stdout)
+                    .unwrap_or_default(),
+            ),
+            Ok(None) => TurnEnd::Failed(exit.failure()),
+            Err(e) => {
+                tracing::error!(error = %e, "the agent's outcome file cannot be used");
+                TurnEnd::Failed(e.to_string())
+            }
+        }
+    }
+
+    fn harness_session(&self) -> Option<pb::HarnessSession> {
+        self.session.as_ref().map(|session_id| pb::HarnessSession {
+            harness: self.harness.name().to_owned(),
+            session_id: session_id.clone(),
+            station: self.spec.station.clone(),
+        })
+    }
+
+    fn heard(&self) -> Vec<u64> {
+        self.heard.iter().copied().collect()
+    }
+
+    async fn committed(&mut self, checkpoint: &Checkpointed) -> Result<(), RunError> {
+        tracing::info!(checkpoint = %checkpoint.id, "{}", checkpoint.summary);
+        self.baseline = Some(checkpoint.baseline());
+        self.last_checkpoint = checkpoint.id.clone();
+        self.control
+            .progress(
+                AttemptPhase::Checkpointed,
+                checkpoint.summary.clone(),
+                checkpoint.id.clone(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// A lifecycle checkpoint (pause, end, destroy): always committed.
+    async fn checkpoint(&mut self, reason: CheckpointReason) -> Result<Cut, RunError> {
+        let request = CheckpointRequest {
+            reason,
+            harness: self.harness_session(),
+            unless_unchanged: None,
+        };
+        match self.store.checkpoint(request).await {
+            Ok(Some(checkpoint)) => {
+                self.committed(&checkpoint).await?;
+                Ok(Cut::Committed(checkpoint))
+            }
+            Ok(None) => Ok(Cut::Failed(format!(
+                "the {reason} checkpoint was not committed"
+            ))),
+            Err(e) if e.is_fenced() => Err(RunError::Superseded(e.to_string())),
+            Err(e) => {
+                tracing::error!(%reason, error = %e, "checkpoint failed");
+                Ok(Cut::Failed(e.to_string()))
+            }
+        }
+    }
+
+    /// A periodic checkpoint while the harness works, only if something
+    /// changed; given up (uncommitted) when the runner is told to stop.
+    async fn interval_checkpoint(&mut self) -> Result<(), RunError> {
+        let request = CheckpointRequest {
+            reason: CheckpointReason::Interval,
+            harness: self.harness_session(),
+            unless_unchanged: self.baseline.clone(),
+        };
+        let (store, shutdown) = (self.store.clone(), self.shutdown.clone());
+        let result = tokio::select! {
+            result = store.checkpoint(request) => result,
+            _ = shutdown.cancelled() => return Ok(()),
+        };
+        match result {
+            Ok(Some(checkpoint)) => self.committed(&checkpoint).await,
+            Ok(None) => {
+                tracing::debug!("nothing changed since the last checkpoint");
+                Ok(())
+            }
+            Err(e) if e.is_fenced() => Err(RunError::Superseded(e.to_string())),
+            Err(e) => {
+                tracing::warn!(error = %e, "periodic checkpoint failed; the next one tries again");
+                Ok(())
+            }
+        }
+    }
+
+    async fn finish(
+        &mut self,
+        outcome: pb::Outcome,
+        summary: String,
+        mut error: String,
+    ) -> Result<Finished, RunError> {
+        let mut outcome = outcome;
+        if let Cut::Failed(reason) = self.checkpoint(CheckpointReason::End).await? {
+            error = match (outcome, error.is_empty()) {
+                (pb::Outcome::Succeeded, _) | (_, true) => {
+                    format!(
+                        "the final checkpoint failed ({reason}); work after checkpoint {} is lost",
+                        self.last_checkpoint_or_none()
+                    )
+                }
+                _ => format!("{error}; also, the final checkpoint failed: {reason}"),
+            };
+            outcome = pb::Outcome::Failed;
+        }
+        tracing::info!(outcome = ?outcome, %summary, %error, "attempt finished");
+        self.report_outcome(outcome, summary, error).await?;
+        Ok(if outcome == pb::Outcome::Succeeded {
+            Finished::Succeeded
+        } else {
+            Finished::Failed
+        })
+    }
+
+    /// Ends an attempt whose harness never ran: nothing to checkpoint.
+    async fn finish_unstarted(&mut self, error: String) -> Result<Finished, RunError> {
+        tracing::error!(%error, "the attempt fails before the harness started");
+        self.report_outcome(pb::Outcome::Failed, String::new(), error)
+            .await?;
+        Ok(Finished::Failed)
+    }
+
+    async fn finish_interrupted(&mut self) -> Result<Finished, RunError> {
+        let mut error = String::new();
+        if self.harness_started
+            && let Cut::Failed(reason) = self.checkpoint(CheckpointReason::Destroy).await?
+        {
+            error = format!("the destroy checkpoint failed: {reason}");
+        }
+        tracing::info!(checkpoint = %self.last_checkpoint, "interrupted");
+        self.report_outcome(pb::Outcome::Interrupted, String::new(), error)
+            .await?;
+        Ok(Finished::Interrupted)
+    }
+
+    fn last_checkpoint_or_none(&self) -> &str {
+        if self.last_checkpoint.is_empty() {
+            "(none)"
+        } else {
+            &self.last_checkpoint
+        }
+    }
+
+    async fn report_outcome(
+        &mut self,
+        outcome: pb::Outcome,
+        summary: String,
+        error: String,
+    ) -> Result<(), RunError> {
+        self.control
+            .outcome(pb::ReportOutcomeRequest {
+                outcome: outcome as i32,
+                summary,
+                error,
+                checkpoint_id: self.last_checkpoint.clone(),
+                consumed_inputs: self.heard(),
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+async fn tick(ticker: &mut Option<tokio::time::Interval>) {
+    match ticker {
+        Some(ticker) => {
+            ticker.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Cancels `token` on the first SIGTERM or SIGINT.
+pub fn cancel_on_signals(token: CancellationToken) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!("{name} received: stopping the harness, then checkpointing and reporting");
+        token.cancel();
+    });
+    Ok(())
+}
+
+/// Connects, retrying a little: the sandbox may start before the network settles.
+async fn connect(address: &str, token: &str) -> Result<Coordinator, ConnectError> {
+    let mut backoff = Duration::from_millis(250);
+    for _ in 0..6 {
+        match Coordinator::connect(address, Some(token)).await {
+            Err(ConnectError::Unreachable { .. }) => {
+                tracing::info!(address, ?backoff, "coordinator unreachable; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+            other => return other,
+        }
+    }
+    Coordinator::connect(address, Some(token)).await
+}
+
+/// `cairn-runner run`.
+pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    cancel_on_signals(shutdown.clone()).context("cannot handle signals")?;
+    let token = args
+        .token
+        .filter(|t| !t.trim().is_empty())
+        .context("no run token: set CAIRN_RUN_TOKEN")?;
+    let coordinator = connect(&args.coordinator, &token).await?;
+    let control = Control::new(coordinator.auth_channel());
+    let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
+    let root = args.root;
+    let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
+        Arc::new(RemoteStore {
+            coordinator: args.coordinator.clone(),
+            token: token.clone(),
+            root: root.clone(),
+            cache_dir: cache_dir.clone(),
+            target,
+        })
+    };
+    let finished = run(control, &stores, RunOptions::new(root.clone()), shutdown).await?;
+    tracing::info!(?finished, "runner done");
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! Where the run's workspace is restored from and checkpointed to.
+//!
+//! [`WorkspaceStore`] is the seam between the run's state machine and the
+//! checkpoint engine: [`RemoteStore`] is the real one (the checkpoint and
+//! restore libraries, against the coordinator, fenced by the attempt's
+//! generation); tests count calls through their own implementation.
+
+use std::path::PathBuf;
+
+use cairn_proto::domain::CheckpointReason;
+use cairn_proto::ids::BlobId;
+use cairn_proto::pb;
+use futures::future::BoxFuture;
+use tonic::Code;
+
+use crate::checkpoint::{self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport};
+use crate::client::Coordinator;
+use crate::restore::{self, NoProgress, RestoreError, RestoreOptions, human_bytes};
+
+/// What the workspace was prepared from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restored {
+    /// A checkpoint was restored.
+    Checkpoint {
+        id: String,
+        /// Its root tree, when the record carried a well-formed one.
+        root_tree: Option<BlobId>,
+        /// What the restore did, in one line.
+        summary: String,
+    },
+    /// The workspace has no checkpoint yet.
+    NoCheckpoint,
+}
+
+/// A checkpoint the run asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointRequest {
+    pub reason: CheckpointReason,
+    pub harness: Option<pb::HarnessSession>,
+    /// Commit only if the workspace changed since this checkpoint.
+    pub unless_unchanged: Option<Baseline>,
+}
+
+/// A committed checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpointed {
+    pub id: String,
+    pub root_tree: BlobId,
+    /// Sizes and times in one line, for the run's timeline.
+    pub summary: String,
+}
+
+impl Checkpointed {
+    pub fn baseline(&self) -> Baseline {
+        Baseline {
+            checkpoint_id: self.id.clone(),
+            root_tree: self.root_tree,
+        }
+    }
+}
+
+/// Why a restore or checkpoint failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+impl StoreError {
+    /// The coordinator refuses this attempt's writes: a newer attempt owns
+    /// the workspace now (or the run token stopped counting).
+    pub fn is_fenced(&self) -> bool {
+        match self {
+            Self::Checkpoint(e @ CheckpointError::Rpc { status, .. }) => {
+                matches!(
+                    status.code(),
+                    Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated
+                ) && !e.is_missing_pack()
+            }
+            _ => false,
+        }
+    }
+
+    /// Trying again (here or on another host) cannot help: the workspace's
+    /// checkpoints themselves are unusable.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Self::Restore(
+                RestoreError::NothingRestorable { .. }
+                    | RestoreError::CheckpointNotFound { .. }
+                    | RestoreError::Manifest(_)
+            )
+        )
+    }
+}
+
+/// Restores and checkpoints the run's workspace.
+pub trait WorkspaceStore: Send + Sync {
+    /// Restores the newest restorable checkpoint into the root.
+    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>>;
+    /// Cuts a checkpoint of the root; `None` when `unless_unchanged` held.
+    fn checkpoint(
+        &self,
+        request: CheckpointRequest,
+    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>>;
+}
+
+/// What a store is for: one attempt's workspace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreTarget {
+    pub workspace_id: String,
+    pub generation: u64,
+    /// Gitignore-style patterns (relative to the root) never checkpointed.
+    pub excludes: Vec<String>,
+}
+
+/// The checkpoint engine against the coordinator.
+#[derive(Debug, Clone)]
+pub struct RemoteStore {
+    pub coordinator: String,
+    pub token: String,
+    pub root: PathBuf,
+    pub cache_dir: PathBuf,
+    pub target: StoreTarget,
+}
+
+impl WorkspaceStore for RemoteStore {
+    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>> {
+        let (address, token) = (self.coordinator.clone(), self.token.clone());
+        let root = self.root.clone();
+        let opts = RestoreOptions {
+            cache_dir: Some(self.cache_dir.clone()),
+            ..RestoreOptions::new(self.root.clone(), self.target.workspace_id.clone())
+        };
+        Box::pin(async move {
+            // The restore future is not Send (its pack streams borrow across
+            // awaits), so it runs to completion on a blocking thread.
+            let runtime = tokio::runtime::Handle::current();
+            let restored = tokio::task::spawn_blocking(move || {
+                runtime.block_on(async {
+                    let coordinator = Coordinator::connect(&address, Some(&token)).await?;
+                    restore::restore(&coordinator, &opts, &NoProgress).await
+                })
+            })
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            match restored {
+                Ok(report) => Ok(Restored::Checkpoint {
+                    id: report.checkpoint_id.to_string(),
+                    root_tree: BlobId::from_slice(&report.checkpoint.root_tree).ok(),
+                    summary: report.summary(&root).replace("\n  ", "; "),
+                }),
+                Err(RestoreError::NoCheckpoints { .. }) => Ok(Restored::NoCheckpoint),
+                Err(e) => Err(e.into()),
+            }
+        })
+    }
+
+    fn checkpoint(
+        &self,
+        request: CheckpointRequest,
+    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>> {
+        Box::pin(async move {
+            let opts = CheckpointOptions {
+                coordinator: self.coordinator.clone(),
+                token: Some(self.token.clone()),
+                workspace: self.target.workspace_id.clone(),
+                root: self.root.clone(),
+                reason: request.reason,
+                cache_dir: self.cache_dir.clone(),
+                skip_ignored: false,
+                excludes: self.target.excludes.clone(),
+                generation: self.target.generation,
+                harness: request.harness,
+            };
+            let report = match &request.unless_unchanged {
+                Some(baseline) => checkpoint::checkpoint_if_changed(opts, baseline).await?,
+                None => Some(checkpoint::checkpoint(opts).await?),
+            };
+            Ok(report.map(|report| Checkpointed {
+                id: report.checkpoint_id.clone(),
+                root_tree: report.root_tree,
+                summary: describe(&report),
+            }))
+        })
+    }
+}
+
+/// `pause checkpoint #4: 12 files, 1.2 MiB; uploaded 3 KiB in 85 ms`.
+pub fn describe(report: &CheckpointReport) -> String {
+    let s = &report.stats;
+    format!(
+        "{} checkpoint #{}: {} files, {}; uploaded {} in {} ms",
+        report.reason,
+        report.sequence,
+        s.files,
+        human_bytes(s.total_bytes),
+        human_bytes(s.uploaded_bytes),
+        s.duration_ms
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fencing_and_permanent_failures_are_told_apart() {
+        let stale = StoreError::Checkpoint(CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition(
+                "generation 2 is older than the workspace's generation 3",
+            ),
+        });
+        assert!(stale.is_fenced() && !stale.is_permanent());
+        let lost_pack = StoreError::Checkpoint(CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition("pack 00ff is not in the store"),
+        });
+        assert!(
+            !lost_pack.is_fenced(),
+            "a lost pack is the engine's to redo, not a fence"
+        );
+        let unrestorable = StoreError::Restore(RestoreError::NothingRestorable {
+            workspace: "w".into(),
+            failures: vec![],
+        });
+        assert!(unrestorable.is_permanent() && !unrestorable.is_fenced());
+        let down = StoreError::Restore(RestoreError::Coordinator(tonic::Status::unavailable(
+            "down",
+        )));
+        assert!(!down.is_permanent());
+    }
+}
