@@ -6,8 +6,16 @@ use std::path::PathBuf;
 use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["common", "workspace", "checkpoint", "run", "host", "runner", "admin"]
-        .map(|name| format!("proto/cairn/v1/{name}.proto"));
+    let files = [
+        "common",
+        "workspace",
+        "checkpoint",
+        "run",
+        "host",
+        "runner",
+        "admin",
+    ]
+    .map(|name| format!("proto/cairn/v1/{name}.proto"));
     for file in &files {
         println!("cargo:rerun-if-changed={file}");
     }

@@ -4,6 +4,7 @@
 //! DIR/                  mode 0700
 //!   cairn.db            metadata (SQLite, WAL: also cairn.db-wal, cairn.db-shm)
 //!   url-signing.key     32 random bytes, mode 0600: signs blob URLs
+//!   run-token.key       32 random bytes, mode 0600: derives run tokens
 //!   admin.token         the admin bearer token, one line, mode 0600
 //!   endpoints.json      {"grpc": URL, "blob": URL}, written after binding
 //!   blobs/              the embedded object store (blobs/.tmp: uploads in flight)
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::signing::SIGNING_KEY_LEN;
-use crate::tokens::{self, Scope};
+use crate::tokens::{self, RUN_TOKEN_KEY_LEN, Scope};
 
 /// Why the data directory could not be prepared.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +68,10 @@ impl DataDir {
         self.root.join("url-signing.key")
     }
 
+    pub fn run_token_key(&self) -> PathBuf {
+        self.root.join("run-token.key")
+    }
+
     pub fn admin_token(&self) -> PathBuf {
         self.root.join("admin.token")
     }
@@ -86,28 +91,13 @@ impl DataDir {
 
     /// The URL-signing key, created at first start.
     pub fn load_or_create_signing_key(&self) -> Result<[u8; SIGNING_KEY_LEN], DataDirError> {
-        let path = self.signing_key();
-        match std::fs::read(&path) {
-            Ok(bytes) => bytes
-                .as_slice()
-                .try_into()
-                .map_err(|_| DataDirError::Invalid {
-                    path: path.clone(),
-                    reason: format!(
-                        "holds {} bytes; a URL-signing key is {SIGNING_KEY_LEN}",
-                        bytes.len()
-                    ),
-                }),
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                let mut key = [0u8; SIGNING_KEY_LEN];
-                SystemRandom::new()
-                    .fill(&mut key)
-                    .expect("the system random generator works");
-                write_secret(&path, &key)?;
-                Ok(key)
-            }
-            Err(e) => Err(io_at(&path)(e)),
-        }
+        load_or_create_key(&self.signing_key(), "a URL-signing key")
+    }
+
+    /// The key run tokens are derived from, created at first start. Keeping
+    /// it across restarts keeps the tokens of running attempts valid.
+    pub fn load_or_create_run_token_key(&self) -> Result<[u8; RUN_TOKEN_KEY_LEN], DataDirError> {
+        load_or_create_key(&self.run_token_key(), "a run-token key")
     }
 
     /// The admin token, and whether it was created now.
@@ -147,6 +137,28 @@ impl DataDir {
             Err(e) if e.kind() != ErrorKind::NotFound => Err(io_at(&path)(e)),
             _ => Ok(()),
         }
+    }
+}
+
+/// Reads the random key of `N` bytes at `path`, creating it if missing.
+fn load_or_create_key<const N: usize>(path: &Path, what: &str) -> Result<[u8; N], DataDirError> {
+    match std::fs::read(path) {
+        Ok(bytes) => bytes
+            .as_slice()
+            .try_into()
+            .map_err(|_| DataDirError::Invalid {
+                path: path.to_owned(),
+                reason: format!("holds {} bytes; {what} is {N}", bytes.len()),
+            }),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let mut key = [0u8; N];
+            SystemRandom::new()
+                .fill(&mut key)
+                .expect("the system random generator works");
+            write_secret(path, &key)?;
+            Ok(key)
+        }
+        Err(e) => Err(io_at(path)(e)),
     }
 }
 
@@ -197,6 +209,10 @@ mod tests {
         let key = dir.load_or_create_signing_key().unwrap();
         assert_eq!(mode(&dir.signing_key()), 0o600);
         assert_eq!(dir.load_or_create_signing_key().unwrap(), key);
+        let run_key = dir.load_or_create_run_token_key().unwrap();
+        assert_eq!(mode(&dir.run_token_key()), 0o600);
+        assert_eq!(dir.load_or_create_run_token_key().unwrap(), run_key);
+        assert_ne!(run_key, key);
 
         let (token, created) = dir.load_or_create_admin_token().unwrap();
         assert!(created);

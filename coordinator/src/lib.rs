@@ -4,12 +4,16 @@
 //! keeps metadata (workspaces, checkpoints, which packs hold which blobs),
 //! hands out short-lived signed URLs through which runners move the bytes
 //! themselves, and commits checkpoints atomically after checking that every
-//! pack they reference is in the store.
+//! pack they reference is in the store. It also runs the runs: hosts
+//! register and heartbeat, the scheduler assigns queued runs to them, and
+//! runners report each attempt's life.
 //!
 //! ```text
-//!   runner / cairnctl ──gRPC (bearer token)──► coordinator ──► SQLite (DIR/cairn.db)
-//!          │                                        │ signs URLs, stats objects
-//!          └──── PUT / GET signed URLs ───────► blob server ──► DIR/blobs/…
+//!   cairnctl, clients ── Run/Admin/Workspace ──────┐
+//!   cairn-host ───────── HostService ──────────────┼──► coordinator ──► SQLite (DIR/cairn.db)
+//!   runner ───────────── Runner/Checkpoint ────────┘     │ scheduler: lost hosts, holds, placement
+//!     │                                                  │ signs URLs, stats objects
+//!     └──── PUT / GET signed URLs ─────────────────────► blob server ──► DIR/blobs/…
 //! ```
 //!
 //! Code map:
@@ -18,8 +22,11 @@
 //! - [`datadir`]: what lives in the data directory; first-start set-up.
 //! - [`db`]: [`db::MetadataStore`], the metadata in SQLite, one method per
 //!   operation; the commit transaction.
-//! - [`grpc`]: `cairn.v1` WorkspaceService and CheckpointService, health and
-//!   reflection; [`grpc::ServiceError`] → status codes in one place.
+//! - [`grpc`]: the `cairn.v1` services (workspaces, checkpoints, runs, hosts,
+//!   runners, admin), health and reflection; [`grpc::ServiceError`] → status
+//!   codes in one place.
+//! - [`scheduler`]: the background task that marks lost hosts, expires
+//!   holds and assigns queued runs.
 //! - [`auth`] and [`tokens`]: the bearer-token layer over every gRPC service,
 //!   token format and hashing, scopes.
 //! - [`store`]: the [`store::ObjectStore`] trait, [`store::LocalStore`] and
@@ -32,13 +39,19 @@
 //!   blob records and the workspace's sequence move together in one
 //!   transaction, after every referenced pack was found in the store.
 //! - A commit carrying a generation other than the workspace's is refused.
-//! - Tokens and signed URLs are never logged; tokens are stored hashed.
+//!   Each attempt of a run bumps its workspace's generation, and a run token
+//!   commits only at its own attempt's generation, so a superseded runner
+//!   cannot overwrite newer work.
+//! - Every run state change is a run event, written in the same transaction.
+//! - Tokens and signed URLs are never logged; tokens are stored hashed. Run
+//!   tokens are derived from `DIR/run-token.key`, so they can be re-sent.
 
 pub mod auth;
 pub mod blob_http;
 pub mod datadir;
 pub mod db;
 pub mod grpc;
+pub mod scheduler;
 pub mod signing;
 pub mod store;
 pub mod tokens;
@@ -46,6 +59,7 @@ pub mod tokens;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cairn_proto::ids::TenantId;
 use tokio::net::TcpListener;
@@ -54,10 +68,11 @@ use tokio_util::sync::CancellationToken;
 use crate::blob_http::BlobServer;
 use crate::datadir::{DataDir, DataDirError};
 use crate::db::{DbError, MetadataStore};
-use crate::grpc::{GrpcError, Limits, Shared};
+use crate::grpc::{GrpcError, HostTiming, Limits, Shared};
+use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, StoreLayer};
-use crate::tokens::Scope;
+use crate::tokens::{RunTokenKey, Scope};
 
 /// How to run a coordinator.
 #[derive(Clone)]
@@ -72,6 +87,10 @@ pub struct ServerConfig {
     /// Wraps the object store the services use (tests inject a
     /// [`store::FaultyStore`] here).
     pub store_layer: Option<StoreLayer>,
+    /// A host whose last heartbeat is older than this is lost (default 10s).
+    pub host_lease: Duration,
+    /// How often hosts are told to heartbeat (default 1s; below the lease).
+    pub heartbeat_interval: Duration,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -81,18 +100,24 @@ impl std::fmt::Debug for ServerConfig {
             .field("blob_public_url", &self.blob_public_url)
             .field("limits", &self.limits)
             .field("store_layer", &self.store_layer.is_some())
+            .field("host_lease", &self.host_lease)
+            .field("heartbeat_interval", &self.heartbeat_interval)
             .finish()
     }
 }
 
 impl ServerConfig {
-    /// Defaults: URLs live an hour; see [`Limits`].
+    /// Defaults: URLs live an hour (see [`Limits`]); hosts heartbeat every
+    /// second and are lost after 10 seconds of silence.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        let timing = HostTiming::default();
         Self {
             data_dir: data_dir.into(),
             blob_public_url: None,
             limits: Limits::default(),
             store_layer: None,
+            host_lease: timing.lease,
+            heartbeat_interval: timing.heartbeat_interval,
         }
     }
 }
@@ -108,6 +133,10 @@ pub enum ServeError {
     BadPublicUrl(String),
     #[error("signed URLs must live at least a second")]
     UrlTtlTooShort,
+    #[error(
+        "the heartbeat interval ({interval}) must be positive and shorter than the host lease ({lease})"
+    )]
+    BadHostTiming { interval: String, lease: String },
     #[error("could not read the address of a listener: {0}")]
     Listener(std::io::Error),
     #[error("blob server failed: {0}")]
@@ -122,6 +151,7 @@ pub struct Coordinator {
     data_dir: DataDir,
     db: Arc<MetadataStore>,
     signer: UrlSigner,
+    run_tokens: RunTokenKey,
     admin_token_created: bool,
 }
 
@@ -146,9 +176,16 @@ impl Coordinator {
         {
             return Err(ServeError::BadPublicUrl(url.clone()));
         }
+        if config.heartbeat_interval.is_zero() || config.heartbeat_interval >= config.host_lease {
+            return Err(ServeError::BadHostTiming {
+                interval: humantime::format_duration(config.heartbeat_interval).to_string(),
+                lease: humantime::format_duration(config.host_lease).to_string(),
+            });
+        }
         let data_dir = DataDir::new(&config.data_dir);
         data_dir.create()?;
         let signer = UrlSigner::new(&data_dir.load_or_create_signing_key()?);
+        let run_tokens = RunTokenKey::new(&data_dir.load_or_create_run_token_key()?);
         let db = MetadataStore::open(&data_dir.database()).await?;
         let tenant = TenantId::default_tenant();
         if db.ensure_tenant(&tenant).await? {
@@ -173,6 +210,7 @@ impl Coordinator {
             data_dir,
             db: Arc::new(db),
             signer,
+            run_tokens,
             admin_token_created,
         })
     }
@@ -186,9 +224,10 @@ impl Coordinator {
         self.admin_token_created
     }
 
-    /// Runs the gRPC server on `grpc_listener` and the blob server on
-    /// `blob_listener` until `shutdown` completes (or either server fails),
-    /// then lets open requests finish and closes the database.
+    /// Runs the gRPC server on `grpc_listener`, the blob server on
+    /// `blob_listener` and the scheduler until `shutdown` completes (or
+    /// either server fails), then lets open requests finish and closes the
+    /// database.
     pub async fn run(
         self,
         grpc_listener: TcpListener,
@@ -210,17 +249,35 @@ impl Coordinator {
             Some(layer) => layer(local),
             None => local,
         };
+        let stop = CancellationToken::new();
+        let scheduler = SchedulerHandle::new();
         let shared = Shared {
             db: self.db.clone(),
             store,
             limits: self.config.limits.clone(),
+            host_timing: HostTiming {
+                heartbeat_interval: self.config.heartbeat_interval,
+                lease: self.config.host_lease,
+            },
+            run_tokens: self.run_tokens.clone(),
+            scheduler: scheduler.clone(),
+            shutdown: stop.clone(),
         };
         let blob_router = BlobServer::new(self.data_dir.blobs(), self.signer.clone())
             .map_err(ServeError::BlobServer)?
             .router();
 
         tracing::info!(grpc = %local_url(grpc_addr), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
-        let stop = CancellationToken::new();
+        let scheduling = scheduler::run(
+            self.db.clone(),
+            self.run_tokens.clone(),
+            SchedulerConfig {
+                lease: self.config.host_lease,
+                pass_interval: MAX_PASS_INTERVAL.min(self.config.heartbeat_interval),
+            },
+            scheduler,
+            stop.clone(),
+        );
         let grpc = async {
             let result = grpc::serve(shared, grpc_listener, stop.clone().cancelled_owned()).await;
             stop.cancel();
@@ -239,7 +296,7 @@ impl Coordinator {
             }
             stop.cancel();
         };
-        let (grpc_result, blob_result, ()) = tokio::join!(grpc, blob, signal);
+        let (grpc_result, blob_result, (), ()) = tokio::join!(grpc, blob, signal, scheduling);
         self.db.close().await;
         grpc_result?;
         blob_result.map_err(ServeError::BlobServer)?;

@@ -34,7 +34,10 @@ impl BearerInterceptor {
                 format!("Bearer {}", token.trim())
                     .parse::<AsciiMetadataValue>()
                     .map_err(|_| {
-                        crate::ValidationError::new("token", "contains characters not allowed in a header")
+                        crate::ValidationError::new(
+                            "token",
+                            "contains characters not allowed in a header",
+                        )
                     })?,
             ),
         };

@@ -19,7 +19,10 @@ pub struct ValidationError {
 
 impl ValidationError {
     pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
-        Self { field, reason: reason.into() }
+        Self {
+            field,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -110,7 +113,10 @@ impl TryFrom<i32> for CheckpointReason {
             Ok(pb::CheckpointReason::Unspecified) => {
                 Err(ValidationError::new("reason", "is unspecified"))
             }
-            Err(_) => Err(ValidationError::new("reason", format!("unknown value {value}"))),
+            Err(_) => Err(ValidationError::new(
+                "reason",
+                format!("unknown value {value}"),
+            )),
         }
     }
 }
@@ -147,7 +153,10 @@ impl FromStr for WorkspaceState {
             "active" => Ok(Self::Active),
             "finished" => Ok(Self::Finished),
             "deleted" => Ok(Self::Deleted),
-            _ => Err(ValidationError::new("state", format!("unknown workspace state {s:?}"))),
+            _ => Err(ValidationError::new(
+                "state",
+                format!("unknown workspace state {s:?}"),
+            )),
         }
     }
 }
@@ -169,7 +178,10 @@ impl TryFrom<i32> for WorkspaceState {
             Ok(pb::WorkspaceState::Active) => Ok(Self::Active),
             Ok(pb::WorkspaceState::Finished) => Ok(Self::Finished),
             Ok(pb::WorkspaceState::Deleted) => Ok(Self::Deleted),
-            _ => Err(ValidationError::new("state", format!("unknown value {value}"))),
+            _ => Err(ValidationError::new(
+                "state",
+                format!("unknown value {value}"),
+            )),
         }
     }
 }
@@ -205,7 +217,10 @@ impl FromStr for PackKind {
         match s {
             "meta" => Ok(Self::Meta),
             "data" => Ok(Self::Data),
-            _ => Err(ValidationError::new("kind", format!("unknown pack kind {s:?}"))),
+            _ => Err(ValidationError::new(
+                "kind",
+                format!("unknown pack kind {s:?}"),
+            )),
         }
     }
 }
@@ -225,7 +240,10 @@ impl TryFrom<i32> for PackKind {
         match pb::PackKind::try_from(value) {
             Ok(pb::PackKind::Meta) => Ok(Self::Meta),
             Ok(pb::PackKind::Data) => Ok(Self::Data),
-            _ => Err(ValidationError::new("kind", format!("unknown pack kind {value}"))),
+            _ => Err(ValidationError::new(
+                "kind",
+                format!("unknown pack kind {value}"),
+            )),
         }
     }
 }
@@ -233,7 +251,10 @@ impl TryFrom<i32> for PackKind {
 /// Converts a wall-clock time to a protobuf timestamp.
 pub fn to_timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    prost_types::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
 }
 
 /// Converts a protobuf timestamp back (negative times clamp to the epoch).
@@ -280,7 +301,9 @@ pub fn validate_name(name: &str) -> Result<(), ValidationError> {
     let ok = !name.is_empty()
         && name.len() <= 100
         && !name.starts_with('.')
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
     if ok {
         Ok(())
     } else {
@@ -311,7 +334,10 @@ impl TryFrom<pb::NewPack> for NewPack {
         if p.index_length == 0 || index_end.is_none_or(|end| end > p.size) {
             return Err(ValidationError::new(
                 "new_packs.index",
-                format!("index range of pack {pack_id} lies outside its {} bytes", p.size),
+                format!(
+                    "index range of pack {pack_id} lies outside its {} bytes",
+                    p.size
+                ),
             ));
         }
         let blob_ids = p
@@ -426,7 +452,10 @@ mod tests {
     #[test]
     fn workspace_refs_tell_ids_from_names() {
         let id = WorkspaceId::generate();
-        assert_eq!(id.as_str().parse::<WorkspaceRef>().unwrap(), WorkspaceRef::Id(id));
+        assert_eq!(
+            id.as_str().parse::<WorkspaceRef>().unwrap(),
+            WorkspaceRef::Id(id)
+        );
         assert_eq!(
             "my-task".parse::<WorkspaceRef>().unwrap(),
             WorkspaceRef::Name("my-task".into())

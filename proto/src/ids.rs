@@ -140,7 +140,8 @@ impl FromStr for TenantId {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let ok = !s.is_empty()
             && s.len() <= 64
-            && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
         if ok {
             Ok(Self(s.to_owned()))
         } else {
@@ -179,7 +180,9 @@ impl fmt::Debug for TenantId {
 
 /// The fencing number of a workspace's attempts. A commit or report carrying
 /// an older generation than the workspace's current one is refused.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize,
+)]
 pub struct Generation(pub u64);
 
 impl Generation {
@@ -265,7 +268,10 @@ impl PackId {
 impl FromStr for PackId {
     type Err = ValidationError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if s.len() == 64
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
             Ok(Self(s.to_owned()))
         } else {
             Err(ValidationError::new(

@@ -94,6 +94,7 @@ wire_enum!(
         Cordoned => "cordoned",
         Draining => "draining",
         Lost => "lost",
+        Stopping => "stopping",
     }
 );
 
@@ -169,12 +170,17 @@ impl Labels {
     }
 
     /// Validates labels received on the wire.
-    pub fn from_map(map: impl IntoIterator<Item = (String, String)>) -> Result<Self, ValidationError> {
+    pub fn from_map(
+        map: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ValidationError> {
         let mut out = BTreeMap::new();
         for (k, v) in map {
             validate_label_key(&k)?;
             if v.len() > 256 || v.contains(['\n', ',']) {
-                return Err(ValidationError::new("labels", format!("value of {k:?} is not a valid label value")));
+                return Err(ValidationError::new(
+                    "labels",
+                    format!("value of {k:?} is not a valid label value"),
+                ));
             }
             out.insert(k, v);
         }
@@ -185,7 +191,8 @@ impl Labels {
 fn validate_label_key(k: &str) -> Result<(), ValidationError> {
     let ok = !k.is_empty()
         && k.len() <= 63
-        && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
     if ok {
         Ok(())
     } else {
@@ -220,11 +227,17 @@ impl fmt::Display for Labels {
 
 /// Converts a duration to protobuf.
 pub fn to_proto_duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
 }
 
 /// Converts a protobuf duration back; negative durations are refused.
-pub fn from_proto_duration(d: &prost_types::Duration, field: &'static str) -> Result<Duration, ValidationError> {
+pub fn from_proto_duration(
+    d: &prost_types::Duration,
+    field: &'static str,
+) -> Result<Duration, ValidationError> {
     if d.seconds < 0 || d.nanos < 0 {
         return Err(ValidationError::new(field, "is negative"));
     }
@@ -234,6 +247,26 @@ pub fn from_proto_duration(d: &prost_types::Duration, field: &'static str) -> Re
 /// Stations: a task's stages (implement, review, …). Same rules as names.
 pub fn validate_station(station: &str) -> Result<(), ValidationError> {
     crate::domain::validate_name(station).map_err(|e| ValidationError::new("station", e.reason))
+}
+
+/// The harness adapters every runner has, each with the settings it accepts
+/// (`HarnessSpec.config` keys). The coordinator refuses a run whose harness
+/// or settings are not here, so a typo fails at `runs create`, not on a host.
+pub const HARNESS_ADAPTERS: &[(&str, &[&str])] =
+    &[("claude", CLAUDE_SETTINGS), ("command", COMMAND_SETTINGS)];
+
+/// Settings of the Claude Code adapter (docs/harnesses.md).
+pub const CLAUDE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the templated `command` adapter (docs/harnesses.md).
+pub const COMMAND_SETTINGS: &[&str] = &["start", "resume", "session_regex", "session_lost", "cwd"];
+
+/// The settings of harness adapter `name`, if there is one.
+pub fn harness_settings(name: &str) -> Option<&'static [&'static str]> {
+    HARNESS_ADAPTERS
+        .iter()
+        .find(|(adapter, _)| *adapter == name)
+        .map(|(_, settings)| *settings)
 }
 
 #[cfg(test)]

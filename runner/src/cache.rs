@@ -33,7 +33,24 @@ use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use crate::format::ChunkRef;
 
 const MAGIC: &[u8; 4] = b"CFPC";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+
+/// A fast checksum of the cache's bytes (it is written without fsync, so a
+/// crash can leave blocks of another file's data or zeros in it). Not a
+/// defence against tampering: whoever can write the cache can read the
+/// workspace it describes.
+fn checksum(bytes: &[u8]) -> u64 {
+    let mut words = bytes.chunks_exact(8);
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15 ^ bytes.len() as u64;
+    for word in &mut words {
+        let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        h = (h ^ w).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(29);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    }
+    h ^ (h >> 33)
+}
 
 /// What identifies a file's current content without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,7 +187,9 @@ impl Cache {
 
     /// The pack a committed blob lives in, if known.
     pub fn blob_pack(&self, id: &BlobId) -> Option<&PackId> {
-        self.blobs.get(id).map(|&ordinal| &self.packs[ordinal as usize])
+        self.blobs
+            .get(id)
+            .map(|&ordinal| &self.packs[ordinal as usize])
     }
 
     pub fn knows_blob(&self, id: &BlobId) -> bool {
@@ -201,16 +220,21 @@ impl Cache {
         self.pack_ordinals.clear();
     }
 
-    /// Writes the cache atomically (temp file, fsync, rename).
+    /// Writes the cache atomically (temp file, rename). Not fsynced: after
+    /// a crash a torn file fails to decode and loads as empty, which costs
+    /// one slow checkpoint, while an fsync here would cost every checkpoint.
     pub fn save(&self) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
             fs::create_dir_all(dir)?;
         }
-        let tmp = self.path.with_extension(format!("tmp{}", std::process::id()));
-        let bytes = self.encode();
+        let tmp = self
+            .path
+            .with_extension(format!("tmp{}", std::process::id()));
+        let mut bytes = self.encode();
+        let sum = checksum(&bytes);
+        bytes.extend_from_slice(&sum.to_le_bytes());
         let mut file = fs::File::create(&tmp)?;
         file.write_all(&bytes)?;
-        file.sync_all()?;
         fs::rename(&tmp, &self.path)
     }
 
@@ -237,7 +261,10 @@ impl Cache {
         put_u64(&mut out, self.blobs.len() as u64);
         for (id, &ordinal) in &self.blobs {
             out.extend_from_slice(id.as_bytes());
-            put_u64(&mut out, u64::from(live[ordinal as usize].expect("live pack")));
+            put_u64(
+                &mut out,
+                u64::from(live[ordinal as usize].expect("live pack")),
+            );
         }
         put_u64(&mut out, self.files.len() as u64);
         for (path, file) in &self.files {
@@ -262,6 +289,12 @@ impl Cache {
 
     fn decode(path: PathBuf, key_id: &str, bytes: &[u8]) -> Result<Self, String> {
         use crate::format::varint_pub::Reader;
+        let Some((bytes, sum)) = bytes.split_last_chunk::<8>() else {
+            return Err("too short".into());
+        };
+        if u64::from_le_bytes(*sum) != checksum(bytes) {
+            return Err("damaged (checksum mismatch)".into());
+        }
         let mut r = Reader::new(bytes);
         let e = |e: crate::format::FormatError| e.to_string();
         if r.take(4).map_err(e)? != MAGIC {
@@ -281,7 +314,9 @@ impl Cache {
         for _ in 0..pack_count {
             let digest: [u8; 32] = r.take(32).map_err(e)?.try_into().expect("32 bytes");
             let pack = PackId::from_digest(&digest);
-            cache.pack_ordinals.insert(pack.clone(), cache.packs.len() as u32);
+            cache
+                .pack_ordinals
+                .insert(pack.clone(), cache.packs.len() as u32);
             cache.packs.push(pack);
         }
         let blob_count = r.u64().map_err(e)?;
@@ -324,7 +359,13 @@ impl Cache {
                 let len = r.u32().map_err(e)?;
                 chunks.push(ChunkRef { id, len });
             }
-            cache.files.insert(path, CachedFile { fingerprint, chunks });
+            cache.files.insert(
+                path,
+                CachedFile {
+                    fingerprint,
+                    chunks,
+                },
+            );
         }
         if !r.is_empty() {
             return Err("trailing bytes".into());
@@ -338,7 +379,16 @@ mod tests {
     use super::*;
 
     fn fp(ino: u64) -> Fingerprint {
-        Fingerprint { dev: 1, ino, size: 10, mtime_sec: 5, mtime_nsec: 6, ctime_sec: 7, ctime_nsec: 8, mode: 0o100644 }
+        Fingerprint {
+            dev: 1,
+            ino,
+            size: 10,
+            mtime_sec: 5,
+            mtime_nsec: 6,
+            ctime_sec: 7,
+            ctime_nsec: 8,
+            mode: 0o100644,
+        }
     }
 
     #[test]
@@ -347,25 +397,67 @@ mod tests {
         let ws = WorkspaceId::generate();
         let mut cache = Cache::load(dir.path(), &ws, "k1");
         let pack: PackId = "ab".repeat(32).parse().unwrap();
-        let chunk = ChunkRef { id: BlobId([4; 32]), len: 10 };
+        let chunk = ChunkRef {
+            id: BlobId([4; 32]),
+            len: 10,
+        };
         cache.insert_blob(chunk.id, &pack);
-        cache.insert_file(b"src/a.rs".to_vec(), CachedFile { fingerprint: fp(42), chunks: vec![chunk] });
+        cache.insert_file(
+            b"src/a.rs".to_vec(),
+            CachedFile {
+                fingerprint: fp(42),
+                chunks: vec![chunk],
+            },
+        );
         cache.save().unwrap();
 
         let loaded = Cache::load(dir.path(), &ws, "k1");
         assert_eq!(loaded.lookup(b"src/a.rs", &fp(42)), Some(&[chunk][..]));
-        assert_eq!(loaded.lookup(b"src/a.rs", &fp(43)), None, "a new inode is a new file");
+        assert_eq!(
+            loaded.lookup(b"src/a.rs", &fp(43)),
+            None,
+            "a new inode is a new file"
+        );
         assert_eq!(loaded.blob_pack(&chunk.id), Some(&pack));
 
         let foreign = Cache::load(dir.path(), &ws, "another-key");
-        assert_eq!(foreign.file_count(), 0, "a cache made with another key is not trusted");
+        assert_eq!(
+            foreign.file_count(),
+            0,
+            "a cache made with another key is not trusted"
+        );
     }
 
     #[test]
     fn a_corrupt_cache_file_loads_as_empty() {
         let dir = tempfile::tempdir().unwrap();
         let ws = WorkspaceId::generate();
-        std::fs::write(Cache::path_for(dir.path(), &ws), b"CFPC\x01garbage").unwrap();
+        std::fs::write(Cache::path_for(dir.path(), &ws), b"CFPC\x02garbage").unwrap();
+        assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 0);
+
+        // A saved cache with a few bytes changed (a torn write) is not trusted.
+        let mut cache = Cache::load(dir.path(), &ws, "k1");
+        for i in 0..3u8 {
+            cache.insert_file(
+                vec![b'f', i],
+                CachedFile {
+                    fingerprint: fp(u64::from(i)),
+                    chunks: vec![ChunkRef {
+                        id: BlobId([i; 32]),
+                        len: 10,
+                    }],
+                },
+            );
+        }
+        cache.save().unwrap();
+        assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 3);
+        let path = Cache::path_for(dir.path(), &ws);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let middle = bytes.len() / 2;
+        for b in &mut bytes[middle..middle + 4] {
+            *b ^= 0x5a;
+        }
+        std::fs::write(&path, bytes).unwrap();
         assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 0);
     }
 

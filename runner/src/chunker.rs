@@ -26,23 +26,84 @@ pub const MAX_CHUNK: u32 = 256 << 10;
 const _: () = assert!(MAX_CHUNK <= crate::format::MAX_CHUNK_LEN);
 const _: () = assert!(WHOLE_FILE_MAX as u32 <= crate::format::MAX_CHUNK_LEN);
 
+/// How finely a file is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Granularity {
+    /// Whole up to 128 KiB, else FastCDC 16/64/256 KiB.
+    Standard,
+    /// Whole up to 16 KiB, else FastCDC 2/8/32 KiB: for files rewritten in
+    /// place with a few scattered changes (a git index, SQLite pages), where
+    /// standard chunks would re-send 64 KiB around every changed record.
+    Fine,
+}
+
+impl Granularity {
+    /// The granularity for a file at `rel` (path bytes relative to the root).
+    pub fn for_path(rel: &[u8]) -> Self {
+        let name = rel.rsplit(|b| *b == b'/').next().unwrap_or(rel);
+        let in_git_dir = rel
+            .split(|b| *b == b'/')
+            .rev()
+            .nth(1)
+            .is_some_and(|parent| parent == b".git");
+        let sqlite = [
+            &b".db"[..],
+            b".sqlite",
+            b".sqlite3",
+            b".db-wal",
+            b".sqlite-wal",
+            b".sqlite3-wal",
+        ]
+        .iter()
+        .any(|ext| name.ends_with(ext));
+        if (in_git_dir && name == b"index") || sqlite {
+            Self::Fine
+        } else {
+            Self::Standard
+        }
+    }
+
+    /// (whole-file limit, FastCDC min, avg, max).
+    fn params(self) -> (usize, u32, u32, u32) {
+        match self {
+            Self::Standard => (WHOLE_FILE_MAX, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK),
+            Self::Fine => (16 << 10, 2 << 10, 8 << 10, 32 << 10),
+        }
+    }
+}
+
 /// Calls `on_chunk` with each chunk of `source`, in order. An empty source
 /// has no chunks. `size_hint` is the size the source is expected to have
 /// (it sizes buffers exactly; a wrong hint costs only copies). Returns how
 /// many bytes were read.
-pub fn for_each_chunk<R, F>(mut source: R, size_hint: u64, mut on_chunk: F) -> io::Result<u64>
+pub fn for_each_chunk<R, F>(source: R, size_hint: u64, on_chunk: F) -> io::Result<u64>
 where
     R: Read,
     F: FnMut(Vec<u8>) -> io::Result<()>,
 {
+    for_each_chunk_with(Granularity::Standard, source, size_hint, on_chunk)
+}
+
+/// [`for_each_chunk`] at a chosen granularity.
+pub fn for_each_chunk_with<R, F>(
+    granularity: Granularity,
+    mut source: R,
+    size_hint: u64,
+    mut on_chunk: F,
+) -> io::Result<u64>
+where
+    R: Read,
+    F: FnMut(Vec<u8>) -> io::Result<()>,
+{
+    let (whole_file_max, min, avg, max) = granularity.params();
     // Read one byte past the whole-file limit to learn which way to cut. The
     // buffer is sized for the file so that a whole-file chunk wastes no
     // capacity: thousands of them wait in memory for the store's answer.
-    let mut head = Vec::with_capacity(size_hint.min(WHOLE_FILE_MAX as u64) as usize + 1);
+    let mut head = Vec::with_capacity(size_hint.min(whole_file_max as u64) as usize + 1);
     (&mut source)
-        .take(WHOLE_FILE_MAX as u64 + 1)
+        .take(whole_file_max as u64 + 1)
         .read_to_end(&mut head)?;
-    if head.len() <= WHOLE_FILE_MAX {
+    if head.len() <= whole_file_max {
         let len = head.len() as u64;
         if !head.is_empty() {
             on_chunk(head)?;
@@ -50,12 +111,7 @@ where
         return Ok(len);
     }
     let mut total = 0u64;
-    let chunker = StreamCDC::new(
-        io::Cursor::new(head).chain(source),
-        MIN_CHUNK,
-        AVG_CHUNK,
-        MAX_CHUNK,
-    );
+    let chunker = StreamCDC::new(io::Cursor::new(head).chain(source), min, avg, max);
     for chunk in chunker {
         let chunk = chunk.map_err(io::Error::from)?;
         total += chunk.data.len() as u64;
@@ -85,6 +141,54 @@ mod tests {
         let mut data = vec![0u8; len];
         rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
         data
+    }
+
+    #[test]
+    fn git_indexes_and_sqlite_files_are_cut_finely() {
+        for fine in [
+            &b".git/index"[..],
+            b"app/.git/index",
+            b"state/x/history.db",
+            b"s.sqlite3-wal",
+        ] {
+            assert_eq!(Granularity::for_path(fine), Granularity::Fine, "{fine:?}");
+        }
+        for standard in [
+            &b"index"[..],
+            b"src/index",
+            b".git/objects/index",
+            b"notes.dbx",
+        ] {
+            assert_eq!(
+                Granularity::for_path(standard),
+                Granularity::Standard,
+                "{standard:?}"
+            );
+        }
+        // A few scattered record changes re-send a few small chunks.
+        let mut data = random_bytes(2 << 20, 9);
+        let before = chunk_digests_with(Granularity::Fine, &data);
+        assert!(before.iter().all(|(_, len)| *len <= 32 << 10));
+        for at in [100_000, 700_000, 1_500_000] {
+            data[at] ^= 0xff;
+        }
+        let after = chunk_digests_with(Granularity::Fine, &data);
+        let new_bytes: usize = after
+            .iter()
+            .filter(|c| !before.contains(c))
+            .map(|(_, len)| len)
+            .sum();
+        assert!(new_bytes <= 3 * (32 << 10), "{new_bytes} new bytes");
+    }
+
+    fn chunk_digests_with(granularity: Granularity, data: &[u8]) -> Vec<([u8; 32], usize)> {
+        let mut out = Vec::new();
+        for_each_chunk_with(granularity, data, data.len() as u64, |c| {
+            out.push((Sha256::digest(&c).into(), c.len()));
+            Ok(())
+        })
+        .unwrap();
+        out
     }
 
     #[test]

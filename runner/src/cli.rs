@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// cairn's in-sandbox runner: cuts verified, content-addressed checkpoints of
 /// the workspace and restores them on any host.
 #[derive(Debug, Parser)]
-#[command(name = "cairn-runner", version, about, long_about = None)]
+#[command(name = "cairn-runner", version)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -20,7 +20,10 @@ pub enum ConnectError {
     #[error("coordinator address {0:?} is not a URL (expected e.g. http://127.0.0.1:7400)")]
     BadAddress(String),
     #[error("could not connect to the coordinator at {address}: {source}")]
-    Unreachable { address: String, source: tonic::transport::Error },
+    Unreachable {
+        address: String,
+        source: tonic::transport::Error,
+    },
     #[error(transparent)]
     BadToken(#[from] cairn_proto::ValidationError),
 }
@@ -37,7 +40,9 @@ pub struct Coordinator {
 
 impl std::fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Coordinator").field("address", &self.address).finish_non_exhaustive()
+        f.debug_struct("Coordinator")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
     }
 }
 
@@ -53,7 +58,10 @@ impl Coordinator {
         let channel = endpoint
             .connect()
             .await
-            .map_err(|source| ConnectError::Unreachable { address: address.clone(), source })?;
+            .map_err(|source| ConnectError::Unreachable {
+                address: address.clone(),
+                source,
+            })?;
         let interceptor = BearerInterceptor::new(token)?;
         Ok(Self::from_channel(address, channel, interceptor))
     }

@@ -26,7 +26,9 @@ enum Action {
 fn armed() -> &'static HashMap<String, Action> {
     static ARMED: OnceLock<HashMap<String, Action>> = OnceLock::new();
     ARMED.get_or_init(|| {
-        let Ok(spec) = std::env::var(ENV) else { return HashMap::new() };
+        let Ok(spec) = std::env::var(ENV) else {
+            return HashMap::new();
+        };
         spec.split(',')
             .filter(|s| !s.trim().is_empty())
             .filter_map(|item| {

@@ -21,13 +21,24 @@ pub enum TransferError {
     #[error("{url} is not in the store (404)")]
     NotFound { url: String },
     #[error("the store answered {status} for {url}: {body}")]
-    Status { url: String, status: StatusCode, body: String },
+    Status {
+        url: String,
+        status: StatusCode,
+        body: String,
+    },
     #[error("could not reach the store at {url}: {source}")]
     Network { url: String, source: reqwest::Error },
     #[error("the store sent {got} bytes for {url}, expected {expected}")]
-    ShortRead { url: String, got: u64, expected: u64 },
+    ShortRead {
+        url: String,
+        got: u64,
+        expected: u64,
+    },
     #[error("reading {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 impl TransferError {
@@ -63,7 +74,10 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     fn backoff(&self, attempt: u32) -> Duration {
-        let base = self.first_backoff.saturating_mul(1 << attempt.min(16)).min(self.max_backoff);
+        let base = self
+            .first_backoff
+            .saturating_mul(1 << attempt.min(16))
+            .min(self.max_backoff);
         // Full jitter keeps parallel uploads from retrying in lockstep.
         let millis = base.as_millis() as u64;
         Duration::from_millis(rand::rng().random_range(millis / 2..=millis.max(1)))
@@ -127,7 +141,10 @@ impl BlobTransfer {
         }
     }
 
-    async fn check(url: &str, response: reqwest::Response) -> Result<reqwest::Response, TransferError> {
+    async fn check(
+        url: &str,
+        response: reqwest::Response,
+    ) -> Result<reqwest::Response, TransferError> {
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -138,13 +155,20 @@ impl BlobTransfer {
             StatusCode::NOT_FOUND => Err(TransferError::NotFound { url }),
             _ => {
                 let body = response.text().await.unwrap_or_default();
-                Err(TransferError::Status { url, status, body: body.chars().take(300).collect() })
+                Err(TransferError::Status {
+                    url,
+                    status,
+                    body: body.chars().take(300).collect(),
+                })
             }
         }
     }
 
     fn network(url: &str) -> impl Fn(reqwest::Error) -> TransferError + '_ {
-        move |source| TransferError::Network { url: redact(url), source }
+        move |source| TransferError::Network {
+            url: redact(url),
+            source,
+        }
     }
 
     /// Uploads `bytes` with PUT.
@@ -169,10 +193,16 @@ impl BlobTransfer {
     /// Uploads a file with PUT, streaming it from disk.
     pub async fn put_file(&self, url: &str, path: &Path) -> Result<(), TransferError> {
         self.with_retry(url, || async move {
-            let io = |source| TransferError::Io { path: path.display().to_string(), source };
+            let io = |source| TransferError::Io {
+                path: path.display().to_string(),
+                source,
+            };
             let file = tokio::fs::File::open(path).await.map_err(io)?;
             let size = file.metadata().await.map_err(io)?.len();
-            let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(file, 256 << 10));
+            let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
+                file,
+                256 << 10,
+            ));
             let response = self
                 .http
                 .put(url)
@@ -189,7 +219,12 @@ impl BlobTransfer {
     /// Downloads a whole object.
     pub async fn get(&self, url: &str) -> Result<Bytes, TransferError> {
         self.with_retry(url, || async move {
-            let response = self.http.get(url).send().await.map_err(Self::network(url))?;
+            let response = self
+                .http
+                .get(url)
+                .send()
+                .await
+                .map_err(Self::network(url))?;
             let response = Self::check(url, response).await?;
             response.bytes().await.map_err(Self::network(url))
         })
@@ -197,7 +232,12 @@ impl BlobTransfer {
     }
 
     /// Downloads `len` bytes starting at `offset`.
-    pub async fn get_range(&self, url: &str, offset: u64, len: u64) -> Result<Bytes, TransferError> {
+    pub async fn get_range(
+        &self,
+        url: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, TransferError> {
         if len == 0 {
             return Ok(Bytes::new());
         }
@@ -205,14 +245,21 @@ impl BlobTransfer {
             let response = self
                 .http
                 .get(url)
-                .header(reqwest::header::RANGE, format!("bytes={}-{}", offset, offset + len - 1))
+                .header(
+                    reqwest::header::RANGE,
+                    format!("bytes={}-{}", offset, offset + len - 1),
+                )
                 .send()
                 .await
                 .map_err(Self::network(url))?;
             let response = Self::check(url, response).await?;
             let bytes = response.bytes().await.map_err(Self::network(url))?;
             if bytes.len() as u64 != len {
-                return Err(TransferError::ShortRead { url: redact(url), got: bytes.len() as u64, expected: len });
+                return Err(TransferError::ShortRead {
+                    url: redact(url),
+                    got: bytes.len() as u64,
+                    expected: len,
+                });
             }
             Ok(bytes)
         })
@@ -226,7 +273,10 @@ mod tests {
 
     #[test]
     fn urls_lose_their_signature_in_messages() {
-        assert_eq!(redact("http://h/o/packs/ab?sig=secret&exp=1"), "http://h/o/packs/ab?…");
+        assert_eq!(
+            redact("http://h/o/packs/ab?sig=secret&exp=1"),
+            "http://h/o/packs/ab?…"
+        );
         assert_eq!(redact("http://h/o/x"), "http://h/o/x");
     }
 

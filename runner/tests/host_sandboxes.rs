@@ -146,9 +146,7 @@ async fn check_isolation<D: Driver>(driver: &D, scratch: &Scratch, destroyed_exi
 #[tokio::test]
 async fn local_sandboxes_each_see_their_own_workspace() {
     let scratch = Scratch::new();
-    let Some(driver) = local_driver(&scratch) else {
-        return;
-    };
+    let driver = local_driver(&scratch);
     check_isolation(&driver, &scratch, 0).await;
 
     // The runner's environment holds only the sandbox's variables and a few
@@ -168,10 +166,10 @@ async fn local_sandboxes_work_through_a_user_namespace() {
         NamespaceMode::UserNamespace,
     ) {
         Ok(driver) => driver,
-        Err(e) => {
-            eprintln!("skipped: user namespaces are not available here: {e}");
-            return;
-        }
+        Err(e) => panic!(
+            "this test needs unprivileged user namespaces (kernel.unprivileged_userns_clone, \
+             user.max_user_namespaces): {e}"
+        ),
     };
     check_isolation(&driver, &scratch, 0).await;
     // The uid is mapped to itself, so files in the workspace belong to the host user.
@@ -183,9 +181,7 @@ async fn local_sandboxes_work_through_a_user_namespace() {
 #[tokio::test]
 async fn destroy_sends_sigterm_first_and_sigkill_after_the_grace() {
     let scratch = Scratch::new();
-    let Some(driver) = local_driver(&scratch) else {
-        return;
-    };
+    let driver = local_driver(&scratch);
 
     let spec = scratch.spec("sbx-stubborn-a1", "ignore", &[]);
     let mut stubborn = Running::start(&driver, &spec, Duration::from_millis(300));
@@ -212,9 +208,7 @@ async fn destroy_sends_sigterm_first_and_sigkill_after_the_grace() {
 #[tokio::test]
 async fn processes_left_in_the_sandbox_session_are_killed() {
     let scratch = Scratch::new();
-    let Some(driver) = local_driver(&scratch) else {
-        return;
-    };
+    let driver = local_driver(&scratch);
     let spec = scratch.spec("sbx-orphan-a1", "orphan", &[]);
     let mut sandbox = Running::start(&driver, &spec, Duration::from_millis(500));
     wait_for_file(&scratch.report_file("sbx-orphan-a1", "ready")).await;
@@ -238,9 +232,7 @@ async fn processes_left_in_the_sandbox_session_are_killed() {
 #[tokio::test]
 async fn a_runner_that_exits_by_itself_is_reported_with_its_status() {
     let scratch = Scratch::new();
-    let Some(driver) = local_driver(&scratch) else {
-        return;
-    };
+    let driver = local_driver(&scratch);
 
     let spec = scratch.spec("sbx-exit-a1", "exit", &[("STANDIN_EXIT", "3")]);
     let (state, exit_code, detail) = Running::start(&driver, &spec, Duration::from_secs(30))
@@ -280,10 +272,10 @@ fn exec_driver(scratch: &Scratch, templates: ExecTemplates) -> ExecDriver {
 #[tokio::test]
 async fn exec_driver_with_an_unshare_template() {
     let scratch = Scratch::new();
-    if !is_root() {
-        eprintln!("skipped: `unshare -m` with a bind mount needs root");
-        return;
-    }
+    assert!(
+        is_root(),
+        "this test needs root: `unshare -m` with a bind mount (CI runs as root)"
+    );
     let create = "unshare -m sh -c 'mount --bind {workspace_dir} /workspace && cd /workspace && exec {runner} run'";
     let driver = exec_driver(
         &scratch,
@@ -299,9 +291,16 @@ async fn exec_driver_with_an_unshare_template() {
 #[tokio::test]
 async fn exec_driver_with_a_bubblewrap_template() {
     let scratch = Scratch::new();
-    if !Path::new("/usr/bin/bwrap").exists() || !Path::new("/workspace").is_dir() && !is_root() {
-        eprintln!("skipped: needs /usr/bin/bwrap and a /workspace mount point");
-        return;
+    assert!(
+        Path::new("/usr/bin/bwrap").exists(),
+        "this test needs bubblewrap (apt-get install bubblewrap; .ci/run installs it)"
+    );
+    if !Path::new("/workspace").is_dir() {
+        assert!(
+            is_root(),
+            "this test needs root or an existing /workspace mount point"
+        );
+        std::fs::create_dir_all("/workspace").unwrap();
     }
     let create =
         "bwrap --dev-bind / / --bind {workspace_dir} /workspace --chdir /workspace {runner} run";

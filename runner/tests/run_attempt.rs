@@ -720,6 +720,7 @@ async fn a_suspended_run_resumes_after_a_restore_and_recalls_the_first_turn() {
     let mut second = h.attempt(2, PROMPT, h.claude());
     second.inputs = vec![input(2, "answer", "Blue.\nrecall codeword")];
     second.resume_session_id = session.clone();
+    second.prompt_delivered = true;
     second.question = "Which colour should the button be?".into();
     h.next(second);
 
@@ -770,6 +771,7 @@ async fn a_lost_conversation_is_replaced_by_a_briefed_one() {
     let mut spec = h.attempt(2, "The codeword is HERON. Build the thing.", h.claude());
     spec.inputs = vec![input(7, "answer", "recall codeword")];
     spec.resume_session_id = gone.into();
+    spec.prompt_delivered = true;
     spec.question = "What should I remember?".into();
     h.next(spec);
 

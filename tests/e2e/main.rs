@@ -1,6 +1,14 @@
-//! End-to-end tests of issue 2: the real `cairn-coordinator`, `cairn-runner`
-//! and `cairnctl` binaries, started the way a user or a sandbox would start
-//! them (harness: the `cairn_e2e` library in tests/src/lib.rs).
+//! End-to-end tests: the real `cairn-coordinator`, `cairn-runner`,
+//! `cairn-host`, `cairn-demo-agent` and `cairnctl` binaries, started the way a
+//! user, a host or a sandbox would start them (harness: the `cairn_e2e`
+//! library in tests/src/lib.rs, runs on hosts in tests/src/fleet.rs).
+//!
+//! Issue 2 (checkpoints): cairnctl, corruption, fidelity, hostile,
+//! incremental, partial, signed_urls, tokens. Issue 3 (runs on hosts): runs
+//! (hold, suspend, answer, resume elsewhere), hosts (lost host, stale runner,
+//! SIGTERM and cancel, placement), ctl_runs (cairnctl runs/hosts/tokens),
+//! demo (`cairnctl demo`). The issue-3 tests need root or user namespaces
+//! (cairn-host's local driver) and fail saying so otherwise.
 //!
 //! Run with `cargo build --bins && cargo nextest run -p cairn-e2e`
 //! (`scripts/test` does both). Each test starts its own coordinator on
@@ -8,9 +16,13 @@
 
 mod cairnctl;
 mod corruption;
+mod ctl_runs;
+mod demo;
 mod fidelity;
 mod hostile;
+mod hosts;
 mod incremental;
 mod partial;
+mod runs;
 mod signed_urls;
 mod tokens;

@@ -16,6 +16,9 @@
 //! - [`git()`]: the real `git` CLI with a fixed identity and no user config.
 //! - Store helpers: list, classify and damage the pack files of the embedded
 //!   blob store.
+//! - [`fleet`]: runs on hosts (issue 3) — a coordinator with short host
+//!   leases, real `cairn-host` processes with local sandboxes, a recorded
+//!   demo agent, crashes and process lookups.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
@@ -31,6 +34,8 @@ use cairn_proto::pb;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tempfile::TempDir;
+
+pub mod fleet;
 
 /// How long any one command may run before the harness kills it.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(240);

@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
 
-/// cairn's coordinator: workspaces, checkpoint metadata and signed URLs.
+/// cairn's coordinator: workspaces, checkpoint metadata, signed URLs, runs and hosts.
 #[derive(Debug, Parser)]
 #[command(name = "cairn-coordinator", version)]
 struct Cli {
@@ -58,6 +58,13 @@ struct ServeArgs {
     /// Lifetime of signed URLs (e.g. 90s, 15m, 1h).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
     url_ttl: Duration,
+    /// A host whose last heartbeat is older than this is lost: its attempts
+    /// end and its runs are queued again elsewhere.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    host_lease: Duration,
+    /// How often hosts heartbeat (must be shorter than --host-lease).
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration)]
+    heartbeat_interval: Duration,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -97,6 +104,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         url_ttl: args.url_ttl,
         ..Limits::default()
     };
+    config.host_lease = args.host_lease;
+    config.heartbeat_interval = args.heartbeat_interval;
     let coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(

@@ -7,6 +7,9 @@ use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = ctl::Cli::parse();
-    ctl::init_logging(cli.log_format);
+    // The demo logs to a file in its own directory; the terminal shows its timeline.
+    if !matches!(cli.command, ctl::Command::Demo(_)) {
+        ctl::init_logging(cli.log_format);
+    }
     ctl::run_to_exit(cli)
 }

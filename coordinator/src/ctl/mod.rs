@@ -1,20 +1,32 @@
-//! `cairnctl`, the admin command line: workspaces, checkpoints, checkout and
-//! verification, talking to the coordinator over gRPC with a bearer token.
+//! `cairnctl`, the command line: workspaces, checkpoints, checkout and
+//! verification, runs, hosts and tokens, talking to the coordinator over
+//! gRPC with a bearer token — and `cairnctl demo`, the whole system on one
+//! machine.
 //!
 //! Tables for people, `--output json` for scripts (one JSON document on
-//! stdout). Errors go to stderr as `error: <cause>`, with gRPC codes spelled
-//! out, and exit 1. The module is compiled into the `cairnctl` binary only
-//! (through `#[path]`), so it depends on nothing in the coordinator library.
+//! stdout; `runs events --follow` prints one object per line). Errors go to
+//! stderr as `error: <cause>`, with gRPC codes spelled out, and exit 1. The
+//! module is compiled into the `cairnctl` binary only (through `#[path]`);
+//! only [`demo`] uses the coordinator library, to embed a coordinator.
 //!
 //! - [`output`]: tables, JSON shapes and human units.
 //! - [`workspace`]: `workspace create|list|show`.
 //! - [`checkpoints`]: `checkpoints WS`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
 //! - [`verify`]: `verify WS [--read-data]`.
+//! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
+//! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
+//! - [`tokens`]: `tokens create --scope client|host`.
+//! - [`demo`]: `demo`, an embedded coordinator, two hosts and a run that
+//!   loses its host and resumes on the other.
 
 mod checkout;
 mod checkpoints;
+mod demo;
+mod hosts;
 mod output;
+mod runs;
+mod tokens;
 mod verify;
 mod workspace;
 
@@ -23,11 +35,14 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use cairn_proto::pb;
+use cairn_proto::runs::RunState;
 use cairn_runner::client::Coordinator;
 use clap::{Parser, Subcommand, ValueEnum};
 
-/// cairn's admin CLI: inspect workspaces and checkpoints, materialise any
-/// checkpoint into a directory, and verify what the store holds.
+/// cairn's command line: run agents on workspaces and follow them across
+/// hosts, inspect workspaces and checkpoints, materialise any checkpoint into
+/// a directory, verify what the store holds, and manage hosts and tokens.
+/// `cairnctl demo` shows it all on this machine.
 #[derive(Debug, Parser)]
 #[command(name = "cairnctl", version)]
 pub struct Cli {
@@ -98,6 +113,113 @@ pub enum Command {
         #[arg(long)]
         read_data: bool,
     },
+    /// Create runs and follow, answer, suspend or cancel them.
+    #[command(subcommand)]
+    Runs(RunsCommand),
+    /// List hosts; cordon, uncordon or drain one (admin token).
+    #[command(subcommand)]
+    Hosts(HostsCommand),
+    /// Create tokens for clients and hosts (admin token).
+    #[command(subcommand)]
+    Tokens(TokensCommand),
+    /// Run everything locally, no set-up: an embedded coordinator, two hosts,
+    /// and a run that works, asks a question, loses its host and resumes on
+    /// the other one when answered. Exits 0 only if the resumed agent
+    /// remembered its first turn.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCommand {
+    /// Ask for agent work on a workspace (queued until a host takes it).
+    Create(runs::CreateArgs),
+    /// List runs, newest first.
+    List {
+        /// Only runs on this workspace (id or name).
+        #[arg(long)]
+        workspace: Option<String>,
+        /// Only runs in this state (queued, assigned, starting, running,
+        /// waiting, suspended, succeeded, failed, cancelled).
+        #[arg(long, value_parser = parse_run_state)]
+        state: Option<RunState>,
+    },
+    /// Show a run: state and why, question, summary, session, attempts.
+    Show {
+        /// Run id.
+        run: String,
+    },
+    /// The run's events: time, state, reason, host, attempt/generation,
+    /// checkpoint, detail.
+    Events {
+        /// Run id.
+        run: String,
+        /// Keep printing new events until the run ends.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// Answer a run's question: to its held sandbox while it waits, or by
+    /// starting the next attempt once it is suspended.
+    Answer {
+        /// Run id.
+        run: String,
+        /// The answer.
+        text: String,
+    },
+    /// Checkpoint and release the run's sandbox; an answer resumes it.
+    Suspend {
+        /// Run id.
+        run: String,
+        /// Why, for the run's events.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Stop a run for good (its sandbox is destroyed after a checkpoint).
+    Cancel {
+        /// Run id.
+        run: String,
+        /// Why, for the run's events.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HostsCommand {
+    /// List hosts: state, slots, labels, last heartbeat, runs.
+    List,
+    /// Place no new runs on a host.
+    Cordon {
+        /// Host id or name.
+        host: String,
+    },
+    /// Place runs on a cordoned host again.
+    Uncordon {
+        /// Host id or name.
+        host: String,
+    },
+    /// Cordon a host and release its sandboxes: running runs resume
+    /// elsewhere, waiting ones are suspended.
+    Drain {
+        /// Host id or name.
+        host: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Create a token (printed once).
+    Create {
+        /// What the token may do.
+        #[arg(long, value_enum)]
+        scope: tokens::Scope,
+        /// A note stored with the token (who or what uses it).
+        #[arg(long)]
+        description: Option<String>,
+    },
+}
+
+fn parse_run_state(text: &str) -> Result<RunState, String> {
+    text.parse::<RunState>().map_err(|e| e.reason)
 }
 
 #[derive(Debug, Subcommand)]
@@ -123,7 +245,8 @@ pub fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
@@ -153,9 +276,15 @@ pub fn run_to_exit(cli: Cli) -> ExitCode {
 
 /// Runs one command. `Ok(FAILURE)` means the command ran and found problems.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let coordinator = Coordinator::connect(&cli.coordinator, cli.token.as_deref()).await?;
     let output = cli.output;
-    match cli.command {
+    // The demo brings its own coordinator.
+    let command = match cli.command {
+        Command::Demo(args) => return demo::run(args, output).await,
+        command => command,
+    };
+    let coordinator = Coordinator::connect(&cli.coordinator, cli.token.as_deref()).await?;
+    match command {
+        Command::Demo(args) => demo::run(args, output).await,
         Command::Workspace(WorkspaceCommand::Create { name }) => {
             workspace::create(&coordinator, name, output).await
         }
@@ -184,7 +313,41 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workspace,
             read_data,
         } => verify::run(&coordinator, &workspace, read_data, output).await,
+        Command::Runs(command) => run_runs(&coordinator, command, output).await,
+        Command::Hosts(command) => {
+            let (action, host) = match command {
+                HostsCommand::List => return hosts::list(&coordinator, output).await,
+                HostsCommand::Cordon { host } => (hosts::Action::Cordon, host),
+                HostsCommand::Uncordon { host } => (hosts::Action::Uncordon, host),
+                HostsCommand::Drain { host } => (hosts::Action::Drain, host),
+            };
+            hosts::act(&coordinator, action, &host, output).await
+        }
+        Command::Tokens(TokensCommand::Create { scope, description }) => {
+            tokens::create(&coordinator, scope, description, output).await
+        }
     }
+}
+
+async fn run_runs(
+    coordinator: &Coordinator,
+    command: RunsCommand,
+    output: Output,
+) -> anyhow::Result<ExitCode> {
+    let (action, run, text) = match command {
+        RunsCommand::Create(args) => return runs::create(coordinator, args, output).await,
+        RunsCommand::List { workspace, state } => {
+            return runs::list(coordinator, workspace, state, output).await;
+        }
+        RunsCommand::Show { run } => return runs::show(coordinator, &run, output).await,
+        RunsCommand::Events { run, follow } => {
+            return runs::events(coordinator, &run, follow, output).await;
+        }
+        RunsCommand::Answer { run, text } => (runs::Action::Answer, run, text),
+        RunsCommand::Suspend { run, reason } => (runs::Action::Suspend, run, reason),
+        RunsCommand::Cancel { run, reason } => (runs::Action::Cancel, run, reason),
+    };
+    runs::act(coordinator, action, &run, text, output).await
 }
 
 /// A refused RPC as an error naming what was attempted and the status in words.

@@ -1,11 +1,14 @@
 //! How cairnctl shows things: aligned tables and key/value blocks for
 //! people, stable JSON objects for scripts (an entity's own id is always
-//! under `"id"`), and human units.
+//! under `"id"`; durations are `*_ms` numbers; times RFC 3339), and human
+//! units.
 
-use std::time::SystemTime;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime};
 
 use cairn_proto::domain::{CheckpointReason, WorkspaceState};
 use cairn_proto::pb;
+use cairn_proto::runs::{AttemptState, HostState, RunState, from_proto_duration};
 use cairn_runner::restore::{human_age, human_bytes};
 use serde_json::{Value, json};
 
@@ -187,6 +190,204 @@ pub fn checkpoint_brief(c: &pb::Checkpoint) -> String {
         reason(c.reason),
         age(time_of!(c.created_at))
     )
+}
+
+/// RFC 3339 with milliseconds, for events (several happen within a second).
+pub fn rfc3339_millis(t: Option<SystemTime>) -> Value {
+    match t {
+        Some(t) => Value::String(humantime::format_rfc3339_millis(t).to_string()),
+        None => Value::Null,
+    }
+}
+
+pub fn run_state(value: i32) -> &'static str {
+    RunState::try_from(value)
+        .map(|s| s.as_str())
+        .unwrap_or("unspecified")
+}
+
+pub fn host_state(value: i32) -> &'static str {
+    HostState::try_from(value)
+        .map(|s| s.as_str())
+        .unwrap_or("unspecified")
+}
+
+pub fn attempt_state(value: i32) -> &'static str {
+    AttemptState::try_from(value)
+        .map(|s| s.as_str())
+        .unwrap_or("unspecified")
+}
+
+/// A protobuf duration, if set and valid.
+pub fn duration(d: Option<&prost_types::Duration>) -> Option<Duration> {
+    d.and_then(|d| from_proto_duration(d, "duration").ok())
+}
+
+/// "5m", "1h 30m", or "-".
+pub fn human_duration(d: Option<Duration>) -> String {
+    match d {
+        Some(d) => humantime::format_duration(Duration::from_secs(d.as_secs())).to_string(),
+        None => "-".into(),
+    }
+}
+
+fn millis(d: Option<Duration>) -> Value {
+    d.map_or(Value::Null, |d| json!(d.as_millis() as u64))
+}
+
+/// A protobuf map in key order (protobuf maps have none).
+pub fn sorted(map: &HashMap<String, String>) -> BTreeMap<&str, &str> {
+    map.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// `k=v,k2=v2` in key order, or `-`.
+pub fn pairs(map: &HashMap<String, String>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
+    sorted(map)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Empty text as `-`.
+pub fn or_dash(text: &str) -> String {
+    if text.trim().is_empty() {
+        "-".into()
+    } else {
+        text.to_owned()
+    }
+}
+
+/// The first line of a text, cut to `max` characters, marked when cut.
+pub fn first_line(text: &str, max: usize) -> String {
+    let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let more_lines = text.trim().lines().count() > 1;
+    let mut out: String = line.chars().take(max).collect();
+    if line.chars().count() > max || more_lines {
+        out.push('…');
+    }
+    out
+}
+
+/// The attempt now holding a sandbox, or the newest one.
+pub fn current_attempt(run: &pb::Run) -> Option<&pb::Attempt> {
+    run.attempts.last()
+}
+
+pub fn attempt_json(a: &pb::Attempt) -> Value {
+    json!({
+        "number": a.number,
+        "generation": a.generation,
+        "host_id": a.host_id,
+        "sandbox_id": a.sandbox_id,
+        "state": attempt_state(a.state),
+        "started_at": rfc3339(time_of!(a.started_at)),
+        "ended_at": rfc3339(time_of!(a.ended_at)),
+        "end_reason": a.end_reason,
+        "prepare": a.prepare,
+        "restored_checkpoint_id": a.restored_checkpoint_id,
+    })
+}
+
+pub fn run_json(r: &pb::Run) -> Value {
+    let harness = r.harness.clone().unwrap_or_default();
+    json!({
+        "id": r.id,
+        "workspace_id": r.workspace_id,
+        "station": r.station,
+        "state": run_state(r.state),
+        "state_reason": r.state_reason,
+        "harness": {"name": harness.name, "config": sorted(&harness.config)},
+        "prompt": r.prompt,
+        "labels": sorted(&r.labels),
+        "hold_ms": millis(duration(r.hold.as_ref())),
+        "max_attempts": r.max_attempts,
+        "attempts": r.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+        "question": r.question,
+        "summary": r.summary,
+        "harness_session_id": r.harness_session_id,
+        "last_checkpoint_id": r.last_checkpoint_id,
+        "repos": r.repos.iter().map(|repo| json!({
+            "name": repo.name,
+            "url": repo.url,
+            "branch": repo.branch,
+        })).collect::<Vec<_>>(),
+        "image": r.image,
+        "checkpoint_interval_ms": millis(duration(r.checkpoint_interval.as_ref())),
+        "created_at": rfc3339(time_of!(r.created_at)),
+        "updated_at": rfc3339(time_of!(r.updated_at)),
+        "hold_until": rfc3339(time_of!(r.hold_until)),
+    })
+}
+
+pub fn event_json(e: &pb::RunEvent) -> Value {
+    json!({
+        "sequence": e.sequence,
+        "run_id": e.run_id,
+        "at": rfc3339_millis(time_of!(e.at)),
+        "state": run_state(e.state),
+        "reason": e.reason,
+        "host_id": e.host_id,
+        "attempt": e.attempt,
+        "generation": e.generation,
+        "checkpoint_id": e.checkpoint_id,
+        "detail": e.detail,
+    })
+}
+
+/// `#2 g5` (attempt 2 at generation 5), or `-` for run-level events.
+pub fn attempt_generation(attempt: u32, generation: u64) -> String {
+    if attempt == 0 {
+        "-".into()
+    } else {
+        format!("#{attempt} g{generation}")
+    }
+}
+
+/// One event as one line, columns at fixed widths so lines printed as they
+/// arrive (`runs events --follow`) line up: time, state, reason, host,
+/// attempt/generation, checkpoint, detail.
+pub fn event_line(e: &pb::RunEvent) -> String {
+    let at = match time_of!(e.at) {
+        Some(t) => humantime::format_rfc3339_millis(t).to_string(),
+        None => "-".into(),
+    };
+    let line = format!(
+        "{at:<24}  {:<9}  {:<17}  {:<22}  {:<8}  {:<28}  {}",
+        run_state(e.state),
+        e.reason,
+        or_dash(&e.host_id),
+        attempt_generation(e.attempt, e.generation),
+        or_dash(&e.checkpoint_id),
+        e.detail,
+    );
+    line.trim_end().to_owned()
+}
+
+/// The header over [`event_line`]s.
+pub fn event_header() -> String {
+    format!(
+        "{:<24}  {:<9}  {:<17}  {:<22}  {:<8}  {:<28}  DETAIL",
+        "TIME", "STATE", "REASON", "HOST", "ATTEMPT", "CHECKPOINT"
+    )
+}
+
+pub fn host_json(h: &pb::Host) -> Value {
+    json!({
+        "id": h.id,
+        "name": h.name,
+        "state": host_state(h.state),
+        "labels": sorted(&h.labels),
+        "slots": h.slots,
+        "used_slots": h.used_slots,
+        "driver": h.driver,
+        "registered_at": rfc3339(time_of!(h.registered_at)),
+        "last_heartbeat_at": rfc3339(time_of!(h.last_heartbeat_at)),
+        "run_ids": h.run_ids,
+    })
 }
 
 #[cfg(test)]

@@ -97,7 +97,7 @@ fn pack_from_row(row: &SqliteRow) -> Result<Pack, DbError> {
 }
 
 /// Appends ` (v1, v2, …)`, binding `bind(item)` for each item.
-fn push_in_list<'a, T, V>(
+pub(super) fn push_in_list<'a, T, V>(
     query: &mut QueryBuilder<'a, Sqlite>,
     items: &'a [T],
     bind: impl Fn(&'a T) -> V,
@@ -184,7 +184,8 @@ impl MetadataStore {
         rows.iter().map(checkpoint_from_row).collect()
     }
 
-    /// Which of `blobs` the tenant has, and in which pack.
+    /// Which of `blobs` the tenant has, and in which pack. Blobs whose pack
+    /// was found lost are not had: they must be uploaded again.
     pub async fn find_blobs(
         &self,
         tenant: &TenantId,
@@ -192,8 +193,12 @@ impl MetadataStore {
     ) -> Result<HashMap<BlobId, PackId>, DbError> {
         let mut found = HashMap::new();
         for chunk in blobs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new("SELECT blob_id, pack_id FROM blobs WHERE tenant = ");
-            query.push_bind(tenant.as_str()).push(" AND blob_id IN");
+            let mut query = QueryBuilder::new(
+                "SELECT b.blob_id, b.pack_id FROM blobs b
+                 JOIN packs p ON p.tenant = b.tenant AND p.id = b.pack_id
+                 WHERE p.lost_at IS NULL AND b.tenant = ",
+            );
+            query.push_bind(tenant.as_str()).push(" AND b.blob_id IN");
             push_in_list(&mut query, chunk, |b| b.as_bytes().as_slice());
             let rows = query
                 .build()
@@ -239,6 +244,29 @@ impl MetadataStore {
             }
         }
         Ok(packs)
+    }
+
+    /// Marks recorded packs of `tenant` as lost from the store: their blobs
+    /// stop counting as stored. Returns how many were newly marked.
+    pub async fn mark_packs_lost(&self, tenant: &TenantId, ids: &[PackId]) -> Result<u64, DbError> {
+        let now = millis(SystemTime::now());
+        let mut marked = 0;
+        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::<Sqlite>::new("UPDATE packs SET lost_at = ");
+            query
+                .push_bind(now)
+                .push(" WHERE lost_at IS NULL AND tenant = ")
+                .push_bind(tenant.as_str())
+                .push(" AND id IN");
+            push_in_list(&mut query, chunk, PackId::as_str);
+            marked += query
+                .build()
+                .execute(&self.pool)
+                .await
+                .map_err(query_error("mark packs lost"))?
+                .rows_affected();
+        }
+        Ok(marked)
     }
 
     /// The packs each of `checkpoints` references, sorted by pack id.
@@ -329,10 +357,11 @@ impl MetadataStore {
         }
 
         for pack in &new.new_packs {
+            // A pack found lost earlier and uploaded again is back.
             sqlx::query(
                 "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (tenant, id) DO NOTHING",
+                 ON CONFLICT (tenant, id) DO UPDATE SET lost_at = NULL",
             )
             .bind(tenant.as_str())
             .bind(pack.pack_id.as_str())
@@ -352,7 +381,13 @@ impl MetadataStore {
                         .push_bind(blob.as_bytes().as_slice())
                         .push_bind(pack.pack_id.as_str());
                 });
-                query.push(" ON CONFLICT (tenant, blob_id) DO NOTHING");
+                // First writer wins, unless its pack was lost: then the
+                // blob lives in the pack that brought it back.
+                query.push(
+                    " ON CONFLICT (tenant, blob_id) DO UPDATE SET pack_id = excluded.pack_id
+                      WHERE EXISTS (SELECT 1 FROM packs p WHERE p.tenant = blobs.tenant
+                                    AND p.id = blobs.pack_id AND p.lost_at IS NOT NULL)",
+                );
                 query
                     .build()
                     .execute(&mut *tx)

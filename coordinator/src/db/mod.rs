@@ -1,5 +1,6 @@
 //! Metadata: tenants and their keys, tokens, workspaces, packs, blobs and
-//! checkpoints, in SQLite (`DIR/cairn.db`).
+//! checkpoints; hosts, runs, attempts, their events and inputs, in SQLite
+//! (`DIR/cairn.db`).
 //!
 //! [`MetadataStore`] has one method per operation the services need and
 //! returns domain records. The database runs in WAL mode with foreign keys on
@@ -15,25 +16,45 @@
 //!   write lock before anything is read, so concurrent commits of a workspace
 //!   serialize and get consecutive sequence numbers.
 //! - A blob's pack is recorded once; later packs holding the same blob do not
-//!   replace it (first writer wins).
+//!   replace it (first writer wins) unless the recorded pack was found lost.
+//! - Run and host changes run in `BEGIN IMMEDIATE` transactions ([`WriteTx`]):
+//!   the write lock is taken first, so reads inside see the state they change.
+//!   Every run state change writes a run event in the same transaction, and
+//!   after the commit the run's id is published to [`MetadataStore::subscribe_runs`].
 
 mod checkpoints;
+mod hosts;
+mod runner;
+mod runs;
+mod scheduling;
 mod workspaces;
+
+pub use hosts::{
+    AssignmentRecord, HeartbeatAnswer, Host, HostRegistration, ReportedSandbox, destroy_reason,
+};
+pub use runs::{
+    Attempt, NewRun, NewRunTarget, OutcomeReport, ProgressReport, Run, RunEvent, RunFilter,
+    RunInput, SessionRecord, StartedAttempt, event_reason,
+};
+pub use scheduling::{HostCapacity, QueuedRun};
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::collections::BTreeSet;
+
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
-use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, TenantId, WorkspaceId};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use ring::rand::{SecureRandom, SystemRandom};
-use sqlx::Row;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
+use sqlx::{Row, Sqlite, Transaction};
+use tokio::sync::broadcast;
 
-use crate::tokens::{Principal, Scope};
+use crate::tokens::{Principal, RunBinding, Scope};
 
 /// Key id of a tenant's first key.
 pub const FIRST_KEY_ID: &str = "k1";
@@ -71,6 +92,17 @@ pub enum DbError {
     },
     #[error("tenant {0} has no current key")]
     NoTenantKey(TenantId),
+    /// A run, host or other record the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request does not fit the record's state (a run that is not
+    /// waiting, an attempt that was superseded, …).
+    #[error("{0}")]
+    Precondition(String),
+    /// The request names something that does not fit it (an input the run
+    /// does not have, a checkpoint of another workspace).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 pub(crate) fn generation_message(given: Generation, current: Generation) -> String {
@@ -183,10 +215,32 @@ pub struct NewCheckpoint {
     pub stored_bytes: u64,
 }
 
+/// Runs whose events changed are announced on this channel; a slow receiver
+/// that lags re-reads the database, so the capacity only bounds memory.
+const RUN_CHANGES_CAPACITY: usize = 1024;
+
 /// The metadata database.
 #[derive(Debug, Clone)]
 pub struct MetadataStore {
     pool: SqlitePool,
+    run_changes: broadcast::Sender<RunId>,
+}
+
+/// A write transaction that took the database's write lock at its start, and
+/// the runs it changed (announced after the commit).
+pub(crate) struct WriteTx {
+    tx: Transaction<'static, Sqlite>,
+    changed_runs: BTreeSet<RunId>,
+}
+
+impl WriteTx {
+    fn conn(&mut self) -> &mut sqlx::SqliteConnection {
+        &mut self.tx
+    }
+
+    fn touch(&mut self, run: &RunId) {
+        self.changed_runs.insert(run.clone());
+    }
 }
 
 fn millis(t: SystemTime) -> i64 {
@@ -242,7 +296,38 @@ impl MetadataStore {
                 source,
             })?;
         sqlx::migrate!("./migrations").run(&pool).await?;
-        Ok(Self { pool })
+        let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);
+        Ok(Self { pool, run_changes })
+    }
+
+    /// Ids of runs as their events are committed. Subscribe before reading
+    /// what you wait on, so nothing committed in between is missed.
+    pub fn subscribe_runs(&self) -> broadcast::Receiver<RunId> {
+        self.run_changes.subscribe()
+    }
+
+    /// Starts a write transaction holding the write lock from its first statement.
+    pub(crate) async fn begin_write(&self) -> Result<WriteTx, DbError> {
+        let tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(query_error("begin"))?;
+        Ok(WriteTx {
+            tx,
+            changed_runs: BTreeSet::new(),
+        })
+    }
+
+    /// Commits `tx` and announces the runs it changed.
+    pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), DbError> {
+        let WriteTx { tx, changed_runs } = tx;
+        tx.commit().await.map_err(query_error("commit"))?;
+        for run in changed_runs {
+            // No receiver is fine: nobody is watching.
+            let _ = self.run_changes.send(run);
+        }
+        Ok(())
     }
 
     /// Closes every connection (checkpoints the WAL).
@@ -361,7 +446,7 @@ impl MetadataStore {
     /// Who holds the token with this hash, if it is known and not expired.
     pub async fn principal(&self, hash: &[u8; 32]) -> Result<Option<Principal>, DbError> {
         let row = sqlx::query(
-            "SELECT tenant, scope, workspace_id FROM tokens
+            "SELECT tenant, scope, workspace_id, run_id, attempt FROM tokens
              WHERE token_hash = $1 AND (expires_at IS NULL OR expires_at > $2)",
         )
         .bind(hash.as_slice())
@@ -374,12 +459,22 @@ impl MetadataStore {
         let scope: String = row.try_get("scope").map_err(query_error("token"))?;
         let workspace: Option<String> =
             row.try_get("workspace_id").map_err(query_error("token"))?;
+        let run: Option<String> = row.try_get("run_id").map_err(query_error("token"))?;
+        let attempt: Option<i64> = row.try_get("attempt").map_err(query_error("token"))?;
+        let run = match (run, attempt) {
+            (Some(run), Some(attempt)) => Some(RunBinding {
+                run: parse_column(&run, "run id")?,
+                attempt: unsigned(attempt, "attempt")?,
+            }),
+            _ => None,
+        };
         Ok(Some(Principal {
             tenant: parse_column(&tenant, "tenant")?,
             scope: parse_column(&scope, "token scope")?,
             workspace: workspace
                 .map(|w| parse_column(&w, "workspace id"))
                 .transpose()?,
+            run,
         }))
     }
 }

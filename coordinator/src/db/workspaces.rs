@@ -14,7 +14,7 @@ use super::{
 
 /// Generation of a new workspace. Zero stays free to mean "the current one"
 /// in requests.
-const FIRST_GENERATION: Generation = Generation(1);
+pub(super) const FIRST_GENERATION: Generation = Generation(1);
 
 const WORKSPACE_COLUMNS: &str =
     "w.id, w.tenant, w.name, w.state, w.generation, w.created_at, w.updated_at,

@@ -57,8 +57,34 @@ impl CheckpointApi {
         Ok(workspace)
     }
 
+    /// The generation of the attempt a run token speaks for (`None` for
+    /// other tokens).
+    async fn attempt_generation(
+        &self,
+        principal: &Principal,
+    ) -> Result<Option<Generation>, ServiceError> {
+        let Some(binding) = &principal.run else {
+            return Ok(None);
+        };
+        let attempt = self
+            .shared
+            .db
+            .attempt(&binding.run, binding.attempt)
+            .await?
+            .ok_or_else(|| {
+                ServiceError::Denied(format!(
+                    "run token of attempt {} of run {}, which does not exist",
+                    binding.attempt, binding.run
+                ))
+            })?;
+        Ok(Some(attempt.generation))
+    }
+
     /// Checks that every referenced pack is in the store with the size the
-    /// metadata (or, for new packs, the commit) gives it. Returns the total size.
+    /// metadata (or, for new packs, the commit) gives it. Returns the total
+    /// size. Recorded packs the store lacks are marked lost, so their blobs
+    /// are reported missing (and uploaded again) from now on; the error
+    /// names every pack that is missing or the wrong size.
     async fn check_packs_in_store(
         &self,
         principal: &Principal,
@@ -77,22 +103,41 @@ impl CheckpointApi {
             .try_collect()
             .await?;
         let mut total = 0u64;
+        let mut missing = Vec::new();
+        let mut problems = Vec::new();
         for (id, size) in expected {
             match found.get(id).copied().flatten() {
                 None => {
-                    return Err(ServiceError::FailedPrecondition(format!(
+                    problems.push(format!(
                         "pack {id} is not in the store (never uploaded, or lost)"
-                    )));
+                    ));
+                    missing.push(id.clone());
                 }
-                Some(actual) if actual != *size => {
-                    return Err(ServiceError::FailedPrecondition(format!(
-                        "pack {id} has {actual} bytes in the store, expected {size}"
-                    )));
-                }
+                Some(actual) if actual != *size => problems.push(format!(
+                    "pack {id} has {actual} bytes in the store, expected {size}"
+                )),
                 Some(_) => total = total.saturating_add(*size),
             }
         }
-        Ok(total)
+        if problems.is_empty() {
+            return Ok(total);
+        }
+        if !missing.is_empty() {
+            let marked = self
+                .shared
+                .db
+                .mark_packs_lost(&principal.tenant, &missing)
+                .await?;
+            if marked > 0 {
+                tracing::warn!(
+                    tenant = %principal.tenant,
+                    packs = %missing.iter().map(PackId::as_str).collect::<Vec<_>>().join(","),
+                    marked,
+                    "recorded packs are missing from the store; marked lost"
+                );
+            }
+        }
+        Err(ServiceError::FailedPrecondition(problems.join("; ")))
     }
 
     async fn commit(
@@ -108,6 +153,13 @@ impl CheckpointApi {
             .authorize(Action::WriteCheckpoints(&workspace.id))
             .map_err(ServiceError::Denied)?;
         ensure_active(&workspace)?;
+        if let Some(own) = self.attempt_generation(principal).await?
+            && commit.generation != own
+        {
+            return Err(ServiceError::FailedPrecondition(
+                attempt_generation_message(principal, commit.generation, own),
+            ));
+        }
         if commit.generation != workspace.generation {
             return Err(ServiceError::FailedPrecondition(generation_message(
                 commit.generation,
@@ -363,6 +415,17 @@ impl CheckpointApi {
     }
 }
 
+/// Why a run token's checkpoint at `given` is refused: its attempt owns `own`.
+fn attempt_generation_message(principal: &Principal, given: Generation, own: Generation) -> String {
+    match &principal.run {
+        Some(binding) => format!(
+            "attempt {} of run {} checkpoints at generation {own}, not {given}",
+            binding.attempt, binding.run
+        ),
+        None => format!("generation {given} is not the attempt's {own}"),
+    }
+}
+
 #[tonic::async_trait]
 impl CheckpointService for CheckpointApi {
     async fn begin_checkpoint(
@@ -377,17 +440,30 @@ impl CheckpointService for CheckpointApi {
             })
             .await?;
         ensure_active(&workspace)?;
-        let generation = match Generation(req.generation) {
-            Generation(0) => workspace.generation,
-            given if given == workspace.generation => given,
-            given => {
-                return Err(ServiceError::FailedPrecondition(generation_message(
-                    given,
-                    workspace.generation,
-                ))
-                .into());
-            }
+        // A run token speaks for its attempt: "the current generation" is the
+        // attempt's, so a superseded runner is refused here instead of
+        // quietly committing at its successor's generation.
+        let own = self.attempt_generation(&principal).await?;
+        let generation = match (Generation(req.generation), own) {
+            (Generation(0), Some(own)) => own,
+            (Generation(0), None) => workspace.generation,
+            (given, _) => given,
         };
+        if let Some(own) = own
+            && generation != own
+        {
+            return Err(ServiceError::FailedPrecondition(attempt_generation_message(
+                &principal, generation, own,
+            ))
+            .into());
+        }
+        if generation != workspace.generation {
+            return Err(ServiceError::FailedPrecondition(generation_message(
+                generation,
+                workspace.generation,
+            ))
+            .into());
+        }
         let key = self
             .shared
             .db

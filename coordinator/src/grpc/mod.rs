@@ -1,11 +1,21 @@
 //! The gRPC server: `cairn.v1` services, grpc.health.v1 and reflection,
 //! behind the bearer-token layer.
 //!
+//! - WorkspaceService, CheckpointService: the checkpoint engine.
+//! - RunService (client and admin tokens), HostService (host and admin),
+//!   RunnerService (an attempt's run token), AdminService (admin).
+//!
 //! Service errors are a [`ServiceError`]; the one `From<ServiceError> for
 //! Status` decides every status code and logs internal failures with their
-//! cause where they are turned into a status.
+//! cause where they are turned into a status. Scope checks go through the
+//! caller's [`Principal`]. Long calls (WatchRunEvents, WaitForInput) end when
+//! the server shuts down, so a graceful stop never waits on them.
 
+mod admin;
 mod checkpoints;
+mod hosts;
+mod runner;
+mod runs;
 mod workspaces;
 
 use std::sync::Arc;
@@ -16,18 +26,29 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use cairn_proto::ValidationError;
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState, to_timestamp};
 use cairn_proto::pb;
+use cairn_proto::pb::admin_service_server::AdminServiceServer;
 use cairn_proto::pb::checkpoint_service_server::CheckpointServiceServer;
+use cairn_proto::pb::host_service_server::HostServiceServer;
+use cairn_proto::pb::run_service_server::RunServiceServer;
+use cairn_proto::pb::runner_service_server::RunnerServiceServer;
 use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
+use cairn_proto::runs::to_proto_duration;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use crate::auth::AuthLayer;
-use crate::db::{Checkpoint, DbError, MetadataStore, Workspace};
+use crate::db::{Attempt, Checkpoint, DbError, Host, MetadataStore, Run, RunEvent, Workspace};
+use crate::scheduler::SchedulerHandle;
 use crate::store::{ObjectStore, StoreError};
-use crate::tokens::Principal;
+use crate::tokens::{Principal, RunTokenKey};
 
+pub use admin::AdminApi;
 pub use checkpoints::CheckpointApi;
+pub use hosts::HostApi;
+pub use runner::RunnerApi;
+pub use runs::RunApi;
 pub use workspaces::WorkspaceApi;
 
 /// Largest gRPC message either way (commits of big workspaces list many blob ids).
@@ -65,12 +86,35 @@ impl Default for Limits {
     }
 }
 
+/// How often hosts heartbeat and how long until a silent host is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostTiming {
+    pub heartbeat_interval: Duration,
+    pub lease: Duration,
+}
+
+impl Default for HostTiming {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval: Duration::from_secs(1),
+            lease: Duration::from_secs(10),
+        }
+    }
+}
+
 /// What every service works with.
 #[derive(Clone)]
 pub struct Shared {
     pub db: Arc<MetadataStore>,
     pub store: Arc<dyn ObjectStore>,
     pub limits: Limits,
+    pub host_timing: HostTiming,
+    /// Derives each attempt's run token.
+    pub run_tokens: RunTokenKey,
+    /// Wakes the scheduler after a change it should act on.
+    pub scheduler: SchedulerHandle,
+    /// Cancelled when the server shuts down: long calls end then.
+    pub shutdown: CancellationToken,
 }
 
 impl std::fmt::Debug for Shared {
@@ -110,10 +154,13 @@ impl From<ServiceError> for Status {
             ServiceError::FailedPrecondition(m) => Status::failed_precondition(m),
             ServiceError::Db(e) => match e {
                 DbError::NameTaken(_) => Status::already_exists(e.to_string()),
-                DbError::WorkspaceNotFound(_) => Status::not_found(e.to_string()),
-                DbError::WorkspaceNotActive { .. } | DbError::GenerationMismatch { .. } => {
-                    Status::failed_precondition(e.to_string())
+                DbError::WorkspaceNotFound(_) | DbError::NotFound(_) => {
+                    Status::not_found(e.to_string())
                 }
+                DbError::Invalid(_) => Status::invalid_argument(e.to_string()),
+                DbError::WorkspaceNotActive { .. }
+                | DbError::GenerationMismatch { .. }
+                | DbError::Precondition(_) => Status::failed_precondition(e.to_string()),
                 e if e.is_retryable() => {
                     tracing::warn!(error = %e, "metadata database busy");
                     Status::unavailable(format!(
@@ -240,6 +287,77 @@ fn workspace_to_pb(w: &Workspace) -> pb::Workspace {
     }
 }
 
+fn attempt_to_pb(a: &Attempt) -> pb::Attempt {
+    pb::Attempt {
+        number: a.number,
+        generation: a.generation.0,
+        host_id: a.host_id.to_string(),
+        sandbox_id: a.sandbox_id.clone(),
+        state: pb::AttemptState::from(a.state) as i32,
+        started_at: Some(to_timestamp(a.started_at)),
+        ended_at: a.ended_at.map(to_timestamp),
+        end_reason: a.end_reason.clone(),
+        prepare: a.prepare.clone(),
+        restored_checkpoint_id: a.restored_checkpoint_id.clone(),
+    }
+}
+
+fn run_to_pb(r: &Run) -> pb::Run {
+    pb::Run {
+        id: r.id.to_string(),
+        workspace_id: r.workspace_id.to_string(),
+        station: r.station.clone(),
+        harness: Some(r.harness.clone()),
+        prompt: r.prompt.clone(),
+        labels: r.labels.0.clone().into_iter().collect(),
+        hold: Some(to_proto_duration(r.hold)),
+        max_attempts: r.max_attempts,
+        state: pb::RunState::from(r.state) as i32,
+        state_reason: r.state_reason.clone(),
+        created_at: Some(to_timestamp(r.created_at)),
+        updated_at: Some(to_timestamp(r.updated_at)),
+        attempts: r.attempts.iter().map(attempt_to_pb).collect(),
+        question: r.question.clone(),
+        summary: r.summary.clone(),
+        harness_session_id: r.harness_session_id.clone(),
+        last_checkpoint_id: r.last_checkpoint_id.clone(),
+        repos: r.repos.clone(),
+        image: r.image.clone(),
+        checkpoint_interval: Some(to_proto_duration(r.checkpoint_interval)),
+        hold_until: r.hold_until.map(to_timestamp),
+    }
+}
+
+fn run_event_to_pb(e: &RunEvent) -> pb::RunEvent {
+    pb::RunEvent {
+        sequence: e.sequence,
+        run_id: e.run_id.to_string(),
+        at: Some(to_timestamp(e.at)),
+        state: pb::RunState::from(e.state) as i32,
+        reason: e.reason.clone(),
+        host_id: e.host_id.clone(),
+        attempt: e.attempt,
+        generation: e.generation,
+        checkpoint_id: e.checkpoint_id.clone(),
+        detail: e.detail.clone(),
+    }
+}
+
+fn host_to_pb(h: &Host) -> pb::Host {
+    pb::Host {
+        id: h.id.to_string(),
+        name: h.name.clone(),
+        labels: h.labels.0.clone().into_iter().collect(),
+        slots: h.slots,
+        used_slots: h.used_slots,
+        state: pb::HostState::from(h.state()) as i32,
+        driver: h.driver.clone(),
+        registered_at: Some(to_timestamp(h.registered_at)),
+        last_heartbeat_at: Some(to_timestamp(h.last_heartbeat_at)),
+        run_ids: h.run_ids.iter().map(ToString::to_string).collect(),
+    }
+}
+
 /// Why the gRPC server stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum GrpcError {
@@ -260,9 +378,13 @@ pub async fn serve(
     let workspaces = WorkspaceServiceServer::new(WorkspaceApi::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let checkpoints = CheckpointServiceServer::new(CheckpointApi::new(shared))
+    let checkpoints = CheckpointServiceServer::new(CheckpointApi::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let runs = RunServiceServer::new(RunApi::new(shared.clone()));
+    let hosts = HostServiceServer::new(HostApi::new(shared.clone()));
+    let runner = RunnerServiceServer::new(RunnerApi::new(shared.clone()));
+    let admin = AdminServiceServer::new(AdminApi::new(shared));
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -270,6 +392,18 @@ pub async fn serve(
         .await;
     health_reporter
         .set_serving::<CheckpointServiceServer<CheckpointApi>>()
+        .await;
+    health_reporter
+        .set_serving::<RunServiceServer<RunApi>>()
+        .await;
+    health_reporter
+        .set_serving::<HostServiceServer<HostApi>>()
+        .await;
+    health_reporter
+        .set_serving::<RunnerServiceServer<RunnerApi>>()
+        .await;
+    health_reporter
+        .set_serving::<AdminServiceServer<AdminApi>>()
         .await;
 
     let reflection = || {
@@ -287,6 +421,10 @@ pub async fn serve(
         .add_service(reflection_v1alpha)
         .add_service(workspaces)
         .add_service(checkpoints)
+        .add_service(runs)
+        .add_service(hosts)
+        .add_service(runner)
+        .add_service(admin)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;
     Ok(())

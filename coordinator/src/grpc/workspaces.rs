@@ -28,7 +28,7 @@ impl WorkspaceApi {
 
 /// A requested workspace name: empty means unnamed; a name must not look
 /// like a workspace id, or lookups by it would be read as an id.
-fn requested_name(name: &str) -> Result<Option<&str>, ServiceError> {
+pub(super) fn requested_name(name: &str) -> Result<Option<&str>, ServiceError> {
     let name = name.trim();
     if name.is_empty() {
         return Ok(None);

@@ -373,6 +373,100 @@ async fn a_pack_missing_from_the_store_cannot_be_referenced_again() {
 }
 
 #[tokio::test]
+async fn every_missing_pack_is_named_marked_lost_and_its_blobs_uploaded_again() {
+    let dir = data_dir();
+    let (server, faults) = TestServer::start_faulty(dir.path()).await;
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "").await;
+    let begin1 = begin(&mut client, &ws.id).await;
+    let keys = keys_of(&begin1);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"tree 1"]);
+    let data_a = build_pack(&keys, PackKind::Data, &[b"file a"]);
+    let data_b = build_pack(&keys, PackKind::Data, &[b"file b"]);
+    upload(&mut client, &ws.id, &[&meta, &data_a, &data_b]).await;
+    client
+        .checkpoints
+        .commit_checkpoint(commit_request(
+            &begin1,
+            &meta,
+            &[&meta, &data_a, &data_b],
+            &[&meta, &data_a, &data_b],
+        ))
+        .await
+        .unwrap();
+
+    // The store loses both data packs; the next commit reuses them.
+    let tenant = TenantId::default_tenant();
+    faults.hide(&ObjectKey::for_pack(&tenant, &data_a.id));
+    faults.hide(&ObjectKey::for_pack(&tenant, &data_b.id));
+    let begin2 = begin(&mut client, &ws.id).await;
+    let meta2 = build_pack(&keys, PackKind::Meta, &[b"tree 2"]);
+    upload(&mut client, &ws.id, &[&meta2]).await;
+    let status = client
+        .checkpoints
+        .commit_checkpoint(commit_request(
+            &begin2,
+            &meta2,
+            &[&meta2],
+            &[&meta2, &data_a, &data_b],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    for pack in [&data_a.id, &data_b.id] {
+        assert!(
+            status.message().contains(&format!("pack {pack}")),
+            "{}",
+            status.message()
+        );
+    }
+
+    // Their blobs now count as missing, so a runner uploads them again.
+    let wanted: Vec<Vec<u8>> = data_a
+        .blob_ids
+        .iter()
+        .chain(&data_b.blob_ids)
+        .chain(&meta.blob_ids)
+        .map(|b| b.as_bytes().to_vec())
+        .collect();
+    let find = pb::FindMissingBlobsRequest {
+        workspace: ws.id.clone(),
+        blob_ids: wanted,
+    };
+    let found = client
+        .checkpoints
+        .find_missing_blobs(find.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(found.locations, [0, 0, 1]);
+    assert_eq!(found.packs, [meta.id.to_string()]);
+
+    let again = build_pack(&keys, PackKind::Data, &[b"file a", b"file b"]);
+    upload(&mut client, &ws.id, &[&again]).await;
+    let committed = client
+        .checkpoints
+        .commit_checkpoint(commit_request(
+            &begin2,
+            &meta2,
+            &[&meta2, &again],
+            &[&meta2, &again],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(committed.sequence, 2);
+    let found = client
+        .checkpoints
+        .find_missing_blobs(find)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(found.locations, [1, 1, 2]);
+    assert_eq!(found.packs, [again.id.to_string(), meta.id.to_string()]);
+}
+
+#[tokio::test]
 async fn malformed_checkpoint_requests_are_invalid_arguments() {
     let dir = data_dir();
     let server = TestServer::start(dir.path()).await;

@@ -1,9 +1,14 @@
 //! In-process tests of the coordinator: a real server on ephemeral ports,
-//! driven with tonic clients and HTTP like runners and cairnctl drive it.
+//! driven with tonic clients and HTTP like runners, hosts and cairnctl
+//! drive it.
 
 mod blob_urls;
 mod checkpoints;
+mod fencing;
+mod fleet;
 mod harness;
+mod hosts;
 mod restart;
+mod runs;
 mod tokens;
 mod workspaces;

@@ -50,3 +50,58 @@ async fn a_restart_keeps_workspaces_checkpoints_the_token_and_signed_urls() {
     assert_eq!(next.sequence, 2);
     second.stop().await;
 }
+
+#[tokio::test]
+async fn stopping_ends_open_watches_and_a_restart_keeps_runs_and_their_tokens() {
+    use tokio_stream::StreamExt;
+
+    use crate::fleet::{Clients, FakeHost, FakeRunner, start_patient};
+
+    let dir = data_dir();
+    let first = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&first).await;
+    let mut host = FakeHost::register(&first, &first.admin_token, "h", &[], 1).await;
+    let run = clients.create_run(&[]).await;
+    let assignment = host.beat_until_assigned(&run.id).await;
+    let mut watch = clients
+        .runs
+        .watch_run_events(pb::WatchRunEventsRequest {
+            run_id: run.id.clone(),
+            after_sequence: 0,
+            follow: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for expected in ["created", "assigned"] {
+        assert_eq!(watch.next().await.unwrap().unwrap().reason, expected);
+    }
+
+    // A graceful stop does not wait for the follower; the follower learns why it ends.
+    first.stop().await;
+    let ended = watch.next().await.unwrap().unwrap_err();
+    assert_eq!(
+        ended.code(),
+        tonic::Code::Unavailable,
+        "{}",
+        ended.message()
+    );
+
+    let second = start_patient(dir.path()).await;
+    host.reconnect(&second, &second.admin_token).await;
+    host.sandboxes.clear();
+    let again = host.beat().await;
+    assert_eq!(again.assignments.len(), 1);
+    assert_eq!(
+        again.assignments[0].run_token, assignment.run_token,
+        "run tokens are derived, so a restart repeats them"
+    );
+    let mut runner = FakeRunner::connect(&second, &assignment).await;
+    assert_eq!(runner.claim().await.run_id, run.id);
+    let mut clients = Clients::admin(&second).await;
+    assert_eq!(
+        clients.get(&run.id).await.state,
+        pb::RunState::Starting as i32
+    );
+    second.stop().await;
+}

@@ -14,6 +14,10 @@ use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
 use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
+use cairn_proto::pb::host_service_client::HostServiceClient;
+use cairn_proto::pb::runner_service_client::RunnerServiceClient;
+
+use crate::fleet::{Clients, FakeHost, run_request};
 use crate::harness::*;
 
 /// The status of one call to each service (`Ok` for success).
@@ -121,27 +125,145 @@ async fn the_admin_token_reaches_every_service() {
         result.unwrap_or_else(|s| panic!("{service}: {s:?}"));
     }
     let services = list_services(&mut admin).await.unwrap();
-    for name in [
+    let cairn_services = [
         "cairn.v1.WorkspaceService",
         "cairn.v1.CheckpointService",
-        "grpc.health.v1.Health",
-    ] {
+        "cairn.v1.RunService",
+        "cairn.v1.HostService",
+        "cairn.v1.RunnerService",
+        "cairn.v1.AdminService",
+    ];
+    for name in cairn_services.iter().chain(&["grpc.health.v1.Health"]) {
         assert!(
             services.iter().any(|s| s == name),
             "{name} missing from {services:?}"
         );
     }
-    let serving = HealthClient::new(admin.auth_channel())
-        .check(HealthCheckRequest {
-            service: "cairn.v1.WorkspaceService".into(),
-        })
+    for service in cairn_services {
+        let serving = HealthClient::new(admin.auth_channel())
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            serving.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn created_tokens_carry_their_scope_and_nothing_more() {
+    let dir = data_dir();
+    let server = crate::fleet::start_patient(dir.path()).await;
+    let mut admin = Clients::admin(&server).await;
+    let create = |scope: &str| pb::CreateTokenRequest {
+        scope: scope.into(),
+        description: format!("test {scope}"),
+    };
+    let client_token = admin
+        .admin
+        .create_token(create("client"))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(
-        serving.status,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-    );
+    assert_eq!(client_token.scope, "client");
+    assert!(client_token.token.starts_with("cairn_client_"));
+    let host_token = admin
+        .admin
+        .create_token(create("host"))
+        .await
+        .unwrap()
+        .into_inner()
+        .token;
+    assert!(host_token.starts_with("cairn_host_"));
+    for scope in ["admin", "run", "root"] {
+        let refused = admin.admin.create_token(create(scope)).await.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument, "{scope}");
+    }
+
+    // A host token registers and heartbeats, and does nothing else.
+    let mut host = FakeHost::register(&server, &host_token, "h", &[], 1).await;
+    let mut as_host = Clients::connect(&server, &host_token).await;
+    let denied = as_host.runs.create_run(run_request(&[])).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = as_host
+        .runs
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = as_host
+        .admin
+        .list_hosts(pb::ListHostsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+
+    // A client token drives runs but is no host and no admin.
+    let mut client = Clients::connect(&server, &client_token.token).await;
+    let mine = client.create_run(&[]).await;
+    let other = client.create_run(&[]).await;
+    let denied = HostServiceClient::new(
+        server
+            .client_with(Some(&client_token.token))
+            .await
+            .auth_channel(),
+    )
+    .register_host(pb::RegisterHostRequest {
+        slots: 1,
+        driver: "local".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = client
+        .admin
+        .create_token(create("client"))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = RunnerServiceClient::new(
+        server
+            .client_with(Some(&client_token.token))
+            .await
+            .auth_channel(),
+    )
+    .claim_attempt(pb::ClaimAttemptRequest {})
+    .await
+    .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+
+    // A run token reads its own run, and no other.
+    let assignment = host.beat_until_assigned(&mine.id).await;
+    let mut as_run = Clients::connect(&server, &assignment.run_token).await;
+    assert_eq!(as_run.get(&mine.id).await.id, mine.id);
+    let denied = as_run
+        .runs
+        .get_run(pb::GetRunRequest {
+            run_id: other.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert!(denied.message().contains(&other.id), "{}", denied.message());
+    let denied = as_run
+        .runs
+        .watch_run_events(pb::WatchRunEventsRequest {
+            run_id: other.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = as_run.answer(&mine.id, "me").await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = as_run.runs.create_run(run_request(&[])).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
 }
 
 #[tokio::test]
@@ -153,7 +275,7 @@ async fn a_run_token_reaches_only_its_own_workspace() {
     let other = create_workspace(&mut admin, "other").await;
     checkpoint(&mut admin, &other.id, b"other's work").await;
 
-    // Run tokens are issued by the run service of a later issue; record one directly.
+    // A run token bound to a workspace only (no run), recorded directly.
     let run_token = tokens::generate(Scope::Run);
     let db = MetadataStore::open(&dir.path().join("cairn.db"))
         .await

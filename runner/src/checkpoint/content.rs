@@ -463,8 +463,10 @@ fn read_once(
         held: Vec::new(),
         cancelled: false,
     };
-    let read = chunker::for_each_chunk(&file, before.size, |data| hasher.push(data))
-        .and_then(|size| hasher.flush().map(|()| size));
+    let granularity = chunker::Granularity::for_path(&job.rel);
+    let read =
+        chunker::for_each_chunk_with(granularity, &file, before.size, |data| hasher.push(data))
+            .and_then(|size| hasher.flush().map(|()| size));
     if hasher.cancelled {
         return Err(ReadError::Cancelled);
     }

@@ -396,6 +396,7 @@ async fn run(
         "trees stored, uploads finished"
     );
     let (repos, git_warnings) = blocking(move || inspector.finish()).await?;
+    tracing::debug!(repos = repos.len(), elapsed_ms = ms(), "git state read");
 
     if let Some(baseline) = baseline
         && baseline.checkpoint_id == session.parent
@@ -440,12 +441,30 @@ async fn run(
         harness: opts.harness.clone(),
         key_id: keys.key_id().to_owned(),
     };
-    let committed = remote::commit(&session.client, request).await?;
-    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
+    // The cache is written while the coordinator commits: it only records
+    // what this checkpoint read and where its blobs are, all known now.
+    let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
+    let saving = {
+        let scan = scan.clone();
+        blocking(move || save_cache(cache, &scan, &content, reachable))
+    };
+    let (committed, saved) = tokio::join!(remote::commit(&session.client, request), saving);
+    saved?;
+    let committed = match committed {
+        Ok(committed) => committed,
+        Err(e) => {
+            // The saved cache places blobs in packs no checkpoint holds;
+            // start the next checkpoint from nothing rather than be refused.
+            if let Err(remove) = fs::remove_file(&cache_path)
+                && remove.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(error = %remove, path = %cache_path.display(), "cannot remove the fingerprint cache of a failed commit");
+            }
+            return Err(e);
+        }
+    };
+    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed, fingerprint cache saved");
     drop(spool);
-
-    save_cache(cache, &scan, &content, reachable);
-    tracing::debug!(elapsed_ms = ms(), "fingerprint cache saved");
     Ok(Some(CheckpointReport {
         checkpoint_id: committed.id,
         workspace_id: session.workspace_id.to_string(),
@@ -473,7 +492,8 @@ fn locate_reachable(
         .flatten()
         .flatten()
         .flat_map(|f| f.chunks.iter().map(|c| c.id));
-    for id in chunk_ids.chain(trees.by_dir.values().copied()) {
+    let tree_ids = trees.by_dir.values().chain(&trees.pages).copied();
+    for id in chunk_ids.chain(tree_ids) {
         if reachable.contains_key(&id) {
             continue;
         }
@@ -503,6 +523,7 @@ fn save_cache(
     content: &Content,
     reachable: HashMap<BlobId, PackId>,
 ) {
+    let started = Instant::now();
     let Ok(mut cache) = Arc::try_unwrap(cache) else {
         tracing::warn!("the fingerprint cache is still in use; not updating it");
         return;
@@ -523,6 +544,10 @@ fn save_cache(
     if let Err(e) = cache.save() {
         tracing::warn!(error = %e, "cannot save the fingerprint cache; the next checkpoint reads every file");
     }
+    tracing::debug!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "fingerprint cache written"
+    );
 }
 
 /// Stores new blobs: asks which the store lacks, seals and packs those, and

@@ -30,6 +30,8 @@ pub struct Trees {
     pub root: BlobId,
     /// The tree id of every directory, by path relative to the root.
     pub by_dir: HashMap<Vec<u8>, BlobId>,
+    /// The pages of every paged directory (large ones; see format::tree).
+    pub pages: Vec<BlobId>,
     /// Trees that `known` did not recognise, each once, with their bytes.
     pub unknown: Vec<(BlobId, Vec<u8>)>,
     pub counts: Counts,
@@ -44,6 +46,7 @@ pub fn build(
     known: &dyn Fn(&BlobId) -> bool,
 ) -> Trees {
     let mut by_dir: HashMap<Vec<u8>, BlobId> = HashMap::with_capacity(scan.dirs.len());
+    let mut pages = Vec::new();
     let mut unknown = Vec::new();
     let mut sent = HashSet::new();
     let mut counts = Counts::default();
@@ -98,10 +101,16 @@ pub fn build(
                 gid: node.meta.gid,
             });
         }
-        let bytes = Tree { entries }.encode();
-        let id = keys.blob_id(&bytes);
+        let encoded = Tree { entries }.encode_paged(&|bytes| keys.blob_id(bytes));
+        for (page, bytes) in encoded.pages {
+            pages.push(page);
+            if !known(&page) && sent.insert(page) {
+                unknown.push((page, bytes));
+            }
+        }
+        let id = keys.blob_id(&encoded.root);
         if !known(&id) && sent.insert(id) {
-            unknown.push((id, bytes));
+            unknown.push((id, encoded.root));
         }
         by_dir.insert(dir.path.clone(), id);
     }
@@ -109,6 +118,7 @@ pub fn build(
     Trees {
         root,
         by_dir,
+        pages,
         unknown,
         counts,
     }
@@ -120,7 +130,7 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     use super::*;
-    use crate::format::ChunkRef;
+    use crate::format::{ChunkRef, FormatError, TreeObject};
     use crate::scan::{ScanOptions, scan};
 
     fn keys() -> TenantKeys {
@@ -173,13 +183,21 @@ mod tests {
     }
 
     fn decode(trees: &Trees, id: &BlobId) -> Tree {
-        let bytes = &trees
-            .unknown
-            .iter()
-            .find(|(i, _)| i == id)
-            .expect("tree was encoded")
-            .1;
-        Tree::decode(bytes).unwrap()
+        let bytes = |id: &BlobId| {
+            trees
+                .unknown
+                .iter()
+                .find(|(i, _)| i == id)
+                .expect("tree was encoded")
+                .1
+                .clone()
+        };
+        match TreeObject::decode(&bytes(id)).unwrap() {
+            TreeObject::Entries(tree) => tree,
+            TreeObject::Pages(pages) => {
+                Tree::from_pages(&pages, |p| Ok::<_, FormatError>(bytes(p)), |e| e).unwrap()
+            }
+        }
     }
 
     #[test]
@@ -210,6 +228,33 @@ mod tests {
         assert_eq!(
             offered,
             HashSet::from([after.by_dir[&b"busy"[..]], after.root])
+        );
+    }
+
+    #[test]
+    fn a_change_in_a_large_directory_re_sends_one_page_of_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fs::create_dir(root.join("big")).unwrap();
+        for i in 0..400 {
+            fs::write(root.join(format!("big/f{i:03}")), format!("{i}")).unwrap();
+        }
+        let before = trees_of(root, &|_| false);
+        assert!(before.pages.len() > 5, "{} pages", before.pages.len());
+        let listing = decode(&before, &before.by_dir[&b"big"[..]]);
+        assert_eq!(listing.entries.len(), 400);
+        listing.validate().unwrap();
+
+        fs::write(root.join("big/f200"), b"changed").unwrap();
+        let known: HashSet<BlobId> = before.unknown.iter().map(|(id, _)| *id).collect();
+        let after = trees_of(root, &|id| known.contains(id));
+        let sent: Vec<usize> = after.unknown.iter().map(|(_, b)| b.len()).collect();
+        // The root, the page list of big/, and one page of it.
+        assert_eq!(sent.len(), 3, "{sent:?}");
+        let listing_bytes: usize = before.unknown.iter().map(|(_, b)| b.len()).sum();
+        assert!(
+            sent.iter().sum::<usize>() * 4 < listing_bytes,
+            "sent {sent:?} of {listing_bytes} bytes"
         );
     }
 

@@ -16,7 +16,9 @@ pub struct TenantKeys {
 
 impl std::fmt::Debug for TenantKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TenantKeys").field("key_id", &self.key_id).finish_non_exhaustive()
+        f.debug_struct("TenantKeys")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
     }
 }
 

@@ -56,10 +56,10 @@ pub use pack::{
     parse_pack_header, parse_trailer,
 };
 pub use seal::{SEAL_OVERHEAD, open, seal};
-pub use tree::{ChunkRef, Entry, EntryKind, Tree};
+pub use tree::{ChunkRef, EncodedTree, Entry, EntryKind, PAGED_ABOVE, Tree, TreeObject};
 
 /// Version of the checkpoint format written by this build.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Largest plaintext a single blob may hold (a chunk or a tree object).
 pub const MAX_BLOB_LEN: usize = 64 << 20;
@@ -77,7 +77,10 @@ pub enum FormatError {
     #[error("blob {id:?} decrypted but its content does not match its id")]
     DigestMismatch { id: cairn_proto::ids::BlobId },
     #[error("blob {id:?} is malformed: {reason}")]
-    MalformedBlob { id: cairn_proto::ids::BlobId, reason: String },
+    MalformedBlob {
+        id: cairn_proto::ids::BlobId,
+        reason: String,
+    },
     #[error("tree object is malformed: {0}")]
     MalformedTree(String),
     #[error("pack {pack} is malformed: {reason}")]

@@ -76,7 +76,13 @@ pub struct FinishedPack<W> {
 
 impl<W: Write> PackBuilder<W> {
     pub fn new(kind: PackKind, sink: W) -> io::Result<Self> {
-        let mut builder = Self { kind, sink, hasher: Sha256::new(), len: 0, entries: Vec::new() };
+        let mut builder = Self {
+            kind,
+            sink,
+            hasher: Sha256::new(),
+            len: 0,
+            entries: Vec::new(),
+        };
         let mut header = [0u8; PACK_HEADER_LEN];
         header[..8].copy_from_slice(MAGIC);
         header[8] = FORMAT_VERSION as u8;
@@ -100,7 +106,12 @@ impl<W: Write> PackBuilder<W> {
     pub fn add(&mut self, id: BlobId, sealed: &[u8], plain_len: u32) -> io::Result<()> {
         let offset = self.len;
         self.write(sealed)?;
-        self.entries.push(IndexEntry { id, offset, sealed_len: sealed.len() as u32, plain_len });
+        self.entries.push(IndexEntry {
+            id,
+            offset,
+            sealed_len: sealed.len() as u32,
+            plain_len,
+        });
         Ok(())
     }
 
@@ -170,7 +181,10 @@ fn index_aad(kind: PackKind) -> Vec<u8> {
 }
 
 fn malformed(pack: &PackId, reason: impl Into<String>) -> FormatError {
-    FormatError::MalformedPack { pack: pack.to_string(), reason: reason.into() }
+    FormatError::MalformedPack {
+        pack: pack.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// Checks a pack's first bytes and returns its kind.
@@ -180,7 +194,10 @@ pub fn parse_pack_header(pack: &PackId, header: &[u8]) -> Result<PackKind, Forma
     }
     let version = u32::from(header[8]);
     if version > FORMAT_VERSION {
-        return Err(FormatError::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
+        return Err(FormatError::UnsupportedVersion {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
     }
     match header[9] {
         1 => Ok(PackKind::Meta),
@@ -233,7 +250,10 @@ impl PackIndex {
         }
         let version = u32::from(r.u8().map_err(bad)?);
         if version > FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
+            return Err(FormatError::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
         }
         let count = r.u64().map_err(bad)?;
         if count > plain.len() as u64 / 35 {
@@ -251,9 +271,17 @@ impl PackIndex {
                 || (sealed_len as usize) < SEAL_OVERHEAD
                 || plain_len as usize > MAX_BLOB_LEN
             {
-                return Err(malformed(pack, format!("index entry for {id:?} is out of bounds")));
+                return Err(malformed(
+                    pack,
+                    format!("index entry for {id:?} is out of bounds"),
+                ));
             }
-            entries.push(IndexEntry { id, offset, sealed_len, plain_len });
+            entries.push(IndexEntry {
+                id,
+                offset,
+                sealed_len,
+                plain_len,
+            });
         }
         if !r.is_empty() {
             return Err(malformed(pack, "index has trailing bytes"));
@@ -271,7 +299,9 @@ mod tests {
     fn a_pack_reads_back_through_its_trailer_and_index() {
         let keys = TenantKeys::derive("k", &[9; 32]).unwrap();
         let mut builder = PackBuilder::new(PackKind::Data, Vec::new()).unwrap();
-        let blobs: Vec<Vec<u8>> = (0..5).map(|i| format!("blob number {i}").repeat(i + 1).into_bytes()).collect();
+        let blobs: Vec<Vec<u8>> = (0..5)
+            .map(|i| format!("blob number {i}").repeat(i + 1).into_bytes())
+            .collect();
         for b in &blobs {
             let id = keys.blob_id(b);
             let mut sealed = Vec::new();
@@ -285,13 +315,28 @@ mod tests {
         assert_eq!(PackId::from_digest(&digest), pack.id);
 
         assert_eq!(parse_pack_header(&pack.id, &bytes).unwrap(), PackKind::Data);
-        let (off, len) = parse_trailer(&pack.id, pack.size, &bytes[bytes.len() - PACK_TRAILER_LEN..]).unwrap();
+        let (off, len) = parse_trailer(
+            &pack.id,
+            pack.size,
+            &bytes[bytes.len() - PACK_TRAILER_LEN..],
+        )
+        .unwrap();
         assert_eq!((off, len), (pack.index_offset, pack.index_length));
-        let index = PackIndex::open(&keys, &pack.id, PackKind::Data, off, &bytes[off as usize..(off + len as u64) as usize]).unwrap();
+        let index = PackIndex::open(
+            &keys,
+            &pack.id,
+            PackKind::Data,
+            off,
+            &bytes[off as usize..(off + len as u64) as usize],
+        )
+        .unwrap();
         assert_eq!(index.entries.len(), blobs.len());
         for (e, b) in index.entries.iter().zip(&blobs) {
             let sealed = &bytes[e.offset as usize..(e.offset + u64::from(e.sealed_len)) as usize];
-            assert_eq!(&open(&keys, &e.id, sealed, e.plain_len as usize).unwrap(), b);
+            assert_eq!(
+                &open(&keys, &e.id, sealed, e.plain_len as usize).unwrap(),
+                b
+            );
         }
     }
 
@@ -305,10 +350,17 @@ mod tests {
         let at = pack.index_offset as usize + 20;
         bytes[at] ^= 0x80;
         let sealed = &bytes[pack.index_offset as usize..][..pack.index_length as usize];
-        assert!(PackIndex::open(&keys, &pack.id, PackKind::Meta, pack.index_offset, sealed).is_err());
+        assert!(
+            PackIndex::open(&keys, &pack.id, PackKind::Meta, pack.index_offset, sealed).is_err()
+        );
         // Read as the wrong kind, the same index does not authenticate either.
-        let good = PackBuilder::new(PackKind::Meta, Vec::new()).unwrap().finish(&keys).unwrap();
+        let good = PackBuilder::new(PackKind::Meta, Vec::new())
+            .unwrap()
+            .finish(&keys)
+            .unwrap();
         let sealed = &good.sink[good.index_offset as usize..][..good.index_length as usize];
-        assert!(PackIndex::open(&keys, &good.id, PackKind::Data, good.index_offset, sealed).is_err());
+        assert!(
+            PackIndex::open(&keys, &good.id, PackKind::Data, good.index_offset, sealed).is_err()
+        );
     }
 }

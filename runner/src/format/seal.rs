@@ -86,10 +86,15 @@ pub fn open(
 ) -> Result<Vec<u8>, FormatError> {
     let malformed = |reason: String| FormatError::MalformedBlob { id: *id, reason };
     if plain_len > MAX_BLOB_LEN {
-        return Err(malformed(format!("declared length {plain_len} exceeds {MAX_BLOB_LEN}")));
+        return Err(malformed(format!(
+            "declared length {plain_len} exceeds {MAX_BLOB_LEN}"
+        )));
     }
     if sealed.len() < SEAL_OVERHEAD {
-        return Err(malformed(format!("{} bytes is shorter than a seal", sealed.len())));
+        return Err(malformed(format!(
+            "{} bytes is shorter than a seal",
+            sealed.len()
+        )));
     }
     let flags = sealed[0];
     if flags & !FLAG_ZSTD != 0 {
@@ -108,8 +113,7 @@ pub fn open(
         .len();
     body.truncate(opened_len);
     let plaintext = if flags & FLAG_ZSTD != 0 {
-        zstd::bulk::decompress(&body, plain_len)
-            .map_err(|e| malformed(format!("zstd: {e}")))?
+        zstd::bulk::decompress(&body, plain_len).map_err(|e| malformed(format!("zstd: {e}")))?
     } else {
         body
     };
@@ -143,7 +147,10 @@ mod tests {
             let id = keys.blob_id(plaintext);
             let mut sealed = Vec::new();
             seal(&keys, &id, plaintext, &mut sealed);
-            assert_eq!(open(&keys, &id, &sealed, plaintext.len()).unwrap(), plaintext);
+            assert_eq!(
+                open(&keys, &id, &sealed, plaintext.len()).unwrap(),
+                plaintext
+            );
         }
         let id = keys.blob_id(&text);
         let mut sealed = Vec::new();
@@ -161,7 +168,10 @@ mod tests {
         for i in 0..sealed.len() {
             let mut bad = sealed.clone();
             bad[i] ^= 0x01;
-            assert!(open(&keys, &id, &bad, plaintext.len()).is_err(), "flip at {i} went unnoticed");
+            assert!(
+                open(&keys, &id, &bad, plaintext.len()).is_err(),
+                "flip at {i} went unnoticed"
+            );
         }
     }
 
@@ -172,7 +182,10 @@ mod tests {
         let other = keys.blob_id(b"b");
         let mut sealed = Vec::new();
         seal(&keys, &id, b"a", &mut sealed);
-        assert!(matches!(open(&keys, &other, &sealed, 1), Err(FormatError::Unauthentic { .. })));
+        assert!(matches!(
+            open(&keys, &other, &sealed, 1),
+            Err(FormatError::Unauthentic { .. })
+        ));
         let stranger = TenantKeys::derive("k2", &[8; 32]).unwrap();
         assert!(open(&stranger, &id, &sealed, 1).is_err());
     }

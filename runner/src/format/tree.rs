@@ -1,7 +1,12 @@
-//! Tree objects: one per directory.
+//! Tree objects: one per directory, split into pages when it is large.
 //!
 //! ```text
-//! "CTRE" │ version u8 (=1) │ count varint │ entry*
+//! v2:  "CTRE" │ version u8 (=2) │ layout u8 │ body
+//!        layout 0 (entries): count varint │ entry*
+//!        layout 1 (pages):   page count varint │ page blob id[32]*
+//!                            each page is a layout-0 tree object; the
+//!                            directory is their entries, in page order
+//! v1:  "CTRE" │ version u8 (=1) │ count varint │ entry*
 //! entry = name bytes │ kind u8 │ mode varint │ mtime_sec zigzag │ mtime_nsec varint
 //!         │ uid varint │ gid varint │ body
 //! body  = file:    size varint │ chunk count varint │ (blob id[32] │ len varint)*
@@ -10,7 +15,14 @@
 //!         fifo/char/block/socket: empty (never written by cairn; readers refuse them)
 //! bytes = len varint │ raw
 //! ```
-//! Entries are sorted by name bytes and unique ([`Tree::validate`]).
+//! Entries are sorted by name bytes and unique ([`Tree::validate`]), across
+//! pages too.
+//!
+//! Why pages: a tree object's bytes are mostly blob ids, which do not
+//! compress, so a change to one file of a 300-entry directory would re-send
+//! the whole ~20 KiB listing. Pages end where an entry name's hash says so
+//! (content-defined, like file chunks), so adding, removing or changing an
+//! entry rewrites one page of a few dozen entries and the short page list.
 
 use cairn_proto::ids::BlobId;
 
@@ -18,6 +30,19 @@ use super::varint::{Reader, put_bytes, put_i64, put_u64};
 use super::{FORMAT_VERSION, FormatError, MAX_CHUNK_LEN};
 
 const MAGIC: &[u8; 4] = b"CTRE";
+const LAYOUT_ENTRIES: u8 = 0;
+const LAYOUT_PAGES: u8 = 1;
+/// Directories with more entries than this are written as pages.
+pub const PAGED_ABOVE: usize = 64;
+/// Fewest entries in a page (but the last).
+const PAGE_MIN: usize = 16;
+/// Most entries in a page.
+const PAGE_MAX: usize = 128;
+/// A page ends after an entry whose name hash has these bits clear (past
+/// PAGE_MIN): about 32 more entries on average.
+const PAGE_CUT_MASK: u64 = 31;
+/// Most pages one directory may list (MAX_ENTRIES / PAGE_MIN, rounded up).
+const MAX_PAGES: u64 = 250_000;
 const MAX_NAME_LEN: usize = 255;
 const MAX_TARGET_LEN: usize = 4095;
 const MAX_ENTRIES: u64 = 4_000_000;
@@ -107,15 +132,76 @@ pub struct Tree {
     pub entries: Vec<Entry>,
 }
 
+/// A decoded tree object: a listing, or the pages that hold one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TreeObject {
+    Entries(Tree),
+    Pages(Vec<BlobId>),
+}
+
+/// A directory encoded for the store: the object its parent names, and the
+/// pages it lists (empty for a small directory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedTree {
+    pub root: Vec<u8>,
+    pub pages: Vec<(BlobId, Vec<u8>)>,
+}
+
+/// FNV-1a: a fixed, fast hash of an entry name for page boundaries. Not a
+/// secret: the boundaries are only visible inside encrypted objects.
+fn name_hash(name: &[u8]) -> u64 {
+    name.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 impl Tree {
     /// Encodes the tree. Callers keep entries sorted; the encoder writes what
     /// it is given so that tests can build hostile trees.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + self.entries.len() * 64);
+        Self::encode_entries(&self.entries)
+    }
+
+    /// Encodes the tree as the store keeps it: one object, or, above
+    /// [`PAGED_ABOVE`] entries, a page list and its pages (`id_of` names a
+    /// page by its bytes).
+    pub fn encode_paged(&self, id_of: &dyn Fn(&[u8]) -> BlobId) -> EncodedTree {
+        if self.entries.len() <= PAGED_ABOVE {
+            return EncodedTree {
+                root: self.encode(),
+                pages: Vec::new(),
+            };
+        }
+        let mut pages = Vec::new();
+        let mut start = 0;
+        for (i, entry) in self.entries.iter().enumerate() {
+            let len = i + 1 - start;
+            let last = i + 1 == self.entries.len();
+            let cut = len >= PAGE_MIN && name_hash(&entry.name) & PAGE_CUT_MASK == 0;
+            if last || cut || len == PAGE_MAX {
+                let bytes = Self::encode_entries(&self.entries[start..=i]);
+                pages.push((id_of(&bytes), bytes));
+                start = i + 1;
+            }
+        }
+        let mut root = Vec::with_capacity(16 + pages.len() * 32);
+        root.extend_from_slice(MAGIC);
+        root.push(FORMAT_VERSION as u8);
+        root.push(LAYOUT_PAGES);
+        put_u64(&mut root, pages.len() as u64);
+        for (id, _) in &pages {
+            root.extend_from_slice(id.as_bytes());
+        }
+        EncodedTree { root, pages }
+    }
+
+    fn encode_entries(entries: &[Entry]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 + entries.len() * 64);
         out.extend_from_slice(MAGIC);
         out.push(FORMAT_VERSION as u8);
-        put_u64(&mut out, self.entries.len() as u64);
-        for e in &self.entries {
+        out.push(LAYOUT_ENTRIES);
+        put_u64(&mut out, entries.len() as u64);
+        for e in entries {
             put_bytes(&mut out, &e.name);
             out.push(e.kind.code());
             put_u64(&mut out, u64::from(e.mode));
@@ -134,25 +220,32 @@ impl Tree {
                 }
                 EntryKind::Dir { tree } => out.extend_from_slice(tree.as_bytes()),
                 EntryKind::Symlink { target } => put_bytes(&mut out, target),
-                EntryKind::Fifo | EntryKind::CharDevice | EntryKind::BlockDevice | EntryKind::Socket => {}
+                EntryKind::Fifo
+                | EntryKind::CharDevice
+                | EntryKind::BlockDevice
+                | EntryKind::Socket => {}
             }
         }
         out
     }
 
-    /// Decodes a tree, checking its structure (not its names; see [`Tree::validate`]).
+    /// Decodes a listing (a small directory's tree or one page), checking
+    /// its structure (not its names; see [`Tree::validate`]).
     pub fn decode(bytes: &[u8]) -> Result<Tree, FormatError> {
-        let mut r = Reader::new(bytes);
-        if r.take(4)? != MAGIC {
-            return Err(FormatError::MalformedTree("bad magic".into()));
+        match TreeObject::decode(bytes)? {
+            TreeObject::Entries(tree) => Ok(tree),
+            TreeObject::Pages(_) => Err(FormatError::MalformedTree(
+                "a page list where a listing was expected (pages do not nest)".into(),
+            )),
         }
-        let version = u32::from(r.u8()?);
-        if version > FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
-        }
+    }
+
+    fn decode_entries(bytes: &[u8], mut r: Reader<'_>) -> Result<Tree, FormatError> {
         let count = r.u64()?;
         if count > MAX_ENTRIES {
-            return Err(FormatError::MalformedTree(format!("{count} entries in one directory")));
+            return Err(FormatError::MalformedTree(format!(
+                "{count} entries in one directory"
+            )));
         }
         let mut entries = Vec::with_capacity(count.min(65_536) as usize);
         for _ in 0..count {
@@ -178,7 +271,9 @@ impl Tree {
                         let id = BlobId::from_slice(r.take(32)?).expect("32 bytes");
                         let len = r.u32()?;
                         if len == 0 || len > MAX_CHUNK_LEN {
-                            return Err(FormatError::MalformedTree(format!("chunk of {len} bytes")));
+                            return Err(FormatError::MalformedTree(format!(
+                                "chunk of {len} bytes"
+                            )));
                         }
                         sum += u64::from(len);
                         chunks.push(ChunkRef { id, len });
@@ -190,20 +285,59 @@ impl Tree {
                     }
                     EntryKind::File { size, chunks }
                 }
-                2 => EntryKind::Dir { tree: BlobId::from_slice(r.take(32)?).expect("32 bytes") },
-                3 => EntryKind::Symlink { target: r.bytes(MAX_TARGET_LEN)?.to_vec() },
+                2 => EntryKind::Dir {
+                    tree: BlobId::from_slice(r.take(32)?).expect("32 bytes"),
+                },
+                3 => EntryKind::Symlink {
+                    target: r.bytes(MAX_TARGET_LEN)?.to_vec(),
+                },
                 4 => EntryKind::Fifo,
                 5 => EntryKind::CharDevice,
                 6 => EntryKind::BlockDevice,
                 7 => EntryKind::Socket,
                 other => {
-                    return Err(FormatError::MalformedTree(format!("unknown entry kind {other}")));
+                    return Err(FormatError::MalformedTree(format!(
+                        "unknown entry kind {other}"
+                    )));
                 }
             };
-            entries.push(Entry { name, kind, mode, mtime_sec, mtime_nsec, uid, gid });
+            entries.push(Entry {
+                name,
+                kind,
+                mode,
+                mtime_sec,
+                mtime_nsec,
+                uid,
+                gid,
+            });
         }
         if !r.is_empty() {
             return Err(FormatError::MalformedTree("trailing bytes".into()));
+        }
+        Ok(Tree { entries })
+    }
+
+    /// The listing of a paged directory: its pages' entries in order.
+    /// `open_page` fetches a page's bytes.
+    pub fn from_pages<E>(
+        pages: &[BlobId],
+        mut open_page: impl FnMut(&BlobId) -> Result<Vec<u8>, E>,
+        malformed: impl Fn(FormatError) -> E,
+    ) -> Result<Tree, E> {
+        let mut entries = Vec::new();
+        for page in pages {
+            let tree = Tree::decode(&open_page(page)?).map_err(&malformed)?;
+            if tree.entries.is_empty() {
+                return Err(malformed(FormatError::MalformedTree(
+                    "an empty page".into(),
+                )));
+            }
+            if entries.len() as u64 + tree.entries.len() as u64 > MAX_ENTRIES {
+                return Err(malformed(FormatError::MalformedTree(format!(
+                    "more than {MAX_ENTRIES} entries in one directory"
+                ))));
+            }
+            entries.extend(tree.entries);
         }
         Ok(Tree { entries })
     }
@@ -236,12 +370,62 @@ impl Tree {
     }
 }
 
+impl TreeObject {
+    /// Decodes any tree object, of any version up to this build's.
+    pub fn decode(bytes: &[u8]) -> Result<TreeObject, FormatError> {
+        let mut r = Reader::new(bytes);
+        if r.take(4)? != MAGIC {
+            return Err(FormatError::MalformedTree("bad magic".into()));
+        }
+        let version = u32::from(r.u8()?);
+        if version > FORMAT_VERSION {
+            return Err(FormatError::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        if version < 2 {
+            return Tree::decode_entries(bytes, r).map(TreeObject::Entries);
+        }
+        match r.u8()? {
+            LAYOUT_ENTRIES => Tree::decode_entries(bytes, r).map(TreeObject::Entries),
+            LAYOUT_PAGES => {
+                let count = r.u64()?;
+                if count == 0 || count > MAX_PAGES {
+                    return Err(FormatError::MalformedTree(format!(
+                        "a page list of {count} pages"
+                    )));
+                }
+                let mut pages = Vec::with_capacity(count.min(4096) as usize);
+                for _ in 0..count {
+                    pages.push(BlobId::from_slice(r.take(32)?).expect("32 bytes"));
+                }
+                if !r.is_empty() {
+                    return Err(FormatError::MalformedTree("trailing bytes".into()));
+                }
+                Ok(TreeObject::Pages(pages))
+            }
+            other => Err(FormatError::MalformedTree(format!(
+                "unknown layout {other}"
+            ))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn entry(name: &str, kind: EntryKind) -> Entry {
-        Entry { name: name.into(), kind, mode: 0o644, mtime_sec: -5, mtime_nsec: 999, uid: 1000, gid: 1000 }
+        Entry {
+            name: name.into(),
+            kind,
+            mode: 0o644,
+            mtime_sec: -5,
+            mtime_nsec: 999,
+            uid: 1000,
+            gid: 1000,
+        }
     }
 
     #[test]
@@ -249,10 +433,27 @@ mod tests {
         let id = BlobId([3; 32]);
         let tree = Tree {
             entries: vec![
-                entry("a file", EntryKind::File { size: 7, chunks: vec![ChunkRef { id, len: 7 }] }),
+                entry(
+                    "a file",
+                    EntryKind::File {
+                        size: 7,
+                        chunks: vec![ChunkRef { id, len: 7 }],
+                    },
+                ),
                 entry("dir", EntryKind::Dir { tree: id }),
-                entry("empty", EntryKind::File { size: 0, chunks: vec![] }),
-                entry("link", EntryKind::Symlink { target: b"../x".to_vec() }),
+                entry(
+                    "empty",
+                    EntryKind::File {
+                        size: 0,
+                        chunks: vec![],
+                    },
+                ),
+                entry(
+                    "link",
+                    EntryKind::Symlink {
+                        target: b"../x".to_vec(),
+                    },
+                ),
                 entry("ünïcode", EntryKind::Fifo),
             ],
         };
@@ -264,11 +465,18 @@ mod tests {
     #[test]
     fn hostile_names_are_named_in_the_error() {
         for bad in ["..", ".", "a/b", "/etc", ""] {
-            let tree = Tree { entries: vec![entry(bad, EntryKind::Fifo)] };
-            let (name, _) = Tree::decode(&tree.encode()).unwrap().validate().unwrap_err();
+            let tree = Tree {
+                entries: vec![entry(bad, EntryKind::Fifo)],
+            };
+            let (name, _) = Tree::decode(&tree.encode())
+                .unwrap()
+                .validate()
+                .unwrap_err();
             assert_eq!(name, bad);
         }
-        let dup = Tree { entries: vec![entry("a", EntryKind::Fifo), entry("a", EntryKind::Fifo)] };
+        let dup = Tree {
+            entries: vec![entry("a", EntryKind::Fifo), entry("a", EntryKind::Fifo)],
+        };
         assert!(dup.validate().unwrap_err().1.contains("twice"));
     }
 
@@ -276,13 +484,146 @@ mod tests {
     fn inconsistent_sizes_and_garbage_are_refused() {
         let id = BlobId([1; 32]);
         let lie = Tree {
-            entries: vec![entry("f", EntryKind::File { size: 1 << 50, chunks: vec![ChunkRef { id, len: 10 }] })],
+            entries: vec![entry(
+                "f",
+                EntryKind::File {
+                    size: 1 << 50,
+                    chunks: vec![ChunkRef { id, len: 10 }],
+                },
+            )],
         };
         assert!(Tree::decode(&lie.encode()).is_err());
         assert!(Tree::decode(b"CTRE\x01\xff\xff\xff\xff\x0f").is_err());
         assert!(Tree::decode(b"nope").is_err());
         let mut future = Tree::default().encode();
         future[4] = 9;
-        assert!(matches!(Tree::decode(&future), Err(FormatError::UnsupportedVersion { .. })));
+        assert!(matches!(
+            Tree::decode(&future),
+            Err(FormatError::UnsupportedVersion { .. })
+        ));
+    }
+
+    fn listing(n: usize) -> Tree {
+        let mut entries: Vec<Entry> = (0..n)
+            .map(|i| {
+                entry(
+                    &format!("file-{i:05}.rs"),
+                    EntryKind::File {
+                        size: 1,
+                        chunks: vec![ChunkRef {
+                            id: BlobId([(i % 251) as u8; 32]),
+                            len: 1,
+                        }],
+                    },
+                )
+            })
+            .collect();
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Tree { entries }
+    }
+
+    fn id_of(bytes: &[u8]) -> BlobId {
+        let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+        BlobId::from_slice(digest.as_ref()).unwrap()
+    }
+
+    fn open_pages(encoded: &EncodedTree) -> Tree {
+        let TreeObject::Pages(ids) = TreeObject::decode(&encoded.root).unwrap() else {
+            panic!("a page list")
+        };
+        assert_eq!(
+            ids,
+            encoded.pages.iter().map(|(id, _)| *id).collect::<Vec<_>>()
+        );
+        Tree::from_pages(
+            &ids,
+            |id| {
+                Ok::<_, FormatError>(
+                    encoded
+                        .pages
+                        .iter()
+                        .find(|(i, _)| i == id)
+                        .unwrap()
+                        .1
+                        .clone(),
+                )
+            },
+            |e| e,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn small_directories_are_one_object_and_large_ones_pages() {
+        let small = listing(PAGED_ABOVE);
+        let encoded = small.encode_paged(&id_of);
+        assert!(encoded.pages.is_empty());
+        assert_eq!(Tree::decode(&encoded.root).unwrap(), small);
+
+        let large = listing(1000);
+        let encoded = large.encode_paged(&id_of);
+        assert!(encoded.pages.len() > 5, "{} pages", encoded.pages.len());
+        for (i, (_, page)) in encoded.pages.iter().enumerate() {
+            let n = Tree::decode(page).unwrap().entries.len();
+            assert!(n <= PAGE_MAX, "page {i}: {n} entries");
+            assert!(
+                n >= PAGE_MIN || i + 1 == encoded.pages.len(),
+                "page {i}: {n} entries"
+            );
+        }
+        assert_eq!(open_pages(&encoded), large);
+        assert!(
+            Tree::decode(&encoded.root).is_err(),
+            "a page list is not a page, so pages cannot nest"
+        );
+    }
+
+    #[test]
+    fn a_change_rewrites_one_page() {
+        let before = listing(300);
+        let old = before.encode_paged(&id_of);
+        let changed_page = |after: &Tree| {
+            let new = after.encode_paged(&id_of);
+            assert_ne!(new.root, old.root);
+            new.pages.iter().filter(|p| !old.pages.contains(p)).count()
+        };
+        let mut touched = before.clone();
+        touched.entries[150].mtime_sec += 1;
+        assert_eq!(changed_page(&touched), 1);
+        let mut grown = before.clone();
+        grown.entries.insert(
+            100,
+            entry(
+                "file-00099a.rs",
+                EntryKind::Symlink {
+                    target: b"x".to_vec(),
+                },
+            ),
+        );
+        assert!(changed_page(&grown) <= 2, "an insertion stays local");
+    }
+
+    #[test]
+    fn version_1_trees_still_read() {
+        // "CTRE" │ 1 │ one entry "a": fifo, mode 0o644, mtime 0.0, uid 0, gid 0
+        let v1 = b"CTRE\x01\x01\x01a\x04\xa4\x03\x00\x00\x00\x00";
+        let tree = Tree::decode(v1).unwrap();
+        assert_eq!(tree.entries.len(), 1);
+        assert_eq!(tree.entries[0].name, b"a");
+        assert_eq!(tree.entries[0].kind, EntryKind::Fifo);
+        assert_eq!(tree.entries[0].mode, 0o644);
+    }
+
+    #[test]
+    fn empty_or_oversized_page_lists_are_refused() {
+        assert!(TreeObject::decode(b"CTRE\x02\x01\x00").is_err());
+        assert!(TreeObject::decode(b"CTRE\x02\x07\x00").is_err());
+        let err = Tree::from_pages(
+            &[BlobId([1; 32])],
+            |_| Ok::<_, FormatError>(Tree::default().encode()),
+            |e| e,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("an empty page"), "{err}");
     }
 }

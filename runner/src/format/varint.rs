@@ -39,14 +39,23 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn u8(&mut self) -> Result<u8, FormatError> {
-        let b = *self.buf.get(self.pos).ok_or_else(|| self.err("truncated"))?;
+        let b = *self
+            .buf
+            .get(self.pos)
+            .ok_or_else(|| self.err("truncated"))?;
         self.pos += 1;
         Ok(b)
     }
 
     pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
-        let end = self.pos.checked_add(n).ok_or_else(|| self.err("length overflow"))?;
-        let s = self.buf.get(self.pos..end).ok_or_else(|| self.err("truncated"))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or_else(|| self.err("length overflow"))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or_else(|| self.err("truncated"))?;
         self.pos = end;
         Ok(s)
     }

@@ -33,7 +33,7 @@ use super::{
 };
 
 const NAME: &str = "claude";
-const SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+const SETTINGS: &[&str] = cairn_proto::runs::CLAUDE_SETTINGS;
 /// The config dir, relative to the root.
 pub const STATE_DIR: &str = ".cairn/state/claude";
 /// Files in the config dir that hold credentials.

@@ -33,7 +33,7 @@ use super::{
 };
 
 const NAME: &str = "command";
-const SETTINGS: &[&str] = &["start", "resume", "session_regex", "session_lost", "cwd"];
+const SETTINGS: &[&str] = cairn_proto::runs::COMMAND_SETTINGS;
 const PLACEHOLDERS: &[&str] = &["message", "prompt", "session_id", "root", "cwd"];
 
 /// A templated harness, configured for one run.

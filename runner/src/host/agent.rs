@@ -319,6 +319,7 @@ impl<D: Driver> Agent<D> {
         let request = pb::HeartbeatRequest {
             host_id: self.host_id.clone().unwrap_or_default(),
             sandboxes: self.sandboxes.values().map(Tracked::report).collect(),
+            stopping: self.shutting_down,
         };
         let mut client = self.client.clone();
         match tokio::time::timeout(timeout, client.heartbeat(request)).await {

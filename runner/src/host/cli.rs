@@ -16,7 +16,7 @@ use crate::cli::{LogFormat, init_logging};
 /// attempt it is assigned, and destroys sandboxes with SIGTERM, a grace
 /// period and SIGKILL. SIGTERM/SIGINT destroy every sandbox and exit 0.
 #[derive(Debug, Parser)]
-#[command(name = "cairn-host", version, about, long_about = None)]
+#[command(name = "cairn-host", version)]
 pub struct HostArgs {
     /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
     #[arg(long, env = "CAIRN_COORDINATOR")]

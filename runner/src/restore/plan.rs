@@ -23,7 +23,7 @@ use bytes::Bytes;
 use cairn_proto::ids::BlobId;
 
 use crate::format::{
-    self, ChunkRef, EntryKind, FormatError, IndexEntry, PackIndex, TenantKeys, Tree,
+    self, ChunkRef, EntryKind, FormatError, IndexEntry, PackIndex, TenantKeys, Tree, TreeObject,
 };
 
 use super::fsops::EntryMeta;
@@ -334,7 +334,20 @@ fn open_tree(
             path: shown(dir_path),
         })?
         .map_err(corrupt)?;
-    let tree = Tree::decode(&bytes).map_err(corrupt)?;
+    let tree = match TreeObject::decode(&bytes).map_err(corrupt)? {
+        TreeObject::Entries(tree) => tree,
+        TreeObject::Pages(pages) => Tree::from_pages(
+            &pages,
+            |page| {
+                meta.open(keys, page)
+                    .ok_or_else(|| PlanError::MissingTree {
+                        path: shown(dir_path),
+                    })?
+                    .map_err(corrupt)
+            },
+            corrupt,
+        )?,
+    };
     tree.validate()
         .map_err(|(name, reason)| PlanError::Unsafe {
             path: shown(&join(dir_path, name.as_bytes())),
@@ -381,13 +394,21 @@ pub(crate) mod tests {
 
     /// Seals trees into one META pack and returns its blobs.
     pub(crate) fn meta_of(keys: &TenantKeys, trees: &[Tree]) -> (MetaBlobs, Vec<BlobId>) {
+        let objects: Vec<Vec<u8>> = trees.iter().map(Tree::encode).collect();
+        meta_of_objects(keys, &objects)
+    }
+
+    /// Seals tree objects (any bytes) into one META pack.
+    pub(crate) fn meta_of_objects(
+        keys: &TenantKeys,
+        objects: &[Vec<u8>],
+    ) -> (MetaBlobs, Vec<BlobId>) {
         let mut builder = PackBuilder::new(PackKind::Meta, Vec::new()).unwrap();
         let mut ids = Vec::new();
-        for tree in trees {
-            let bytes = tree.encode();
-            let id = keys.blob_id(&bytes);
+        for bytes in objects {
+            let id = keys.blob_id(bytes);
             let mut sealed = Vec::new();
-            seal(keys, &id, &bytes, &mut sealed);
+            seal(keys, &id, bytes, &mut sealed);
             builder.add(id, &sealed, bytes.len() as u32).unwrap();
             ids.push(id);
         }
@@ -557,5 +578,52 @@ pub(crate) mod tests {
             build_plan(&meta, &keys, ids[0], &Limits::default()),
             Err(PlanError::CorruptTree { .. })
         ));
+    }
+
+    #[test]
+    fn a_large_directory_is_read_from_its_pages_and_a_missing_page_names_it() {
+        let keys = keys();
+        let big = Tree {
+            entries: (0..300)
+                .map(|i| {
+                    entry(
+                        format!("f{i:03}").as_bytes(),
+                        EntryKind::Symlink {
+                            target: b"t".to_vec(),
+                        },
+                    )
+                })
+                .collect(),
+        };
+        let encoded = big.encode_paged(&|b| keys.blob_id(b));
+        assert!(encoded.pages.len() > 1);
+        let root = Tree {
+            entries: vec![entry(
+                b"big",
+                EntryKind::Dir {
+                    tree: keys.blob_id(&encoded.root),
+                },
+            )],
+        };
+        let mut objects: Vec<Vec<u8>> = encoded.pages.iter().map(|(_, b)| b.clone()).collect();
+        objects.push(encoded.root.clone());
+        objects.push(root.encode());
+        let (meta, ids) = meta_of_objects(&keys, &objects);
+        let plan = build_plan(&meta, &keys, *ids.last().unwrap(), &Limits::default()).unwrap();
+        assert_eq!(plan.entries.len(), 301);
+        assert!(plan.entries.iter().any(|e| e.path == b"big/f299"));
+
+        // Without its second page the directory cannot be read, and the error says which.
+        let without: Vec<Vec<u8>> = objects
+            .iter()
+            .filter(|b| **b != encoded.pages[1].1)
+            .cloned()
+            .collect();
+        let (meta, ids) = meta_of_objects(&keys, &without);
+        let err = build_plan(&meta, &keys, *ids.last().unwrap(), &Limits::default()).unwrap_err();
+        assert!(
+            matches!(&err, PlanError::MissingTree { path } if path == "big"),
+            "{err:?}"
+        );
     }
 }

@@ -31,10 +31,15 @@ pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool) -> Opening {
     let session = spec.resume_session_id.trim();
     let question = Some(spec.question.trim()).filter(|q| !q.is_empty());
     let request = if !session.is_empty() && can_resume {
-        let message = if messages.is_empty() {
+        // A new run on a station continues the station's conversation, and
+        // its task has not been said in it yet.
+        let task =
+            Some(spec.prompt.clone()).filter(|p| !spec.prompt_delivered && !p.trim().is_empty());
+        let said: Vec<String> = task.into_iter().chain(messages.iter().cloned()).collect();
+        let message = if said.is_empty() {
             CARRY_ON.to_owned()
         } else {
-            messages.join("\n\n")
+            said.join("\n\n")
         };
         TurnRequest::Resume {
             session_id: session.to_owned(),
@@ -119,6 +124,7 @@ mod tests {
             inputs,
             resume_session_id: session.into(),
             question: question.into(),
+            prompt_delivered: !session.is_empty(),
             ..Default::default()
         }
     }
@@ -168,6 +174,21 @@ mod tests {
             TurnRequest::Resume {
                 session_id: "s-1".into(),
                 message: CARRY_ON.into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_new_run_on_a_station_tells_the_resumed_conversation_its_task() {
+        let s = pb::AttemptSpec {
+            prompt_delivered: false,
+            ..spec(vec![], "s-1", "")
+        };
+        assert_eq!(
+            opening_turn(&s, true).request,
+            TurnRequest::Resume {
+                session_id: "s-1".into(),
+                message: "Build the thing.".into()
             }
         );
     }

@@ -140,15 +140,12 @@ pub fn alive(pid: i32) -> bool {
     cairn_runner::host::process::read_stat(pid).is_some_and(|s| s.state != 'Z')
 }
 
-/// Whether this process may create mount namespaces with a local driver.
-pub fn local_driver(scratch: &Scratch) -> Option<cairn_runner::host::LocalDriver> {
-    match cairn_runner::host::LocalDriver::new(&scratch.standin, scratch.layout.root()) {
-        Ok(driver) => Some(driver),
-        Err(e) => {
-            eprintln!("skipped: the local driver cannot run here: {e}");
-            None
-        }
-    }
+/// A local driver; the tests that use one need root or unprivileged user
+/// namespaces, and fail saying so where neither is available.
+pub fn local_driver(scratch: &Scratch) -> cairn_runner::host::LocalDriver {
+    cairn_runner::host::LocalDriver::new(&scratch.standin, scratch.layout.root()).unwrap_or_else(
+        |e| panic!("the local driver cannot run here (needs root or user namespaces): {e}"),
+    )
 }
 
 /// Whether the test runs as root (some tests need to change users or mount).

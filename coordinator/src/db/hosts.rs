@@ -1,0 +1,643 @@
+//! Hosts: registration, heartbeats (sandbox reports in, orders out), cordon
+//! and drain.
+//!
+//! Heartbeats are level-triggered. A host reports every sandbox it has, so a
+//! sandbox it reported before and leaves out now is gone. The answer is
+//! computed from the database every time: every assignment whose sandbox the
+//! host has not reported, every destroy order not carried out, `forget` for
+//! every reported sandbox that is gone. A lost answer is repeated by the next
+//! heartbeat, and a repeated report changes nothing.
+
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
+use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection};
+
+use super::runs::{
+    EndCause, EventDraft, add_event, end_attempt, event_reason, load_run, order_destroy,
+    sandbox_gone,
+};
+use super::{
+    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
+};
+
+/// Why a host is told to destroy a sandbox (`DestroyOrder.reason`).
+pub mod destroy_reason {
+    pub const HOLD_EXPIRED: &str = "hold_expired";
+    pub const CANCELLED: &str = "cancelled";
+    pub const SUSPENDED: &str = "suspended";
+    pub const DRAINING: &str = "draining";
+    /// The host agent is shutting down.
+    pub const HOST_STOPPING: &str = "host_stopping";
+    /// The attempt was ended while the host was away (lost, or restarted).
+    pub const SUPERSEDED: &str = "superseded";
+    /// The coordinator knows no such sandbox on this host.
+    pub const UNKNOWN: &str = "unknown";
+}
+
+/// A registered host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    pub id: HostId,
+    pub tenant: TenantId,
+    pub name: String,
+    pub labels: Labels,
+    pub slots: u32,
+    pub driver: String,
+    /// Ready, cordoned or draining: what the operator set.
+    pub admin_state: HostState,
+    pub lost_at: Option<SystemTime>,
+    /// When the host agent said it is shutting down.
+    pub stopping_at: Option<SystemTime>,
+    pub registered_at: SystemTime,
+    pub last_heartbeat_at: SystemTime,
+    /// Sandboxes on the host not yet reported gone.
+    pub used_slots: u32,
+    /// Runs with such a sandbox.
+    pub run_ids: Vec<RunId>,
+}
+
+impl Host {
+    /// What the scheduler and the host see: lost, then stopping, win over
+    /// the operator's state.
+    pub fn state(&self) -> HostState {
+        if self.lost_at.is_some() {
+            HostState::Lost
+        } else if self.stopping_at.is_some() {
+            HostState::Stopping
+        } else {
+            self.admin_state
+        }
+    }
+}
+
+/// What a host says about itself when it registers.
+#[derive(Debug, Clone)]
+pub struct HostRegistration {
+    /// Its old id, when it registers again.
+    pub host_id: Option<HostId>,
+    pub name: String,
+    pub labels: Labels,
+    pub slots: u32,
+    pub driver: String,
+}
+
+/// One sandbox in a heartbeat.
+#[derive(Debug, Clone)]
+pub struct ReportedSandbox {
+    pub sandbox_id: String,
+    pub state: SandboxState,
+    pub exit_code: i32,
+    pub detail: String,
+}
+
+/// A sandbox the host should start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AssignmentRecord {
+    pub sandbox_id: String,
+    pub run_id: RunId,
+    pub attempt: u32,
+    pub generation: Generation,
+    pub workspace_id: WorkspaceId,
+    pub image: String,
+}
+
+/// The answer to a heartbeat.
+#[derive(Debug, Clone, Default)]
+pub struct HeartbeatAnswer {
+    pub state: Option<HostState>,
+    pub assignments: Vec<AssignmentRecord>,
+    /// Sandbox id → why it must go.
+    pub destroy: BTreeMap<String, String>,
+    pub forget: Vec<String>,
+}
+
+const HOST_COLUMNS: &str = "id, tenant, name, labels, slots, driver, admin_state, lost_at,
+     registered_at, last_heartbeat_at, stopping_at";
+
+fn host_from_row(row: &SqliteRow) -> Result<Host, DbError> {
+    let read = |source| DbError::Query {
+        op: "read host",
+        source,
+    };
+    let id: String = row.try_get("id").map_err(read)?;
+    let tenant: String = row.try_get("tenant").map_err(read)?;
+    let labels: String = row.try_get("labels").map_err(read)?;
+    let admin_state: String = row.try_get("admin_state").map_err(read)?;
+    let lost_at: Option<i64> = row.try_get("lost_at").map_err(read)?;
+    let stopping_at: Option<i64> = row.try_get("stopping_at").map_err(read)?;
+    Ok(Host {
+        labels: Labels(
+            serde_json::from_str(&labels)
+                .map_err(|e| DbError::Corrupt(format!("stored labels of host {id}: {e}")))?,
+        ),
+        id: parse_column(&id, "host id")?,
+        tenant: parse_column(&tenant, "tenant")?,
+        name: row.try_get("name").map_err(read)?,
+        slots: unsigned(row.try_get("slots").map_err(read)?, "slots")?,
+        driver: row.try_get("driver").map_err(read)?,
+        admin_state: parse_column::<HostState>(&admin_state, "host state")?,
+        lost_at: lost_at.map(from_millis),
+        stopping_at: stopping_at.map(from_millis),
+        registered_at: from_millis(row.try_get("registered_at").map_err(read)?),
+        last_heartbeat_at: from_millis(row.try_get("last_heartbeat_at").map_err(read)?),
+        used_slots: 0,
+        run_ids: Vec::new(),
+    })
+}
+
+/// Fills in each host's sandboxes not yet gone.
+async fn attach_usage(conn: &mut SqliteConnection, hosts: &mut [Host]) -> Result<(), DbError> {
+    for host in hosts {
+        let runs: Vec<String> = sqlx::query_scalar(
+            "SELECT run_id FROM attempts WHERE host_id = $1 AND sandbox_gone_at IS NULL ORDER BY run_id",
+        )
+        .bind(host.id.as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(query_error("host usage"))?;
+        host.used_slots = u32::try_from(runs.len()).unwrap_or(u32::MAX);
+        host.run_ids = runs
+            .iter()
+            .map(|r| parse_column(r, "run id"))
+            .collect::<Result<_, _>>()?;
+        host.run_ids.dedup();
+    }
+    Ok(())
+}
+
+async fn load_host(conn: &mut SqliteConnection, id: &HostId) -> Result<Option<Host>, DbError> {
+    let row = sqlx::query(&format!("SELECT {HOST_COLUMNS} FROM hosts WHERE id = $1"))
+        .bind(id.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(query_error("host"))?;
+    let Some(row) = row else { return Ok(None) };
+    let mut hosts = [host_from_row(&row)?];
+    attach_usage(conn, &mut hosts).await?;
+    let [host] = hosts;
+    Ok(Some(host))
+}
+
+/// A host of `tenant` by id, or by name when the name is unambiguous (among
+/// hosts that are not lost, if several share it).
+async fn find_host(
+    conn: &mut SqliteConnection,
+    tenant: &TenantId,
+    reference: &str,
+) -> Result<Host, DbError> {
+    let missing = || DbError::NotFound(format!("host {reference} does not exist"));
+    if HostId::looks_like(reference) {
+        let id: HostId = reference.parse().map_err(|_| missing())?;
+        return load_host(conn, &id)
+            .await?
+            .filter(|h| &h.tenant == tenant)
+            .ok_or_else(missing);
+    }
+    let rows = sqlx::query(&format!(
+        "SELECT {HOST_COLUMNS} FROM hosts WHERE tenant = $1 AND name = $2 ORDER BY id"
+    ))
+    .bind(tenant.as_str())
+    .bind(reference)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(query_error("host by name"))?;
+    let mut hosts = rows
+        .iter()
+        .map(host_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    if hosts.len() > 1 {
+        hosts.retain(|h| h.lost_at.is_none());
+    }
+    match hosts.len() {
+        0 => Err(missing()),
+        1 => {
+            attach_usage(conn, &mut hosts).await?;
+            Ok(hosts.remove(0))
+        }
+        _ => Err(DbError::Precondition(format!(
+            "hosts {} are all named {reference}; name one by id",
+            hosts
+                .iter()
+                .map(|h| h.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// Attempts on a host whose sandboxes are not gone: (run, attempt number).
+async fn attempts_on_host(
+    conn: &mut SqliteConnection,
+    host: &HostId,
+) -> Result<Vec<(RunId, u32)>, DbError> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT run_id, number FROM attempts WHERE host_id = $1 AND sandbox_gone_at IS NULL
+         ORDER BY run_id, number",
+    )
+    .bind(host.as_str())
+    .fetch_all(conn)
+    .await
+    .map_err(query_error("attempts on host"))?;
+    rows.iter()
+        .map(|(run, number)| Ok((parse_column(run, "run id")?, unsigned(*number, "attempt")?)))
+        .collect()
+}
+
+impl MetadataStore {
+    /// Registers a host, or registers it again under its old id (it is no
+    /// longer lost; its operator state stays).
+    pub async fn register_host(
+        &self,
+        tenant: &TenantId,
+        registration: HostRegistration,
+    ) -> Result<Host, DbError> {
+        let now = millis(SystemTime::now());
+        let labels = serde_json::to_string(&registration.labels.0)
+            .map_err(|e| DbError::Corrupt(format!("labels do not encode: {e}")))?;
+        let mut tx = self.begin_write().await?;
+        let existing = match &registration.host_id {
+            Some(id) => load_host(tx.conn(), id).await?,
+            None => None,
+        };
+        let id = match existing {
+            Some(host) if &host.tenant != tenant => {
+                return Err(DbError::Precondition(format!(
+                    "host id {} belongs to another tenant",
+                    host.id
+                )));
+            }
+            Some(host) => {
+                // Its sandboxes are not touched: the host reports what it
+                // still has in its next heartbeat, and what it leaves out is
+                // gone then. A runner stopping on its own keeps the time to
+                // commit its last checkpoint at its generation.
+                sqlx::query(
+                    "UPDATE hosts SET name = $1, labels = $2, slots = $3, driver = $4, lost_at = NULL,
+                         stopping_at = NULL, registered_at = $5, last_heartbeat_at = $5 WHERE id = $6",
+                )
+                .bind(&registration.name)
+                .bind(&labels)
+                .bind(i64::from(registration.slots))
+                .bind(&registration.driver)
+                .bind(now)
+                .bind(host.id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("update host"))?;
+                host.id
+            }
+            None => {
+                let id = registration
+                    .host_id
+                    .clone()
+                    .unwrap_or_else(HostId::generate);
+                sqlx::query(&format!(
+                    "INSERT INTO hosts ({HOST_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, $8, $8, NULL)"
+                ))
+                .bind(id.as_str())
+                .bind(tenant.as_str())
+                .bind(&registration.name)
+                .bind(&labels)
+                .bind(i64::from(registration.slots))
+                .bind(&registration.driver)
+                .bind(HostState::Ready.as_str())
+                .bind(now)
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("insert host"))?;
+                id
+            }
+        };
+        let host = load_host(tx.conn(), &id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt(format!("host {id} vanished while registering")))?;
+        self.commit(tx).await?;
+        Ok(host)
+    }
+
+    /// Records a heartbeat and its sandbox reports; returns what the host
+    /// must do.
+    pub async fn heartbeat(
+        &self,
+        tenant: &TenantId,
+        host_id: &HostId,
+        reports: &[ReportedSandbox],
+        stopping: bool,
+    ) -> Result<HeartbeatAnswer, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut host = load_host(tx.conn(), host_id)
+            .await?
+            .filter(|h| &h.tenant == tenant)
+            .ok_or_else(|| {
+                DbError::NotFound(format!("host {host_id} is not registered; register again"))
+            })?;
+        let lost = host.lost_at.is_some();
+        if stopping && !lost && host.stopping_at.is_none() {
+            stop_host(&mut tx, &host, now).await?;
+            host.stopping_at = Some(from_millis(now));
+        }
+        sqlx::query("UPDATE hosts SET last_heartbeat_at = $1 WHERE id = $2")
+            .bind(now)
+            .bind(host_id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("record heartbeat"))?;
+
+        let mut answer = HeartbeatAnswer {
+            state: Some(host.state()),
+            ..Default::default()
+        };
+        let mut reported = std::collections::BTreeSet::new();
+        for report in reports {
+            reported.insert(report.sandbox_id.clone());
+            let found: Option<(String, i64, String)> = sqlx::query_as(
+                "SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1",
+            )
+            .bind(&report.sandbox_id)
+            .fetch_optional(tx.conn())
+            .await
+            .map_err(query_error("find sandbox"))?;
+            let found = found.filter(|(_, _, on)| on == host_id.as_str());
+            let Some((run_id, number, _)) = found else {
+                if report.state.is_gone() {
+                    answer.forget.push(report.sandbox_id.clone());
+                } else {
+                    answer
+                        .destroy
+                        .insert(report.sandbox_id.clone(), destroy_reason::UNKNOWN.into());
+                }
+                continue;
+            };
+            let run_id: RunId = parse_column(&run_id, "run id")?;
+            let number: u32 = unsigned(number, "attempt")?;
+            let mut run = load_run(tx.conn(), &run_id)
+                .await?
+                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+            let attempt = run
+                .attempts
+                .iter()
+                .find(|a| a.number == number)
+                .cloned()
+                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
+            if report.state.is_gone() {
+                if attempt.sandbox_gone_at.is_none() {
+                    sandbox_gone(
+                        &mut tx,
+                        &mut run,
+                        number,
+                        report.state,
+                        report.exit_code,
+                        &report.detail,
+                        now,
+                    )
+                    .await?;
+                }
+                answer.forget.push(report.sandbox_id.clone());
+                continue;
+            }
+            if attempt.sandbox_gone_at.is_none() && attempt.sandbox_state != Some(report.state) {
+                sqlx::query(
+                    "UPDATE attempts SET sandbox_state = $1 WHERE run_id = $2 AND number = $3",
+                )
+                .bind(report.state.as_str())
+                .bind(run_id.as_str())
+                .bind(i64::from(number))
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record sandbox state"))?;
+            }
+            let unwanted = lost
+                || attempt.is_ended()
+                || attempt.sandbox_gone_at.is_some()
+                || attempt.destroy_reason.is_some();
+            if unwanted {
+                let reason = match (&attempt.destroy_reason, lost) {
+                    (Some(reason), false) => reason.clone(),
+                    _ => destroy_reason::SUPERSEDED.to_owned(),
+                };
+                answer.destroy.insert(report.sandbox_id.clone(), reason);
+            }
+        }
+
+        // Sandboxes the host did not mention this time.
+        for (run_id, number) in attempts_on_host(tx.conn(), host_id).await? {
+            let mut run = load_run(tx.conn(), &run_id)
+                .await?
+                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+            let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+                continue;
+            };
+            if reported.contains(&attempt.sandbox_id) {
+                continue;
+            }
+            let reported_before = attempt.sandbox_state.is_some();
+            if !lost && (reported_before || attempt.is_ended()) {
+                // Reported before and left out now, or never started and no
+                // longer wanted: the host does not have it.
+                sandbox_gone(
+                    &mut tx,
+                    &mut run,
+                    number,
+                    SandboxState::Failed,
+                    0,
+                    "the host stopped reporting it",
+                    now,
+                )
+                .await?;
+                continue;
+            }
+            if lost {
+                if reported_before {
+                    answer.destroy.insert(
+                        attempt.sandbox_id.clone(),
+                        destroy_reason::SUPERSEDED.into(),
+                    );
+                }
+                continue;
+            }
+            let wanted = !attempt.is_ended() && attempt.destroy_reason.is_none();
+            // Not reported yet and not claimed by a runner: the host has yet to start it.
+            let unstarted =
+                attempt.sandbox_state.is_none() && attempt.state == AttemptState::Assigned;
+            if wanted && unstarted {
+                answer.assignments.push(AssignmentRecord {
+                    sandbox_id: attempt.sandbox_id.clone(),
+                    run_id: run.id.clone(),
+                    attempt: attempt.number,
+                    generation: attempt.generation,
+                    workspace_id: run.workspace_id.clone(),
+                    image: run.image.clone(),
+                });
+            }
+        }
+        self.commit(tx).await?;
+        Ok(answer)
+    }
+
+    /// Hosts of `tenant`, oldest registration first.
+    pub async fn list_hosts(&self, tenant: &TenantId) -> Result<Vec<Host>, DbError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(query_error("list hosts"))?;
+        let rows = sqlx::query(&format!(
+            "SELECT {HOST_COLUMNS} FROM hosts WHERE tenant = $1 ORDER BY id"
+        ))
+        .bind(tenant.as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(query_error("list hosts"))?;
+        let mut hosts = rows
+            .iter()
+            .map(host_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        attach_usage(&mut conn, &mut hosts).await?;
+        Ok(hosts)
+    }
+
+    /// A host of `tenant` by id or name.
+    pub async fn host(&self, tenant: &TenantId, reference: &str) -> Result<Host, DbError> {
+        let mut conn = self.pool.acquire().await.map_err(query_error("host"))?;
+        find_host(&mut conn, tenant, reference).await
+    }
+
+    /// Sets the operator's state of a host: ready (uncordon) or cordoned.
+    pub async fn set_host_admin_state(
+        &self,
+        tenant: &TenantId,
+        reference: &str,
+        state: HostState,
+    ) -> Result<Host, DbError> {
+        if !matches!(state, HostState::Ready | HostState::Cordoned) {
+            return Err(DbError::Invalid(format!(
+                "a host cannot be set {state} directly"
+            )));
+        }
+        let mut tx = self.begin_write().await?;
+        let host = find_host(tx.conn(), tenant, reference).await?;
+        sqlx::query("UPDATE hosts SET admin_state = $1 WHERE id = $2")
+            .bind(state.as_str())
+            .bind(host.id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("set host state"))?;
+        let host = load_host(tx.conn(), &host.id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt("a host vanished while it was changed".into()))?;
+        self.commit(tx).await?;
+        Ok(host)
+    }
+
+    /// Cordons a host and orders every sandbox on it destroyed: running runs
+    /// are queued again when their sandbox is gone, waiting ones suspended.
+    pub async fn drain_host(&self, tenant: &TenantId, reference: &str) -> Result<Host, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let host = find_host(tx.conn(), tenant, reference).await?;
+        sqlx::query("UPDATE hosts SET admin_state = $1 WHERE id = $2")
+            .bind(HostState::Draining.as_str())
+            .bind(host.id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("drain host"))?;
+        for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
+            let mut run = load_run(tx.conn(), &run_id)
+                .await?
+                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+            let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+                continue;
+            };
+            if attempt.is_ended() || attempt.destroy_reason.is_some() {
+                continue;
+            }
+            let reason = format!(
+                "host {} is draining; releasing sandbox {}",
+                host.id, attempt.sandbox_id
+            );
+            sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
+                .bind(&reason)
+                .bind(run_id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("update run state reason"))?;
+            run.state_reason = reason.clone();
+            add_event(
+                &mut tx,
+                &run,
+                EventDraft::new(event_reason::DRAINING, reason).of(&attempt),
+                now,
+            )
+            .await?;
+            order_destroy(&mut tx, &mut run, number, destroy_reason::DRAINING, now).await?;
+        }
+        let host = load_host(tx.conn(), &host.id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt("a host vanished while it was drained".into()))?;
+        self.commit(tx).await?;
+        Ok(host)
+    }
+}
+
+/// The host agent is shutting down: no new assignments, and every attempt on
+/// it ends when its sandbox is gone (queued again, or suspended if waiting).
+async fn stop_host(tx: &mut WriteTx, host: &Host, now: i64) -> Result<(), DbError> {
+    sqlx::query("UPDATE hosts SET stopping_at = $1 WHERE id = $2")
+        .bind(now)
+        .bind(host.id.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("mark host stopping"))?;
+    for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
+        let mut run = load_run(tx.conn(), &run_id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+        let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+            continue;
+        };
+        if attempt.is_ended() || attempt.destroy_reason.is_some() {
+            continue;
+        }
+        let reason = format!(
+            "host {} is shutting down; releasing sandbox {}",
+            host.id, attempt.sandbox_id
+        );
+        add_event(
+            tx,
+            &run,
+            EventDraft::new(event_reason::HOST_STOPPING, reason).of(&attempt),
+            now,
+        )
+        .await?;
+        order_destroy(tx, &mut run, number, destroy_reason::HOST_STOPPING, now).await?;
+    }
+    Ok(())
+}
+
+/// Used by the scheduler: the hosts whose lease ran out are marked lost and
+/// their attempts end.
+pub(super) async fn lose_host(
+    tx: &mut WriteTx,
+    host: &HostId,
+    lease: std::time::Duration,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query("UPDATE hosts SET lost_at = $1 WHERE id = $2 AND lost_at IS NULL")
+        .bind(now)
+        .bind(host.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("mark host lost"))?;
+    for (run_id, number) in attempts_on_host(tx.conn(), host).await? {
+        let mut run = load_run(tx.conn(), &run_id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+        end_attempt(tx, &mut run, number, EndCause::HostLost { lease }, now).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,547 @@
+//! What runners report about their attempts: claim, progress, the harness
+//! session, waiting for a person, inputs, the outcome.
+//!
+//! Every call names its attempt (from the run token). Only the run's current
+//! attempt, before it ended, is heard; others are refused with
+//! [`DbError::Precondition`]. Reports of an attempt whose sandbox is being
+//! destroyed, or whose run ended, are recorded but no longer move the run.
+
+use std::time::SystemTime;
+
+use cairn_proto::ids::{CheckpointId, RunId};
+use cairn_proto::runs::{AttemptPhase, AttemptState, Outcome, RunState};
+
+use super::runs::{
+    Attempt, EventDraft, OutcomeReport, ProgressReport, Run, RunInput, SessionRecord,
+    StartedAttempt, add_event, event_reason, load_run, pending_inputs, set_attempt_state,
+    transition,
+};
+use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
+
+/// The attempt a runner speaks for, if it is the run's current one and has
+/// not ended.
+fn runner_attempt(run: &Run, number: u32) -> Result<Attempt, DbError> {
+    if number != run.attempt_count {
+        return Err(DbError::Precondition(format!(
+            "attempt {number} of run {} was superseded by attempt {}",
+            run.id, run.attempt_count
+        )));
+    }
+    let attempt = run
+        .current_attempt()
+        .ok_or_else(|| DbError::Corrupt(format!("run {} has no attempt {number}", run.id)))?;
+    if attempt.is_ended() {
+        return Err(DbError::Precondition(format!(
+            "attempt {number} of run {} has ended ({})",
+            run.id, attempt.end_reason
+        )));
+    }
+    Ok(attempt.clone())
+}
+
+/// Whether the run's state may still follow its runner's reports: not once
+/// it is terminal or its sandbox is being destroyed.
+fn follows_runner(run: &Run, attempt: &Attempt) -> bool {
+    !run.state.is_terminal() && attempt.destroy_reason.is_none()
+}
+
+/// Marks the inputs the runner says its harness heard; unknown ids are refused.
+async fn consume_inputs(
+    tx: &mut WriteTx,
+    run: &Run,
+    attempt: u32,
+    ids: &[u64],
+    now: i64,
+) -> Result<(), DbError> {
+    for id in ids {
+        let known: Option<i64> =
+            sqlx::query_scalar("SELECT id FROM run_inputs WHERE run_id = $1 AND id = $2")
+                .bind(run.id.as_str())
+                .bind(signed(*id, "input id")?)
+                .fetch_optional(tx.conn())
+                .await
+                .map_err(query_error("find input"))?;
+        if known.is_none() {
+            return Err(DbError::Invalid(format!(
+                "run {} has no input {id}",
+                run.id
+            )));
+        }
+        sqlx::query(
+            "UPDATE run_inputs SET consumed_at = $1, consumed_by = $2
+             WHERE run_id = $3 AND id = $4 AND consumed_at IS NULL",
+        )
+        .bind(now)
+        .bind(i64::from(attempt))
+        .bind(run.id.as_str())
+        .bind(signed(*id, "input id")?)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("consume input"))?;
+    }
+    Ok(())
+}
+
+/// Checks that `checkpoint` is a checkpoint of the run's workspace.
+async fn check_checkpoint(
+    tx: &mut WriteTx,
+    run: &Run,
+    checkpoint: &CheckpointId,
+) -> Result<(), DbError> {
+    let workspace: Option<String> =
+        sqlx::query_scalar("SELECT workspace_id FROM checkpoints WHERE id = $1")
+            .bind(checkpoint.as_str())
+            .fetch_optional(tx.conn())
+            .await
+            .map_err(query_error("find checkpoint"))?;
+    if workspace.as_deref() == Some(run.workspace_id.as_str()) {
+        Ok(())
+    } else {
+        Err(DbError::Invalid(format!(
+            "checkpoint {checkpoint} is not a checkpoint of workspace {}",
+            run.workspace_id
+        )))
+    }
+}
+
+async fn set_last_checkpoint(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    checkpoint: &CheckpointId,
+) -> Result<(), DbError> {
+    check_checkpoint(tx, run, checkpoint).await?;
+    sqlx::query("UPDATE runs SET last_checkpoint_id = $1 WHERE id = $2")
+        .bind(checkpoint.as_str())
+        .bind(run.id.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("record last checkpoint"))?;
+    run.last_checkpoint_id = checkpoint.to_string();
+    Ok(())
+}
+
+impl MetadataStore {
+    /// The runner of attempt `number` claims it: the run starts, and the
+    /// runner learns what to do.
+    pub async fn claim_attempt(
+        &self,
+        run_id: &RunId,
+        number: u32,
+    ) -> Result<StartedAttempt, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        let attempt = runner_attempt(&run, number)?;
+        if attempt.state == AttemptState::Assigned {
+            set_attempt_state(&mut tx, &mut run, number, AttemptState::Starting).await?;
+            let event = EventDraft::new(
+                event_reason::CLAIMED,
+                format!("runner started in sandbox {}", attempt.sandbox_id),
+            )
+            .of(&attempt);
+            if follows_runner(&run, &attempt) {
+                transition(
+                    &mut tx,
+                    &mut run,
+                    RunState::Starting,
+                    format!("starting on host {}", attempt.host_id),
+                    event,
+                    now,
+                )
+                .await?;
+            } else {
+                add_event(&mut tx, &run, event, now).await?;
+            }
+        }
+        let inputs = pending_inputs(tx.conn(), run_id).await?;
+        let session: Option<(String, String)> = sqlx::query_as(
+            "SELECT harness, session_id FROM workspace_sessions WHERE workspace_id = $1 AND station = $2",
+        )
+        .bind(run.workspace_id.as_str())
+        .bind(&run.station)
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("station session"))?;
+        // A conversation is resumed only by the harness that holds it.
+        let resume_session_id = session
+            .filter(|(harness, _)| *harness == run.harness.name)
+            .map(|(_, id)| id)
+            .unwrap_or_default();
+        let prompt_delivered: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)",
+        )
+        .bind(run_id.as_str())
+        .bind(event_reason::HARNESS_STARTED)
+        .fetch_one(tx.conn())
+        .await
+        .map_err(query_error("find an earlier harness start"))?;
+        self.commit(tx).await?;
+        let attempt = run
+            .current_attempt()
+            .cloned()
+            .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost its attempt")))?;
+        Ok(StartedAttempt {
+            run,
+            attempt,
+            inputs,
+            resume_session_id,
+            prompt_delivered,
+        })
+    }
+
+    /// Records a runner's phase: restore and prepare steps, the harness
+    /// running, checkpoints.
+    pub async fn report_progress(
+        &self,
+        run_id: &RunId,
+        number: u32,
+        report: ProgressReport,
+    ) -> Result<(), DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        let attempt = runner_attempt(&run, number)?;
+        let checkpoint = report
+            .checkpoint
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        match report.phase {
+            AttemptPhase::Restoring | AttemptPhase::Preparing => {
+                if let Some(id) = &report.checkpoint {
+                    check_checkpoint(&mut tx, &run, id).await?;
+                }
+                let step = if report.detail.is_empty() {
+                    match &report.checkpoint {
+                        Some(id) => format!("restored {id}"),
+                        None => report.phase.to_string(),
+                    }
+                } else {
+                    report.detail.clone()
+                };
+                let prepare = if attempt.prepare.is_empty() {
+                    step.clone()
+                } else {
+                    format!("{}; {step}", attempt.prepare)
+                };
+                let restored = if report.phase == AttemptPhase::Restoring {
+                    checkpoint.clone()
+                } else {
+                    attempt.restored_checkpoint_id.clone()
+                };
+                sqlx::query(
+                    "UPDATE attempts SET prepare = $1, restored_checkpoint_id = $2 WHERE run_id = $3 AND number = $4",
+                )
+                .bind(&prepare)
+                .bind(&restored)
+                .bind(run_id.as_str())
+                .bind(i64::from(number))
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record prepare step"))?;
+                let word = if report.phase == AttemptPhase::Restoring {
+                    event_reason::RESTORED
+                } else {
+                    event_reason::PREPARED
+                };
+                add_event(
+                    &mut tx,
+                    &run,
+                    EventDraft::new(word, step)
+                        .of(&attempt)
+                        .checkpoint(&checkpoint),
+                    now,
+                )
+                .await?;
+            }
+            AttemptPhase::Running => {
+                if attempt.state != AttemptState::Running {
+                    set_attempt_state(&mut tx, &mut run, number, AttemptState::Running).await?;
+                }
+                if follows_runner(&run, &attempt) && run.state != RunState::Running {
+                    let word = if run.state == RunState::Waiting {
+                        event_reason::RUNNING
+                    } else {
+                        event_reason::HARNESS_STARTED
+                    };
+                    sqlx::query("UPDATE runs SET question = '' WHERE id = $1")
+                        .bind(run_id.as_str())
+                        .execute(tx.conn())
+                        .await
+                        .map_err(query_error("clear question"))?;
+                    run.question.clear();
+                    transition(
+                        &mut tx,
+                        &mut run,
+                        RunState::Running,
+                        format!("running on host {}", attempt.host_id),
+                        EventDraft::new(word, report.detail.clone()).of(&attempt),
+                        now,
+                    )
+                    .await?;
+                }
+            }
+            AttemptPhase::Checkpointed => {
+                let id = report.checkpoint.as_ref().ok_or_else(|| {
+                    DbError::Invalid("a CHECKPOINTED report names no checkpoint_id".into())
+                })?;
+                set_last_checkpoint(&mut tx, &mut run, id).await?;
+                add_event(
+                    &mut tx,
+                    &run,
+                    EventDraft::new(event_reason::CHECKPOINT, report.detail.clone())
+                        .of(&attempt)
+                        .checkpoint(&checkpoint),
+                    now,
+                )
+                .await?;
+            }
+        }
+        self.commit(tx).await
+    }
+
+    /// Records the harness conversation of the run's station, for the next
+    /// attempt (and the next run at this station) to resume.
+    pub async fn report_harness_session(
+        &self,
+        run_id: &RunId,
+        number: u32,
+        session: SessionRecord,
+    ) -> Result<(), DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        let attempt = runner_attempt(&run, number)?;
+        sqlx::query(
+            "INSERT INTO workspace_sessions (workspace_id, station, harness, session_id, run_id, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (workspace_id, station) DO UPDATE SET harness = excluded.harness,
+                 session_id = excluded.session_id, run_id = excluded.run_id, updated_at = excluded.updated_at",
+        )
+        .bind(run.workspace_id.as_str())
+        .bind(&run.station)
+        .bind(&session.harness)
+        .bind(&session.session_id)
+        .bind(run_id.as_str())
+        .bind(now)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("record station session"))?;
+        if run.harness_session_id != session.session_id {
+            sqlx::query("UPDATE runs SET harness_session_id = $1 WHERE id = $2")
+                .bind(&session.session_id)
+                .bind(run_id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record run session"))?;
+            run.harness_session_id = session.session_id.clone();
+            add_event(
+                &mut tx,
+                &run,
+                EventDraft::new(
+                    event_reason::HARNESS_SESSION,
+                    format!("{} session {}", session.harness, session.session_id),
+                )
+                .of(&attempt),
+                now,
+            )
+            .await?;
+        }
+        self.commit(tx).await
+    }
+
+    /// The agent asked a person: the run waits, its sandbox held until the
+    /// returned time. A run whose sandbox is already being destroyed (or
+    /// that ended) does not wait; the hold it gets is now.
+    pub async fn report_waiting(
+        &self,
+        run_id: &RunId,
+        number: u32,
+        question: &str,
+        checkpoint: Option<&CheckpointId>,
+        consumed: &[u64],
+    ) -> Result<SystemTime, DbError> {
+        let now_time = SystemTime::now();
+        let now = millis(now_time);
+        let mut tx = self.begin_write().await?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        let attempt = runner_attempt(&run, number)?;
+        consume_inputs(&mut tx, &run, number, consumed, now).await?;
+        if let Some(id) = checkpoint {
+            set_last_checkpoint(&mut tx, &mut run, id).await?;
+        }
+        let hold_until = if follows_runner(&run, &attempt) {
+            let until = now_time + run.hold;
+            set_attempt_state(&mut tx, &mut run, number, AttemptState::Waiting).await?;
+            sqlx::query("UPDATE runs SET question = $1, hold_until = $2 WHERE id = $3")
+                .bind(question)
+                .bind(millis(until))
+                .bind(run_id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record question"))?;
+            run.question = question.to_owned();
+            run.hold_until = Some(from_millis(millis(until)));
+            let reason = format!(
+                "waiting for an answer; sandbox held for {}",
+                humantime::format_duration(run.hold)
+            );
+            transition(
+                &mut tx,
+                &mut run,
+                RunState::Waiting,
+                reason,
+                EventDraft::new(event_reason::WAITING, question)
+                    .of(&attempt)
+                    .checkpoint(&checkpoint.map(ToString::to_string).unwrap_or_default()),
+                now,
+            )
+            .await?;
+            from_millis(millis(until))
+        } else {
+            from_millis(now)
+        };
+        self.commit(tx).await?;
+        Ok(hold_until)
+    }
+
+    /// Inputs of the run no harness has heard yet, for the runner of attempt
+    /// `number` (refused once the attempt is superseded or ended).
+    pub async fn inputs_for_runner(
+        &self,
+        run_id: &RunId,
+        number: u32,
+    ) -> Result<Vec<RunInput>, DbError> {
+        let mut conn = self.pool.acquire().await.map_err(query_error("inputs"))?;
+        let run = load_run(&mut conn, run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        runner_attempt(&run, number)?;
+        pending_inputs(&mut conn, run_id).await
+    }
+
+    /// The runner's account of how its attempt's work ended. Succeeded and
+    /// failed end the run (unless it already ended); interrupted waits for
+    /// the sandbox to be reported gone.
+    pub async fn report_outcome(
+        &self,
+        run_id: &RunId,
+        number: u32,
+        report: &OutcomeReport,
+    ) -> Result<(), DbError> {
+        let OutcomeReport {
+            outcome,
+            summary,
+            error,
+            checkpoint,
+            consumed,
+        } = report;
+        let (outcome, summary, error) = (*outcome, summary.as_str(), error.as_str());
+        let checkpoint = checkpoint.as_ref();
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+        let attempt = runner_attempt(&run, number)?;
+        consume_inputs(&mut tx, &run, number, consumed, now).await?;
+        if let Some(id) = checkpoint {
+            set_last_checkpoint(&mut tx, &mut run, id).await?;
+        }
+        sqlx::query("UPDATE attempts SET outcome = $1 WHERE run_id = $2 AND number = $3")
+            .bind(outcome.as_str())
+            .bind(run_id.as_str())
+            .bind(i64::from(number))
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("record outcome"))?;
+        if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+            a.outcome = Some(outcome);
+        }
+        if !summary.is_empty() {
+            sqlx::query("UPDATE runs SET summary = $1 WHERE id = $2")
+                .bind(summary)
+                .bind(run_id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record summary"))?;
+            run.summary = summary.to_owned();
+        }
+        let checkpoint_text = checkpoint.map(ToString::to_string).unwrap_or_default();
+        match outcome {
+            Outcome::Interrupted => {
+                add_event(
+                    &mut tx,
+                    &run,
+                    EventDraft::new(
+                        event_reason::INTERRUPTED,
+                        "the runner stopped on a destroy order",
+                    )
+                    .of(&attempt)
+                    .checkpoint(&checkpoint_text),
+                    now,
+                )
+                .await?;
+            }
+            Outcome::Succeeded | Outcome::Failed => {
+                let (end_reason, state, word, why) = if outcome == Outcome::Succeeded {
+                    (
+                        "succeeded".to_owned(),
+                        RunState::Succeeded,
+                        event_reason::SUCCEEDED,
+                        if summary.is_empty() {
+                            "the agent finished".to_owned()
+                        } else {
+                            summary.to_owned()
+                        },
+                    )
+                } else {
+                    let error = if error.is_empty() {
+                        "no error given"
+                    } else {
+                        error
+                    };
+                    (
+                        format!("failed: {error}"),
+                        RunState::Failed,
+                        event_reason::FAILED,
+                        error.to_owned(),
+                    )
+                };
+                sqlx::query(
+                    "UPDATE attempts SET state = $1, ended_at = $2, end_reason = $3 WHERE run_id = $4 AND number = $5",
+                )
+                .bind(AttemptState::Ended.as_str())
+                .bind(now)
+                .bind(&end_reason)
+                .bind(run_id.as_str())
+                .bind(i64::from(number))
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("end attempt"))?;
+                if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+                    a.state = AttemptState::Ended;
+                    a.ended_at = Some(from_millis(now));
+                    a.end_reason = end_reason;
+                }
+                let event = EventDraft::new(word, why.clone())
+                    .of(&attempt)
+                    .checkpoint(&checkpoint_text);
+                if run.state.is_terminal() {
+                    add_event(&mut tx, &run, event, now).await?;
+                } else {
+                    transition(&mut tx, &mut run, state, why, event, now).await?;
+                }
+            }
+        }
+        self.commit(tx).await
+    }
+}

@@ -1,0 +1,1218 @@
+//! Runs, their attempts, events and inputs, and every run state change
+//! (what runners report is in [`super::runner`]).
+//!
+//! The state machine of a run lives here, next to the SQL that stores it, so
+//! that each change and its event commit together:
+//!
+//! ```text
+//! queued ─assign─► assigned ─claim─► starting ─RUNNING─► running ─waiting─► waiting
+//!   ▲                                                                        │ hold expires / suspend
+//!   │◄─────────── host lost, runner exited, drained (attempts left) ─────────┤ (sandbox gone)
+//!   │                                                                        ▼
+//!   └──────────────────────────── answer ◄──────────────────────────── suspended
+//! any non-terminal ─cancel─► cancelled; outcome ─► succeeded | failed;
+//! infrastructure failures reaching max_attempts ─► failed
+//! ```
+//!
+//! An attempt ends exactly once ([`end_attempt`]); what the run does next
+//! depends on why: the destroy order's reason if there was one, else the
+//! cause (host lost, runner exited). A run that was waiting for a person is
+//! never retried as a failure: it is suspended (or queued again at once when
+//! an answer is already pending).
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use cairn_proto::domain::WorkspaceState;
+use cairn_proto::ids::{CheckpointId, Generation, HostId, RunId, TenantId, WorkspaceId};
+use cairn_proto::pb;
+use cairn_proto::runs::{AttemptPhase, AttemptState, Labels, Outcome, RunState, SandboxState};
+use prost::Message;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
+
+use super::checkpoints::push_in_list;
+use super::hosts::destroy_reason;
+use super::{
+    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
+    unsigned,
+};
+
+/// Short machine words of run events (`RunEvent.reason`).
+pub mod event_reason {
+    pub const CREATED: &str = "created";
+    pub const PLACEMENT: &str = "placement";
+    pub const ASSIGNED: &str = "assigned";
+    pub const CLAIMED: &str = "claimed";
+    pub const RESTORED: &str = "restored";
+    pub const PREPARED: &str = "prepared";
+    pub const HARNESS_STARTED: &str = "harness_started";
+    pub const RUNNING: &str = "running";
+    pub const CHECKPOINT: &str = "checkpoint";
+    pub const HARNESS_SESSION: &str = "harness_session";
+    pub const WAITING: &str = "waiting";
+    pub const ANSWERED: &str = "answered";
+    pub const HOLD_EXPIRED: &str = "hold_expired";
+    pub const SUSPEND_REQUESTED: &str = "suspend_requested";
+    pub const SUSPENDED: &str = "suspended";
+    pub const DRAINING: &str = "draining";
+    pub const HOST_STOPPING: &str = "host_stopping";
+    pub const SANDBOX_RELEASED: &str = "sandbox_released";
+    pub const HOST_LOST: &str = "host_lost";
+    pub const RUNNER_EXITED: &str = "runner_exited";
+    pub const SANDBOX_FAILED: &str = "sandbox_failed";
+    pub const INTERRUPTED: &str = "interrupted";
+    pub const SUCCEEDED: &str = "succeeded";
+    pub const FAILED: &str = "failed";
+    pub const CANCELLED: &str = "cancelled";
+    pub const WORKSPACE_INACTIVE: &str = "workspace_inactive";
+}
+
+/// The kind of every input a person sends (`RunInput.kind`).
+pub const ANSWER_INPUT: &str = "answer";
+
+/// One attempt of a run: a sandbox on a host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub number: u32,
+    pub generation: Generation,
+    pub host_id: HostId,
+    pub sandbox_id: String,
+    pub state: AttemptState,
+    pub started_at: SystemTime,
+    pub ended_at: Option<SystemTime>,
+    pub end_reason: String,
+    pub prepare: String,
+    pub restored_checkpoint_id: String,
+    pub outcome: Option<Outcome>,
+    pub destroy_reason: Option<String>,
+    pub sandbox_state: Option<SandboxState>,
+    pub exit_code: Option<i32>,
+    pub sandbox_gone_at: Option<SystemTime>,
+}
+
+impl Attempt {
+    pub fn is_ended(&self) -> bool {
+        self.state == AttemptState::Ended
+    }
+}
+
+/// A run with its attempts (oldest first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub id: RunId,
+    pub tenant: TenantId,
+    pub workspace_id: WorkspaceId,
+    pub station: String,
+    pub harness: pb::HarnessSpec,
+    pub prompt: String,
+    pub labels: Labels,
+    pub repos: Vec<pb::RepoSpec>,
+    pub image: String,
+    pub hold: Duration,
+    pub checkpoint_interval: Duration,
+    pub max_attempts: u32,
+    pub state: RunState,
+    pub state_reason: String,
+    pub question: String,
+    pub summary: String,
+    pub harness_session_id: String,
+    pub last_checkpoint_id: String,
+    pub hold_until: Option<SystemTime>,
+    pub attempt_count: u32,
+    pub failed_attempts: u32,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+    pub attempts: Vec<Attempt>,
+}
+
+impl Run {
+    /// The newest attempt, if the run was ever assigned.
+    pub fn current_attempt(&self) -> Option<&Attempt> {
+        self.attempts
+            .iter()
+            .find(|a| a.number == self.attempt_count)
+    }
+
+    /// The newest attempt unless it ended.
+    pub fn active_attempt(&self) -> Option<&Attempt> {
+        self.current_attempt().filter(|a| !a.is_ended())
+    }
+}
+
+/// One entry of a run's history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunEvent {
+    pub run_id: RunId,
+    pub sequence: u64,
+    pub at: SystemTime,
+    pub state: RunState,
+    pub reason: String,
+    pub host_id: String,
+    pub attempt: u32,
+    pub generation: u64,
+    pub checkpoint_id: String,
+    pub detail: String,
+}
+
+/// A message for the run's harness.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunInput {
+    pub id: u64,
+    pub kind: String,
+    pub text: String,
+    pub created_at: SystemTime,
+}
+
+/// Where a new run works.
+#[derive(Debug, Clone)]
+pub enum NewRunTarget {
+    Workspace(WorkspaceId),
+    /// Create a workspace (optionally named) in the same transaction.
+    NewWorkspace(Option<String>),
+}
+
+/// A validated run request.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub target: NewRunTarget,
+    pub station: String,
+    pub harness: pb::HarnessSpec,
+    pub prompt: String,
+    pub labels: Labels,
+    pub hold: Duration,
+    pub max_attempts: u32,
+    pub repos: Vec<pb::RepoSpec>,
+    pub image: String,
+    pub checkpoint_interval: Duration,
+}
+
+/// Filters of a run listing.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    pub workspace: Option<WorkspaceId>,
+    pub state: Option<RunState>,
+}
+
+/// What a runner gets when it claims its attempt.
+#[derive(Debug, Clone)]
+pub struct StartedAttempt {
+    pub run: Run,
+    pub attempt: Attempt,
+    /// Inputs no harness has heard yet.
+    pub inputs: Vec<RunInput>,
+    /// The station's conversation to resume (empty: start a new one).
+    pub resume_session_id: String,
+    /// An earlier attempt of this run started the harness with the prompt.
+    pub prompt_delivered: bool,
+}
+
+/// A phase report of a runner.
+#[derive(Debug, Clone)]
+pub struct ProgressReport {
+    pub phase: AttemptPhase,
+    pub detail: String,
+    pub checkpoint: Option<CheckpointId>,
+}
+
+/// How a runner says its attempt's work ended.
+#[derive(Debug, Clone)]
+pub struct OutcomeReport {
+    pub outcome: Outcome,
+    pub summary: String,
+    pub error: String,
+    pub checkpoint: Option<CheckpointId>,
+    /// Input ids the harness heard.
+    pub consumed: Vec<u64>,
+}
+
+/// A harness conversation of a workspace's station.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRecord {
+    pub harness: String,
+    pub session_id: String,
+}
+
+const RUN_COLUMNS: &str = "id, tenant, workspace_id, station, prompt, spec, image, hold_ms,
+     checkpoint_interval_ms, max_attempts, state, state_reason, question, summary,
+     harness_session_id, last_checkpoint_id, hold_until, attempt_count, failed_attempts,
+     created_at, updated_at";
+
+const ATTEMPT_COLUMNS: &str = "run_id, number, generation, host_id, sandbox_id, state, started_at,
+     ended_at, end_reason, prepare, restored_checkpoint_id, outcome, destroy_reason,
+     sandbox_state, exit_code, sandbox_gone_at";
+
+const EVENT_COLUMNS: &str =
+    "run_id, sequence, at, state, reason, host_id, attempt, generation, checkpoint_id, detail";
+
+fn encode_spec(harness: &pb::HarnessSpec, labels: &Labels, repos: &[pb::RepoSpec]) -> Vec<u8> {
+    pb::Run {
+        harness: Some(harness.clone()),
+        labels: labels.0.clone().into_iter().collect(),
+        repos: repos.to_vec(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+fn millis_duration(ms: i64, what: &str) -> Result<Duration, DbError> {
+    Ok(Duration::from_millis(unsigned(ms, what)?))
+}
+
+fn duration_millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
+    let read = |source| DbError::Query {
+        op: "read run",
+        source,
+    };
+    let id: String = row.try_get("id").map_err(read)?;
+    let tenant: String = row.try_get("tenant").map_err(read)?;
+    let workspace: String = row.try_get("workspace_id").map_err(read)?;
+    let spec: Vec<u8> = row.try_get("spec").map_err(read)?;
+    let spec = pb::Run::decode(spec.as_slice())
+        .map_err(|e| DbError::Corrupt(format!("stored spec of run {id}: {e}")))?;
+    let state: String = row.try_get("state").map_err(read)?;
+    let hold_until: Option<i64> = row.try_get("hold_until").map_err(read)?;
+    Ok(Run {
+        id: parse_column(&id, "run id")?,
+        tenant: parse_column(&tenant, "tenant")?,
+        workspace_id: parse_column(&workspace, "workspace id")?,
+        station: row.try_get("station").map_err(read)?,
+        harness: spec.harness.unwrap_or_default(),
+        prompt: row.try_get("prompt").map_err(read)?,
+        labels: Labels(spec.labels.into_iter().collect()),
+        repos: spec.repos,
+        image: row.try_get("image").map_err(read)?,
+        hold: millis_duration(row.try_get("hold_ms").map_err(read)?, "hold")?,
+        checkpoint_interval: millis_duration(
+            row.try_get("checkpoint_interval_ms").map_err(read)?,
+            "checkpoint interval",
+        )?,
+        max_attempts: unsigned(row.try_get("max_attempts").map_err(read)?, "max attempts")?,
+        state: parse_column::<RunState>(&state, "run state")?,
+        state_reason: row.try_get("state_reason").map_err(read)?,
+        question: row.try_get("question").map_err(read)?,
+        summary: row.try_get("summary").map_err(read)?,
+        harness_session_id: row.try_get("harness_session_id").map_err(read)?,
+        last_checkpoint_id: row.try_get("last_checkpoint_id").map_err(read)?,
+        hold_until: hold_until.map(from_millis),
+        attempt_count: unsigned(row.try_get("attempt_count").map_err(read)?, "attempt count")?,
+        failed_attempts: unsigned(
+            row.try_get("failed_attempts").map_err(read)?,
+            "failed attempts",
+        )?,
+        created_at: from_millis(row.try_get("created_at").map_err(read)?),
+        updated_at: from_millis(row.try_get("updated_at").map_err(read)?),
+        attempts: Vec::new(),
+    })
+}
+
+fn attempt_from_row(row: &SqliteRow) -> Result<(RunId, Attempt), DbError> {
+    let read = |source| DbError::Query {
+        op: "read attempt",
+        source,
+    };
+    let run: String = row.try_get("run_id").map_err(read)?;
+    let host: String = row.try_get("host_id").map_err(read)?;
+    let state: String = row.try_get("state").map_err(read)?;
+    let outcome: Option<String> = row.try_get("outcome").map_err(read)?;
+    let sandbox_state: Option<String> = row.try_get("sandbox_state").map_err(read)?;
+    let exit_code: Option<i64> = row.try_get("exit_code").map_err(read)?;
+    let ended_at: Option<i64> = row.try_get("ended_at").map_err(read)?;
+    let gone_at: Option<i64> = row.try_get("sandbox_gone_at").map_err(read)?;
+    let attempt = Attempt {
+        number: unsigned(row.try_get("number").map_err(read)?, "attempt number")?,
+        generation: Generation(unsigned(
+            row.try_get("generation").map_err(read)?,
+            "generation",
+        )?),
+        host_id: parse_column(&host, "host id")?,
+        sandbox_id: row.try_get("sandbox_id").map_err(read)?,
+        state: parse_column::<AttemptState>(&state, "attempt state")?,
+        started_at: from_millis(row.try_get("started_at").map_err(read)?),
+        ended_at: ended_at.map(from_millis),
+        end_reason: row.try_get("end_reason").map_err(read)?,
+        prepare: row.try_get("prepare").map_err(read)?,
+        restored_checkpoint_id: row.try_get("restored_checkpoint_id").map_err(read)?,
+        outcome: outcome
+            .map(|o| parse_column::<Outcome>(&o, "outcome"))
+            .transpose()?,
+        destroy_reason: row.try_get("destroy_reason").map_err(read)?,
+        sandbox_state: sandbox_state
+            .map(|s| parse_column::<SandboxState>(&s, "sandbox state"))
+            .transpose()?,
+        exit_code: exit_code
+            .map(|c| i32::try_from(c).map_err(|_| DbError::Corrupt(format!("exit code {c}"))))
+            .transpose()?,
+        sandbox_gone_at: gone_at.map(from_millis),
+    };
+    Ok((parse_column(&run, "run id")?, attempt))
+}
+
+fn event_from_row(row: &SqliteRow) -> Result<RunEvent, DbError> {
+    let read = |source| DbError::Query {
+        op: "read run event",
+        source,
+    };
+    let run: String = row.try_get("run_id").map_err(read)?;
+    let state: String = row.try_get("state").map_err(read)?;
+    Ok(RunEvent {
+        run_id: parse_column(&run, "run id")?,
+        sequence: unsigned(row.try_get("sequence").map_err(read)?, "event sequence")?,
+        at: from_millis(row.try_get("at").map_err(read)?),
+        state: parse_column::<RunState>(&state, "run state")?,
+        reason: row.try_get("reason").map_err(read)?,
+        host_id: row.try_get("host_id").map_err(read)?,
+        attempt: unsigned(row.try_get("attempt").map_err(read)?, "attempt")?,
+        generation: unsigned(row.try_get("generation").map_err(read)?, "generation")?,
+        checkpoint_id: row.try_get("checkpoint_id").map_err(read)?,
+        detail: row.try_get("detail").map_err(read)?,
+    })
+}
+
+fn input_from_row(row: &SqliteRow) -> Result<RunInput, DbError> {
+    let read = |source| DbError::Query {
+        op: "read run input",
+        source,
+    };
+    Ok(RunInput {
+        id: unsigned(row.try_get("id").map_err(read)?, "input id")?,
+        kind: row.try_get("kind").map_err(read)?,
+        text: row.try_get("text").map_err(read)?,
+        created_at: from_millis(row.try_get("created_at").map_err(read)?),
+    })
+}
+
+/// Fills in the attempts of `runs`.
+async fn attach_attempts(conn: &mut SqliteConnection, runs: &mut [Run]) -> Result<(), DbError> {
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<RunId> = runs.iter().map(|r| r.id.clone()).collect();
+    let mut by_run: HashMap<RunId, Vec<Attempt>> = HashMap::new();
+    for chunk in ids.chunks(super::ROWS_PER_STATEMENT) {
+        let mut query = QueryBuilder::<Sqlite>::new(format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE run_id IN"
+        ));
+        push_in_list(&mut query, chunk, RunId::as_str);
+        query.push(" ORDER BY run_id, number");
+        let rows = query
+            .build()
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(query_error("attempts"))?;
+        for row in &rows {
+            let (run, attempt) = attempt_from_row(row)?;
+            by_run.entry(run).or_default().push(attempt);
+        }
+    }
+    for run in runs {
+        run.attempts = by_run.remove(&run.id).unwrap_or_default();
+    }
+    Ok(())
+}
+
+/// A run (of any tenant) with its attempts.
+pub(super) async fn load_run(
+    conn: &mut SqliteConnection,
+    id: &RunId,
+) -> Result<Option<Run>, DbError> {
+    let row = sqlx::query(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"))
+        .bind(id.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(query_error("run"))?;
+    let Some(row) = row else { return Ok(None) };
+    let mut runs = [run_from_row(&row)?];
+    attach_attempts(conn, &mut runs).await?;
+    let [run] = runs;
+    Ok(Some(run))
+}
+
+/// A run of `tenant`, or NotFound.
+pub(super) async fn load_tenant_run(
+    conn: &mut SqliteConnection,
+    tenant: &TenantId,
+    id: &RunId,
+) -> Result<Run, DbError> {
+    load_run(conn, id)
+        .await?
+        .filter(|r| &r.tenant == tenant)
+        .ok_or_else(|| DbError::NotFound(format!("run {id} does not exist")))
+}
+
+/// What an event records besides the run's state.
+#[derive(Debug, Default)]
+pub(super) struct EventDraft {
+    pub reason: &'static str,
+    pub detail: String,
+    pub host_id: String,
+    pub attempt: u32,
+    pub generation: u64,
+    pub checkpoint_id: String,
+}
+
+impl EventDraft {
+    pub fn new(reason: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            reason,
+            detail: detail.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Names the attempt (its host, number and generation).
+    pub fn of(mut self, attempt: &Attempt) -> Self {
+        self.host_id = attempt.host_id.to_string();
+        self.attempt = attempt.number;
+        self.generation = attempt.generation.0;
+        self
+    }
+
+    pub fn checkpoint(mut self, id: &str) -> Self {
+        self.checkpoint_id = id.to_owned();
+        self
+    }
+}
+
+/// Appends an event to the run's history with the run's current state.
+pub(super) async fn add_event(
+    tx: &mut WriteTx,
+    run: &Run,
+    event: EventDraft,
+    now: i64,
+) -> Result<(), DbError> {
+    let sequence: i64 = sqlx::query_scalar(
+        "UPDATE runs SET last_event_sequence = last_event_sequence + 1, updated_at = $1
+         WHERE id = $2 RETURNING last_event_sequence",
+    )
+    .bind(now)
+    .bind(run.id.as_str())
+    .fetch_one(tx.conn())
+    .await
+    .map_err(query_error("advance event sequence"))?;
+    sqlx::query(
+        "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt, generation,
+                                 checkpoint_id, detail)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(run.id.as_str())
+    .bind(sequence)
+    .bind(now)
+    .bind(run.state.as_str())
+    .bind(event.reason)
+    .bind(&event.host_id)
+    .bind(i64::from(event.attempt))
+    .bind(signed(event.generation, "generation")?)
+    .bind(&event.checkpoint_id)
+    .bind(&event.detail)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert run event"))?;
+    tx.touch(&run.id);
+    Ok(())
+}
+
+/// Moves the run to `state` (updating `run` too) and records the event.
+/// Leaving `waiting` clears the hold.
+pub(super) async fn transition(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    state: RunState,
+    state_reason: impl Into<String>,
+    event: EventDraft,
+    now: i64,
+) -> Result<(), DbError> {
+    let state_reason = state_reason.into();
+    if state != RunState::Waiting {
+        run.hold_until = None;
+    }
+    sqlx::query(
+        "UPDATE runs SET state = $1, state_reason = $2, hold_until = $3, updated_at = $4 WHERE id = $5",
+    )
+    .bind(state.as_str())
+    .bind(&state_reason)
+    .bind(run.hold_until.map(millis))
+    .bind(now)
+    .bind(run.id.as_str())
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("update run state"))?;
+    run.state = state;
+    run.state_reason = state_reason;
+    add_event(tx, run, event, now).await
+}
+
+pub(super) async fn set_attempt_state(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    number: u32,
+    state: AttemptState,
+) -> Result<(), DbError> {
+    sqlx::query("UPDATE attempts SET state = $1 WHERE run_id = $2 AND number = $3")
+        .bind(state.as_str())
+        .bind(run.id.as_str())
+        .bind(i64::from(number))
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("update attempt state"))?;
+    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+        a.state = state;
+    }
+    Ok(())
+}
+
+/// How many inputs of the run no harness has heard yet.
+async fn pending_input_count(conn: &mut SqliteConnection, run: &RunId) -> Result<u64, DbError> {
+    let count: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM run_inputs WHERE run_id = $1 AND consumed_at IS NULL",
+    )
+    .bind(run.as_str())
+    .fetch_one(conn)
+    .await
+    .map_err(query_error("count pending inputs"))?;
+    unsigned(count, "pending inputs")
+}
+
+/// Why an attempt ends.
+#[derive(Debug, Clone)]
+pub(super) enum EndCause {
+    /// The host reported the sandbox gone (destroyed on an order, or the
+    /// runner exited, or the sandbox failed).
+    SandboxGone {
+        state: SandboxState,
+        exit_code: i32,
+        detail: String,
+    },
+    /// The host missed heartbeats for longer than the lease.
+    HostLost { lease: Duration },
+}
+
+/// What the run does after its attempt ended without an outcome.
+enum NextStep {
+    /// Released to wait for a person (queued at once if an answer is pending).
+    Release,
+    /// Queued again; `failure` counts it against max_attempts.
+    Requeue { failure: bool },
+    /// The run is terminal already; only the attempt ends.
+    Nothing,
+}
+
+fn describe_exit(code: i32) -> String {
+    if code < 0 {
+        format!(
+            "runner exited with status {code} (killed by signal {})",
+            -code
+        )
+    } else {
+        format!("runner exited with status {code}")
+    }
+}
+
+/// Ends the run's current attempt (if it is not ended yet) and moves the run
+/// on: released, requeued, or failed when infrastructure failures reached
+/// max_attempts.
+pub(super) async fn end_attempt(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    number: u32,
+    cause: EndCause,
+    now: i64,
+) -> Result<(), DbError> {
+    let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+        return Err(DbError::Corrupt(format!(
+            "run {} has no attempt {number}",
+            run.id
+        )));
+    };
+    if attempt.is_ended() {
+        return Ok(());
+    }
+    let interrupted = attempt.outcome == Some(Outcome::Interrupted);
+    let (end_reason, event_word, detail) = match (&cause, &attempt.destroy_reason) {
+        (EndCause::SandboxGone { .. }, Some(order)) => (
+            order.clone(),
+            event_reason::SANDBOX_RELEASED,
+            format!("sandbox {} destroyed ({order})", attempt.sandbox_id),
+        ),
+        (
+            EndCause::SandboxGone {
+                state: SandboxState::Failed,
+                detail,
+                ..
+            },
+            None,
+        ) => {
+            let text = if detail.is_empty() {
+                "sandbox failed".to_owned()
+            } else {
+                format!("sandbox failed: {detail}")
+            };
+            (text.clone(), event_reason::SANDBOX_FAILED, text)
+        }
+        (EndCause::SandboxGone { exit_code, .. }, None) => {
+            let text = describe_exit(*exit_code);
+            let word = if interrupted {
+                "interrupted".to_owned()
+            } else {
+                text.clone()
+            };
+            (word, event_reason::RUNNER_EXITED, text)
+        }
+        (EndCause::HostLost { lease }, _) => (
+            "host_lost".to_owned(),
+            event_reason::HOST_LOST,
+            format!(
+                "host {} missed heartbeats for longer than {}",
+                attempt.host_id,
+                humantime::format_duration(*lease)
+            ),
+        ),
+    };
+    sqlx::query(
+        "UPDATE attempts SET state = $1, ended_at = $2, end_reason = $3 WHERE run_id = $4 AND number = $5",
+    )
+    .bind(AttemptState::Ended.as_str())
+    .bind(now)
+    .bind(&end_reason)
+    .bind(run.id.as_str())
+    .bind(i64::from(number))
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("end attempt"))?;
+    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+        a.state = AttemptState::Ended;
+        a.ended_at = Some(from_millis(now));
+        a.end_reason = end_reason.clone();
+    }
+
+    let waiting = run.state == RunState::Waiting;
+    let step = if run.state.is_terminal() {
+        NextStep::Nothing
+    } else {
+        match attempt.destroy_reason.as_deref() {
+            Some(destroy_reason::SUSPENDED | destroy_reason::HOLD_EXPIRED) => NextStep::Release,
+            Some(_) if waiting => NextStep::Release,
+            // Drained or superseded: the operator's doing, not a failure.
+            Some(_) => NextStep::Requeue { failure: false },
+            // The runner stops on its own when the hold runs out.
+            None if waiting => NextStep::Release,
+            // A runner that checkpointed and reported before stopping lost nothing.
+            None if interrupted => NextStep::Requeue { failure: false },
+            None => NextStep::Requeue { failure: true },
+        }
+    };
+    let event = EventDraft::new(event_word, detail.clone()).of(&attempt);
+    match step {
+        NextStep::Nothing => add_event(tx, run, event, now).await,
+        NextStep::Release => {
+            if pending_input_count(tx.conn(), &run.id).await? > 0 {
+                let reason =
+                    format!("answered; attempt {number} ended ({end_reason}); waiting for a host");
+                transition(tx, run, RunState::Queued, reason, event, now).await
+            } else {
+                let reason = format!("suspended ({end_reason}); an answer resumes the run");
+                transition(tx, run, RunState::Suspended, reason, event, now).await
+            }
+        }
+        NextStep::Requeue { failure } => {
+            if failure {
+                run.failed_attempts += 1;
+                sqlx::query("UPDATE runs SET failed_attempts = $1 WHERE id = $2")
+                    .bind(i64::from(run.failed_attempts))
+                    .bind(run.id.as_str())
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("count failed attempts"))?;
+            }
+            if failure && run.failed_attempts >= run.max_attempts {
+                let reason = format!(
+                    "gave up after {} failed attempts; the last: {detail}",
+                    run.failed_attempts
+                );
+                transition(tx, run, RunState::Failed, reason, event, now).await
+            } else {
+                let reason = format!("attempt {number} ended ({end_reason}); waiting for a host");
+                transition(tx, run, RunState::Queued, reason, event, now).await
+            }
+        }
+    }
+}
+
+/// Records that the host reported the attempt's sandbox gone, and ends the
+/// attempt if it was still going.
+pub(super) async fn sandbox_gone(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    number: u32,
+    state: SandboxState,
+    exit_code: i32,
+    detail: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "UPDATE attempts SET sandbox_state = $1, exit_code = $2, sandbox_gone_at = COALESCE(sandbox_gone_at, $3)
+         WHERE run_id = $4 AND number = $5",
+    )
+    .bind(state.as_str())
+    .bind(i64::from(exit_code))
+    .bind(now)
+    .bind(run.id.as_str())
+    .bind(i64::from(number))
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("record sandbox gone"))?;
+    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+        a.sandbox_state = Some(state);
+        a.exit_code = Some(exit_code);
+        a.sandbox_gone_at.get_or_insert(from_millis(now));
+    }
+    let cause = EndCause::SandboxGone {
+        state,
+        exit_code,
+        detail: detail.to_owned(),
+    };
+    end_attempt(tx, run, number, cause, now).await
+}
+
+/// Orders the host to destroy the attempt's sandbox (the first order's reason
+/// stays). A sandbox that neither the host reported nor a runner claimed is
+/// taken as gone at once: if the host starts it anyway, its next report gets
+/// a destroy order.
+pub(super) async fn order_destroy(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    number: u32,
+    reason: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "UPDATE attempts SET destroy_reason = COALESCE(destroy_reason, $1) WHERE run_id = $2 AND number = $3",
+    )
+    .bind(reason)
+    .bind(run.id.as_str())
+    .bind(i64::from(number))
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("order destroy"))?;
+    let Some(attempt) = run.attempts.iter_mut().find(|a| a.number == number) else {
+        return Ok(());
+    };
+    attempt
+        .destroy_reason
+        .get_or_insert_with(|| reason.to_owned());
+    let never_started = attempt.sandbox_state.is_none()
+        && attempt.state == AttemptState::Assigned
+        && attempt.sandbox_gone_at.is_none();
+    if never_started {
+        sandbox_gone(
+            tx,
+            run,
+            number,
+            SandboxState::Destroyed,
+            0,
+            "never started",
+            now,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+impl MetadataStore {
+    /// Creates a queued run (and its workspace, when asked). A workspace that
+    /// is not active, or that already has a run that has not ended, is
+    /// refused: two runs would fence each other's checkpoints off.
+    pub async fn create_run(&self, tenant: &TenantId, new: NewRun) -> Result<Run, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let workspace = match &new.target {
+            NewRunTarget::Workspace(id) => {
+                let state: Option<String> = sqlx::query_scalar(
+                    "SELECT state FROM workspaces WHERE id = $1 AND tenant = $2",
+                )
+                .bind(id.as_str())
+                .bind(tenant.as_str())
+                .fetch_optional(tx.conn())
+                .await
+                .map_err(query_error("find workspace"))?;
+                let state = state.ok_or_else(|| DbError::WorkspaceNotFound(id.to_string()))?;
+                let state: WorkspaceState = parse_column(&state, "workspace state")?;
+                if state != WorkspaceState::Active {
+                    return Err(DbError::WorkspaceNotActive {
+                        id: id.clone(),
+                        state,
+                    });
+                }
+                let busy: Option<(String, String)> = sqlx::query_as(
+                    "SELECT id, state FROM runs WHERE workspace_id = $1
+                     AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
+                )
+                .bind(id.as_str())
+                .fetch_optional(tx.conn())
+                .await
+                .map_err(query_error("find active runs"))?;
+                if let Some((run, state)) = busy {
+                    return Err(DbError::Precondition(format!(
+                        "workspace {id} already has run {run} ({state}); cancel it or wait until it ends"
+                    )));
+                }
+                id.clone()
+            }
+            NewRunTarget::NewWorkspace(name) => {
+                let id = WorkspaceId::generate();
+                let result = sqlx::query(
+                    "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
+                     VALUES ($1, $2, $3, $4, $5, 0, $6, $6)",
+                )
+                .bind(id.as_str())
+                .bind(tenant.as_str())
+                .bind(name.as_deref())
+                .bind(WorkspaceState::Active.as_str())
+                .bind(signed(super::workspaces::FIRST_GENERATION.0, "generation")?)
+                .bind(now)
+                .execute(tx.conn())
+                .await;
+                match result {
+                    Ok(_) => id,
+                    Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                        return Err(DbError::NameTaken(name.clone().unwrap_or_default()));
+                    }
+                    Err(source) => {
+                        return Err(DbError::Query {
+                            op: "insert workspace",
+                            source,
+                        });
+                    }
+                }
+            }
+        };
+        let id = RunId::generate();
+        let state_reason = "waiting for the scheduler";
+        sqlx::query(&format!(
+            "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, '', '', '', '', NULL, 0, 0, $13, $13, 0)"
+        ))
+        .bind(id.as_str())
+        .bind(tenant.as_str())
+        .bind(workspace.as_str())
+        .bind(&new.station)
+        .bind(&new.prompt)
+        .bind(encode_spec(&new.harness, &new.labels, &new.repos))
+        .bind(&new.image)
+        .bind(duration_millis(new.hold))
+        .bind(duration_millis(new.checkpoint_interval))
+        .bind(i64::from(new.max_attempts))
+        .bind(RunState::Queued.as_str())
+        .bind(state_reason)
+        .bind(now)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert run"))?;
+        let mut run = load_run(tx.conn(), &id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
+        let detail = format!(
+            "station {}, harness {}{}",
+            run.station,
+            run.harness.name,
+            if run.labels.is_empty() {
+                String::new()
+            } else {
+                format!(", labels {}", run.labels)
+            }
+        );
+        add_event(
+            &mut tx,
+            &run,
+            EventDraft::new(event_reason::CREATED, detail),
+            now,
+        )
+        .await?;
+        self.commit(tx).await?;
+        run.updated_at = from_millis(now);
+        Ok(run)
+    }
+
+    /// One attempt of a run.
+    pub async fn attempt(&self, run: &RunId, number: u32) -> Result<Option<Attempt>, DbError> {
+        let row = sqlx::query(&format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE run_id = $1 AND number = $2"
+        ))
+        .bind(run.as_str())
+        .bind(i64::from(number))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(query_error("attempt"))?;
+        row.as_ref()
+            .map(|row| attempt_from_row(row).map(|(_, attempt)| attempt))
+            .transpose()
+    }
+
+    /// A run of `tenant` with its attempts.
+    pub async fn run(&self, tenant: &TenantId, id: &RunId) -> Result<Option<Run>, DbError> {
+        let mut conn = self.pool.acquire().await.map_err(query_error("run"))?;
+        Ok(load_run(&mut conn, id)
+            .await?
+            .filter(|r| &r.tenant == tenant))
+    }
+
+    /// Runs of `tenant`, newest first, older than `before`.
+    pub async fn list_runs(
+        &self,
+        tenant: &TenantId,
+        filter: &RunFilter,
+        before: Option<&RunId>,
+        limit: u32,
+    ) -> Result<Vec<Run>, DbError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(query_error("list runs"))?;
+        let mut query =
+            QueryBuilder::<Sqlite>::new(format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = "));
+        query.push_bind(tenant.as_str());
+        if let Some(before) = before {
+            query.push(" AND id < ").push_bind(before.as_str());
+        }
+        if let Some(workspace) = &filter.workspace {
+            query
+                .push(" AND workspace_id = ")
+                .push_bind(workspace.as_str());
+        }
+        if let Some(state) = filter.state {
+            query.push(" AND state = ").push_bind(state.as_str());
+        }
+        query
+            .push(" ORDER BY id DESC LIMIT ")
+            .push_bind(i64::from(limit));
+        let rows = query
+            .build()
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(query_error("list runs"))?;
+        let mut runs = rows
+            .iter()
+            .map(run_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        attach_attempts(&mut conn, &mut runs).await?;
+        Ok(runs)
+    }
+
+    /// Events of a run after `after`, oldest first, at most `limit`.
+    pub async fn run_events(
+        &self,
+        run: &RunId,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<RunEvent>, DbError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = $1 AND sequence > $2
+             ORDER BY sequence LIMIT $3"
+        ))
+        .bind(run.as_str())
+        .bind(signed(after, "sequence")?)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("run events"))?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    /// Stores an answer. A waiting run keeps its sandbox (the held runner
+    /// receives it); a suspended run is queued for its next attempt.
+    pub async fn answer_run(
+        &self,
+        tenant: &TenantId,
+        id: &RunId,
+        text: &str,
+    ) -> Result<Run, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_tenant_run(tx.conn(), tenant, id).await?;
+        if !matches!(run.state, RunState::Waiting | RunState::Suspended) {
+            return Err(DbError::Precondition(format!(
+                "run {id} is {}; only a waiting or suspended run takes an answer",
+                run.state
+            )));
+        }
+        let next: i64 =
+            sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
+                .bind(id.as_str())
+                .fetch_one(tx.conn())
+                .await
+                .map_err(query_error("next input id"))?;
+        sqlx::query(
+            "INSERT INTO run_inputs (run_id, id, kind, text, created_at) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(id.as_str())
+        .bind(next)
+        .bind(ANSWER_INPUT)
+        .bind(text)
+        .bind(now)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert input"))?;
+        match (run.state, run.active_attempt().cloned()) {
+            (RunState::Waiting, Some(attempt)) => {
+                let detail = if attempt.destroy_reason.is_some() {
+                    "the held sandbox is being released; the answer goes to the next attempt"
+                } else {
+                    "delivered to the held sandbox"
+                };
+                add_event(
+                    &mut tx,
+                    &run,
+                    EventDraft::new(event_reason::ANSWERED, detail).of(&attempt),
+                    now,
+                )
+                .await?;
+            }
+            _ => {
+                transition(
+                    &mut tx,
+                    &mut run,
+                    RunState::Queued,
+                    "answered; waiting for a host",
+                    EventDraft::new(event_reason::ANSWERED, "the next attempt resumes the run"),
+                    now,
+                )
+                .await?;
+            }
+        }
+        self.commit(tx).await?;
+        Ok(run)
+    }
+
+    /// Releases the run's sandbox so it waits for input: at once for a queued
+    /// run, after the host destroyed the sandbox otherwise.
+    pub async fn suspend_run(
+        &self,
+        tenant: &TenantId,
+        id: &RunId,
+        reason: &str,
+    ) -> Result<Run, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_tenant_run(tx.conn(), tenant, id).await?;
+        let why = if reason.is_empty() {
+            "suspended on request".to_owned()
+        } else {
+            format!("suspended on request: {reason}")
+        };
+        match run.state {
+            RunState::Suspended => return Ok(run),
+            state if state.is_terminal() => {
+                return Err(DbError::Precondition(format!(
+                    "run {id} is {state}; it cannot be suspended"
+                )));
+            }
+            RunState::Queued => {
+                transition(
+                    &mut tx,
+                    &mut run,
+                    RunState::Suspended,
+                    why.clone(),
+                    EventDraft::new(event_reason::SUSPENDED, why),
+                    now,
+                )
+                .await?;
+            }
+            _ => {
+                let attempt = run.active_attempt().cloned().ok_or_else(|| {
+                    DbError::Corrupt(format!("run {id} is {} without an attempt", run.state))
+                })?;
+                if attempt.destroy_reason.is_none() {
+                    let reason = format!("{why}; releasing sandbox {}", attempt.sandbox_id);
+                    sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
+                        .bind(&reason)
+                        .bind(id.as_str())
+                        .execute(tx.conn())
+                        .await
+                        .map_err(query_error("update run state reason"))?;
+                    run.state_reason = reason.clone();
+                    add_event(
+                        &mut tx,
+                        &run,
+                        EventDraft::new(event_reason::SUSPEND_REQUESTED, reason).of(&attempt),
+                        now,
+                    )
+                    .await?;
+                    order_destroy(
+                        &mut tx,
+                        &mut run,
+                        attempt.number,
+                        destroy_reason::SUSPENDED,
+                        now,
+                    )
+                    .await?;
+                }
+            }
+        }
+        self.commit(tx).await?;
+        Ok(run)
+    }
+
+    /// Cancels the run at once; its sandbox, if any, is destroyed.
+    pub async fn cancel_run(
+        &self,
+        tenant: &TenantId,
+        id: &RunId,
+        reason: &str,
+    ) -> Result<Run, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut run = load_tenant_run(tx.conn(), tenant, id).await?;
+        match run.state {
+            RunState::Cancelled => return Ok(run),
+            state if state.is_terminal() => {
+                return Err(DbError::Precondition(format!(
+                    "run {id} already {state}; it cannot be cancelled"
+                )));
+            }
+            _ => {}
+        }
+        let why = if reason.is_empty() {
+            "cancelled on request".to_owned()
+        } else {
+            format!("cancelled: {reason}")
+        };
+        let attempt = run.active_attempt().cloned();
+        let mut event = EventDraft::new(event_reason::CANCELLED, why.clone());
+        if let Some(attempt) = &attempt {
+            event = event.of(attempt);
+        }
+        transition(&mut tx, &mut run, RunState::Cancelled, why, event, now).await?;
+        if let Some(attempt) = attempt {
+            order_destroy(
+                &mut tx,
+                &mut run,
+                attempt.number,
+                destroy_reason::CANCELLED,
+                now,
+            )
+            .await?;
+        }
+        self.commit(tx).await?;
+        Ok(run)
+    }
+}
+
+pub(super) async fn pending_inputs(
+    conn: &mut SqliteConnection,
+    run: &RunId,
+) -> Result<Vec<RunInput>, DbError> {
+    let rows = sqlx::query(
+        "SELECT id, kind, text, created_at FROM run_inputs
+         WHERE run_id = $1 AND consumed_at IS NULL ORDER BY id",
+    )
+    .bind(run.as_str())
+    .fetch_all(conn)
+    .await
+    .map_err(query_error("pending inputs"))?;
+    rows.iter().map(input_from_row).collect()
+}

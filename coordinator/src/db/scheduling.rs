@@ -1,0 +1,354 @@
+//! What the scheduler reads and writes: queued runs, host capacity,
+//! assignments (a new attempt, generation and run token), why a run stays
+//! queued, lost hosts and expired holds.
+
+use std::time::{Duration, SystemTime};
+
+use cairn_proto::ids::{HostId, RunId, TenantId};
+use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
+use prost::Message;
+use sqlx::Row;
+
+use super::hosts::{destroy_reason, lose_host};
+use super::runs::{EventDraft, Run, add_event, event_reason, load_run, order_destroy, transition};
+use super::{DbError, MetadataStore, millis, parse_column, query_error, unsigned};
+use crate::tokens::Scope;
+
+/// A run waiting for a host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuedRun {
+    pub id: RunId,
+    pub tenant: TenantId,
+    pub labels: Labels,
+    pub state_reason: String,
+    /// Attempts so far; the next one is this plus one.
+    pub attempt_count: u32,
+}
+
+/// A host that takes new sandboxes, and how full it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostCapacity {
+    pub id: HostId,
+    pub tenant: TenantId,
+    pub labels: Labels,
+    pub slots: u32,
+    /// Sandboxes not yet reported gone.
+    pub used: u32,
+}
+
+impl MetadataStore {
+    /// Queued runs, oldest first.
+    pub async fn queued_runs(&self) -> Result<Vec<QueuedRun>, DbError> {
+        let rows = sqlx::query(
+            "SELECT id, tenant, spec, state_reason, attempt_count FROM runs
+             WHERE state = $1 ORDER BY created_at, id",
+        )
+        .bind(RunState::Queued.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("queued runs"))?;
+        rows.iter()
+            .map(|row| {
+                let read = |source| DbError::Query {
+                    op: "read queued run",
+                    source,
+                };
+                let id: String = row.try_get("id").map_err(read)?;
+                let tenant: String = row.try_get("tenant").map_err(read)?;
+                let spec: Vec<u8> = row.try_get("spec").map_err(read)?;
+                let spec = cairn_proto::pb::Run::decode(spec.as_slice())
+                    .map_err(|e| DbError::Corrupt(format!("stored spec of run {id}: {e}")))?;
+                Ok(QueuedRun {
+                    id: parse_column(&id, "run id")?,
+                    tenant: parse_column(&tenant, "tenant")?,
+                    labels: Labels(spec.labels.into_iter().collect()),
+                    state_reason: row.try_get("state_reason").map_err(read)?,
+                    attempt_count: unsigned(
+                        row.try_get("attempt_count").map_err(read)?,
+                        "attempt count",
+                    )?,
+                })
+            })
+            .collect()
+    }
+
+    /// Hosts that are ready (not cordoned, draining or lost), with their usage.
+    pub async fn ready_hosts(&self) -> Result<Vec<HostCapacity>, DbError> {
+        let rows = sqlx::query(
+            "SELECT h.id, h.tenant, h.labels, h.slots,
+                    (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL) AS used
+             FROM hosts h WHERE h.admin_state = $1 AND h.lost_at IS NULL AND h.stopping_at IS NULL ORDER BY h.registered_at, h.id",
+        )
+        .bind(HostState::Ready.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("ready hosts"))?;
+        rows.iter()
+            .map(|row| {
+                let read = |source| DbError::Query {
+                    op: "read host capacity",
+                    source,
+                };
+                let id: String = row.try_get("id").map_err(read)?;
+                let tenant: String = row.try_get("tenant").map_err(read)?;
+                let labels: String = row.try_get("labels").map_err(read)?;
+                Ok(HostCapacity {
+                    labels: Labels(serde_json::from_str(&labels).map_err(|e| {
+                        DbError::Corrupt(format!("stored labels of host {id}: {e}"))
+                    })?),
+                    id: parse_column(&id, "host id")?,
+                    tenant: parse_column(&tenant, "tenant")?,
+                    slots: unsigned(row.try_get("slots").map_err(read)?, "slots")?,
+                    used: unsigned(row.try_get("used").map_err(read)?, "used slots")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Assigns a queued run to a host: attempt `attempt_count + 1` with the
+    /// workspace's next generation (older generations' commits are refused
+    /// from now on) and its run token (`token_hash`). Returns `None` when
+    /// the run or host changed since the scheduler looked.
+    pub async fn assign_run(
+        &self,
+        run_id: &RunId,
+        attempt_count: u32,
+        host_id: &HostId,
+        token_hash: &[u8; 32],
+    ) -> Result<Option<Run>, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let Some(mut run) = load_run(tx.conn(), run_id).await? else {
+            return Ok(None);
+        };
+        if run.state != RunState::Queued || run.attempt_count != attempt_count {
+            return Ok(None);
+        }
+        let host: Option<(String, String, Option<i64>, i64, i64)> = sqlx::query_as(
+            "SELECT h.tenant, h.admin_state, COALESCE(h.lost_at, h.stopping_at), h.slots,
+                    (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL)
+             FROM hosts h WHERE h.id = $1",
+        )
+        .bind(host_id.as_str())
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("host capacity"))?;
+        let Some((tenant, admin_state, unavailable_since, slots, used)) = host else {
+            return Ok(None);
+        };
+        if tenant != run.tenant.as_str()
+            || admin_state != HostState::Ready.as_str()
+            || unavailable_since.is_some()
+            || used >= slots
+        {
+            return Ok(None);
+        }
+        let generation: Option<i64> = sqlx::query_scalar(
+            "UPDATE workspaces SET generation = generation + 1, updated_at = $1
+             WHERE id = $2 AND state = 'active' RETURNING generation",
+        )
+        .bind(now)
+        .bind(run.workspace_id.as_str())
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("advance workspace generation"))?;
+        let Some(generation) = generation else {
+            let why = format!("workspace {} is no longer active", run.workspace_id);
+            transition(
+                &mut tx,
+                &mut run,
+                RunState::Failed,
+                why.clone(),
+                EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
+                now,
+            )
+            .await?;
+            self.commit(tx).await?;
+            return Ok(None);
+        };
+        let number = attempt_count + 1;
+        let sandbox_id = format!("sbx-{run_id}-a{number}");
+        sqlx::query(
+            "INSERT INTO attempts (run_id, number, generation, host_id, sandbox_id, state, started_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(run_id.as_str())
+        .bind(i64::from(number))
+        .bind(generation)
+        .bind(host_id.as_str())
+        .bind(&sandbox_id)
+        .bind(AttemptState::Assigned.as_str())
+        .bind(now)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert attempt"))?;
+        sqlx::query("UPDATE runs SET attempt_count = $1 WHERE id = $2")
+            .bind(i64::from(number))
+            .bind(run_id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("count attempts"))?;
+        sqlx::query(
+            "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at, run_id, attempt)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (token_hash) DO NOTHING",
+        )
+        .bind(token_hash.as_slice())
+        .bind(run.tenant.as_str())
+        .bind(Scope::Run.as_str())
+        .bind(run.workspace_id.as_str())
+        .bind(format!("run {run_id} attempt {number}"))
+        .bind(now)
+        .bind(run_id.as_str())
+        .bind(i64::from(number))
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert run token"))?;
+        let mut run = load_run(tx.conn(), run_id)
+            .await?
+            .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished while assigned")))?;
+        let attempt = run
+            .current_attempt()
+            .cloned()
+            .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost its new attempt")))?;
+        let detail = format!(
+            "attempt {number} on host {host_id} (sandbox {sandbox_id}, generation {})",
+            attempt.generation
+        );
+        transition(
+            &mut tx,
+            &mut run,
+            RunState::Assigned,
+            format!("assigned to host {host_id}"),
+            EventDraft::new(event_reason::ASSIGNED, detail).of(&attempt),
+            now,
+        )
+        .await?;
+        self.commit(tx).await?;
+        Ok(Some(run))
+    }
+
+    /// Updates why a queued run waits; a changed reason is recorded as an
+    /// event. Returns whether it changed.
+    pub async fn set_queue_reason(&self, run_id: &RunId, reason: &str) -> Result<bool, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let Some(mut run) = load_run(tx.conn(), run_id).await? else {
+            return Ok(false);
+        };
+        if run.state != RunState::Queued || run.state_reason == reason {
+            return Ok(false);
+        }
+        sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
+            .bind(reason)
+            .bind(run_id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("update queue reason"))?;
+        run.state_reason = reason.to_owned();
+        add_event(
+            &mut tx,
+            &run,
+            EventDraft::new(event_reason::PLACEMENT, reason),
+            now,
+        )
+        .await?;
+        self.commit(tx).await?;
+        Ok(true)
+    }
+
+    /// Marks lost every host whose last heartbeat (or `alive_since`, if
+    /// later) is older than `lease`; their attempts end. Returns the hosts.
+    pub async fn mark_lost_hosts(
+        &self,
+        lease: Duration,
+        alive_since: SystemTime,
+    ) -> Result<Vec<HostId>, DbError> {
+        let now_time = SystemTime::now();
+        let deadline = millis(now_time.checked_sub(lease).unwrap_or(std::time::UNIX_EPOCH));
+        if millis(alive_since) > deadline {
+            return Ok(Vec::new());
+        }
+        let stale: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM hosts WHERE lost_at IS NULL AND last_heartbeat_at < $1 ORDER BY id",
+        )
+        .bind(deadline)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("stale hosts"))?;
+        let mut lost = Vec::new();
+        for id in stale {
+            let id: HostId = parse_column(&id, "host id")?;
+            let now = millis(SystemTime::now());
+            let mut tx = self.begin_write().await?;
+            // Re-checked under the write lock: a heartbeat may have come in.
+            let still_stale: Option<i64> = sqlx::query_scalar(
+                "SELECT 1 FROM hosts WHERE id = $1 AND lost_at IS NULL AND last_heartbeat_at < $2",
+            )
+            .bind(id.as_str())
+            .bind(deadline)
+            .fetch_optional(tx.conn())
+            .await
+            .map_err(query_error("stale host"))?;
+            if still_stale.is_none() {
+                continue;
+            }
+            lose_host(&mut tx, &id, lease, now).await?;
+            self.commit(tx).await?;
+            lost.push(id);
+        }
+        Ok(lost)
+    }
+
+    /// Orders the sandboxes of waiting runs whose hold ran out destroyed.
+    /// Returns the runs.
+    pub async fn expire_holds(&self) -> Result<Vec<RunId>, DbError> {
+        let now = millis(SystemTime::now());
+        let due: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM runs WHERE state = $1 AND hold_until IS NOT NULL AND hold_until <= $2 ORDER BY id",
+        )
+        .bind(RunState::Waiting.as_str())
+        .bind(now)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("expired holds"))?;
+        let mut expired = Vec::new();
+        for id in due {
+            let id: RunId = parse_column(&id, "run id")?;
+            let mut tx = self.begin_write().await?;
+            let Some(mut run) = load_run(tx.conn(), &id).await? else {
+                continue;
+            };
+            let Some(attempt) = run.active_attempt().cloned() else {
+                continue;
+            };
+            let due = run.hold_until.is_some_and(|until| millis(until) <= now);
+            if run.state != RunState::Waiting || !due || attempt.destroy_reason.is_some() {
+                continue;
+            }
+            let detail = format!(
+                "held for {}; releasing sandbox {}",
+                humantime::format_duration(run.hold),
+                attempt.sandbox_id
+            );
+            add_event(
+                &mut tx,
+                &run,
+                EventDraft::new(event_reason::HOLD_EXPIRED, detail).of(&attempt),
+                now,
+            )
+            .await?;
+            order_destroy(
+                &mut tx,
+                &mut run,
+                attempt.number,
+                destroy_reason::HOLD_EXPIRED,
+                now,
+            )
+            .await?;
+            self.commit(tx).await?;
+            expired.push(id);
+        }
+        Ok(expired)
+    }
+}

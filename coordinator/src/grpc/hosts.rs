@@ -1,0 +1,207 @@
+//! `cairn.v1.HostService`: host agents register and heartbeat (host and
+//! admin tokens). The heartbeat answer carries every assignment (with its
+//! run token, derived again each time) and destroy order still due.
+
+use std::time::SystemTime;
+
+use cairn_proto::domain::{to_timestamp, validate_name};
+use cairn_proto::ids::HostId;
+use cairn_proto::pb;
+use cairn_proto::pb::host_service_server::HostService;
+use cairn_proto::runs::{HostState, Labels, SandboxState, to_proto_duration};
+use tonic::{Request, Response, Status};
+
+use super::{ServiceError, Shared};
+use crate::auth::principal;
+use crate::db::{HostRegistration, ReportedSandbox};
+use crate::tokens::Action;
+
+/// Most slots one host may offer.
+const MAX_SLOTS: u32 = 10_000;
+
+/// Implements HostService over the shared state.
+#[derive(Debug, Clone)]
+pub struct HostApi {
+    shared: Shared,
+}
+
+impl HostApi {
+    pub fn new(shared: Shared) -> Self {
+        Self { shared }
+    }
+}
+
+fn registration(req: pb::RegisterHostRequest) -> Result<HostRegistration, ServiceError> {
+    let host_id = match req.host_id.trim() {
+        "" => HostId::generate(),
+        id => id.parse()?,
+    };
+    let name = match req.name.trim() {
+        "" => host_id.to_string(),
+        name => {
+            validate_name(name)?;
+            name.to_owned()
+        }
+    };
+    if req.slots == 0 || req.slots > MAX_SLOTS {
+        return Err(ServiceError::InvalidArgument(format!(
+            "slots must be 1 to {MAX_SLOTS}, not {}",
+            req.slots
+        )));
+    }
+    let driver_ok = !req.driver.is_empty()
+        && req.driver.len() <= 32
+        && req
+            .driver
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if !driver_ok {
+        return Err(ServiceError::InvalidArgument(format!(
+            "driver {:?} is not a driver name (local, exec)",
+            req.driver
+        )));
+    }
+    Ok(HostRegistration {
+        host_id: Some(host_id),
+        name,
+        labels: Labels::from_map(req.labels)?,
+        slots: req.slots,
+        driver: req.driver,
+    })
+}
+
+fn reported(report: pb::SandboxReport) -> Result<ReportedSandbox, ServiceError> {
+    if report.sandbox_id.is_empty() {
+        return Err(ServiceError::InvalidArgument(
+            "a sandbox report has no sandbox_id".into(),
+        ));
+    }
+    let state = SandboxState::try_from(report.state).map_err(|e| {
+        ServiceError::InvalidArgument(format!("sandbox {}: {e}", report.sandbox_id))
+    })?;
+    Ok(ReportedSandbox {
+        sandbox_id: report.sandbox_id,
+        state,
+        exit_code: report.exit_code,
+        detail: report.detail,
+    })
+}
+
+#[tonic::async_trait]
+impl HostService for HostApi {
+    async fn register_host(
+        &self,
+        request: Request<pb::RegisterHostRequest>,
+    ) -> Result<Response<pb::RegisterHostResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::ActAsHost)
+            .map_err(ServiceError::Denied)?;
+        let registration = registration(request.into_inner())?;
+        let host = self
+            .shared
+            .db
+            .register_host(&principal.tenant, registration)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(host = %host.id, name = %host.name, labels = %host.labels, slots = host.slots, state = %host.state(), "host registered");
+        self.shared.scheduler.wake();
+        let timing = self.shared.host_timing;
+        Ok(Response::new(pb::RegisterHostResponse {
+            host_id: host.id.to_string(),
+            heartbeat_interval: Some(to_proto_duration(timing.heartbeat_interval)),
+            lease: Some(to_proto_duration(timing.lease)),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::ActAsHost)
+            .map_err(ServiceError::Denied)?;
+        let req = request.into_inner();
+        let host_id: HostId = req.host_id.parse().map_err(ServiceError::from)?;
+        let reports = req
+            .sandboxes
+            .into_iter()
+            .map(reported)
+            .collect::<Result<Vec<_>, _>>()?;
+        let answer = self
+            .shared
+            .db
+            .heartbeat(&principal.tenant, &host_id, &reports, req.stopping)
+            .await
+            .map_err(ServiceError::from)?;
+        let state = answer.state.unwrap_or(HostState::Ready);
+        if !answer.forget.is_empty() {
+            // Slots came free.
+            self.shared.scheduler.wake();
+        }
+        let assignments = answer
+            .assignments
+            .iter()
+            .map(|a| pb::Assignment {
+                sandbox_id: a.sandbox_id.clone(),
+                run_id: a.run_id.to_string(),
+                attempt: a.attempt,
+                generation: a.generation.0,
+                workspace_id: a.workspace_id.to_string(),
+                run_token: self.shared.run_tokens.token(&a.run_id, a.attempt).text,
+                image: a.image.clone(),
+            })
+            .collect();
+        Ok(Response::new(pb::HeartbeatResponse {
+            lease_expires_at: Some(to_timestamp(
+                SystemTime::now() + self.shared.host_timing.lease,
+            )),
+            state: pb::HostState::from(state) as i32,
+            assignments,
+            destroy: answer
+                .destroy
+                .into_iter()
+                .map(|(sandbox_id, reason)| pb::DestroyOrder { sandbox_id, reason })
+                .collect(),
+            forget: answer.forget,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_are_checked_and_get_an_id_and_a_name() {
+        let request = pb::RegisterHostRequest {
+            slots: 2,
+            driver: "local".into(),
+            ..Default::default()
+        };
+        let registration = registration(request.clone()).unwrap();
+        let id = registration.host_id.unwrap();
+        assert_eq!(registration.name, id.as_str());
+
+        let no_slots = pb::RegisterHostRequest {
+            slots: 0,
+            ..request.clone()
+        };
+        assert!(registration_error(no_slots).contains("slots"));
+        let bad_id = pb::RegisterHostRequest {
+            host_id: "ws-1".into(),
+            ..request.clone()
+        };
+        assert!(registration_error(bad_id).contains("host_id"));
+        let bad_driver = pb::RegisterHostRequest {
+            driver: "a b".into(),
+            ..request
+        };
+        assert!(registration_error(bad_driver).contains("driver"));
+    }
+
+    fn registration_error(request: pb::RegisterHostRequest) -> String {
+        registration(request).unwrap_err().to_string()
+    }
+}

@@ -1,0 +1,276 @@
+//! The scheduler and reconciler: one background task of the coordinator.
+//!
+//! Each pass, in order:
+//! 1. hosts whose last heartbeat is older than the lease are marked lost;
+//!    their attempts end and their runs are requeued, suspended or failed;
+//! 2. waiting runs whose hold ran out get their sandbox destroyed;
+//! 3. queued runs, oldest first, are assigned to ready hosts whose labels
+//!    satisfy theirs and that have a free slot, least-loaded first; a run no
+//!    host can take keeps a `state_reason` saying why (an event when it
+//!    changes).
+//!
+//! A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
+//! an answer, a freed slot, a host) and at least every [`MAX_PASS_INTERVAL`].
+//! Every change happens in its own transaction in [`crate::db`]; a failed
+//! pass is logged and retried by the next.
+
+use std::cmp::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use cairn_proto::ids::{HostId, RunId};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::db::{DbError, HostCapacity, MetadataStore, QueuedRun};
+use crate::tokens::RunTokenKey;
+
+/// Longest time between two passes.
+pub const MAX_PASS_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Wakes the scheduler; cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerHandle {
+    wake: Arc<Notify>,
+}
+
+impl SchedulerHandle {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks for a pass soon (several wakes before it runs make one pass).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+}
+
+/// What the scheduler decided for one queued run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    Assign {
+        run: RunId,
+        attempt_count: u32,
+        host: HostId,
+    },
+    /// No host can take the run now, and why.
+    Wait { run: RunId, reason: String },
+}
+
+/// Whether host `a` is less loaded than `b`: a smaller share of its slots
+/// used, then more free slots.
+fn load_order(a: &HostCapacity, b: &HostCapacity) -> Ordering {
+    let share_a = u64::from(a.used) * u64::from(b.slots);
+    let share_b = u64::from(b.used) * u64::from(a.slots);
+    share_a.cmp(&share_b).then_with(|| {
+        let free_a = a.slots.saturating_sub(a.used);
+        let free_b = b.slots.saturating_sub(b.used);
+        free_b.cmp(&free_a)
+    })
+}
+
+/// Places `queued` (oldest first) on `hosts` (ready hosts with their usage).
+/// Pure: the caller carries the decisions out.
+pub fn place(queued: &[QueuedRun], hosts: &[HostCapacity]) -> Vec<Placement> {
+    let mut hosts: Vec<HostCapacity> = hosts.to_vec();
+    let mut placements = Vec::with_capacity(queued.len());
+    for run in queued {
+        let matching: Vec<usize> = hosts
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| h.tenant == run.tenant && run.labels.satisfied_by(&h.labels))
+            .map(|(i, _)| i)
+            .collect();
+        let best = matching
+            .iter()
+            .copied()
+            .filter(|&i| hosts[i].used < hosts[i].slots)
+            .min_by(|&a, &b| load_order(&hosts[a], &hosts[b]));
+        match best {
+            Some(i) => {
+                hosts[i].used += 1;
+                placements.push(Placement::Assign {
+                    run: run.id.clone(),
+                    attempt_count: run.attempt_count,
+                    host: hosts[i].id.clone(),
+                });
+            }
+            None => {
+                let reason = match matching.len() {
+                    0 if run.labels.is_empty() => "no host is ready".to_owned(),
+                    0 => format!("no ready host has labels {}", run.labels),
+                    1 => "the only matching host is full".to_owned(),
+                    n => format!("all {n} matching hosts are full"),
+                };
+                placements.push(Placement::Wait {
+                    run: run.id.clone(),
+                    reason,
+                });
+            }
+        }
+    }
+    placements
+}
+
+/// The scheduler's settings.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// A host silent for longer is lost.
+    pub lease: Duration,
+    /// Longest time between passes.
+    pub pass_interval: Duration,
+}
+
+/// Runs passes until `stop` is cancelled.
+pub async fn run(
+    db: Arc<MetadataStore>,
+    run_tokens: RunTokenKey,
+    config: SchedulerConfig,
+    handle: SchedulerHandle,
+    stop: CancellationToken,
+) {
+    // Hosts get a full lease from now before they count as lost: a
+    // coordinator that was down must not declare every host lost at start.
+    let started = SystemTime::now();
+    loop {
+        if let Err(e) = pass(&db, &run_tokens, &config, started).await {
+            if e.is_retryable() {
+                tracing::warn!(error = %e, "scheduler pass failed; retrying");
+            } else {
+                tracing::error!(error = %e, "scheduler pass failed");
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = handle.wake.notified() => {}
+            () = tokio::time::sleep(config.pass_interval) => {}
+        }
+    }
+}
+
+/// One pass: lost hosts, expired holds, placements.
+async fn pass(
+    db: &MetadataStore,
+    run_tokens: &RunTokenKey,
+    config: &SchedulerConfig,
+    started: SystemTime,
+) -> Result<(), DbError> {
+    for host in db.mark_lost_hosts(config.lease, started).await? {
+        tracing::warn!(%host, lease = %humantime::format_duration(config.lease), "host lost: no heartbeat within the lease");
+    }
+    for run in db.expire_holds().await? {
+        tracing::info!(%run, "hold expired; releasing the sandbox");
+    }
+    let queued = db.queued_runs().await?;
+    if queued.is_empty() {
+        return Ok(());
+    }
+    let hosts = db.ready_hosts().await?;
+    for placement in place(&queued, &hosts) {
+        match placement {
+            Placement::Assign {
+                run,
+                attempt_count,
+                host,
+            } => {
+                let token = run_tokens.token(&run, attempt_count + 1);
+                if let Some(assigned) = db
+                    .assign_run(&run, attempt_count, &host, &token.hash)
+                    .await?
+                {
+                    let attempt = assigned.current_attempt();
+                    tracing::info!(
+                        %run,
+                        %host,
+                        attempt = attempt.map_or(0, |a| a.number),
+                        generation = attempt.map_or(0, |a| a.generation.0),
+                        "run assigned"
+                    );
+                }
+            }
+            Placement::Wait { run, reason } => {
+                if db.set_queue_reason(&run, &reason).await? {
+                    tracing::info!(%run, %reason, "run waits for a host");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use cairn_proto::ids::TenantId;
+    use cairn_proto::runs::Labels;
+
+    use super::*;
+
+    fn run(labels: &str) -> QueuedRun {
+        QueuedRun {
+            id: RunId::generate(),
+            tenant: TenantId::default_tenant(),
+            labels: labels.parse().unwrap(),
+            state_reason: String::new(),
+            attempt_count: 0,
+        }
+    }
+
+    fn host(labels: &str, slots: u32, used: u32) -> HostCapacity {
+        HostCapacity {
+            id: HostId::generate(),
+            tenant: TenantId::default_tenant(),
+            labels: labels.parse::<Labels>().unwrap(),
+            slots,
+            used,
+        }
+    }
+
+    fn assigned_host(p: &Placement) -> Option<&HostId> {
+        match p {
+            Placement::Assign { host, .. } => Some(host),
+            Placement::Wait { .. } => None,
+        }
+    }
+
+    #[test]
+    fn runs_go_to_matching_hosts_least_loaded_first() {
+        let busy = host("zone=eu", 4, 3);
+        let idle = host("zone=eu", 2, 0);
+        let other = host("zone=us", 8, 0);
+        let runs = [run("zone=eu"), run("zone=eu"), run("zone=eu")];
+        let placements = place(&runs, &[busy.clone(), idle.clone(), other]);
+        let hosts: Vec<_> = placements.iter().map(assigned_host).collect();
+        // idle (0/2) → idle (1/2 beats busy's 3/4) → busy (3/4 beats idle's full 2/2).
+        assert_eq!(hosts, [Some(&idle.id), Some(&idle.id), Some(&busy.id)]);
+    }
+
+    #[test]
+    fn a_run_nobody_can_take_says_why() {
+        let full = host("gpu=a100", 1, 1);
+        let placements = place(&[run("gpu=h100"), run("gpu=a100")], &[full]);
+        let reason = |p: &Placement| match p {
+            Placement::Wait { reason, .. } => reason.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(reason(&placements[0]), "no ready host has labels gpu=h100");
+        assert_eq!(reason(&placements[1]), "the only matching host is full");
+        let two_full = [host("", 1, 1), host("", 2, 2)];
+        assert_eq!(
+            reason(&place(&[run("")], &two_full)[0]),
+            "all 2 matching hosts are full"
+        );
+        assert_eq!(reason(&place(&[run("")], &[])[0]), "no host is ready");
+    }
+
+    #[test]
+    fn the_oldest_run_gets_the_last_slot_and_tenants_stay_apart() {
+        let only = host("", 1, 0);
+        let mut stranger = run("");
+        stranger.tenant = "other".parse().unwrap();
+        let runs = [stranger, run(""), run("")];
+        let placements = place(&runs, std::slice::from_ref(&only));
+        assert_eq!(assigned_host(&placements[0]), None);
+        assert_eq!(assigned_host(&placements[1]), Some(&only.id));
+        assert_eq!(assigned_host(&placements[2]), None);
+    }
+}

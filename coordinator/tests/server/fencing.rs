@@ -1,0 +1,114 @@
+//! Fencing: once a run's next attempt is assigned, the superseded runner can
+//! neither commit checkpoints nor report, so newer work stays newest.
+
+use cairn_proto::domain::PackKind;
+use cairn_proto::pb;
+use tonic::Code;
+
+use crate::fleet::*;
+use crate::harness::*;
+
+#[tokio::test]
+async fn a_superseded_runner_can_neither_commit_nor_report() {
+    let dir = data_dir();
+    let server = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&server).await;
+    let mut a = FakeHost::register(&server, &server.admin_token, "a", &[], 1).await;
+    let run = clients.create_run(&[]).await;
+    let first = a.beat_until_assigned(&run.id).await;
+    a.beat().await;
+    let mut stale = FakeRunner::connect(&server, &first).await;
+    let spec = stale.start().await;
+    let workspace = run.workspace_id.clone();
+    let early = checkpoint(&mut stale.coordinator, &workspace, b"attempt one, turn one").await;
+    assert_eq!(early.generation, spec.generation);
+
+    // The stale runner starts a checkpoint and uploads it while still current…
+    let stale_begin = begin(&mut stale.coordinator, &workspace).await;
+    assert_eq!(stale_begin.generation, first.generation);
+    let keys = keys_of(&stale_begin);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"stale tree"]);
+    let data = build_pack(&keys, PackKind::Data, &[b"stale work"]);
+    upload(&mut stale.coordinator, &workspace, &[&meta, &data]).await;
+
+    // …then its host is drained and the run moves to b as attempt 2.
+    clients.host_request("drain", &a.id).await.unwrap();
+    a.beat().await;
+    a.sandbox_gone(&first.sandbox_id, pb::SandboxState::Destroyed, 0);
+    a.beat().await;
+    let mut b = FakeHost::register(&server, &server.admin_token, "b", &[], 1).await;
+    let second = b.beat_until_assigned(&run.id).await;
+    assert!(second.generation > first.generation);
+    let mut current = FakeRunner::connect(&server, &second).await;
+    current.claim().await;
+
+    // The stale commit is refused and nothing is recorded.
+    let refused = stale
+        .coordinator
+        .checkpoints
+        .commit_checkpoint(commit_request(
+            &stale_begin,
+            &meta,
+            &[&meta, &data],
+            &[&meta, &data],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert_eq!(
+        refused.message(),
+        format!(
+            "generation g{} is older than the workspace's g{}",
+            first.generation, second.generation
+        )
+    );
+    // "The current generation" of a stale run token is its attempt's, not the workspace's.
+    let begin_refused = stale
+        .coordinator
+        .checkpoints
+        .begin_checkpoint(pb::BeginCheckpointRequest {
+            workspace: workspace.clone(),
+            generation: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(begin_refused.code(), Code::FailedPrecondition);
+    assert!(
+        begin_refused.message().contains("older"),
+        "{}",
+        begin_refused.message()
+    );
+    // Claiming the newer generation outright does not work either.
+    let mut forged = commit_request(&stale_begin, &meta, &[&meta, &data], &[&meta, &data]);
+    forged.generation = second.generation;
+    let forged_refused = stale
+        .coordinator
+        .checkpoints
+        .commit_checkpoint(forged)
+        .await
+        .unwrap_err();
+    assert_eq!(forged_refused.code(), Code::FailedPrecondition);
+    assert_eq!(
+        forged_refused.message(),
+        format!(
+            "attempt 1 of run {} checkpoints at generation g{}, not g{}",
+            run.id, first.generation, second.generation
+        )
+    );
+    let report_refused = stale
+        .progress(pb::AttemptPhase::Checkpointed, "", &early.id)
+        .await
+        .unwrap_err();
+    assert_eq!(report_refused.code(), Code::FailedPrecondition);
+    assert_eq!(
+        report_refused.message(),
+        format!("attempt 1 of run {} was superseded by attempt 2", run.id)
+    );
+
+    // The current attempt commits, and its checkpoint is the newest.
+    let newer = checkpoint(&mut current.coordinator, &workspace, b"attempt two").await;
+    assert_eq!(newer.generation, second.generation);
+    let listed = list_checkpoints(&mut server.client().await, &workspace).await;
+    let ids: Vec<_> = listed.iter().map(|c| c.id.clone()).collect();
+    assert_eq!(ids, [newer.id.clone(), early.id.clone()]);
+}
