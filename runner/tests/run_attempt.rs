@@ -330,6 +330,8 @@ impl SnapshotStore {
             let pattern = pattern.trim_start_matches('/');
             match pattern.strip_suffix('*') {
                 Some(prefix) => path.starts_with(prefix),
+                // A trailing '/' names a directory and all below it.
+                None if pattern.ends_with('/') => path.starts_with(pattern),
                 None => path == pattern,
             }
         })
@@ -930,6 +932,48 @@ async fn the_command_adapter_drives_a_templated_harness_through_a_question() {
     assert_eq!(
         h.store.reasons(),
         [CheckpointReason::Pause, CheckpointReason::End]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspace_services_start_before_the_agent_and_stop_after_it() {
+    let h = Harnessed::new();
+    fs::create_dir_all(h.root.join(".cairn")).unwrap();
+    fs::write(
+        h.root.join(".cairn/services.toml"),
+        r#"
+[[service]]
+name = "sleeper"
+command = "sh -c 'echo $$ > sleeper.pid; exec sleep 600'"
+health = { command = "test -s sleeper.pid", interval = "50ms" }
+"#,
+    )
+    .unwrap();
+    h.next(h.attempt(1, "edit a.txt one", h.claude()));
+    assert_eq!(
+        h.run(CancellationToken::new()).await.unwrap(),
+        Finished::Succeeded
+    );
+    let preparing = h.fake.details(AttemptPhase::Preparing);
+    assert!(
+        preparing
+            .iter()
+            .any(|d| d.starts_with("service sleeper: healthy after ")),
+        "{preparing:#?}"
+    );
+    let pid: i32 = fs::read_to_string(h.root.join("sleeper.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let alive = fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+    assert!(!alive, "the service outlived its attempt");
+    let end = h.store.committed().pop().unwrap();
+    assert!(end.files.contains_key(".cairn/services.toml"));
+    assert!(
+        !end.files.keys().any(|p| p.starts_with(".cairn/logs/")),
+        "service logs are not checkpointed: {:?}",
+        end.files.keys().collect::<Vec<_>>()
     );
 }
 

@@ -7,7 +7,8 @@
 //! incremental, partial, signed_urls, tokens. Issue 3 (runs on hosts): runs
 //! (hold, suspend, answer, resume elsewhere), hosts (lost host, stale runner,
 //! SIGTERM and cancel, placement), ctl_runs (cairnctl runs/hosts/tokens),
-//! demo (`cairnctl demo`). The issue-3 tests need root or user namespaces
+//! demo (`cairnctl demo`). Issue 4: fork (`cairnctl workspace fork`, the
+//! conversation forked). The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
 //! Run with `cargo build --bins && cargo nextest run -p cairn-e2e`
@@ -19,6 +20,7 @@ mod corruption;
 mod ctl_runs;
 mod demo;
 mod fidelity;
+mod fork;
 mod hostile;
 mod hosts;
 mod incremental;

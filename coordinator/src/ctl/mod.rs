@@ -10,7 +10,7 @@
 //! only [`demo`] uses the coordinator library, to embed a coordinator.
 //!
 //! - [`output`]: tables, JSON shapes and human units.
-//! - [`workspace`]: `workspace create|list|show`.
+//! - [`workspace`]: `workspace create|list|show|fork`.
 //! - [`checkpoints`]: `checkpoints WS`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
 //! - [`verify`]: `verify WS [--read-data]`.
@@ -237,6 +237,21 @@ pub enum WorkspaceCommand {
         /// Workspace id or name.
         workspace: String,
     },
+    /// Make N workspaces from one checkpoint (no data is copied); their first
+    /// runs fork the conversation where the harness can.
+    Fork {
+        /// Workspace id or name.
+        workspace: String,
+        /// How many workspaces to make (1 to 64).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// The checkpoint to fork from (default: the newest).
+        #[arg(long)]
+        checkpoint: Option<String>,
+        /// Name the new workspaces PREFIX-1 … PREFIX-N (default: <name>-fork).
+        #[arg(long)]
+        name_prefix: Option<String>,
+    },
 }
 
 /// Sets up tracing on stderr (`RUST_LOG` filters; default `warn`).
@@ -291,6 +306,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workspace(WorkspaceCommand::List) => workspace::list(&coordinator, output).await,
         Command::Workspace(WorkspaceCommand::Show { workspace }) => {
             workspace::show(&coordinator, &workspace, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Fork {
+            workspace,
+            count,
+            checkpoint,
+            name_prefix,
+        }) => {
+            let request = pb::ForkWorkspaceRequest {
+                workspace,
+                checkpoint_id: checkpoint.unwrap_or_default(),
+                count,
+                name_prefix: name_prefix.unwrap_or_default(),
+            };
+            workspace::fork(&coordinator, request, output).await
         }
         Command::Checkpoints { workspace } => {
             checkpoints::list(&coordinator, &workspace, output).await

@@ -1,4 +1,4 @@
-//! `cairnctl workspace create|list|show`.
+//! `cairnctl workspace create|list|show|fork`.
 
 use std::process::ExitCode;
 
@@ -30,6 +30,61 @@ pub async fn create(
                 format!(" ({})", workspace.name)
             };
             emit(&format!("created workspace {}{named}", workspace.id))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn fork(
+    coordinator: &Coordinator,
+    request: pb::ForkWorkspaceRequest,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let forked = client
+        .fork_workspace(request)
+        .await
+        .map_err(rpc_error("forking the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&serde_json::json!({
+            "checkpoint_id": forked.checkpoint_id,
+            "workspaces": forked
+                .workspaces
+                .iter()
+                .map(output::workspace_json)
+                .collect::<Vec<_>>(),
+        }))?,
+        Output::Table => {
+            emit(&format!(
+                "forked {} workspace{} from checkpoint {}",
+                forked.workspaces.len(),
+                if forked.workspaces.len() == 1 {
+                    ""
+                } else {
+                    "s"
+                },
+                forked.checkpoint_id
+            ))?;
+            let rows: Vec<Vec<String>> = forked
+                .workspaces
+                .iter()
+                .map(|w| {
+                    vec![
+                        w.id.clone(),
+                        if w.name.is_empty() {
+                            "-".into()
+                        } else {
+                            w.name.clone()
+                        },
+                        w.latest_checkpoint
+                            .as_ref()
+                            .map(|c| c.id.clone())
+                            .unwrap_or_else(|| "-".into()),
+                    ]
+                })
+                .collect();
+            emit(&output::table(&["ID", "NAME", "CHECKPOINT"], &rows))?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -11,8 +11,8 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{QueryBuilder, Row, Sqlite};
 
 use super::{
-    Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, from_millis,
-    millis, parse_column, query_error, signed, unsigned,
+    Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
+    from_millis, millis, parse_column, query_error, signed, unsigned,
 };
 
 const CHECKPOINT_COLUMNS: &str = "c.id, c.workspace_id, c.sequence, c.parent_id, c.reason, c.generation,
@@ -110,6 +110,88 @@ pub(super) fn push_in_list<'a, T, V>(
         list.push_bind(bind(item));
     }
     query.push(")");
+}
+
+/// A checkpoint of `workspace`, read inside `tx`.
+pub(super) async fn checkpoint_in(
+    tx: &mut WriteTx,
+    workspace: &WorkspaceId,
+    id: &CheckpointId,
+) -> Result<Option<Checkpoint>, DbError> {
+    let sql = format!(
+        "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c WHERE c.workspace_id = $1 AND c.id = $2"
+    );
+    let row = sqlx::query(&sql)
+        .bind(workspace.as_str())
+        .bind(id.as_str())
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("checkpoint"))?;
+    row.as_ref().map(checkpoint_from_row).transpose()
+}
+
+/// The newest checkpoint of `workspace`, read inside `tx`.
+pub(super) async fn newest_checkpoint_in(
+    tx: &mut WriteTx,
+    workspace: &WorkspaceId,
+) -> Result<Option<Checkpoint>, DbError> {
+    let sql = format!(
+        "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c WHERE c.workspace_id = $1
+         ORDER BY c.sequence DESC LIMIT 1"
+    );
+    let row = sqlx::query(&sql)
+        .bind(workspace.as_str())
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("newest checkpoint"))?;
+    row.as_ref().map(checkpoint_from_row).transpose()
+}
+
+/// Records a copy of `source` as checkpoint 1 of the new workspace `into`
+/// (generation `generation`, no parent): the same root tree, key, stats,
+/// details and pack rows. Packs belong to the tenant, so nothing is copied
+/// in the store; the copy restores exactly what the source does.
+pub(super) async fn copy_checkpoint_in(
+    tx: &mut WriteTx,
+    tenant: &TenantId,
+    source: &Checkpoint,
+    into: &WorkspaceId,
+    generation: Generation,
+    now_ms: i64,
+) -> Result<CheckpointId, DbError> {
+    let id = CheckpointId::generate();
+    let details = encode_details(&source.repos, &source.warnings, &source.harness);
+    sqlx::query(
+        "INSERT INTO checkpoints (id, workspace_id, sequence, parent_id, reason, generation, format_version,
+                                  root_tree, key_id, stats, details, pack_count, stored_bytes, created_at)
+         VALUES ($1, $2, 1, NULL, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+    )
+    .bind(id.as_str())
+    .bind(into.as_str())
+    .bind(source.reason.as_str())
+    .bind(signed(generation.0, "generation")?)
+    .bind(i64::from(source.format_version))
+    .bind(source.root_tree.as_bytes().as_slice())
+    .bind(source.key_id.as_str())
+    .bind(source.stats.encode_to_vec())
+    .bind(details)
+    .bind(i64::from(source.pack_count))
+    .bind(signed(source.stored_bytes, "stored bytes")?)
+    .bind(now_ms)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert forked checkpoint"))?;
+    sqlx::query(
+        "INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id)
+         SELECT $1, $2, pack_id FROM checkpoint_packs WHERE checkpoint_id = $3 AND tenant = $2",
+    )
+    .bind(id.as_str())
+    .bind(tenant.as_str())
+    .bind(source.id.as_str())
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("copy checkpoint packs"))?;
+    Ok(id)
 }
 
 impl MetadataStore {

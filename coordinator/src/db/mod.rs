@@ -37,6 +37,7 @@ pub use runs::{
     RunInput, SessionRecord, StartedAttempt, event_reason,
 };
 pub use scheduling::{HostCapacity, QueuedRun};
+pub use workspaces::Forked;
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;

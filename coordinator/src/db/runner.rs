@@ -156,8 +156,9 @@ impl MetadataStore {
             }
         }
         let inputs = pending_inputs(tx.conn(), run_id).await?;
-        let session: Option<(String, String)> = sqlx::query_as(
-            "SELECT harness, session_id FROM workspace_sessions WHERE workspace_id = $1 AND station = $2",
+        let session: Option<(String, String, i64)> = sqlx::query_as(
+            "SELECT harness, session_id, fork_pending FROM workspace_sessions
+             WHERE workspace_id = $1 AND station = $2",
         )
         .bind(run.workspace_id.as_str())
         .bind(&run.station)
@@ -165,9 +166,9 @@ impl MetadataStore {
         .await
         .map_err(query_error("station session"))?;
         // A conversation is resumed only by the harness that holds it.
-        let resume_session_id = session
-            .filter(|(harness, _)| *harness == run.harness.name)
-            .map(|(_, id)| id)
+        let (resume_session_id, fork_session) = session
+            .filter(|(harness, _, _)| *harness == run.harness.name)
+            .map(|(_, id, fork_pending)| (id, fork_pending != 0))
             .unwrap_or_default();
         let prompt_delivered: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)",
@@ -187,6 +188,7 @@ impl MetadataStore {
             attempt,
             inputs,
             resume_session_id,
+            fork_session,
             prompt_delivered,
         })
     }
@@ -305,7 +307,8 @@ impl MetadataStore {
     }
 
     /// Records the harness conversation of the run's station, for the next
-    /// attempt (and the next run at this station) to resume.
+    /// attempt (and the next run at this station) to resume. A fork pending
+    /// on the station is done: the reported conversation is the fork's own.
     pub async fn report_harness_session(
         &self,
         run_id: &RunId,
@@ -322,7 +325,8 @@ impl MetadataStore {
             "INSERT INTO workspace_sessions (workspace_id, station, harness, session_id, run_id, updated_at)
              VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (workspace_id, station) DO UPDATE SET harness = excluded.harness,
-                 session_id = excluded.session_id, run_id = excluded.run_id, updated_at = excluded.updated_at",
+                 session_id = excluded.session_id, run_id = excluded.run_id, updated_at = excluded.updated_at,
+                 fork_pending = 0",
         )
         .bind(run.workspace_id.as_str())
         .bind(&run.station)

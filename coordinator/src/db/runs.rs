@@ -203,6 +203,9 @@ pub struct StartedAttempt {
     pub inputs: Vec<RunInput>,
     /// The station's conversation to resume (empty: start a new one).
     pub resume_session_id: String,
+    /// `resume_session_id` belongs to the workspace this one was forked
+    /// from: fork it rather than continue it.
+    pub fork_session: bool,
     /// An earlier attempt of this run started the harness with the prompt.
     pub prompt_delivered: bool,
 }

@@ -4,13 +4,22 @@ use std::collections::HashMap;
 use std::time::SystemTime;
 
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState};
-use cairn_proto::ids::{Generation, TenantId, WorkspaceId};
+use cairn_proto::ids::{CheckpointId, Generation, TenantId, WorkspaceId};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
+use super::checkpoints::{checkpoint_in, copy_checkpoint_in, newest_checkpoint_in};
 use super::{
     DbError, MetadataStore, Workspace, from_millis, millis, parse_column, query_error, unsigned,
 };
+
+/// What a fork made: the new workspaces (in the order their names were
+/// given) and the checkpoint they start from.
+#[derive(Debug, Clone)]
+pub struct Forked {
+    pub workspaces: Vec<Workspace>,
+    pub checkpoint: CheckpointId,
+}
 
 /// Generation of a new workspace. Zero stays free to mean "the current one"
 /// in requests.
@@ -143,5 +152,110 @@ impl MetadataStore {
             workspace.latest_checkpoint = latest.remove(&workspace.id);
         }
         Ok(workspaces)
+    }
+
+    /// Makes one new active workspace of `tenant` per entry of `names`, each
+    /// starting from a copy of `checkpoint` of `source` (its newest when
+    /// `None`), and each with the source's station sessions marked fork
+    /// pending. All in one transaction: a fork is all or nothing.
+    pub async fn fork_workspace(
+        &self,
+        tenant: &TenantId,
+        source: &WorkspaceId,
+        checkpoint: Option<&CheckpointId>,
+        names: &[Option<String>],
+    ) -> Result<Forked, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM workspaces WHERE id = $1 AND tenant = $2")
+                .bind(source.as_str())
+                .bind(tenant.as_str())
+                .fetch_optional(tx.conn())
+                .await
+                .map_err(query_error("fork source"))?;
+        let state = state.ok_or_else(|| DbError::WorkspaceNotFound(source.to_string()))?;
+        let state: WorkspaceState = parse_column(&state, "workspace state")?;
+        if state != WorkspaceState::Active {
+            return Err(DbError::WorkspaceNotActive {
+                id: source.clone(),
+                state,
+            });
+        }
+        let from = match checkpoint {
+            Some(id) => checkpoint_in(&mut tx, source, id).await?.ok_or_else(|| {
+                DbError::NotFound(format!(
+                    "checkpoint {id} is not a checkpoint of workspace {source}"
+                ))
+            })?,
+            None => newest_checkpoint_in(&mut tx, source)
+                .await?
+                .ok_or_else(|| {
+                    DbError::Precondition(format!(
+                        "workspace {source} has no checkpoint to fork from"
+                    ))
+                })?,
+        };
+        let mut ids = Vec::with_capacity(names.len());
+        for name in names {
+            let id = WorkspaceId::generate();
+            let inserted = sqlx::query(
+                "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
+                 VALUES ($1, $2, $3, $4, $5, 1, $6, $6)",
+            )
+            .bind(id.as_str())
+            .bind(tenant.as_str())
+            .bind(name.as_deref())
+            .bind(WorkspaceState::Active.as_str())
+            .bind(FIRST_GENERATION.0 as i64)
+            .bind(now)
+            .execute(tx.conn())
+            .await;
+            match inserted {
+                Ok(_) => {}
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                    return Err(DbError::NameTaken(name.clone().unwrap_or_default()));
+                }
+                Err(source) => {
+                    return Err(DbError::Query {
+                        op: "insert forked workspace",
+                        source,
+                    });
+                }
+            }
+            copy_checkpoint_in(&mut tx, tenant, &from, &id, FIRST_GENERATION, now).await?;
+            // The source's conversations come along, to be forked (never
+            // continued: the source and each fork would write to one).
+            sqlx::query(
+                "INSERT INTO workspace_sessions (workspace_id, station, harness, session_id, run_id,
+                                                 updated_at, fork_pending)
+                 SELECT $1, station, harness, session_id, run_id, $2, 1
+                 FROM workspace_sessions WHERE workspace_id = $3",
+            )
+            .bind(id.as_str())
+            .bind(now)
+            .bind(source.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("copy station sessions"))?;
+            ids.push(id);
+        }
+        self.commit(tx).await?;
+        let mut workspaces = Vec::with_capacity(ids.len());
+        for id in ids {
+            let workspace = self
+                .workspace(tenant, &WorkspaceRef::Id(id.clone()))
+                .await?
+                .ok_or_else(|| {
+                    DbError::Corrupt(format!(
+                        "workspace {id} vanished right after a fork made it"
+                    ))
+                })?;
+            workspaces.push(workspace);
+        }
+        Ok(Forked {
+            workspaces,
+            checkpoint: from.id,
+        })
     }
 }

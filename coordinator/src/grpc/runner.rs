@@ -132,6 +132,7 @@ impl RunnerService for RunnerApi {
             repos: run.repos.clone(),
             question: run.question.clone(),
             prompt_delivered: started.prompt_delivered,
+            fork_session: started.fork_session,
         }))
     }
 

@@ -1,18 +1,22 @@
-//! `cairn.v1.WorkspaceService`: create, show and list workspaces.
+//! `cairn.v1.WorkspaceService`: create, show, list and fork workspaces.
 
 use cairn_proto::domain::validate_name;
-use cairn_proto::ids::WorkspaceId;
+use cairn_proto::ids::{CheckpointId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::workspace_service_server::WorkspaceService;
 use tonic::{Request, Response, Status};
 
 use super::{
-    ServiceError, Shared, decode_page_token, encode_page_token, page_size, workspace_to_pb,
+    ServiceError, Shared, decode_page_token, encode_page_token, ensure_active, page_size,
+    workspace_to_pb,
 };
 use crate::auth::principal;
 use crate::tokens::Action;
 
 const PAGE_KIND: &str = "workspaces";
+
+/// Most workspaces one ForkWorkspace call makes.
+pub const MAX_FORK_COUNT: u32 = 64;
 
 /// Implements WorkspaceService over the shared state.
 #[derive(Debug, Clone)]
@@ -42,8 +46,81 @@ pub(super) fn requested_name(name: &str) -> Result<Option<&str>, ServiceError> {
     Ok(Some(name))
 }
 
+/// The names of `count` forks: `<prefix>-1` … `<prefix>-<count>`, the prefix
+/// being `requested` or else `<source name>-fork`; all unnamed when neither
+/// gives a prefix.
+pub(super) fn fork_names(
+    requested: &str,
+    source_name: Option<&str>,
+    count: u32,
+) -> Result<Vec<Option<String>>, ServiceError> {
+    if count == 0 || count > MAX_FORK_COUNT {
+        return Err(ServiceError::InvalidArgument(format!(
+            "count must be 1 to {MAX_FORK_COUNT}, not {count}"
+        )));
+    }
+    let requested = requested.trim();
+    let prefix = if requested.is_empty() {
+        source_name.map(|name| format!("{name}-fork"))
+    } else {
+        Some(requested.to_owned())
+    };
+    (1..=count)
+        .map(|i| match &prefix {
+            Some(prefix) => requested_name(&format!("{prefix}-{i}")).map(|n| n.map(str::to_owned)),
+            None => Ok(None),
+        })
+        .collect()
+}
+
 #[tonic::async_trait]
 impl WorkspaceService for WorkspaceApi {
+    async fn fork_workspace(
+        &self,
+        request: Request<pb::ForkWorkspaceRequest>,
+    ) -> Result<Response<pb::ForkWorkspaceResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::CreateWorkspace)
+            .map_err(ServiceError::Denied)?;
+        let req = request.into_inner();
+        // Cheap checks first: a bad request touches nothing.
+        if req.count == 0 || req.count > MAX_FORK_COUNT {
+            return Err(ServiceError::InvalidArgument(format!(
+                "count must be 1 to {MAX_FORK_COUNT}, not {}",
+                req.count
+            ))
+            .into());
+        }
+        let checkpoint = match req.checkpoint_id.trim() {
+            "" => None,
+            id => Some(id.parse::<CheckpointId>().map_err(ServiceError::from)?),
+        };
+        let source = self.shared.workspace(&principal, &req.workspace).await?;
+        principal
+            .authorize(Action::ReadWorkspace(&source.id))
+            .map_err(ServiceError::Denied)?;
+        ensure_active(&source)?;
+        let names = fork_names(&req.name_prefix, source.name.as_deref(), req.count)?;
+        let forked = self
+            .shared
+            .db
+            .fork_workspace(&principal.tenant, &source.id, checkpoint.as_ref(), &names)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(
+            source = %source.id,
+            checkpoint = %forked.checkpoint,
+            count = forked.workspaces.len(),
+            tenant = %principal.tenant,
+            "workspace forked"
+        );
+        Ok(Response::new(pb::ForkWorkspaceResponse {
+            workspaces: forked.workspaces.iter().map(workspace_to_pb).collect(),
+            checkpoint_id: forked.checkpoint.to_string(),
+        }))
+    }
+
     async fn create_workspace(
         &self,
         request: Request<pb::CreateWorkspaceRequest>,
@@ -125,5 +202,26 @@ mod tests {
         assert!(requested_name("../x").is_err());
         let id = WorkspaceId::generate();
         assert!(requested_name(id.as_str()).is_err());
+    }
+
+    #[test]
+    fn fork_names_number_a_prefix() {
+        let names = |requested, source, count| {
+            fork_names(requested, source, count).map(|names| {
+                names
+                    .into_iter()
+                    .map(|n| n.unwrap_or_else(|| "-".into()))
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(
+            names("", Some("task"), 2).unwrap(),
+            ["task-fork-1", "task-fork-2"]
+        );
+        assert_eq!(names("try", Some("task"), 1).unwrap(), ["try-1"]);
+        assert_eq!(names("", None, 2).unwrap(), ["-", "-"]);
+        assert!(names("", Some("task"), 0).is_err());
+        assert!(names("", Some("task"), MAX_FORK_COUNT + 1).is_err());
+        assert!(names("../x", None, 1).is_err());
     }
 }

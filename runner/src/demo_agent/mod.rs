@@ -5,6 +5,10 @@
 //! and `cairnctl demo` run offline:
 //! - `-p --output-format stream-json --verbose --session-id <uuid> <prompt>`
 //!   opens a conversation; `--resume <id> <message>` continues one;
+//!   `--resume <id> --fork-session` continues a copy of it under a new id
+//!   (`--session-id` names it, else a new uuid): the copy is a new
+//!   transcript in the same project directory, the init event reports its
+//!   id, and the original transcript is left as it was;
 //! - the transcript is `$CLAUDE_CONFIG_DIR/projects/<slug of realpath(cwd)>/
 //!   <uuid>.jsonl` (default config dir `~/.claude`), so a conversation is
 //!   only found from the directory it started in;
@@ -67,6 +71,7 @@ struct Args {
     format: Option<String>,
     session_id: Option<String>,
     resume: Option<String>,
+    fork_session: bool,
     prompt: Option<String>,
 }
 
@@ -112,6 +117,7 @@ fn parse(argv: &[String]) -> Result<Args, Refusal> {
             "--output-format" => args.format = Some(value(name)?),
             "--session-id" => args.session_id = Some(value(name)?),
             "-r" | "--resume" => args.resume = Some(value(name)?),
+            "--fork-session" => args.fork_session = true,
             name if IGNORED_WITH_VALUE.contains(&name) => {
                 value(name)?;
             }
@@ -166,7 +172,12 @@ fn run(argv: &[String]) -> Result<ExitCode, Refusal> {
             "Error: When using --print, --output-format=stream-json requires --verbose".into(),
         ));
     }
-    if args.session_id.is_some() && args.resume.is_some() {
+    if args.fork_session && args.resume.is_none() {
+        return Err(Refusal(
+            "Error: --fork-session can only be used with --continue or --resume.".into(),
+        ));
+    }
+    if args.session_id.is_some() && args.resume.is_some() && !args.fork_session {
         return Err(Refusal(
             "Error: --session-id can only be used with --continue or --resume if --fork-session is also specified."
                 .into(),
@@ -197,6 +208,29 @@ fn run(argv: &[String]) -> Result<ExitCode, Refusal> {
         .map_err(|e| Refusal(format!("Error: cannot read the working directory: {e}")))?;
     let config_dir = transcript::config_dir();
     let mut transcript = match (&args.session_id, &args.resume) {
+        (new_id, Some(id)) if args.fork_session => {
+            let source = Transcript::at(&config_dir, &cwd, id);
+            if !is_uuid(id) || !source.exists() {
+                return Err(Refusal(format!(
+                    "No conversation found with session ID: {id}"
+                )));
+            }
+            let new_id = new_id
+                .clone()
+                .unwrap_or_else(crate::harness::new_session_id);
+            let fork = Transcript::at(&config_dir, &cwd, &new_id);
+            if fork.exists() {
+                return Err(Refusal(format!(
+                    "Error: Session ID {new_id} is already in use."
+                )));
+            }
+            source.fork_to(&new_id).map_err(|e| {
+                Refusal(format!(
+                    "Error: cannot fork the transcript {}: {e}",
+                    source.path.display()
+                ))
+            })?
+        }
         (Some(id), _) => {
             let t = Transcript::at(&config_dir, &cwd, id);
             if t.exists() {
@@ -369,5 +403,17 @@ mod tests {
             panic!("refused")
         };
         assert_eq!(missing, "error: option '--resume <value>' argument missing");
+    }
+
+    #[test]
+    fn fork_session_needs_resume_and_may_name_the_new_session() {
+        let args = parse(&argv(&["-p", "--resume", "a", "--fork-session", "go"]))
+            .map_err(|Refusal(t)| t)
+            .unwrap();
+        assert!(args.fork_session);
+        let Err(Refusal(alone)) = run(&argv(&["-p", "--fork-session", "go"])) else {
+            panic!("refused")
+        };
+        assert!(alone.contains("--fork-session can only be used"), "{alone}");
     }
 }

@@ -148,6 +148,27 @@ impl Transcript {
         Ok(())
     }
 
+    /// Copies the conversation to a new transcript `session_id` next to it
+    /// (the same project directory), every line carrying the new id, and
+    /// returns the copy; this transcript is not changed.
+    pub fn fork_to(&self, session_id: &str) -> io::Result<Transcript> {
+        let mut fork = Transcript::at(Path::new(""), &self.cwd, session_id);
+        fork.path = self.path.with_file_name(format!("{session_id}.jsonl"));
+        let mut text = String::new();
+        for mut line in self.lines()? {
+            if line.get("sessionId").is_some() {
+                line["sessionId"] = Value::String(session_id.to_owned());
+            }
+            text.push_str(&format!("{line}\n"));
+        }
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .open(&fork.path)?;
+        file.write_all(text.as_bytes())?;
+        Ok(fork)
+    }
+
     pub fn append_user(&mut self, text: &str) -> io::Result<()> {
         self.append("user", json!({ "role": "user", "content": text }))
     }
@@ -230,5 +251,35 @@ mod tests {
             again.first_user_message().unwrap().as_deref(),
             Some("The codeword is PELICAN.")
         );
+    }
+
+    #[test]
+    fn a_fork_copies_the_conversation_and_leaves_the_original() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut source = Transcript::at(dir.path(), Path::new("/workspace/app"), "s-1");
+        source.append_user("The codeword is PELICAN.").unwrap();
+        source.append_assistant("noted").unwrap();
+        let before = fs::read_to_string(&source.path).unwrap();
+
+        let mut fork = source.fork_to("s-2").unwrap();
+        assert_eq!(
+            fork.path,
+            dir.path().join("projects/-workspace-app/s-2.jsonl")
+        );
+        assert_eq!(fork.session_id, "s-2");
+        fork.append_user("what was it?").unwrap();
+        let lines = fork.lines().unwrap();
+        assert_eq!(lines.len(), 3);
+        assert!(lines.iter().all(|l| l["sessionId"] == "s-2"), "{lines:?}");
+        assert_eq!(
+            lines[2]["parentUuid"], lines[1]["uuid"],
+            "the chain goes on"
+        );
+        assert_eq!(
+            fork.first_user_message().unwrap().as_deref(),
+            Some("The codeword is PELICAN.")
+        );
+        assert_eq!(fs::read_to_string(&source.path).unwrap(), before);
+        assert!(source.fork_to("s-2").is_err(), "a fork never overwrites");
     }
 }

@@ -7,7 +7,9 @@
 //!   <new uuid> <prompt>`; every later turn, and every turn after a restore:
 //!   `-p --output-format stream-json --verbose --resume <id> <message>`
 //!   (never `--session-id` once the transcript exists: Claude Code refuses
-//!   it with `Session ID X is already in use.`).
+//!   it with `Session ID X is already in use.`). The first turn of a forked
+//!   workspace adds `--fork-session`: Claude Code copies the conversation
+//!   to a new id (reported in the init event) and leaves the original alone.
 //! - The session id comes from the stream's first event
 //!   `{"type":"system","subtype":"init","session_id":…}`; the turn's summary
 //!   from the final `{"type":"result","result":…}` event (`is_error` marks a
@@ -99,6 +101,10 @@ impl Harness for Claude {
         true
     }
 
+    fn can_fork(&self) -> bool {
+        true
+    }
+
     fn excludes(&self) -> Vec<String> {
         let mut patterns: Vec<String> = CREDENTIAL_FILES
             .iter()
@@ -148,9 +154,14 @@ impl Harness for Claude {
                 args.push("--session-id".into());
                 args.push(new_session_id());
             }
-            TurnRequest::Resume { session_id, .. } => {
+            TurnRequest::Resume {
+                session_id, fork, ..
+            } => {
                 args.push("--resume".into());
                 args.push(session_id.clone());
+                if *fork {
+                    args.push("--fork-session".into());
+                }
             }
         }
         if let Some(model) = &self.model {
@@ -273,6 +284,7 @@ mod tests {
                 &TurnRequest::Resume {
                     session_id: "s-1".into(),
                     message: "-v please".into(),
+                    fork: false,
                 },
                 Path::new("/w"),
             )
@@ -289,6 +301,29 @@ mod tests {
                 "s-1",
                 "--",
                 "-v please"
+            ]
+        );
+        let fork = plain
+            .command(
+                &TurnRequest::Resume {
+                    session_id: "s-1".into(),
+                    message: "go on".into(),
+                    fork: true,
+                },
+                Path::new("/w"),
+            )
+            .unwrap();
+        assert_eq!(
+            fork.args,
+            [
+                "-p",
+                "--output-format",
+                "stream-json",
+                "--verbose",
+                "--resume",
+                "s-1",
+                "--fork-session",
+                "go on"
             ]
         );
     }

@@ -133,6 +133,16 @@ impl Harness for CommandHarness {
                 &self.start,
                 self.start.uses("session_id").then(new_session_id),
             ),
+            // A template continues a conversation, it cannot fork one; the
+            // runner never asks (can_fork is false), and continuing the
+            // source's conversation instead would be wrong.
+            TurnRequest::Resume { fork: true, .. } => {
+                return Err(HarnessError::BadSetting {
+                    harness: NAME,
+                    key: "resume",
+                    reason: "a command harness cannot fork a conversation".into(),
+                });
+            }
             TurnRequest::Resume { session_id, .. } => match &self.resume {
                 Some(resume) => (resume, Some(session_id.clone())),
                 None => {
@@ -225,6 +235,7 @@ mod tests {
                 &TurnRequest::Resume {
                     session_id: "t-1".into(),
                     message: "yes".into(),
+                    fork: false,
                 },
                 cwd,
             )
@@ -286,6 +297,7 @@ mod tests {
                 &TurnRequest::Resume {
                     session_id: "x".into(),
                     message: "m".into(),
+                    fork: false,
                 },
                 Path::new("/w"),
             )

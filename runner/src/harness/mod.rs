@@ -47,8 +47,15 @@ pub const OUTCOME_ENV: &str = "CAIRN_OUTCOME_FILE";
 pub enum TurnRequest {
     /// Open a new conversation with this message.
     Start { message: String },
-    /// Continue conversation `session_id` with this message.
-    Resume { session_id: String, message: String },
+    /// Continue conversation `session_id` with this message; with `fork`,
+    /// continue a copy of it under a new id and leave the original as it is
+    /// (a forked workspace's first turn: the source and every fork must not
+    /// write to one conversation).
+    Resume {
+        session_id: String,
+        message: String,
+        fork: bool,
+    },
 }
 
 impl TurnRequest {
@@ -98,6 +105,11 @@ pub trait Harness: Send + Sync + fmt::Debug {
     fn name(&self) -> &str;
     /// Whether a conversation can be continued by its id.
     fn can_resume(&self) -> bool;
+    /// Whether a conversation can be forked: continued as a copy under a new
+    /// id, the original left unchanged.
+    fn can_fork(&self) -> bool {
+        false
+    }
     /// Gitignore-style patterns, relative to the root, that no checkpoint
     /// may contain (credentials).
     fn excludes(&self) -> Vec<String>;

@@ -24,13 +24,22 @@ pub struct Opening {
     pub messages: Vec<String>,
 }
 
-/// The first turn of an attempt.
-pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool) -> Opening {
+/// The first turn of an attempt. A forked workspace's conversation is the
+/// source's: it is forked where the harness can fork, and never continued
+/// (the source and each fork would write to one conversation).
+pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool, can_fork: bool) -> Opening {
     let input_ids: Vec<u64> = spec.inputs.iter().map(|i| i.id).collect();
     let messages = messages_of(spec);
     let session = spec.resume_session_id.trim();
     let question = Some(spec.question.trim()).filter(|q| !q.is_empty());
-    let request = if !session.is_empty() && can_resume {
+    let fork = spec.fork_session && !session.is_empty();
+    let request = if fork && !(can_resume && can_fork) {
+        let why =
+            format!("the workspace was forked and this harness cannot fork conversation {session}");
+        TurnRequest::Start {
+            message: briefing(&spec.prompt, question, &messages, &why),
+        }
+    } else if !session.is_empty() && can_resume {
         // A new run on a station continues the station's conversation, and
         // its task has not been said in it yet.
         let task =
@@ -44,6 +53,7 @@ pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool) -> Opening {
         TurnRequest::Resume {
             session_id: session.to_owned(),
             message,
+            fork,
         }
     } else if !session.is_empty() {
         let why = format!("this harness cannot continue conversation {session}");
@@ -134,6 +144,7 @@ mod tests {
         let opening = opening_turn(
             &spec(vec![input(1, "prompt", "Build the thing.")], "", ""),
             true,
+            true,
         );
         assert_eq!(
             opening.request,
@@ -158,22 +169,24 @@ mod tests {
             "s-1",
             "Which colour?",
         );
-        let opening = opening_turn(&s, true);
+        let opening = opening_turn(&s, true, true);
         assert_eq!(
             opening.request,
             TurnRequest::Resume {
                 session_id: "s-1".into(),
-                message: "Blue.\n\nAnd round.".into()
+                message: "Blue.\n\nAnd round.".into(),
+                fork: false,
             }
         );
         assert_eq!(opening.input_ids, [4, 5]);
         assert_eq!(opening.messages, ["Blue.", "And round."]);
-        let lost = opening_turn(&spec(vec![], "s-1", ""), true).request;
+        let lost = opening_turn(&spec(vec![], "s-1", ""), true, true).request;
         assert_eq!(
             lost,
             TurnRequest::Resume {
                 session_id: "s-1".into(),
-                message: CARRY_ON.into()
+                message: CARRY_ON.into(),
+                fork: false,
             }
         );
     }
@@ -185,18 +198,59 @@ mod tests {
             ..spec(vec![], "s-1", "")
         };
         assert_eq!(
-            opening_turn(&s, true).request,
+            opening_turn(&s, true, true).request,
             TurnRequest::Resume {
                 session_id: "s-1".into(),
-                message: "Build the thing.".into()
+                message: "Build the thing.".into(),
+                fork: false,
             }
+        );
+    }
+
+    #[test]
+    fn a_forked_workspace_forks_the_conversation_or_starts_with_a_briefing() {
+        let s = pb::AttemptSpec {
+            prompt_delivered: false,
+            fork_session: true,
+            ..spec(vec![], "s-1", "")
+        };
+        assert_eq!(
+            opening_turn(&s, true, true).request,
+            TurnRequest::Resume {
+                session_id: "s-1".into(),
+                message: "Build the thing.".into(),
+                fork: true,
+            }
+        );
+        for (can_resume, can_fork) in [(true, false), (false, false)] {
+            let TurnRequest::Start { message } = opening_turn(&s, can_resume, can_fork).request
+            else {
+                panic!("a harness that cannot fork starts a new conversation")
+            };
+            assert!(message.starts_with(LOSSY_HANDOFF), "{message}");
+            assert!(
+                message.contains("cannot fork conversation s-1")
+                    && message.contains("Build the thing."),
+                "{message}"
+            );
+        }
+        let no_session = pb::AttemptSpec {
+            fork_session: true,
+            ..spec(vec![], "", "")
+        };
+        assert_eq!(
+            opening_turn(&no_session, true, true).request,
+            TurnRequest::Start {
+                message: "Build the thing.".into()
+            },
+            "nothing to fork: a plain start"
         );
     }
 
     #[test]
     fn a_conversation_that_cannot_continue_gets_a_briefing() {
         let s = spec(vec![input(4, "answer", "Blue.")], "s-1", "Which colour?");
-        let TurnRequest::Start { message } = opening_turn(&s, false).request else {
+        let TurnRequest::Start { message } = opening_turn(&s, false, false).request else {
             panic!("a new conversation")
         };
         assert_eq!(
@@ -207,6 +261,7 @@ mod tests {
         );
         let turn = opening_turn(
             &spec(vec![input(4, "answer", "Blue.")], "", "Which colour?"),
+            true,
             true,
         )
         .request;

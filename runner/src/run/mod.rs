@@ -31,6 +31,7 @@ pub mod control;
 pub mod messages;
 pub mod outcome;
 pub mod prepare;
+pub mod services;
 pub mod store;
 
 use std::collections::BTreeSet;
@@ -58,8 +59,9 @@ pub use store::{
     CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreError, StoreTarget, WorkspaceStore,
 };
 
-/// Patterns no checkpoint of a run contains, whatever the harness.
-const ALWAYS_EXCLUDED: &[&str] = &["/.cairn/outcome.json"];
+/// Patterns no checkpoint of a run contains, whatever the harness. Service
+/// logs are output, not work (and a running service keeps writing them).
+const ALWAYS_EXCLUDED: &[&str] = &["/.cairn/outcome.json", "/.cairn/logs/"];
 
 /// How an attempt is run.
 #[derive(Debug, Clone)]
@@ -244,7 +246,20 @@ impl Attempt {
         if let Err(e) = self.harness.prepare() {
             return self.finish_unstarted(e.to_string()).await;
         }
-        self.converse().await
+        // Processes are never restored: the workspace's services start anew.
+        let shutdown = self.shutdown.clone();
+        let (services, started) = tokio::select! {
+            started = services::Services::start(&self.options.root) => started,
+            _ = shutdown.cancelled() => return self.finish_interrupted().await,
+        };
+        for line in started {
+            self.control
+                .progress(AttemptPhase::Preparing, line, "")
+                .await?;
+        }
+        let finished = self.converse().await;
+        services.stop().await;
+        finished
     }
 
     async fn prepare_workspace(&mut self) -> Result<Prepared, RunError> {
@@ -313,7 +328,11 @@ impl Attempt {
     }
 
     async fn converse(&mut self) -> Result<Finished, RunError> {
-        let opening = messages::opening_turn(&self.spec, self.harness.can_resume());
+        let opening = messages::opening_turn(
+            &self.spec,
+            self.harness.can_resume(),
+            self.harness.can_fork(),
+        );
         let mut turn = Turn {
             request: opening.request,
             input_ids: opening.input_ids,
@@ -400,6 +419,7 @@ impl Attempt {
             Some(session_id) if self.harness.can_resume() => TurnRequest::Resume {
                 session_id: session_id.clone(),
                 message: answers.join("\n\n"),
+                fork: false,
             },
             session => {
                 let why = if session.is_some() {
@@ -489,6 +509,15 @@ impl Attempt {
         let detail = match &turn.request {
             TurnRequest::Start { .. } => format!(
                 "{} started a new conversation in {}",
+                self.harness.name(),
+                cwd.display()
+            ),
+            TurnRequest::Resume {
+                session_id,
+                fork: true,
+                ..
+            } => format!(
+                "{} forked conversation {session_id} in {}",
                 self.harness.name(),
                 cwd.display()
             ),

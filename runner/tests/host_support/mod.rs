@@ -148,6 +148,28 @@ pub fn local_driver(scratch: &Scratch) -> cairn_runner::host::LocalDriver {
     )
 }
 
+/// Whether this kernel lets the given command line (a user and mount
+/// namespace, perhaps as another user) be made: probed with util-linux
+/// `unshare`, independently of cairn's code, so a test can tell "cairn
+/// refused as it should" from "cairn is broken".
+pub fn user_namespaces_work(prefix: &[&str]) -> bool {
+    let (program, args) = match prefix.split_first() {
+        Some((program, args)) => (*program, args.to_vec()),
+        None => ("unshare", Vec::new()),
+    };
+    let mut command = std::process::Command::new(program);
+    command.args(&args);
+    if !prefix.is_empty() {
+        command.arg("unshare");
+    }
+    command
+        .args(["--user", "--map-root-user", "--mount", "true"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Whether the test runs as root (some tests need to change users or mount).
 pub fn is_root() -> bool {
     // SAFETY: geteuid takes no arguments.
