@@ -252,11 +252,21 @@ pub fn validate_station(station: &str) -> Result<(), ValidationError> {
 /// The harness adapters every runner has, each with the settings it accepts
 /// (`HarnessSpec.config` keys). The coordinator refuses a run whose harness
 /// or settings are not here, so a typo fails at `runs create`, not on a host.
-pub const HARNESS_ADAPTERS: &[(&str, &[&str])] =
-    &[("claude", CLAUDE_SETTINGS), ("command", COMMAND_SETTINGS)];
+pub const HARNESS_ADAPTERS: &[(&str, &[&str])] = &[
+    ("claude", CLAUDE_SETTINGS),
+    ("codex", CODEX_SETTINGS),
+    ("gemini", GEMINI_SETTINGS),
+    ("command", COMMAND_SETTINGS),
+];
 
 /// Settings of the Claude Code adapter (docs/harnesses.md).
 pub const CLAUDE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the Codex CLI adapter (docs/harnesses.md).
+pub const CODEX_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the Gemini CLI adapter (docs/harnesses.md).
+pub const GEMINI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
 
 /// Settings of the templated `command` adapter (docs/harnesses.md).
 pub const COMMAND_SETTINGS: &[&str] = &["start", "resume", "session_regex", "session_lost", "cwd"];

@@ -1022,7 +1022,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
         1,
         "hello",
         pb::HarnessSpec {
-            name: "codex".into(),
+            name: "aider".into(),
             config: Default::default(),
         },
     ));
@@ -1032,7 +1032,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
     );
     assert_eq!(
         h.fake.outcome().error,
-        "unknown harness \"codex\" (this runner has: claude, command)"
+        "unknown harness \"aider\" (this runner has: claude, codex, gemini, command)"
     );
     assert_eq!(
         h.store.state.lock().unwrap().restores,

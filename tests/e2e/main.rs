@@ -16,6 +16,7 @@
 //! ephemeral ports, so they run in parallel.
 
 mod cairnctl;
+mod chats;
 mod corruption;
 mod ctl_runs;
 mod demo;

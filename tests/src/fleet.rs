@@ -234,6 +234,11 @@ impl Fleet {
         self.runtime.block_on(future)
     }
 
+    /// Runs `future` (a gRPC call of a test) on the fleet's runtime.
+    pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.block(future)
+    }
+
     // -- the recorded agent -------------------------------------------------
 
     fn turns_dir(&self) -> PathBuf {

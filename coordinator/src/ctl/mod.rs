@@ -252,6 +252,23 @@ pub enum WorkspaceCommand {
         #[arg(long)]
         name_prefix: Option<String>,
     },
+    /// Send a chat message to a workspace station: an input of its
+    /// unfinished run there, or pending until the next run there starts.
+    Send {
+        /// Workspace id or name.
+        workspace: String,
+        /// The message (up to 64 KiB).
+        text: String,
+        /// The station (default: "default").
+        #[arg(long)]
+        station: Option<String>,
+    },
+    /// List a workspace's messages and where each is: pending, delivered to
+    /// a run, or heard by its harness.
+    Messages {
+        /// Workspace id or name.
+        workspace: String,
+    },
 }
 
 /// Sets up tracing on stderr (`RUST_LOG` filters; default `warn`).
@@ -320,6 +337,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 name_prefix: name_prefix.unwrap_or_default(),
             };
             workspace::fork(&coordinator, request, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Send {
+            workspace,
+            text,
+            station,
+        }) => {
+            let request = pb::SendMessageRequest {
+                workspace,
+                text,
+                station: station.unwrap_or_default(),
+            };
+            workspace::send(&coordinator, request, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Messages { workspace }) => {
+            workspace::messages(&coordinator, &workspace, output).await
         }
         Command::Checkpoints { workspace } => {
             checkpoints::list(&coordinator, &workspace, output).await

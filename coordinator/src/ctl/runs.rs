@@ -33,7 +33,7 @@ pub struct CreateArgs {
     /// Name of the new workspace (letters, digits, '-', '_', '.').
     #[arg(long, conflicts_with = "workspace")]
     pub name: Option<String>,
-    /// Harness adapter: claude or command.
+    /// Harness adapter: claude, codex, gemini or command (docs/harnesses.md).
     #[arg(long)]
     pub harness: String,
     /// Harness setting, e.g. binary=/usr/local/bin/claude (repeatable).

@@ -1,4 +1,4 @@
-//! `cairnctl workspace create|list|show|fork`.
+//! `cairnctl workspace create|list|show|fork|send|messages`.
 
 use std::process::ExitCode;
 
@@ -190,6 +190,106 @@ pub async fn show(
                 ("created", output::when(time_of!(w.created_at))),
                 ("updated", output::when(time_of!(w.updated_at))),
             ]))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Where a message is, in a word, and the run that has it.
+fn message_state(m: &pb::Message) -> &'static str {
+    match m.state() {
+        pb::MessageState::Pending => "pending",
+        pb::MessageState::Delivered => "delivered",
+        pb::MessageState::Heard => "heard",
+        pb::MessageState::Unspecified => "unknown",
+    }
+}
+
+fn message_json(m: &pb::Message) -> serde_json::Value {
+    serde_json::json!({
+        "id": m.id,
+        "workspace_id": m.workspace_id,
+        "station": m.station,
+        "text": m.text,
+        "created_at": output::rfc3339(time_of!(m.created_at)),
+        "state": message_state(m),
+        "run_id": m.run_id,
+        "given_back": m.given_back,
+    })
+}
+
+pub async fn send(
+    coordinator: &Coordinator,
+    request: pb::SendMessageRequest,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let message = client
+        .send_message(request)
+        .await
+        .map_err(rpc_error("sending the message"))?
+        .into_inner()
+        .message
+        .ok_or_else(|| anyhow::anyhow!("the coordinator answered without the message"))?;
+    match out {
+        Output::Json => print_json(&message_json(&message))?,
+        Output::Table => {
+            let where_ = if message.run_id.is_empty() {
+                format!("pending until the next run at station {}", message.station)
+            } else {
+                format!("delivered to run {}", message.run_id)
+            };
+            emit(&format!("message {} {where_}", message.id))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn messages(
+    coordinator: &Coordinator,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let messages = client
+        .list_messages(pb::ListMessagesRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("listing the messages"))?
+        .into_inner()
+        .messages;
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            messages.iter().map(message_json).collect(),
+        ))?,
+        Output::Table => {
+            let rows: Vec<Vec<String>> = messages
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.id.to_string(),
+                        m.station.clone(),
+                        message_state(m).to_owned(),
+                        output::or_dash(&m.run_id),
+                        m.given_back.to_string(),
+                        output::age(time_of!(m.created_at)),
+                        output::first_line(&m.text, 60),
+                    ]
+                })
+                .collect();
+            emit(&output::table(
+                &[
+                    "ID",
+                    "STATION",
+                    "STATE",
+                    "RUN",
+                    "GIVEN BACK",
+                    "SENT",
+                    "TEXT",
+                ],
+                &rows,
+            ))?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -24,6 +24,7 @@
 
 mod checkpoints;
 mod hosts;
+mod messages;
 mod runner;
 mod runs;
 mod scheduling;
@@ -32,6 +33,7 @@ mod workspaces;
 pub use hosts::{
     AssignmentRecord, HeartbeatAnswer, Host, HostRegistration, ReportedSandbox, destroy_reason,
 };
+pub use messages::{MESSAGE_INPUT, Message, MessageState};
 pub use runs::{
     Attempt, NewRun, NewRunTarget, OutcomeReport, ProgressReport, Run, RunEvent, RunFilter,
     RunInput, SessionRecord, StartedAttempt, event_reason,

@@ -66,6 +66,8 @@ pub mod event_reason {
     pub const FAILED: &str = "failed";
     pub const CANCELLED: &str = "cancelled";
     pub const WORKSPACE_INACTIVE: &str = "workspace_inactive";
+    pub const MESSAGE: &str = "message";
+    pub const MESSAGE_GIVEN_BACK: &str = "message_given_back";
 }
 
 /// The kind of every input a person sends (`RunInput.kind`).
@@ -546,7 +548,11 @@ pub(super) async fn transition(
     .map_err(query_error("update run state"))?;
     run.state = state;
     run.state_reason = state_reason;
-    add_event(tx, run, event, now).await
+    add_event(tx, run, event, now).await?;
+    if state.is_terminal() {
+        super::messages::give_back_messages(tx, run, now).await?;
+    }
+    Ok(())
 }
 
 pub(super) async fn set_attempt_state(
@@ -709,7 +715,7 @@ pub(super) async fn end_attempt(
         }
     };
     let event = EventDraft::new(event_word, detail.clone()).of(&attempt);
-    match step {
+    let moved = match step {
         NextStep::Nothing => add_event(tx, run, event, now).await,
         NextStep::Release => {
             if pending_input_count(tx.conn(), &run.id).await? > 0 {
@@ -742,7 +748,9 @@ pub(super) async fn end_attempt(
                 transition(tx, run, RunState::Queued, reason, event, now).await
             }
         }
-    }
+    };
+    moved?;
+    super::messages::note_unheard_messages(tx, run, number, now).await
 }
 
 /// Records that the host reported the attempt's sandbox gone, and ends the
@@ -935,6 +943,7 @@ impl MetadataStore {
             now,
         )
         .await?;
+        super::messages::attach_pending_messages(&mut tx, &run, now).await?;
         self.commit(tx).await?;
         run.updated_at = from_millis(now);
         Ok(run)

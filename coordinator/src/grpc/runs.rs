@@ -493,11 +493,14 @@ mod tests {
         };
         assert_eq!(validate_harness(Some(ok.clone())).unwrap(), ok);
         let unknown = pb::HarnessSpec {
-            name: "codex".into(),
+            name: "aider".into(),
             ..Default::default()
         };
         let err = validate_harness(Some(unknown)).unwrap_err().to_string();
-        assert!(err.contains("there are: claude, command"), "{err}");
+        assert!(
+            err.contains("there are: claude, codex, gemini, command"),
+            "{err}"
+        );
         let typo = pb::HarnessSpec {
             name: "claude".into(),
             config: [("binray".to_owned(), "/bin/claude".to_owned())].into(),

@@ -1,16 +1,19 @@
 //! `cairn.v1.WorkspaceService`: create, show, list and fork workspaces.
 
-use cairn_proto::domain::validate_name;
+use cairn_proto::domain::{to_timestamp, validate_name};
 use cairn_proto::ids::{CheckpointId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::workspace_service_server::WorkspaceService;
+use cairn_proto::runs::validate_station;
 use tonic::{Request, Response, Status};
 
+use super::runs::DEFAULT_STATION;
 use super::{
     ServiceError, Shared, decode_page_token, encode_page_token, ensure_active, page_size,
     workspace_to_pb,
 };
 use crate::auth::principal;
+use crate::db::{Message, MessageState};
 use crate::tokens::Action;
 
 const PAGE_KIND: &str = "workspaces";
@@ -73,8 +76,128 @@ pub(super) fn fork_names(
         .collect()
 }
 
+/// Largest chat message accepted, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// A validated `SendMessageRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewMessage {
+    /// Workspace id or name, not looked up yet.
+    pub workspace: String,
+    pub station: String,
+    pub text: String,
+}
+
+impl TryFrom<pb::SendMessageRequest> for NewMessage {
+    type Error = ServiceError;
+
+    fn try_from(req: pb::SendMessageRequest) -> Result<Self, ServiceError> {
+        let workspace = req.workspace.trim();
+        if workspace.is_empty() {
+            return Err(ServiceError::InvalidArgument(
+                "workspace is required".into(),
+            ));
+        }
+        if req.text.trim().is_empty() {
+            return Err(ServiceError::InvalidArgument(
+                "text is empty; a message needs words".into(),
+            ));
+        }
+        if req.text.len() > MAX_MESSAGE_BYTES {
+            return Err(ServiceError::InvalidArgument(format!(
+                "text has {} bytes; the limit is {MAX_MESSAGE_BYTES}",
+                req.text.len()
+            )));
+        }
+        let station = match req.station.trim() {
+            "" => DEFAULT_STATION.to_owned(),
+            station => {
+                validate_station(station)?;
+                station.to_owned()
+            }
+        };
+        Ok(Self {
+            workspace: workspace.to_owned(),
+            station,
+            text: req.text,
+        })
+    }
+}
+
+pub(super) fn message_to_pb(m: &Message) -> pb::Message {
+    let (state, run_id) = match &m.state {
+        MessageState::Pending => (pb::MessageState::Pending, String::new()),
+        MessageState::Delivered(run) => (pb::MessageState::Delivered, run.to_string()),
+        MessageState::Heard(run) => (pb::MessageState::Heard, run.to_string()),
+    };
+    pb::Message {
+        id: m.id,
+        workspace_id: m.workspace_id.to_string(),
+        station: m.station.clone(),
+        text: m.text.clone(),
+        created_at: Some(to_timestamp(m.created_at)),
+        state: state as i32,
+        run_id,
+        given_back: m.given_back,
+    }
+}
+
 #[tonic::async_trait]
 impl WorkspaceService for WorkspaceApi {
+    async fn send_message(
+        &self,
+        request: Request<pb::SendMessageRequest>,
+    ) -> Result<Response<pb::SendMessageResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let new = NewMessage::try_from(request.into_inner())?;
+        let workspace = self.shared.workspace(&principal, &new.workspace).await?;
+        principal
+            .authorize(Action::ReadWorkspace(&workspace.id))
+            .and_then(|()| principal.authorize(Action::CreateRun))
+            .map_err(ServiceError::Denied)?;
+        ensure_active(&workspace)?;
+        let message = self
+            .shared
+            .db
+            .send_message(&principal.tenant, &workspace.id, &new.station, &new.text)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(
+            workspace = %workspace.id,
+            station = %message.station,
+            message = message.id,
+            state = ?message.state,
+            "message sent"
+        );
+        self.shared.scheduler.wake();
+        Ok(Response::new(pb::SendMessageResponse {
+            message: Some(message_to_pb(&message)),
+        }))
+    }
+
+    async fn list_messages(
+        &self,
+        request: Request<pb::ListMessagesRequest>,
+    ) -> Result<Response<pb::ListMessagesResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let workspace = self
+            .shared
+            .workspace(&principal, &request.get_ref().workspace)
+            .await?;
+        principal
+            .authorize(Action::ReadWorkspace(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        let messages = self
+            .shared
+            .db
+            .list_messages(&workspace.id)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::ListMessagesResponse {
+            messages: messages.iter().map(message_to_pb).collect(),
+        }))
+    }
+
     async fn fork_workspace(
         &self,
         request: Request<pb::ForkWorkspaceRequest>,
@@ -194,6 +317,23 @@ impl WorkspaceService for WorkspaceApi {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_are_validated_on_receipt() {
+        let req = |workspace: &str, text: &str, station: &str| pb::SendMessageRequest {
+            workspace: workspace.into(),
+            text: text.into(),
+            station: station.into(),
+        };
+        let ok = NewMessage::try_from(req("ws", "hello", "")).unwrap();
+        assert_eq!(ok.station, DEFAULT_STATION);
+        assert_eq!(ok.text, "hello");
+        assert!(NewMessage::try_from(req("", "hello", "")).is_err());
+        assert!(NewMessage::try_from(req("ws", "  ", "")).is_err());
+        let big = "x".repeat(MAX_MESSAGE_BYTES + 1);
+        assert!(NewMessage::try_from(req("ws", &big, "")).is_err());
+        assert!(NewMessage::try_from(req("ws", "hi", "../x")).is_err());
+    }
 
     #[test]
     fn names_are_optional_validated_and_never_id_shaped() {

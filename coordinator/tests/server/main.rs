@@ -3,6 +3,7 @@
 //! drive it.
 
 mod blob_urls;
+mod chats;
 mod checkpoints;
 mod fencing;
 mod fleet;

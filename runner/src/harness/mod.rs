@@ -16,11 +16,15 @@
 //!
 //! Adapters:
 //! - [`claude`] — Claude Code, exactly per ../shared/reference/harnesses.md.
+//! - [`codex`] — Codex CLI, per the same reference.
+//! - [`gemini`] — Gemini CLI, per the same reference.
 //! - [`command`] — any CLI, described by `start` / `resume` templates and a
 //!   `session_regex`.
 
 pub mod claude;
+pub mod codex;
 pub mod command;
+pub mod gemini;
 pub mod pattern;
 pub mod process;
 pub mod template;
@@ -126,7 +130,7 @@ pub trait Harness: Send + Sync + fmt::Debug {
 /// Why a harness cannot be set up or started.
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
-    #[error("unknown harness {0:?} (this runner has: claude, command)")]
+    #[error("unknown harness {0:?} (this runner has: claude, codex, gemini, command)")]
     Unknown(String),
     #[error("harness {harness}: unknown setting {key:?} (known: {known})")]
     UnknownSetting {
@@ -172,6 +176,8 @@ pub fn from_spec(spec: &pb::HarnessSpec, root: &Path) -> Result<Arc<dyn Harness>
         .collect();
     match spec.name.as_str() {
         "claude" => Ok(Arc::new(claude::Claude::new(&config, root)?)),
+        "codex" => Ok(Arc::new(codex::Codex::new(&config, root)?)),
+        "gemini" => Ok(Arc::new(gemini::Gemini::new(&config, root)?)),
         "command" => Ok(Arc::new(command::CommandHarness::new(&config, root)?)),
         other => Err(HarnessError::Unknown(other.to_owned())),
     }
@@ -227,6 +233,60 @@ fn cwd_setting(
         });
     }
     Ok(Some(joined))
+}
+
+/// The `args` setting, split into words like a shell would.
+fn split_args(harness: &'static str, args: Option<String>) -> Result<Vec<String>, HarnessError> {
+    match args {
+        Some(args) => template::split(&args).map_err(|source| HarnessError::Template {
+            harness,
+            key: "args",
+            source,
+        }),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// `$HOME/<name>`, the default `credentials_dir` of an adapter.
+fn home_subdir(name: &str) -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(|h| PathBuf::from(h).join(name))
+}
+
+/// Creates the harness's state directory `state_dir` (private) and copies
+/// each credential file present in `source_dir` into `target_dir` (mode
+/// 0600). Credentials are never logged, only which files were copied.
+fn copy_credentials(
+    harness: &'static str,
+    state_dir: &Path,
+    target_dir: &Path,
+    source_dir: Option<&Path>,
+    files: &[&str],
+) -> Result<(), HarnessError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let prepare_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| HarnessError::Prepare { path, source }
+    };
+    for dir in [state_dir, target_dir] {
+        fs::create_dir_all(dir).map_err(prepare_error(dir))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(prepare_error(dir))?;
+    }
+    let Some(source_dir) = source_dir else {
+        return Ok(());
+    };
+    for file in files {
+        let from = source_dir.join(file);
+        if !from.is_file() {
+            continue;
+        }
+        let to = target_dir.join(file);
+        fs::copy(&from, &to).map_err(prepare_error(&to))?;
+        fs::set_permissions(&to, fs::Permissions::from_mode(0o600)).map_err(prepare_error(&to))?;
+        tracing::debug!(harness, file, from = %source_dir.display(), "credentials copied in");
+    }
+    Ok(())
 }
 
 /// The working directory of a new conversation when the configuration names
@@ -336,11 +396,19 @@ mod tests {
                 .collect(),
         };
         let root = Path::new("/workspace");
-        let err = from_spec(&spec("codex", &[]), root).unwrap_err();
+        let err = from_spec(&spec("aider", &[]), root).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown harness \"codex\" (this runner has: claude, command)"
+            "unknown harness \"aider\" (this runner has: claude, codex, gemini, command)"
         );
+        for name in ["codex", "gemini"] {
+            let err = from_spec(&spec(name, &[("binray", "x")]), root).unwrap_err();
+            assert!(
+                err.to_string().contains("unknown setting \"binray\""),
+                "{err}"
+            );
+            assert_eq!(from_spec(&spec(name, &[]), root).unwrap().name(), name);
+        }
         let err = from_spec(&spec("claude", &[("binray", "x")]), root).unwrap_err();
         assert!(
             err.to_string().contains("unknown setting \"binray\""),

@@ -1,0 +1,340 @@
+//! Chat messages to a workspace station.
+//!
+//! A message goes to the workspace's unfinished run at its station as an
+//! input of kind [`MESSAGE_INPUT`]; with no such run it waits as pending and
+//! the next run created there takes it. An input is consumed only when the
+//! runner reports its harness heard it; a run that ends before that gives
+//! its messages back to the workspace (a duplicate beats a loss).
+
+use std::time::SystemTime;
+
+use cairn_proto::ids::{RunId, TenantId, WorkspaceId};
+use cairn_proto::runs::RunState;
+use sqlx::Row;
+use sqlx::sqlite::SqliteRow;
+
+use super::runs::{EventDraft, Run, add_event, event_reason, load_run, transition};
+use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, unsigned};
+
+/// The kind of the inputs chat messages become (`RunInput.kind`).
+pub const MESSAGE_INPUT: &str = "message";
+
+/// Where a message is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageState {
+    /// No run has it yet: the next run created at its station takes it.
+    Pending,
+    /// An input of this run, not heard yet.
+    Delivered(RunId),
+    /// The harness of this run heard it.
+    Heard(RunId),
+}
+
+/// A message sent to a workspace station.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub id: u64,
+    pub workspace_id: WorkspaceId,
+    pub station: String,
+    pub text: String,
+    pub created_at: SystemTime,
+    pub state: MessageState,
+    /// How many times a run ended without its harness hearing it.
+    pub given_back: u32,
+}
+
+const MESSAGE_COLUMNS: &str = "m.id, m.workspace_id, m.station, m.text, m.created_at, m.run_id, \
+                               m.given_back, i.consumed_at";
+
+fn message_from_row(row: &SqliteRow) -> Result<Message, DbError> {
+    let read = |source| DbError::Query {
+        op: "read message",
+        source,
+    };
+    let run: Option<String> = row.try_get("run_id").map_err(read)?;
+    let consumed: Option<i64> = row.try_get("consumed_at").map_err(read)?;
+    let state = match run {
+        None => MessageState::Pending,
+        Some(run) => {
+            let run = run
+                .parse::<RunId>()
+                .map_err(|e| DbError::Corrupt(format!("message run id {run:?}: {e}")))?;
+            if consumed.is_some() {
+                MessageState::Heard(run)
+            } else {
+                MessageState::Delivered(run)
+            }
+        }
+    };
+    let workspace: String = row.try_get("workspace_id").map_err(read)?;
+    Ok(Message {
+        id: unsigned(row.try_get("id").map_err(read)?, "message id")?,
+        workspace_id: workspace
+            .parse()
+            .map_err(|e| DbError::Corrupt(format!("message workspace id {workspace:?}: {e}")))?,
+        station: row.try_get("station").map_err(read)?,
+        text: row.try_get("text").map_err(read)?,
+        created_at: from_millis(row.try_get("created_at").map_err(read)?),
+        state,
+        given_back: unsigned(row.try_get("given_back").map_err(read)?, "given back")?,
+    })
+}
+
+async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
+    let row = sqlx::query(&format!(
+        "SELECT {MESSAGE_COLUMNS} FROM workspace_messages m
+         LEFT JOIN run_inputs i ON i.run_id = m.run_id AND i.id = m.input_id
+         WHERE m.id = $1"
+    ))
+    .bind(id)
+    .fetch_one(tx.conn())
+    .await
+    .map_err(query_error("read message"))?;
+    message_from_row(&row)
+}
+
+/// Makes message `message` an input of `run`.
+async fn deliver(tx: &mut WriteTx, run: &Run, message: i64, now: i64) -> Result<(), DbError> {
+    let next: i64 =
+        sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
+            .bind(run.id.as_str())
+            .fetch_one(tx.conn())
+            .await
+            .map_err(query_error("next input id"))?;
+    sqlx::query(
+        "INSERT INTO run_inputs (run_id, id, kind, text, created_at)
+         SELECT $1, $2, $3, text, $4 FROM workspace_messages WHERE id = $5",
+    )
+    .bind(run.id.as_str())
+    .bind(next)
+    .bind(MESSAGE_INPUT)
+    .bind(now)
+    .bind(message)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert message input"))?;
+    sqlx::query("UPDATE workspace_messages SET run_id = $1, input_id = $2 WHERE id = $3")
+        .bind(run.id.as_str())
+        .bind(next)
+        .bind(message)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("deliver message"))?;
+    Ok(())
+}
+
+/// Hands the pending messages of the run's workspace station to the new
+/// run (its first attempt gets them with the prompt).
+pub(super) async fn attach_pending_messages(
+    tx: &mut WriteTx,
+    run: &Run,
+    now: i64,
+) -> Result<(), DbError> {
+    let pending: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM workspace_messages
+         WHERE workspace_id = $1 AND station = $2 AND run_id IS NULL ORDER BY id",
+    )
+    .bind(run.workspace_id.as_str())
+    .bind(&run.station)
+    .fetch_all(tx.conn())
+    .await
+    .map_err(query_error("pending messages"))?;
+    if pending.is_empty() {
+        return Ok(());
+    }
+    for id in &pending {
+        deliver(tx, run, *id, now).await?;
+    }
+    let detail = format!(
+        "{} pending message{} of the workspace",
+        pending.len(),
+        if pending.len() == 1 { "" } else { "s" }
+    );
+    add_event(tx, run, EventDraft::new(event_reason::MESSAGE, detail), now).await
+}
+
+/// Gives the messages of an ended run that its harness never heard back to
+/// the workspace: they go with the next run created at the station.
+pub(super) async fn give_back_messages(
+    tx: &mut WriteTx,
+    run: &Run,
+    now: i64,
+) -> Result<(), DbError> {
+    let given = sqlx::query(
+        "UPDATE workspace_messages SET run_id = NULL, input_id = NULL, given_back = given_back + 1
+         WHERE run_id = $1 AND input_id IN
+             (SELECT id FROM run_inputs WHERE run_id = $1 AND consumed_at IS NULL)",
+    )
+    .bind(run.id.as_str())
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("give messages back"))?
+    .rows_affected();
+    if given == 0 {
+        return Ok(());
+    }
+    let detail = format!(
+        "{given} unheard message{} given back to the workspace; the next run at station {} takes {}",
+        if given == 1 { "" } else { "s" },
+        run.station,
+        if given == 1 { "it" } else { "them" }
+    );
+    add_event(
+        tx,
+        run,
+        EventDraft::new(event_reason::MESSAGE_GIVEN_BACK, detail),
+        now,
+    )
+    .await
+}
+
+/// Records that an attempt ended with message inputs its harness never
+/// heard: they stay pending, so the run's next attempt gets them again.
+pub(super) async fn note_unheard_messages(
+    tx: &mut WriteTx,
+    run: &Run,
+    number: u32,
+    now: i64,
+) -> Result<(), DbError> {
+    let unheard: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM run_inputs WHERE run_id = $1 AND kind = $2 AND consumed_at IS NULL",
+    )
+    .bind(run.id.as_str())
+    .bind(MESSAGE_INPUT)
+    .fetch_one(tx.conn())
+    .await
+    .map_err(query_error("count unheard messages"))?;
+    if unheard == 0 || run.state.is_terminal() {
+        return Ok(());
+    }
+    let mut event = EventDraft::new(
+        event_reason::MESSAGE_GIVEN_BACK,
+        format!(
+            "attempt {number} ended before its harness heard {unheard} message{}; the next attempt gets {}",
+            if unheard == 1 { "" } else { "s" },
+            if unheard == 1 { "it" } else { "them" }
+        ),
+    );
+    if let Some(attempt) = run.attempts.iter().find(|a| a.number == number) {
+        event = event.of(attempt);
+    }
+    add_event(tx, run, event, now).await
+}
+
+impl MetadataStore {
+    /// Stores a message to `station` of an active workspace: an input of the
+    /// workspace's unfinished run at the station if there is one (a held
+    /// sandbox gets it at once, a suspended run is queued, a running one
+    /// picks it up at its next turn or attempt), else pending.
+    pub async fn send_message(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        station: &str,
+        text: &str,
+    ) -> Result<Message, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM workspaces WHERE id = $1 AND tenant = $2")
+                .bind(workspace.as_str())
+                .bind(tenant.as_str())
+                .fetch_optional(tx.conn())
+                .await
+                .map_err(query_error("find workspace"))?;
+        let state = state.ok_or_else(|| DbError::WorkspaceNotFound(workspace.to_string()))?;
+        let state: cairn_proto::domain::WorkspaceState =
+            super::parse_column(&state, "workspace state")?;
+        if state != cairn_proto::domain::WorkspaceState::Active {
+            return Err(DbError::WorkspaceNotActive {
+                id: workspace.clone(),
+                state,
+            });
+        }
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO workspace_messages (workspace_id, station, text, created_at)
+             VALUES ($1, $2, $3, $4) RETURNING id",
+        )
+        .bind(workspace.as_str())
+        .bind(station)
+        .bind(text)
+        .bind(now)
+        .fetch_one(tx.conn())
+        .await
+        .map_err(query_error("insert message"))?;
+        let run: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM runs WHERE workspace_id = $1 AND station = $2
+             AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
+        )
+        .bind(workspace.as_str())
+        .bind(station)
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("find unfinished run"))?;
+        if let Some(run_id) = run {
+            let run_id = run_id
+                .parse::<RunId>()
+                .map_err(|e| DbError::Corrupt(format!("run id {run_id:?}: {e}")))?;
+            let mut run = load_run(tx.conn(), &run_id)
+                .await?
+                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished")))?;
+            deliver(&mut tx, &run, id, now).await?;
+            match (run.state, run.active_attempt().cloned()) {
+                (RunState::Waiting, Some(attempt)) => {
+                    let detail = if attempt.destroy_reason.is_some() {
+                        "the held sandbox is being released; the message goes to the next attempt"
+                    } else {
+                        "delivered to the held sandbox"
+                    };
+                    add_event(
+                        &mut tx,
+                        &run,
+                        EventDraft::new(event_reason::MESSAGE, detail).of(&attempt),
+                        now,
+                    )
+                    .await?;
+                }
+                (RunState::Waiting | RunState::Suspended, _) => {
+                    transition(
+                        &mut tx,
+                        &mut run,
+                        RunState::Queued,
+                        "a message arrived; waiting for a host",
+                        EventDraft::new(event_reason::MESSAGE, "the next attempt takes it"),
+                        now,
+                    )
+                    .await?;
+                }
+                _ => {
+                    add_event(
+                        &mut tx,
+                        &run,
+                        EventDraft::new(
+                            event_reason::MESSAGE,
+                            "the next turn or attempt picks it up",
+                        ),
+                        now,
+                    )
+                    .await?;
+                }
+            }
+        }
+        let message = load_message(&mut tx, id).await?;
+        self.commit(tx).await?;
+        Ok(message)
+    }
+
+    /// The messages of a workspace, oldest first.
+    pub async fn list_messages(&self, workspace: &WorkspaceId) -> Result<Vec<Message>, DbError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {MESSAGE_COLUMNS} FROM workspace_messages m
+             LEFT JOIN run_inputs i ON i.run_id = m.run_id AND i.id = m.input_id
+             WHERE m.workspace_id = $1 ORDER BY m.id"
+        ))
+        .bind(workspace.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(query_error("list messages"))?;
+        rows.iter().map(message_from_row).collect()
+    }
+}

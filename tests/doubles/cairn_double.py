@@ -1,0 +1,113 @@
+"""Shared by the codex and gemini test doubles: the demo agent's directives.
+
+commit <path> <text>   write text to path, git add + commit (in the cwd)
+edit <path> <text>     append text to path (left uncommitted)
+recall <word>          what the FIRST user message of the conversation said
+                       about <word> (as runner/src/demo_agent/script.rs says it)
+ask <question>         end the turn asking a person (writes $CAIRN_OUTCOME_FILE)
+
+Other lines are only remembered (they are in the transcript).
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+
+FILLER = {"is", "was", "are", "were", "=", ":", "-", "to", "be", "will", "shall", "of", "it's"}
+
+
+def _clean(token):
+    start, end = 0, len(token)
+    while start < end and not token[start].isalnum():
+        start += 1
+    while end > start and not token[end - 1].isalnum():
+        end -= 1
+    return token[start:end]
+
+
+def recall(message, word):
+    tokens = message.split()
+    wanted = _clean(word).lower()
+    for i, token in enumerate(tokens):
+        if _clean(token).lower() != wanted:
+            continue
+        for t in tokens[i + 1:]:
+            value = _clean(t)
+            if value and value.lower() not in FILLER:
+                return f"the {wanted} was {value}"
+    return f"the first message said nothing about {wanted}"
+
+
+def _inside(cwd, path):
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{path!r} is not a relative path inside {cwd}")
+    return os.path.join(cwd, path)
+
+
+def _write(cwd, path, text, mode):
+    full = _inside(cwd, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, mode) as f:
+        f.write(text + "\n")
+    return full
+
+
+def _commit(cwd, path, text):
+    _write(cwd, path, text, "w")
+    git = ["git", "-c", "user.name=cairn test double", "-c", "user.email=double@cairn.invalid"]
+    inside = subprocess.run(git + ["rev-parse", "--is-inside-work-tree"], cwd=cwd,
+                            capture_output=True, text=True)
+    if inside.returncode != 0:
+        subprocess.run(git + ["init", "-q"], cwd=cwd, check=True)
+    subprocess.run(git + ["add", "--", path], cwd=cwd, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", f"test double: {path}"], cwd=cwd, check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def perform(message, cwd, first_message):
+    """Carries out the message's directives; returns (said lines, error or None)."""
+    said = []
+    for line in message.splitlines():
+        line = line.strip()
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        path, _, text = rest.partition(" ")
+        text = text.strip()
+        try:
+            if word == "commit" and path:
+                _commit(cwd, path, text)
+                said.append(f"committed {path}")
+            elif word == "edit" and path:
+                _write(cwd, path, text, "a")
+                said.append(f"edited {path}")
+            elif word == "recall" and rest:
+                said.append(recall(first_message, rest))
+            elif word == "ask" and rest:
+                outcome = os.environ.get("CAIRN_OUTCOME_FILE")
+                if not outcome:
+                    return said, "CAIRN_OUTCOME_FILE is not set"
+                os.makedirs(os.path.dirname(outcome), exist_ok=True)
+                with open(outcome, "w") as f:
+                    json.dump({"status": "needs_input", "question": rest}, f)
+                said.append(f"asked: {rest}")
+        except (OSError, ValueError, subprocess.CalledProcessError) as e:
+            return said, str(e)
+    return said, None
+
+
+def summary(said):
+    return "; ".join(said) if said else "nothing to do: the message had no directives"
+
+
+def credentials_seen(directory, files):
+    """Which credential files exist at their documented place: path and the
+    SHA-256 of the content (never the content)."""
+    seen = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                seen[name] = {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+    return seen
