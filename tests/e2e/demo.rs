@@ -27,7 +27,9 @@ fn cairnctl_demo_resumes_on_the_other_host_and_passes_its_checks() {
         .env("HOME", home.path())
         .env_remove("CAIRN_COORDINATOR")
         .env_remove("CAIRN_TOKEN")
-        .env_remove("CAIRN_FAILPOINTS"));
+        .env_remove("CAIRN_FAILPOINTS")
+        // As if started directly, not by `cargo run`: the binaries are built.
+        .env_remove("CARGO"));
     assert!(out.status.success(), "cairnctl demo failed: {out}");
     // The summary is the last JSON document on stdout (progress may precede it).
     let summary: Value = serde_json::from_str(out.stdout.trim())

@@ -38,11 +38,56 @@ const HOST_BIN: &str = "cairn-host";
 const RUNNER_BIN: &str = "cairn-runner";
 const AGENT_BIN: &str = "cairn-demo-agent";
 
+/// Under `cargo run` (cargo sets `CARGO` for the program it runs), builds
+/// the runner's binaries into `dir`, the same profile as this cairnctl, so
+/// `cargo run --release --bin cairnctl -- demo` needs nothing else. Returns
+/// whether it ran a build that left all of them there.
+fn build_with_cargo(dir: &Path) -> anyhow::Result<bool> {
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return Ok(false);
+    };
+    let profile = dir.file_name().and_then(|n| n.to_str());
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("the coordinator crate has no workspace directory")?;
+    let mut build = std::process::Command::new(cargo);
+    build
+        .arg("build")
+        .arg("--manifest-path")
+        .arg(workspace.join("Cargo.toml"))
+        // The whole workspace, as `scripts/test` builds it: building one
+        // package would unify features differently and rebuild dependencies.
+        .args(["--workspace", "--bins"]);
+    match profile {
+        Some("release") => {
+            build.arg("--release");
+        }
+        Some("debug") => {}
+        // Not a cargo profile directory: leave it to the person.
+        _ => return Ok(false),
+    }
+    eprintln!(
+        "building cairn-host, cairn-runner and cairn-demo-agent for the demo (cargo build --workspace --bins)"
+    );
+    build.stdout(Stdio::null());
+    let status = build
+        .status()
+        .context("cannot run cargo to build the demo's binaries")?;
+    anyhow::ensure!(
+        status.success(),
+        "building the demo's binaries failed ({status})"
+    );
+    Ok([HOST_BIN, RUNNER_BIN, AGENT_BIN]
+        .iter()
+        .all(|name| dir.join(name).is_file()))
+}
+
 impl Binaries {
     /// The binaries in `dir`, by default the directory of this `cairnctl`
     /// (cargo puts every binary of a build there). Missing ones are named,
     /// with the build command that makes them.
     pub fn find(dir: Option<PathBuf>) -> anyhow::Result<Self> {
+        let given = dir.is_some();
         let dir = match dir {
             Some(dir) => dir,
             None => std::env::current_exe()
@@ -51,10 +96,18 @@ impl Binaries {
                 .context("cairnctl's path has no directory")?
                 .to_owned(),
         };
-        let missing: Vec<&str> = [HOST_BIN, RUNNER_BIN, AGENT_BIN]
-            .into_iter()
-            .filter(|name| !dir.join(name).is_file())
-            .collect();
+        let missing = |dir: &Path| -> Vec<&'static str> {
+            [HOST_BIN, RUNNER_BIN, AGENT_BIN]
+                .into_iter()
+                .filter(|name| !dir.join(name).is_file())
+                .collect()
+        };
+        // Under cargo, build (or find up to date) the binaries of this same
+        // source, so a stale or absent cairn-host is never what the demo runs.
+        if !given {
+            build_with_cargo(&dir)?;
+        }
+        let missing = missing(&dir);
         if !missing.is_empty() {
             let build = if dir.file_name().is_some_and(|n| n == "debug") {
                 "cargo build --bins"
