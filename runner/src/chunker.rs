@@ -72,20 +72,11 @@ impl Granularity {
     }
 }
 
-/// Calls `on_chunk` with each chunk of `source`, in order. An empty source
-/// has no chunks. `size_hint` is the size the source is expected to have
-/// (it sizes buffers exactly; a wrong hint costs only copies). Returns how
-/// many bytes were read.
-pub fn for_each_chunk<R, F>(source: R, size_hint: u64, on_chunk: F) -> io::Result<u64>
-where
-    R: Read,
-    F: FnMut(Vec<u8>) -> io::Result<()>,
-{
-    for_each_chunk_with(Granularity::Standard, source, size_hint, on_chunk)
-}
-
-/// [`for_each_chunk`] at a chosen granularity.
-pub fn for_each_chunk_with<R, F>(
+/// Calls `on_chunk` with each chunk of `source`, cut at `granularity`, in
+/// order. An empty source has no chunks. `size_hint` is the size the source
+/// is expected to have (it sizes buffers exactly; a wrong hint costs only
+/// copies). Returns how many bytes were read.
+pub fn for_each_chunk<R, F>(
     granularity: Granularity,
     mut source: R,
     size_hint: u64,
@@ -128,8 +119,12 @@ mod tests {
     use super::*;
 
     fn chunk_digests(data: &[u8]) -> Vec<([u8; 32], usize)> {
+        chunk_digests_with(Granularity::Standard, data)
+    }
+
+    fn chunk_digests_with(granularity: Granularity, data: &[u8]) -> Vec<([u8; 32], usize)> {
         let mut out = Vec::new();
-        for_each_chunk(data, data.len() as u64, |c| {
+        for_each_chunk(granularity, data, data.len() as u64, |c| {
             out.push((Sha256::digest(&c).into(), c.len()));
             Ok(())
         })
@@ -181,16 +176,6 @@ mod tests {
         assert!(new_bytes <= 3 * (32 << 10), "{new_bytes} new bytes");
     }
 
-    fn chunk_digests_with(granularity: Granularity, data: &[u8]) -> Vec<([u8; 32], usize)> {
-        let mut out = Vec::new();
-        for_each_chunk_with(granularity, data, data.len() as u64, |c| {
-            out.push((Sha256::digest(&c).into(), c.len()));
-            Ok(())
-        })
-        .unwrap();
-        out
-    }
-
     #[test]
     fn small_files_are_one_chunk_and_empty_files_none() {
         assert!(chunk_digests(b"").is_empty());
@@ -204,7 +189,7 @@ mod tests {
     fn large_files_are_cut_within_the_limits_and_cover_every_byte() {
         let data = random_bytes(3 << 20, 2);
         let mut rebuilt = Vec::new();
-        let read = for_each_chunk(&data[..], 0, |c| {
+        let read = for_each_chunk(Granularity::Standard, &data[..], 0, |c| {
             assert!(c.len() <= MAX_CHUNK as usize);
             rebuilt.extend_from_slice(&c);
             Ok(())

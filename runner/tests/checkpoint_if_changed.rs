@@ -6,60 +6,17 @@
 //! (`cargo build -p cairn-coordinator`); without it the test says so and
 //! passes vacuously — the end-to-end suite builds and runs everything.
 
+mod attempt_support;
+
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use attempt_support::{coordinator_binary, start_coordinator};
 
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb;
 use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions};
 use cairn_runner::client::Coordinator;
-
-/// The coordinator process, killed and reaped when dropped.
-struct Server {
-    child: Child,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn coordinator_binary() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?.parent()?;
-    let binary = profile_dir.join("cairn-coordinator");
-    binary.is_file().then_some(binary)
-}
-
-/// Starts the coordinator; returns it, its gRPC address and the admin token.
-fn start(binary: &Path, data: &Path) -> (Server, String, String) {
-    let server = Server {
-        child: Command::new(binary)
-            .args(["serve", "--data-dir"])
-            .arg(data)
-            .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let endpoints = fs::read_to_string(data.join("endpoints.json")).ok();
-        let token = fs::read_to_string(data.join("admin.token")).ok();
-        if let (Some(endpoints), Some(token)) = (endpoints, token) {
-            let endpoints: serde_json::Value = serde_json::from_str(&endpoints).unwrap();
-            let grpc = endpoints["grpc"].as_str().unwrap().to_owned();
-            return (server, grpc, token.trim().to_owned());
-        }
-        assert!(Instant::now() < deadline, "the coordinator did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_changed_workspace_is_committed() {
@@ -70,7 +27,8 @@ async fn only_a_changed_workspace_is_committed() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (_server, grpc, token) = start(&binary, &dir.path().join("data"));
+    let (_server, grpc, token) =
+        start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
     let coordinator = Coordinator::connect(&grpc, Some(&token)).await.unwrap();
     let workspace = coordinator
         .workspaces

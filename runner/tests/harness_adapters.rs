@@ -1,416 +1,23 @@
 //! The `codex` and `gemini` adapters driven by the run state machine
 //! (`cairn_runner::run::run`), against the same fake RunnerService and
-//! snapshotting store as run_attempt.rs (copied here), with the Python test
-//! doubles in tests/doubles/ as the harnesses. The doubles honour each CLI's
-//! documented contract (flags, files, id reports, refusals) and remember
-//! earlier turns by reading their own transcripts; each turn also records its
-//! arguments and the credential files it saw (as SHA-256) in the transcript.
+//! snapshotting store as run_attempt.rs (both in attempt_support/), with the
+//! Python test doubles in tests/doubles/ as the harnesses. The doubles honour
+//! each CLI's documented contract (flags, files, id reports, refusals) and
+//! remember earlier turns by reading their own transcripts; each turn also
+//! records its arguments and the credential files it saw (as SHA-256) in the
+//! transcript.
 
-use std::collections::{BTreeMap, VecDeque};
+mod attempt_support;
+
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::ops::Deref;
 
+use attempt_support::*;
 use cairn_proto::domain::CheckpointReason;
-use cairn_proto::ids::BlobId;
-use cairn_proto::pb::runner_service_server::{RunnerService, RunnerServiceServer};
 use cairn_proto::pb::{self, AttemptPhase};
-use cairn_runner::checkpoint::{Baseline, CheckpointError};
-use cairn_runner::client::Coordinator;
-use cairn_runner::run::{
-    self, CheckpointRequest, Checkpointed, Control, Finished, Restored, RunOptions, StoreError,
-    StoreTarget, WorkspaceStore,
-};
-use futures::future::BoxFuture;
+use cairn_runner::run::Finished;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
-
-const TOKEN: &str = "run-token-1";
-const LIMIT: Duration = Duration::from_secs(60);
-
-/// One call the runner made.
-#[derive(Debug, Clone, PartialEq)]
-enum Call {
-    Claim,
-    Progress {
-        phase: AttemptPhase,
-        detail: String,
-        checkpoint: String,
-    },
-    Session {
-        harness: String,
-        id: String,
-    },
-    Waiting {
-        question: String,
-        checkpoint: String,
-        consumed: Vec<u64>,
-    },
-    WaitForInput,
-    Outcome(pb::ReportOutcomeRequest),
-}
-
-#[derive(Default)]
-struct FakeState {
-    spec: pb::AttemptSpec,
-    calls: Vec<Call>,
-    /// Answers handed out by WaitForInput, one batch per call, once waiting.
-    answers: VecDeque<Vec<pb::RunInput>>,
-    /// When set, every call after the claim is refused as superseded.
-    superseded: bool,
-}
-
-#[derive(Clone, Default)]
-struct FakeRunnerService(Arc<Mutex<FakeState>>);
-
-impl FakeRunnerService {
-    fn check<T>(&self, request: &Request<T>, call: Call) -> Result<(), Status> {
-        let auth = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if auth != Some(&format!("Bearer {TOKEN}")) {
-            return Err(Status::unauthenticated("no run token"));
-        }
-        let mut state = self.0.lock().unwrap();
-        let superseded = state.superseded && call != Call::Claim;
-        state.calls.push(call);
-        if superseded {
-            return Err(Status::failed_precondition(
-                "attempt 1 of run run-1 was superseded by attempt 2",
-            ));
-        }
-        Ok(())
-    }
-
-    fn calls(&self) -> Vec<Call> {
-        self.0.lock().unwrap().calls.clone()
-    }
-
-    fn outcome(&self) -> pb::ReportOutcomeRequest {
-        self.calls()
-            .into_iter()
-            .find_map(|c| match c {
-                Call::Outcome(o) => Some(o),
-                _ => None,
-            })
-            .expect("an outcome was reported")
-    }
-
-    fn details(&self, phase: AttemptPhase) -> Vec<String> {
-        self.calls()
-            .into_iter()
-            .filter_map(|c| match c {
-                Call::Progress {
-                    phase: p, detail, ..
-                } if p == phase => Some(detail),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn sessions(&self) -> Vec<String> {
-        self.calls()
-            .into_iter()
-            .filter_map(|c| match c {
-                Call::Session { id, .. } => Some(id),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// Waits (bounded) until `done` holds for the calls so far.
-    async fn until(&self, what: &str, done: impl Fn(&[Call]) -> bool) {
-        let deadline = tokio::time::Instant::now() + LIMIT;
-        while !done(&self.calls()) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "gave up waiting for {what}: {:#?}",
-                self.calls()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-#[tonic::async_trait]
-impl RunnerService for FakeRunnerService {
-    async fn claim_attempt(
-        &self,
-        request: Request<pb::ClaimAttemptRequest>,
-    ) -> Result<Response<pb::AttemptSpec>, Status> {
-        self.check(&request, Call::Claim)?;
-        Ok(Response::new(self.0.lock().unwrap().spec.clone()))
-    }
-
-    async fn report_progress(
-        &self,
-        request: Request<pb::ReportProgressRequest>,
-    ) -> Result<Response<pb::ReportAck>, Status> {
-        let r = request.get_ref();
-        let phase = AttemptPhase::try_from(r.phase).unwrap();
-        let call = Call::Progress {
-            phase,
-            detail: r.detail.clone(),
-            checkpoint: r.checkpoint_id.clone(),
-        };
-        self.check(&request, call)?;
-        Ok(Response::new(pb::ReportAck {}))
-    }
-
-    async fn report_harness_session(
-        &self,
-        request: Request<pb::ReportHarnessSessionRequest>,
-    ) -> Result<Response<pb::ReportAck>, Status> {
-        let r = request.get_ref();
-        self.check(
-            &request,
-            Call::Session {
-                harness: r.harness.clone(),
-                id: r.session_id.clone(),
-            },
-        )?;
-        Ok(Response::new(pb::ReportAck {}))
-    }
-
-    async fn report_waiting(
-        &self,
-        request: Request<pb::ReportWaitingRequest>,
-    ) -> Result<Response<pb::ReportWaitingResponse>, Status> {
-        let r = request.get_ref();
-        let call = Call::Waiting {
-            question: r.question.clone(),
-            checkpoint: r.checkpoint_id.clone(),
-            consumed: r.consumed_inputs.clone(),
-        };
-        self.check(&request, call)?;
-        Ok(Response::new(pb::ReportWaitingResponse {
-            hold_until: None,
-        }))
-    }
-
-    async fn wait_for_input(
-        &self,
-        request: Request<pb::WaitForInputRequest>,
-    ) -> Result<Response<pb::WaitForInputResponse>, Status> {
-        self.check(&request, Call::WaitForInput)?;
-        let timeout = cairn_proto::runs::from_proto_duration(
-            request.get_ref().timeout.as_ref().unwrap(),
-            "timeout",
-        )
-        .unwrap();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if let Some(inputs) = self.0.lock().unwrap().answers.pop_front() {
-                return Ok(Response::new(pb::WaitForInputResponse { inputs }));
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(Response::new(pb::WaitForInputResponse { inputs: vec![] }));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn report_outcome(
-        &self,
-        request: Request<pb::ReportOutcomeRequest>,
-    ) -> Result<Response<pb::ReportAck>, Status> {
-        let call = Call::Outcome(request.get_ref().clone());
-        self.check(&request, call)?;
-        Ok(Response::new(pb::ReportAck {}))
-    }
-}
-
-/// Serves the fake on a free local port; returns a Control carrying the run token.
-async fn serve(fake: &FakeRunnerService) -> Control {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let incoming = futures::stream::unfold(listener, |listener| async move {
-        let accepted = listener.accept().await.map(|(stream, _)| stream);
-        Some((accepted, listener))
-    });
-    let service = RunnerServiceServer::new(fake.clone());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(incoming),
-    );
-    let coordinator = Coordinator::connect(&address, Some(TOKEN)).await.unwrap();
-    Control::new(coordinator.auth_channel())
-}
-
-/// A checkpoint the store took: the reason and the workspace's files then.
-#[derive(Debug, Clone)]
-struct Snapshot {
-    id: String,
-    reason: CheckpointReason,
-    session: Option<String>,
-    files: BTreeMap<String, Vec<u8>>,
-}
-
-impl Snapshot {
-    fn text(&self, path: &str) -> Option<String> {
-        self.files
-            .get(path)
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-    }
-}
-
-#[derive(Default)]
-struct StoreState {
-    committed: Vec<Snapshot>,
-    /// Interval checkpoints skipped because nothing changed.
-    skipped: usize,
-    restores: usize,
-    targets: Vec<StoreTarget>,
-    /// Commits are refused as from a stale generation.
-    fenced: bool,
-}
-
-/// Checkpoints by copying every file's content (the root tree id is a
-/// digest of them); restores the newest copy into an emptied root.
-#[derive(Clone)]
-struct SnapshotStore {
-    root: PathBuf,
-    state: Arc<Mutex<StoreState>>,
-}
-
-fn read_tree(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
-    for entry in fs::read_dir(dir).unwrap() {
-        let entry = entry.unwrap();
-        let path = entry.path();
-        let kind = entry.file_type().unwrap();
-        if kind.is_dir() {
-            read_tree(root, &path, out);
-        } else if kind.is_file() {
-            let relative = path
-                .strip_prefix(root)
-                .unwrap()
-                .to_string_lossy()
-                .into_owned();
-            out.insert(relative, fs::read(&path).unwrap());
-        }
-    }
-}
-
-fn digest(files: &BTreeMap<String, Vec<u8>>) -> BlobId {
-    let mut hasher = Sha256::new();
-    for (path, content) in files {
-        hasher.update(path.as_bytes());
-        hasher.update([0]);
-        hasher.update(Sha256::digest(content));
-    }
-    BlobId(hasher.finalize().into())
-}
-
-impl SnapshotStore {
-    fn new(root: &Path) -> Self {
-        Self {
-            root: root.to_path_buf(),
-            state: Arc::default(),
-        }
-    }
-
-    fn committed(&self) -> Vec<Snapshot> {
-        self.state.lock().unwrap().committed.clone()
-    }
-
-    fn reasons(&self) -> Vec<CheckpointReason> {
-        self.committed().iter().map(|s| s.reason).collect()
-    }
-
-    fn excluded(&self, path: &str) -> bool {
-        let state = self.state.lock().unwrap();
-        let target = state
-            .targets
-            .last()
-            .expect("the store was made for an attempt");
-        target.excludes.iter().any(|pattern| {
-            let pattern = pattern.trim_start_matches('/');
-            match pattern.strip_suffix('*') {
-                Some(prefix) => path.starts_with(prefix),
-                // A trailing '/' names a directory and all below it.
-                None if pattern.ends_with('/') => path.starts_with(pattern),
-                None => path == pattern,
-            }
-        })
-    }
-}
-
-impl WorkspaceStore for SnapshotStore {
-    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>> {
-        Box::pin(async move {
-            let mut state = self.state.lock().unwrap();
-            state.restores += 1;
-            let Some(newest) = state.committed.last().cloned() else {
-                return Ok(Restored::NoCheckpoint);
-            };
-            if self.root.exists() {
-                fs::remove_dir_all(&self.root).unwrap();
-            }
-            for (path, content) in &newest.files {
-                let full = self.root.join(path);
-                fs::create_dir_all(full.parent().unwrap()).unwrap();
-                fs::write(full, content).unwrap();
-            }
-            Ok(Restored::Checkpoint {
-                id: newest.id.clone(),
-                root_tree: Some(digest(&newest.files)),
-                summary: format!("restored checkpoint {}", newest.id),
-            })
-        })
-    }
-
-    fn checkpoint(
-        &self,
-        request: CheckpointRequest,
-    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>> {
-        Box::pin(async move {
-            let mut files = BTreeMap::new();
-            read_tree(&self.root, &self.root, &mut files);
-            files.retain(|path, _| !self.excluded(path));
-            let root_tree = digest(&files);
-            let mut state = self.state.lock().unwrap();
-            if state.fenced {
-                return Err(StoreError::Checkpoint(CheckpointError::Rpc {
-                    call: "CommitCheckpoint",
-                    status: Status::failed_precondition(
-                        "generation 1 is older than the workspace's generation 2",
-                    ),
-                }));
-            }
-            let newest = state
-                .committed
-                .last()
-                .map(|s| s.id.clone())
-                .unwrap_or_default();
-            if let Some(Baseline {
-                checkpoint_id,
-                root_tree: before,
-            }) = &request.unless_unchanged
-                && *checkpoint_id == newest
-                && *before == root_tree
-            {
-                state.skipped += 1;
-                return Ok(None);
-            }
-            let id = format!("ck-{}", state.committed.len() + 1);
-            state.committed.push(Snapshot {
-                id: id.clone(),
-                reason: request.reason,
-                session: request.harness.map(|h| h.session_id),
-                files,
-            });
-            Ok(Some(Checkpointed {
-                id: id.clone(),
-                root_tree,
-                summary: format!("{} checkpoint {id}", request.reason),
-            }))
-        })
-    }
-}
 
 /// Which harness a test drives.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -488,81 +95,36 @@ impl Kind {
     }
 }
 
-/// A run's sandbox: a workspace root, the fake coordinator and the store.
+/// A run's sandbox (see `Harnessed`) for one kind of harness.
 struct Sandbox {
-    _dir: tempfile::TempDir,
+    harnessed: Harnessed,
     kind: Kind,
-    root: PathBuf,
-    credentials: PathBuf,
-    fake: FakeRunnerService,
-    store: SnapshotStore,
+}
+
+impl Deref for Sandbox {
+    type Target = Harnessed;
+
+    fn deref(&self) -> &Harnessed {
+        &self.harnessed
+    }
 }
 
 const CANARY: &str = "CANARY-7f3c9e1d-never-checkpoint-me";
 
 impl Sandbox {
     fn new(kind: Kind) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let base = fs::canonicalize(dir.path()).unwrap();
-        let root = base.join("workspace");
-        let credentials = base.join(format!("home/.{}", kind.name()));
-        fs::create_dir_all(&credentials).unwrap();
-        fs::write(
-            credentials.join(kind.credential_file()),
-            format!("{{\"secret\":\"{CANARY}\"}}"),
-        )
-        .unwrap();
-        git2::Repository::init(root.join("app")).unwrap();
-        let store = SnapshotStore::new(&root);
-        Self {
-            _dir: dir,
-            kind,
-            root,
-            credentials,
-            fake: FakeRunnerService::default(),
-            store,
-        }
-    }
-
-    fn harness(&self) -> pb::HarnessSpec {
-        pb::HarnessSpec {
-            name: self.kind.name().into(),
-            config: [
-                ("binary".to_owned(), self.kind.double()),
-                (
-                    "credentials_dir".to_owned(),
-                    self.credentials.to_string_lossy().into_owned(),
-                ),
-            ]
-            .into(),
-        }
+        let harnessed = Harnessed::new(
+            &format!("home/.{}", kind.name()),
+            kind.credential_file(),
+            &format!("{{\"secret\":\"{CANARY}\"}}"),
+        );
+        git2::Repository::init(harnessed.root.join("app")).unwrap();
+        Self { harnessed, kind }
     }
 
     fn attempt(&self, attempt: u32, prompt: &str) -> pb::AttemptSpec {
-        pb::AttemptSpec {
-            run_id: "run-1".into(),
-            attempt,
-            generation: u64::from(attempt),
-            workspace_id: "ws-1".into(),
-            station: "default".into(),
-            harness: Some(self.harness()),
-            prompt: prompt.into(),
-            inputs: vec![input(1, "prompt", prompt)],
-            hold: Some(cairn_proto::runs::to_proto_duration(Duration::from_secs(
-                300,
-            ))),
-            ..Default::default()
-        }
-    }
-
-    fn next(&self, spec: pb::AttemptSpec) {
-        let mut state = self.fake.0.lock().unwrap();
-        state.spec = spec;
-        state.calls.clear();
-    }
-
-    fn answer(&self, inputs: Vec<pb::RunInput>) {
-        self.fake.0.lock().unwrap().answers.push_back(inputs);
+        let harness = self.harness(self.kind.name(), &self.kind.double());
+        self.harnessed.attempt(attempt, prompt, harness)
     }
 
     async fn run(&self) -> Finished {
@@ -571,20 +133,7 @@ impl Sandbox {
 
     /// Runs one attempt; `shutdown` plays the host's SIGTERM.
     async fn run_until(&self, shutdown: CancellationToken) -> Finished {
-        let control = serve(&self.fake).await;
-        let store = self.store.clone();
-        let stores = move |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
-            store.state.lock().unwrap().targets.push(target);
-            Arc::new(store.clone())
-        };
-        let options = RunOptions {
-            wait_timeout: Duration::from_millis(300),
-            ..RunOptions::new(&self.root)
-        };
-        tokio::time::timeout(LIMIT, run::run(control, &stores, options, shutdown))
-            .await
-            .expect("the attempt ends")
-            .unwrap()
+        self.harnessed.run(shutdown).await.unwrap()
     }
 
     /// The transcript of `session` in the newest checkpoint.
@@ -601,15 +150,6 @@ impl Sandbox {
                     newest.files.keys().collect::<Vec<_>>()
                 )
             })
-    }
-}
-
-fn input(id: u64, kind: &str, text: &str) -> pb::RunInput {
-    pb::RunInput {
-        id,
-        kind: kind.into(),
-        text: text.into(),
-        created_at: None,
     }
 }
 
@@ -717,15 +257,7 @@ async fn another_host_resumes_the_conversation(kind: Kind) {
     let s = Sandbox::new(kind);
     s.next(s.attempt(1, PROMPT));
     // The question goes unanswered; the host stops the sandbox.
-    let shutdown = CancellationToken::new();
-    let (fake, stopper) = (s.fake.clone(), shutdown.clone());
-    tokio::spawn(async move {
-        fake.until("the runner to wait for input", |calls| {
-            calls.contains(&Call::WaitForInput)
-        })
-        .await;
-        stopper.cancel();
-    });
+    let shutdown = stop_once_waiting(&s.fake);
     assert_eq!(s.run_until(shutdown).await, Finished::Interrupted);
     let session = s.fake.sessions().pop().expect("a session was reported");
 

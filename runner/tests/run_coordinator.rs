@@ -9,12 +9,15 @@
 //! the run services; without it the test says so and passes vacuously (the
 //! end-to-end suite in tests/ builds and runs everything).
 
+mod attempt_support;
+
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+use attempt_support::{Reaped, coordinator_binary, start_coordinator};
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::pb::run_service_client::RunServiceClient;
@@ -24,48 +27,6 @@ use cairn_runner::restore::{self, NoProgress, RestoreOptions};
 const DEMO: &str = env!("CARGO_BIN_EXE_cairn-demo-agent");
 const RUNNER: &str = env!("CARGO_BIN_EXE_cairn-runner");
 const LIMIT: Duration = Duration::from_secs(90);
-
-/// A child process, killed and reaped when dropped.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn coordinator_binary() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let binary = exe.parent()?.parent()?.join("cairn-coordinator");
-    binary.is_file().then_some(binary)
-}
-
-/// Starts the coordinator; returns it, its gRPC address and the admin token.
-fn start_coordinator(binary: &Path, data: &Path) -> (Reaped, String, String) {
-    let server = Reaped(
-        Command::new(binary)
-            .args(["serve", "--data-dir"])
-            .arg(data)
-            .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let endpoints = fs::read_to_string(data.join("endpoints.json")).ok();
-        let token = fs::read_to_string(data.join("admin.token")).ok();
-        if let (Some(endpoints), Some(token)) = (endpoints, token) {
-            let endpoints: serde_json::Value = serde_json::from_str(&endpoints).unwrap();
-            let grpc = endpoints["grpc"].as_str().unwrap().to_owned();
-            return (server, grpc, token.trim().to_owned());
-        }
-        assert!(Instant::now() < deadline, "the coordinator did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// This test as a host: heartbeats, takes assignments, runs the runner.
 struct Host {
@@ -131,22 +92,13 @@ impl Host {
 
     /// Destroys a sandbox the way cairn-host does: SIGTERM, wait, report.
     fn destroy(&mut self, sandbox_id: &str) -> ExitStatus {
-        let (assignment, mut child) = self
+        let (assignment, child) = self
             .sandboxes
             .remove(sandbox_id)
             .expect("a sandbox of this host");
         // SAFETY: signalling a child we started.
         unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
-        let status = child.0.wait().unwrap();
-        self.ended.push(pb::SandboxReport {
-            sandbox_id: assignment.sandbox_id,
-            run_id: assignment.run_id,
-            attempt: assignment.attempt,
-            state: pb::SandboxState::Destroyed as i32,
-            exit_code: status.code().unwrap_or(-1),
-            detail: String::new(),
-        });
-        status
+        self.end(assignment, child, pb::SandboxState::Destroyed)
     }
 
     /// Reports sandboxes whose runner exited on its own.
@@ -158,19 +110,29 @@ impl Host {
             .collect();
         done.into_iter()
             .map(|id| {
-                let (assignment, mut child) = self.sandboxes.remove(&id).unwrap();
-                let status = child.0.wait().unwrap();
-                self.ended.push(pb::SandboxReport {
-                    sandbox_id: assignment.sandbox_id,
-                    run_id: assignment.run_id,
-                    attempt: assignment.attempt,
-                    state: pb::SandboxState::Exited as i32,
-                    exit_code: status.code().unwrap_or(-1),
-                    detail: String::new(),
-                });
-                status
+                let (assignment, child) = self.sandboxes.remove(&id).unwrap();
+                self.end(assignment, child, pb::SandboxState::Exited)
             })
             .collect()
+    }
+
+    /// Reaps a sandbox's runner and remembers the sandbox as ended in `state`.
+    fn end(
+        &mut self,
+        assignment: pb::Assignment,
+        mut child: Reaped,
+        state: pb::SandboxState,
+    ) -> ExitStatus {
+        let status = child.0.wait().unwrap();
+        self.ended.push(pb::SandboxReport {
+            sandbox_id: assignment.sandbox_id,
+            run_id: assignment.run_id,
+            attempt: assignment.attempt,
+            state: state as i32,
+            exit_code: status.code().unwrap_or(-1),
+            detail: String::new(),
+        });
+        status
     }
 
     /// Heartbeats (starting assignments, carrying out destroy orders) until
@@ -266,7 +228,7 @@ async fn world(base: &Path) -> World {
         "no cairn-coordinator binary next to the tests: build it first (scripts/test does: \
          cargo build --workspace --bins)",
     );
-    let (server, grpc, token) = start_coordinator(&binary, &base.join("data"));
+    let (server, grpc, token) = start_coordinator(&binary, &base.join("data"), LIMIT);
     let coordinator = Coordinator::connect(&grpc, Some(&token)).await.unwrap();
     let mut hosts = HostServiceClient::new(coordinator.auth_channel());
     let registered = hosts
@@ -328,6 +290,37 @@ fn terminal(run: &pb::Run) -> bool {
     )
 }
 
+/// Heartbeats until the run waits for an answer.
+async fn until_waiting(
+    host: &mut Host,
+    runs: &mut RunServiceClient<AuthChannel>,
+    run_id: &str,
+) -> pb::Run {
+    host.until(runs, run_id, "the run to wait", |r| {
+        state(r) == pb::RunState::Waiting
+    })
+    .await
+}
+
+/// Answers the run's question (the answer makes the demo agent recall the
+/// codeword) and heartbeats until the run ends, which it must do succeeding.
+async fn answer_until_succeeded(
+    host: &mut Host,
+    runs: &mut RunServiceClient<AuthChannel>,
+    run_id: &str,
+) -> pb::Run {
+    runs.answer_run(pb::AnswerRunRequest {
+        run_id: run_id.into(),
+        text: "Blue.\nrecall codeword".into(),
+    })
+    .await
+    .unwrap();
+    let done = host.until(runs, run_id, "the run to end", terminal).await;
+    assert_eq!(state(&done), pb::RunState::Succeeded, "{done:#?}");
+    assert_eq!(done.summary, "the codeword was PELICAN");
+    done
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_asks_is_suspended_answered_and_resumes_from_its_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -341,11 +334,7 @@ async fn a_run_asks_is_suspended_answered_and_resumes_from_its_checkpoint() {
         url,
     } = world(&base).await;
 
-    let waiting = host
-        .until(&mut runs, &created.id, "the run to wait", |r| {
-            state(r) == pb::RunState::Waiting
-        })
-        .await;
+    let waiting = until_waiting(&mut host, &mut runs, &created.id).await;
     assert_eq!(waiting.question, "Which colour should the button be?");
     assert_eq!(
         waiting.attempts[0].prepare,
@@ -368,17 +357,7 @@ async fn a_run_asks_is_suspended_answered_and_resumes_from_its_checkpoint() {
         .await;
     assert!(host.sandboxes.is_empty(), "the sandbox was destroyed");
 
-    runs.answer_run(pb::AnswerRunRequest {
-        run_id: created.id.clone(),
-        text: "Blue.\nrecall codeword".into(),
-    })
-    .await
-    .unwrap();
-    let done = host
-        .until(&mut runs, &created.id, "the run to end", terminal)
-        .await;
-    assert_eq!(state(&done), pb::RunState::Succeeded, "{done:#?}");
-    assert_eq!(done.summary, "the codeword was PELICAN");
+    let done = answer_until_succeeded(&mut host, &mut runs, &created.id).await;
     assert_eq!(done.harness_session_id, session, "the same conversation");
     assert_eq!(done.attempts.len(), 2);
     assert_eq!(
@@ -456,22 +435,9 @@ async fn an_answer_within_the_hold_reaches_the_same_sandbox() {
         run: created,
         ..
     } = world(&base).await;
-    host.until(&mut runs, &created.id, "the run to wait", |r| {
-        state(r) == pb::RunState::Waiting
-    })
-    .await;
+    until_waiting(&mut host, &mut runs, &created.id).await;
     let sandbox: Vec<String> = host.sandboxes.keys().cloned().collect();
-    runs.answer_run(pb::AnswerRunRequest {
-        run_id: created.id.clone(),
-        text: "Blue.\nrecall codeword".into(),
-    })
-    .await
-    .unwrap();
-    let done = host
-        .until(&mut runs, &created.id, "the run to end", terminal)
-        .await;
-    assert_eq!(state(&done), pb::RunState::Succeeded, "{done:#?}");
-    assert_eq!(done.summary, "the codeword was PELICAN");
+    let done = answer_until_succeeded(&mut host, &mut runs, &created.id).await;
     assert_eq!(done.attempts.len(), 1, "the same attempt, no restore");
     assert_eq!(done.attempts[0].sandbox_id, sandbox[0]);
     assert!(done.attempts[0].restored_checkpoint_id.is_empty());

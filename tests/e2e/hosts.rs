@@ -310,17 +310,7 @@ fn sigterm_to_a_runner_checkpoints_before_it_exits_and_cancel_destroys_the_sandb
         destroy.generation, term_attempt.generation,
         "cut by the signalled attempt"
     );
-    let tmp = tempdir("sigterm");
-    let checkout = tmp.path().join("checkout");
-    run(fleet
-        .coordinator
-        .client()
-        .ctl()
-        .arg("checkout")
-        .arg(&terminated.workspace_id)
-        .arg(&checkout)
-        .args(["--checkpoint", &destroy.id]))
-    .assert_success();
+    let (_tmp, checkout) = fleet.checkout(&terminated.workspace_id, &destroy.id);
     assert_eq!(
         std::fs::read_to_string(checkout.join("kept.txt"))
             .ok()

@@ -13,7 +13,7 @@ use cairn_e2e::fleet::{
     Fleet, HostOptions, checkpoint_reason, codeword, describe_event, event_state, git_status,
     sandbox_processes, state_of,
 };
-use cairn_e2e::{git, run, tempdir};
+use cairn_e2e::git;
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptState, RunState, to_proto_duration};
 
@@ -223,17 +223,7 @@ fn hold_expiry_suspends_and_the_answer_resumes_the_conversation_on_another_host(
     );
 
     // The checkpoint itself, checked out by a user.
-    let tmp = tempdir("held-checkout");
-    let checkout = tmp.path().join("checkout");
-    run(fleet
-        .coordinator
-        .client()
-        .ctl()
-        .arg("checkout")
-        .arg(&workspace)
-        .arg(&checkout)
-        .args(["--checkpoint", &newest_before_answer.id]))
-    .assert_success();
+    let (_tmp, checkout) = fleet.checkout(&workspace, &newest_before_answer.id);
     assert_first_turn_work(&checkout, "the checkout of the restored checkpoint");
     let transcript = checkout
         .join(".cairn/state/claude/projects/-workspace")

@@ -562,6 +562,25 @@ exec '{agent}' "$@"
         self.coordinator.list_checkpoints(workspace)
     }
 
+    /// `cairnctl checkout WORKSPACE DIR --checkpoint CHECKPOINT` into a new
+    /// temporary directory; returns it (kept alive) and the checkout's path.
+    #[track_caller]
+    pub fn checkout(&self, workspace: &str, checkpoint: &str) -> (TempDir, PathBuf) {
+        let tmp = tempdir("checkout");
+        let dir = tmp.path().join("checkout");
+        crate::run(
+            self.coordinator
+                .client()
+                .ctl()
+                .arg("checkout")
+                .arg(workspace)
+                .arg(&dir)
+                .args(["--checkpoint", checkpoint]),
+        )
+        .assert_success();
+        (tmp, dir)
+    }
+
     /// Waits until no process of sandbox `sandbox_id` is left and its
     /// directory on `host` is gone.
     #[track_caller]

@@ -17,8 +17,8 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
 use super::runs::{
-    EndCause, EventDraft, add_event, end_attempt, event_reason, load_run, order_destroy,
-    sandbox_gone,
+    EndCause, EventDraft, Run, end_attempt, event_reason, load_run, release_sandbox, sandbox_gone,
+    set_state_reason,
 };
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
@@ -247,6 +247,63 @@ async fn attempts_on_host(
         .collect()
 }
 
+/// The run of an attempt found on a host.
+async fn run_of_attempt(conn: &mut SqliteConnection, run_id: &RunId) -> Result<Run, DbError> {
+    load_run(conn, run_id)
+        .await?
+        .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))
+}
+
+/// Why every sandbox on a host is ordered destroyed.
+#[derive(Clone, Copy)]
+enum HostRelease {
+    /// The operator drains it (the run's state reason says so too).
+    Draining,
+    /// The host agent is shutting down.
+    Stopping,
+}
+
+/// Orders destroyed every sandbox on `host` not already ended or ordered,
+/// recording why on each run.
+async fn release_host_sandboxes(
+    tx: &mut WriteTx,
+    host: &Host,
+    release: HostRelease,
+    now: i64,
+) -> Result<(), DbError> {
+    let (doing, word, order) = match release {
+        HostRelease::Draining => (
+            "is draining",
+            event_reason::DRAINING,
+            destroy_reason::DRAINING,
+        ),
+        HostRelease::Stopping => (
+            "is shutting down",
+            event_reason::HOST_STOPPING,
+            destroy_reason::HOST_STOPPING,
+        ),
+    };
+    for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
+        let mut run = run_of_attempt(tx.conn(), &run_id).await?;
+        let Some(attempt) = run.attempt(number).cloned() else {
+            continue;
+        };
+        if attempt.is_ended() || attempt.destroy_reason.is_some() {
+            continue;
+        }
+        let reason = format!(
+            "host {} {doing}; releasing sandbox {}",
+            host.id, attempt.sandbox_id
+        );
+        if matches!(release, HostRelease::Draining) {
+            set_state_reason(tx, &mut run, &reason).await?;
+        }
+        let event = EventDraft::new(word, reason);
+        release_sandbox(tx, &mut run, &attempt, event, order, now).await?;
+    }
+    Ok(())
+}
+
 impl MetadataStore {
     /// Registers a host, or registers it again under its old id (it is no
     /// longer lost; its operator state stays).
@@ -375,13 +432,9 @@ impl MetadataStore {
             };
             let run_id: RunId = parse_column(&run_id, "run id")?;
             let number: u32 = unsigned(number, "attempt")?;
-            let mut run = load_run(tx.conn(), &run_id)
-                .await?
-                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+            let mut run = run_of_attempt(tx.conn(), &run_id).await?;
             let attempt = run
-                .attempts
-                .iter()
-                .find(|a| a.number == number)
+                .attempt(number)
                 .cloned()
                 .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
             if report.state.is_gone() {
@@ -426,10 +479,8 @@ impl MetadataStore {
 
         // Sandboxes the host did not mention this time.
         for (run_id, number) in attempts_on_host(tx.conn(), host_id).await? {
-            let mut run = load_run(tx.conn(), &run_id)
-                .await?
-                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
-            let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+            let mut run = run_of_attempt(tx.conn(), &run_id).await?;
+            let Some(attempt) = run.attempt(number).cloned() else {
                 continue;
             };
             if reported.contains(&attempt.sandbox_id) {
@@ -546,36 +597,7 @@ impl MetadataStore {
             .execute(tx.conn())
             .await
             .map_err(query_error("drain host"))?;
-        for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
-            let mut run = load_run(tx.conn(), &run_id)
-                .await?
-                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
-            let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
-                continue;
-            };
-            if attempt.is_ended() || attempt.destroy_reason.is_some() {
-                continue;
-            }
-            let reason = format!(
-                "host {} is draining; releasing sandbox {}",
-                host.id, attempt.sandbox_id
-            );
-            sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
-                .bind(&reason)
-                .bind(run_id.as_str())
-                .execute(tx.conn())
-                .await
-                .map_err(query_error("update run state reason"))?;
-            run.state_reason = reason.clone();
-            add_event(
-                &mut tx,
-                &run,
-                EventDraft::new(event_reason::DRAINING, reason).of(&attempt),
-                now,
-            )
-            .await?;
-            order_destroy(&mut tx, &mut run, number, destroy_reason::DRAINING, now).await?;
-        }
+        release_host_sandboxes(&mut tx, &host, HostRelease::Draining, now).await?;
         let host = load_host(tx.conn(), &host.id)
             .await?
             .ok_or_else(|| DbError::Corrupt("a host vanished while it was drained".into()))?;
@@ -593,30 +615,7 @@ async fn stop_host(tx: &mut WriteTx, host: &Host, now: i64) -> Result<(), DbErro
         .execute(tx.conn())
         .await
         .map_err(query_error("mark host stopping"))?;
-    for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
-        let mut run = load_run(tx.conn(), &run_id)
-            .await?
-            .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
-        let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
-            continue;
-        };
-        if attempt.is_ended() || attempt.destroy_reason.is_some() {
-            continue;
-        }
-        let reason = format!(
-            "host {} is shutting down; releasing sandbox {}",
-            host.id, attempt.sandbox_id
-        );
-        add_event(
-            tx,
-            &run,
-            EventDraft::new(event_reason::HOST_STOPPING, reason).of(&attempt),
-            now,
-        )
-        .await?;
-        order_destroy(tx, &mut run, number, destroy_reason::HOST_STOPPING, now).await?;
-    }
-    Ok(())
+    release_host_sandboxes(tx, host, HostRelease::Stopping, now).await
 }
 
 /// Used by the scheduler: the hosts whose lease ran out are marked lost and
@@ -634,9 +633,7 @@ pub(super) async fn lose_host(
         .await
         .map_err(query_error("mark host lost"))?;
     for (run_id, number) in attempts_on_host(tx.conn(), host).await? {
-        let mut run = load_run(tx.conn(), &run_id)
-            .await?
-            .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+        let mut run = run_of_attempt(tx.conn(), &run_id).await?;
         end_attempt(tx, &mut run, number, EndCause::HostLost { lease }, now).await?;
     }
     Ok(())

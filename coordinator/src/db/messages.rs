@@ -13,7 +13,8 @@ use cairn_proto::runs::RunState;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-use super::runs::{EventDraft, Run, add_event, event_reason, load_run, transition};
+use super::runs::{EventDraft, Run, add_event, event_reason, load_run, next_input_id, transition};
+use super::workspaces::ensure_active_workspace;
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, unsigned};
 
 /// The kind of the inputs chat messages become (`RunInput.kind`).
@@ -95,12 +96,7 @@ async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
 
 /// Makes message `message` an input of `run`.
 async fn deliver(tx: &mut WriteTx, run: &Run, message: i64, now: i64) -> Result<(), DbError> {
-    let next: i64 =
-        sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
-            .bind(run.id.as_str())
-            .fetch_one(tx.conn())
-            .await
-            .map_err(query_error("next input id"))?;
+    let next = next_input_id(tx, &run.id).await?;
     sqlx::query(
         "INSERT INTO run_inputs (run_id, id, kind, text, created_at)
          SELECT $1, $2, $3, text, $4 FROM workspace_messages WHERE id = $5",
@@ -215,7 +211,7 @@ pub(super) async fn note_unheard_messages(
             if unheard == 1 { "it" } else { "them" }
         ),
     );
-    if let Some(attempt) = run.attempts.iter().find(|a| a.number == number) {
+    if let Some(attempt) = run.attempt(number) {
         event = event.of(attempt);
     }
     add_event(tx, run, event, now).await
@@ -235,22 +231,7 @@ impl MetadataStore {
     ) -> Result<Message, DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let state: Option<String> =
-            sqlx::query_scalar("SELECT state FROM workspaces WHERE id = $1 AND tenant = $2")
-                .bind(workspace.as_str())
-                .bind(tenant.as_str())
-                .fetch_optional(tx.conn())
-                .await
-                .map_err(query_error("find workspace"))?;
-        let state = state.ok_or_else(|| DbError::WorkspaceNotFound(workspace.to_string()))?;
-        let state: cairn_proto::domain::WorkspaceState =
-            super::parse_column(&state, "workspace state")?;
-        if state != cairn_proto::domain::WorkspaceState::Active {
-            return Err(DbError::WorkspaceNotActive {
-                id: workspace.clone(),
-                state,
-            });
-        }
+        ensure_active_workspace(tx.conn(), tenant, workspace, "find workspace").await?;
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO workspace_messages (workspace_id, station, text, created_at)
              VALUES ($1, $2, $3, $4) RETURNING id",

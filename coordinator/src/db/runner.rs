@@ -13,10 +13,11 @@ use cairn_proto::runs::{AttemptPhase, AttemptState, Outcome, RunState};
 
 use super::runs::{
     Attempt, EventDraft, OutcomeReport, ProgressReport, Run, RunInput, SessionRecord,
-    StartedAttempt, add_event, event_reason, load_run, pending_inputs, set_attempt_state,
-    transition,
+    StartedAttempt, add_event, event_reason, load_run, mark_attempt_ended, pending_inputs,
+    set_attempt_state, transition,
 };
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
+use sqlx::SqliteConnection;
 
 /// The attempt a runner speaks for, if it is the run's current one and has
 /// not ended.
@@ -37,6 +38,19 @@ fn runner_attempt(run: &Run, number: u32) -> Result<Attempt, DbError> {
         )));
     }
     Ok(attempt.clone())
+}
+
+/// The run and the attempt a runner speaks for (see [`runner_attempt`]).
+async fn load_runner_attempt(
+    conn: &mut SqliteConnection,
+    run_id: &RunId,
+    number: u32,
+) -> Result<(Run, Attempt), DbError> {
+    let run = load_run(conn, run_id)
+        .await?
+        .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
+    let attempt = runner_attempt(&run, number)?;
+    Ok((run, attempt))
 }
 
 /// Whether the run's state may still follow its runner's reports: not once
@@ -130,10 +144,7 @@ impl MetadataStore {
     ) -> Result<StartedAttempt, DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        let attempt = runner_attempt(&run, number)?;
+        let (mut run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
         if attempt.state == AttemptState::Assigned {
             set_attempt_state(&mut tx, &mut run, number, AttemptState::Starting).await?;
             let event = EventDraft::new(
@@ -203,10 +214,7 @@ impl MetadataStore {
     ) -> Result<(), DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        let attempt = runner_attempt(&run, number)?;
+        let (mut run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
         let checkpoint = report
             .checkpoint
             .as_ref()
@@ -317,10 +325,7 @@ impl MetadataStore {
     ) -> Result<(), DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        let attempt = runner_attempt(&run, number)?;
+        let (mut run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
         sqlx::query(
             "INSERT INTO workspace_sessions (workspace_id, station, harness, session_id, run_id, updated_at)
              VALUES ($1, $2, $3, $4, $5, $6)
@@ -374,10 +379,7 @@ impl MetadataStore {
         let now_time = SystemTime::now();
         let now = millis(now_time);
         let mut tx = self.begin_write().await?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        let attempt = runner_attempt(&run, number)?;
+        let (mut run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
         consume_inputs(&mut tx, &run, number, consumed, now).await?;
         if let Some(id) = checkpoint {
             set_last_checkpoint(&mut tx, &mut run, id).await?;
@@ -425,10 +427,7 @@ impl MetadataStore {
         number: u32,
     ) -> Result<Vec<RunInput>, DbError> {
         let mut conn = self.pool.acquire().await.map_err(query_error("inputs"))?;
-        let run = load_run(&mut conn, run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        runner_attempt(&run, number)?;
+        load_runner_attempt(&mut conn, run_id, number).await?;
         pending_inputs(&mut conn, run_id).await
     }
 
@@ -452,10 +451,7 @@ impl MetadataStore {
         let checkpoint = checkpoint.as_ref();
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::NotFound(format!("run {run_id} does not exist")))?;
-        let attempt = runner_attempt(&run, number)?;
+        let (mut run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
         consume_inputs(&mut tx, &run, number, consumed, now).await?;
         if let Some(id) = checkpoint {
             set_last_checkpoint(&mut tx, &mut run, id).await?;
@@ -467,7 +463,7 @@ impl MetadataStore {
             .execute(tx.conn())
             .await
             .map_err(query_error("record outcome"))?;
-        if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+        if let Some(a) = run.attempt_mut(number) {
             a.outcome = Some(outcome);
         }
         if !summary.is_empty() {
@@ -520,22 +516,7 @@ impl MetadataStore {
                         error.to_owned(),
                     )
                 };
-                sqlx::query(
-                    "UPDATE attempts SET state = $1, ended_at = $2, end_reason = $3 WHERE run_id = $4 AND number = $5",
-                )
-                .bind(AttemptState::Ended.as_str())
-                .bind(now)
-                .bind(&end_reason)
-                .bind(run_id.as_str())
-                .bind(i64::from(number))
-                .execute(tx.conn())
-                .await
-                .map_err(query_error("end attempt"))?;
-                if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
-                    a.state = AttemptState::Ended;
-                    a.ended_at = Some(from_millis(now));
-                    a.end_reason = end_reason;
-                }
+                mark_attempt_ended(&mut tx, &mut run, number, &end_reason, now).await?;
                 let event = EventDraft::new(word, why.clone())
                     .of(&attempt)
                     .checkpoint(&checkpoint_text);

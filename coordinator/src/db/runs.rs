@@ -23,7 +23,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
-use cairn_proto::domain::WorkspaceState;
 use cairn_proto::ids::{CheckpointId, Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptPhase, AttemptState, Labels, Outcome, RunState, SandboxState};
@@ -33,6 +32,7 @@ use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 use super::checkpoints::push_in_list;
 use super::hosts::destroy_reason;
+use super::workspaces::{ensure_active_workspace, insert_workspace};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
     unsigned,
@@ -139,6 +139,15 @@ impl Run {
     /// The newest attempt unless it ended.
     pub fn active_attempt(&self) -> Option<&Attempt> {
         self.current_attempt().filter(|a| !a.is_ended())
+    }
+
+    /// Attempt `number`, if the run has it.
+    pub fn attempt(&self, number: u32) -> Option<&Attempt> {
+        self.attempts.iter().find(|a| a.number == number)
+    }
+
+    pub(super) fn attempt_mut(&mut self, number: u32) -> Option<&mut Attempt> {
+        self.attempts.iter_mut().find(|a| a.number == number)
     }
 }
 
@@ -568,7 +577,7 @@ pub(super) async fn set_attempt_state(
         .execute(tx.conn())
         .await
         .map_err(query_error("update attempt state"))?;
-    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+    if let Some(a) = run.attempt_mut(number) {
         a.state = state;
     }
     Ok(())
@@ -621,6 +630,33 @@ fn describe_exit(code: i32) -> String {
     }
 }
 
+/// Records attempt `number` of `run` as ended for `end_reason` (the row and `run`).
+pub(super) async fn mark_attempt_ended(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    number: u32,
+    end_reason: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "UPDATE attempts SET state = $1, ended_at = $2, end_reason = $3 WHERE run_id = $4 AND number = $5",
+    )
+    .bind(AttemptState::Ended.as_str())
+    .bind(now)
+    .bind(end_reason)
+    .bind(run.id.as_str())
+    .bind(i64::from(number))
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("end attempt"))?;
+    if let Some(a) = run.attempt_mut(number) {
+        a.state = AttemptState::Ended;
+        a.ended_at = Some(from_millis(now));
+        a.end_reason = end_reason.to_owned();
+    }
+    Ok(())
+}
+
 /// Ends the run's current attempt (if it is not ended yet) and moves the run
 /// on: released, requeued, or failed when infrastructure failures reached
 /// max_attempts.
@@ -631,7 +667,7 @@ pub(super) async fn end_attempt(
     cause: EndCause,
     now: i64,
 ) -> Result<(), DbError> {
-    let Some(attempt) = run.attempts.iter().find(|a| a.number == number).cloned() else {
+    let Some(attempt) = run.attempt(number).cloned() else {
         return Err(DbError::Corrupt(format!(
             "run {} has no attempt {number}",
             run.id
@@ -681,22 +717,7 @@ pub(super) async fn end_attempt(
             ),
         ),
     };
-    sqlx::query(
-        "UPDATE attempts SET state = $1, ended_at = $2, end_reason = $3 WHERE run_id = $4 AND number = $5",
-    )
-    .bind(AttemptState::Ended.as_str())
-    .bind(now)
-    .bind(&end_reason)
-    .bind(run.id.as_str())
-    .bind(i64::from(number))
-    .execute(tx.conn())
-    .await
-    .map_err(query_error("end attempt"))?;
-    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
-        a.state = AttemptState::Ended;
-        a.ended_at = Some(from_millis(now));
-        a.end_reason = end_reason.clone();
-    }
+    mark_attempt_ended(tx, run, number, &end_reason, now).await?;
 
     let waiting = run.state == RunState::Waiting;
     let step = if run.state.is_terminal() {
@@ -776,7 +797,7 @@ pub(super) async fn sandbox_gone(
     .execute(tx.conn())
     .await
     .map_err(query_error("record sandbox gone"))?;
-    if let Some(a) = run.attempts.iter_mut().find(|a| a.number == number) {
+    if let Some(a) = run.attempt_mut(number) {
         a.sandbox_state = Some(state);
         a.exit_code = Some(exit_code);
         a.sandbox_gone_at.get_or_insert(from_millis(now));
@@ -809,7 +830,7 @@ pub(super) async fn order_destroy(
     .execute(tx.conn())
     .await
     .map_err(query_error("order destroy"))?;
-    let Some(attempt) = run.attempts.iter_mut().find(|a| a.number == number) else {
+    let Some(attempt) = run.attempt_mut(number) else {
         return Ok(());
     };
     attempt
@@ -833,6 +854,44 @@ pub(super) async fn order_destroy(
     Ok(())
 }
 
+/// Records why the run is in its state, without changing the state.
+pub(super) async fn set_state_reason(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    reason: &str,
+) -> Result<(), DbError> {
+    sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
+        .bind(reason)
+        .bind(run.id.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("update run state reason"))?;
+    run.state_reason = reason.to_owned();
+    Ok(())
+}
+
+/// Records `event` of `attempt` and orders its sandbox destroyed for `order`.
+pub(super) async fn release_sandbox(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    attempt: &Attempt,
+    event: EventDraft,
+    order: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    add_event(tx, run, event.of(attempt), now).await?;
+    order_destroy(tx, run, attempt.number, order, now).await
+}
+
+/// The id the run's next input gets.
+pub(super) async fn next_input_id(tx: &mut WriteTx, run: &RunId) -> Result<i64, DbError> {
+    sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
+        .bind(run.as_str())
+        .fetch_one(tx.conn())
+        .await
+        .map_err(query_error("next input id"))
+}
+
 impl MetadataStore {
     /// Creates a queued run (and its workspace, when asked). A workspace that
     /// is not active, or that already has a run that has not ended, is
@@ -842,22 +901,7 @@ impl MetadataStore {
         let mut tx = self.begin_write().await?;
         let workspace = match &new.target {
             NewRunTarget::Workspace(id) => {
-                let state: Option<String> = sqlx::query_scalar(
-                    "SELECT state FROM workspaces WHERE id = $1 AND tenant = $2",
-                )
-                .bind(id.as_str())
-                .bind(tenant.as_str())
-                .fetch_optional(tx.conn())
-                .await
-                .map_err(query_error("find workspace"))?;
-                let state = state.ok_or_else(|| DbError::WorkspaceNotFound(id.to_string()))?;
-                let state: WorkspaceState = parse_column(&state, "workspace state")?;
-                if state != WorkspaceState::Active {
-                    return Err(DbError::WorkspaceNotActive {
-                        id: id.clone(),
-                        state,
-                    });
-                }
+                ensure_active_workspace(tx.conn(), tenant, id, "find workspace").await?;
                 let busy: Option<(String, String)> = sqlx::query_as(
                     "SELECT id, state FROM runs WHERE workspace_id = $1
                      AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
@@ -875,30 +919,9 @@ impl MetadataStore {
             }
             NewRunTarget::NewWorkspace(name) => {
                 let id = WorkspaceId::generate();
-                let result = sqlx::query(
-                    "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
-                     VALUES ($1, $2, $3, $4, $5, 0, $6, $6)",
-                )
-                .bind(id.as_str())
-                .bind(tenant.as_str())
-                .bind(name.as_deref())
-                .bind(WorkspaceState::Active.as_str())
-                .bind(signed(super::workspaces::FIRST_GENERATION.0, "generation")?)
-                .bind(now)
-                .execute(tx.conn())
-                .await;
-                match result {
-                    Ok(_) => id,
-                    Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-                        return Err(DbError::NameTaken(name.clone().unwrap_or_default()));
-                    }
-                    Err(source) => {
-                        return Err(DbError::Query {
-                            op: "insert workspace",
-                            source,
-                        });
-                    }
-                }
+                let op = "insert workspace";
+                insert_workspace(tx.conn(), &id, tenant, name.as_deref(), 0, now, op).await?;
+                id
             }
         };
         let id = RunId::generate();
@@ -1052,12 +1075,7 @@ impl MetadataStore {
                 run.state
             )));
         }
-        let next: i64 =
-            sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
-                .bind(id.as_str())
-                .fetch_one(tx.conn())
-                .await
-                .map_err(query_error("next input id"))?;
+        let next = next_input_id(&mut tx, id).await?;
         sqlx::query(
             "INSERT INTO run_inputs (run_id, id, kind, text, created_at) VALUES ($1, $2, $3, $4, $5)",
         )
@@ -1140,24 +1158,13 @@ impl MetadataStore {
                 })?;
                 if attempt.destroy_reason.is_none() {
                     let reason = format!("{why}; releasing sandbox {}", attempt.sandbox_id);
-                    sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
-                        .bind(&reason)
-                        .bind(id.as_str())
-                        .execute(tx.conn())
-                        .await
-                        .map_err(query_error("update run state reason"))?;
-                    run.state_reason = reason.clone();
-                    add_event(
-                        &mut tx,
-                        &run,
-                        EventDraft::new(event_reason::SUSPEND_REQUESTED, reason).of(&attempt),
-                        now,
-                    )
-                    .await?;
-                    order_destroy(
+                    set_state_reason(&mut tx, &mut run, &reason).await?;
+                    let event = EventDraft::new(event_reason::SUSPEND_REQUESTED, reason);
+                    release_sandbox(
                         &mut tx,
                         &mut run,
-                        attempt.number,
+                        &attempt,
+                        event,
                         destroy_reason::SUSPENDED,
                         now,
                     )

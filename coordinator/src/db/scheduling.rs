@@ -4,14 +4,16 @@
 
 use std::time::{Duration, SystemTime};
 
-use cairn_proto::ids::{HostId, RunId, TenantId};
+use cairn_proto::ids::{Generation, HostId, RunId, TenantId};
 use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
 
 use super::hosts::{destroy_reason, lose_host};
-use super::runs::{EventDraft, Run, add_event, event_reason, load_run, order_destroy, transition};
-use super::{DbError, MetadataStore, millis, parse_column, query_error, unsigned};
+use super::runs::{
+    Attempt, EventDraft, Run, add_event, event_reason, load_run, release_sandbox, transition,
+};
+use super::{DbError, MetadataStore, from_millis, millis, parse_column, query_error, unsigned};
 use crate::tokens::Scope;
 
 /// A run waiting for a host.
@@ -204,13 +206,26 @@ impl MetadataStore {
         .execute(tx.conn())
         .await
         .map_err(query_error("insert run token"))?;
-        let mut run = load_run(tx.conn(), run_id)
-            .await?
-            .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished while assigned")))?;
-        let attempt = run
-            .current_attempt()
-            .cloned()
-            .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost its new attempt")))?;
+        // What a reload would read back: the new attempt, as inserted above.
+        let attempt = Attempt {
+            number,
+            generation: Generation(unsigned(generation, "generation")?),
+            host_id: host_id.clone(),
+            sandbox_id: sandbox_id.clone(),
+            state: AttemptState::Assigned,
+            started_at: from_millis(now),
+            ended_at: None,
+            end_reason: String::new(),
+            prepare: String::new(),
+            restored_checkpoint_id: String::new(),
+            outcome: None,
+            destroy_reason: None,
+            sandbox_state: None,
+            exit_code: None,
+            sandbox_gone_at: None,
+        };
+        run.attempt_count = number;
+        run.attempts.push(attempt.clone());
         let detail = format!(
             "attempt {number} on host {host_id} (sandbox {sandbox_id}, generation {})",
             attempt.generation
@@ -331,21 +346,9 @@ impl MetadataStore {
                 humantime::format_duration(run.hold),
                 attempt.sandbox_id
             );
-            add_event(
-                &mut tx,
-                &run,
-                EventDraft::new(event_reason::HOLD_EXPIRED, detail).of(&attempt),
-                now,
-            )
-            .await?;
-            order_destroy(
-                &mut tx,
-                &mut run,
-                attempt.number,
-                destroy_reason::HOLD_EXPIRED,
-                now,
-            )
-            .await?;
+            let event = EventDraft::new(event_reason::HOLD_EXPIRED, detail);
+            let order = destroy_reason::HOLD_EXPIRED;
+            release_sandbox(&mut tx, &mut run, &attempt, event, order, now).await?;
             self.commit(tx).await?;
             expired.push(id);
         }

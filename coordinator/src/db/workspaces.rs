@@ -5,8 +5,8 @@ use std::time::SystemTime;
 
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{CheckpointId, Generation, TenantId, WorkspaceId};
-use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection, SqliteExecutor};
 
 use super::checkpoints::{checkpoint_in, copy_checkpoint_in, newest_checkpoint_in};
 use super::{
@@ -52,6 +52,64 @@ fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
     })
 }
 
+/// Checks that `id` is an active workspace of `tenant` (`op` names the query).
+pub(super) async fn ensure_active_workspace(
+    conn: &mut SqliteConnection,
+    tenant: &TenantId,
+    id: &WorkspaceId,
+    op: &'static str,
+) -> Result<(), DbError> {
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state FROM workspaces WHERE id = $1 AND tenant = $2")
+            .bind(id.as_str())
+            .bind(tenant.as_str())
+            .fetch_optional(conn)
+            .await
+            .map_err(query_error(op))?;
+    let state = state.ok_or_else(|| DbError::WorkspaceNotFound(id.to_string()))?;
+    let state: WorkspaceState = parse_column(&state, "workspace state")?;
+    if state != WorkspaceState::Active {
+        return Err(DbError::WorkspaceNotActive {
+            id: id.clone(),
+            state,
+        });
+    }
+    Ok(())
+}
+
+/// Inserts an active workspace at the first generation; a name already used
+/// in the tenant is refused (`op` names the query).
+pub(super) async fn insert_workspace(
+    conn: impl SqliteExecutor<'_>,
+    id: &WorkspaceId,
+    tenant: &TenantId,
+    name: Option<&str>,
+    last_sequence: i64,
+    now: i64,
+    op: &'static str,
+) -> Result<(), DbError> {
+    let result = sqlx::query(
+        "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+    )
+    .bind(id.as_str())
+    .bind(tenant.as_str())
+    .bind(name)
+    .bind(WorkspaceState::Active.as_str())
+    .bind(FIRST_GENERATION.0 as i64)
+    .bind(last_sequence)
+    .bind(now)
+    .execute(conn)
+    .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+            Err(DbError::NameTaken(name.unwrap_or_default().to_owned()))
+        }
+        Err(source) => Err(DbError::Query { op, source }),
+    }
+}
+
 impl MetadataStore {
     /// Creates an active workspace; a name already used in the tenant is refused.
     pub async fn create_workspace(
@@ -60,31 +118,8 @@ impl MetadataStore {
         name: Option<&str>,
     ) -> Result<Workspace, DbError> {
         let id = WorkspaceId::generate();
-        let now = SystemTime::now();
-        let result = sqlx::query(
-            "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, 0, $6, $6)",
-        )
-        .bind(id.as_str())
-        .bind(tenant.as_str())
-        .bind(name)
-        .bind(WorkspaceState::Active.as_str())
-        .bind(FIRST_GENERATION.0 as i64)
-        .bind(millis(now))
-        .execute(&self.pool)
-        .await;
-        match result {
-            Ok(_) => {}
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-                return Err(DbError::NameTaken(name.unwrap_or_default().to_owned()));
-            }
-            Err(source) => {
-                return Err(DbError::Query {
-                    op: "insert workspace",
-                    source,
-                });
-            }
-        }
+        let now = millis(SystemTime::now());
+        insert_workspace(&self.pool, &id, tenant, name, 0, now, "insert workspace").await?;
         // Re-read so the record carries exactly what was stored (times are
         // kept at millisecond precision).
         self.workspace(tenant, &WorkspaceRef::Id(id.clone()))
@@ -167,21 +202,7 @@ impl MetadataStore {
     ) -> Result<Forked, DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let state: Option<String> =
-            sqlx::query_scalar("SELECT state FROM workspaces WHERE id = $1 AND tenant = $2")
-                .bind(source.as_str())
-                .bind(tenant.as_str())
-                .fetch_optional(tx.conn())
-                .await
-                .map_err(query_error("fork source"))?;
-        let state = state.ok_or_else(|| DbError::WorkspaceNotFound(source.to_string()))?;
-        let state: WorkspaceState = parse_column(&state, "workspace state")?;
-        if state != WorkspaceState::Active {
-            return Err(DbError::WorkspaceNotActive {
-                id: source.clone(),
-                state,
-            });
-        }
+        ensure_active_workspace(tx.conn(), tenant, source, "fork source").await?;
         let from = match checkpoint {
             Some(id) => checkpoint_in(&mut tx, source, id).await?.ok_or_else(|| {
                 DbError::NotFound(format!(
@@ -199,30 +220,8 @@ impl MetadataStore {
         let mut ids = Vec::with_capacity(names.len());
         for name in names {
             let id = WorkspaceId::generate();
-            let inserted = sqlx::query(
-                "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
-                 VALUES ($1, $2, $3, $4, $5, 1, $6, $6)",
-            )
-            .bind(id.as_str())
-            .bind(tenant.as_str())
-            .bind(name.as_deref())
-            .bind(WorkspaceState::Active.as_str())
-            .bind(FIRST_GENERATION.0 as i64)
-            .bind(now)
-            .execute(tx.conn())
-            .await;
-            match inserted {
-                Ok(_) => {}
-                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-                    return Err(DbError::NameTaken(name.clone().unwrap_or_default()));
-                }
-                Err(source) => {
-                    return Err(DbError::Query {
-                        op: "insert forked workspace",
-                        source,
-                    });
-                }
-            }
+            let op = "insert forked workspace";
+            insert_workspace(tx.conn(), &id, tenant, name.as_deref(), 1, now, op).await?;
             copy_checkpoint_in(&mut tx, tenant, &from, &id, FIRST_GENERATION, now).await?;
             // The source's conversations come along, to be forked (never
             // continued: the source and each fork would write to one).

@@ -29,16 +29,11 @@ async fn stored_pack() -> Stored {
     let contents: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
     let data = build_pack(&keys, PackKind::Data, &[&contents]);
     upload(&mut client, &ws.id, &[&meta, &data]).await;
-    client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap();
+    commit(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
     let manifest = manifest(&mut client, &ws.id, "").await;
     let location = manifest
         .packs

@@ -7,15 +7,11 @@ use cairn_proto::pb::workspace_service_client::WorkspaceServiceClient;
 use cairn_runner::client::AuthChannel;
 use tonic::Code;
 
-use crate::fleet::{Clients, FakeHost, FakeRunner, reasons, run_request, start_patient};
+use crate::fleet::{FakeRunner, patient_fleet, reasons, run_on, start_patient, wait_for_input};
 use crate::harness::{TestServer, data_dir};
 
 async fn workspaces(server: &TestServer) -> WorkspaceServiceClient<AuthChannel> {
-    let channel = server
-        .client_with(Some(&server.admin_token))
-        .await
-        .auth_channel();
-    WorkspaceServiceClient::new(channel)
+    WorkspaceServiceClient::new(server.channel(&server.admin_token).await)
 }
 
 async fn send(
@@ -23,11 +19,20 @@ async fn send(
     workspace: &str,
     text: &str,
 ) -> Result<pb::Message, tonic::Status> {
+    send_to_station(client, workspace, text, "").await
+}
+
+async fn send_to_station(
+    client: &mut WorkspaceServiceClient<AuthChannel>,
+    workspace: &str,
+    text: &str,
+    station: &str,
+) -> Result<pb::Message, tonic::Status> {
     client
         .send_message(pb::SendMessageRequest {
             workspace: workspace.into(),
             text: text.into(),
-            station: String::new(),
+            station: station.into(),
         })
         .await
         .map(|r| r.into_inner().message.expect("a sent message"))
@@ -51,35 +56,20 @@ fn state_of(message: &pb::Message) -> (pb::MessageState, &str) {
     (message.state(), message.run_id.as_str())
 }
 
-fn message_texts(spec: &pb::AttemptSpec) -> Vec<(&str, &str)> {
-    spec.inputs
+/// Kind and text of each input.
+fn message_texts(inputs: &[pb::RunInput]) -> Vec<(&str, &str)> {
+    inputs
         .iter()
         .map(|i| (i.kind.as_str(), i.text.as_str()))
         .collect()
 }
 
-async fn report_session(runner: &mut FakeRunner, session: &str) {
-    runner
-        .runner
-        .report_harness_session(pb::ReportHarnessSessionRequest {
-            harness: "claude".into(),
-            session_id: session.into(),
-        })
-        .await
-        .unwrap();
-}
-
 #[tokio::test]
 async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_attempt() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let mut ws = workspaces(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
     let run = clients.create_run(&[]).await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
     runner.wait_for_person("which database?").await;
 
@@ -92,20 +82,11 @@ async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_att
     );
     assert_eq!(sent.station, "default");
     // The held sandbox gets it like an answer.
-    let delivered = runner
-        .runner
-        .wait_for_input(pb::WaitForInputRequest {
-            timeout: Some(crate::fleet::duration(std::time::Duration::from_secs(60))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let texts: Vec<_> = delivered
-        .inputs
-        .iter()
-        .map(|i| (i.kind.as_str(), i.text.as_str()))
-        .collect();
-    assert_eq!(texts, [("message", "use sqlite")]);
+    let delivered = wait_for_input(&mut runner.runner).await;
+    assert_eq!(
+        message_texts(&delivered.inputs),
+        [("message", "use sqlite")]
+    );
 
     // The sandbox dies before the harness heard it: the next attempt gets it.
     host.sandbox_gone(&first.sandbox_id, pb::SandboxState::Failed, 1);
@@ -114,20 +95,15 @@ async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_att
     assert_eq!(second.attempt, 2);
     let mut next = FakeRunner::connect(&server, &second).await;
     let spec = next.claim().await;
-    assert_eq!(message_texts(&spec), [("message", "use sqlite")]);
+    assert_eq!(message_texts(&spec.inputs), [("message", "use sqlite")]);
 }
 
 #[tokio::test]
 async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_heard_once() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let mut ws = workspaces(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
     let run = clients.create_run(&[]).await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.claim().await;
 
     // Delivered to the running run; its runner fails before the harness
@@ -156,8 +132,8 @@ async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_
     let second = host.beat_until_assigned(&run.id).await;
     let mut next = FakeRunner::connect(&server, &second).await;
     let spec = next.start().await;
-    assert_eq!(message_texts(&spec), [("message", "also add tests")]);
-    report_session(&mut next, "session-two").await;
+    assert_eq!(message_texts(&spec.inputs), [("message", "also add tests")]);
+    next.report_session("session-two").await;
     next.outcome(pb::Outcome::Succeeded, &[spec.inputs[0].id])
         .await
         .unwrap();
@@ -171,11 +147,7 @@ async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_
     host.beat().await;
 
     // Heard messages are not handed out again.
-    let mut request = run_request(&[]);
-    request.target = Some(pb::create_run_request::Target::Workspace(
-        run.workspace_id.clone(),
-    ));
-    let again = clients.create(request).await;
+    let again = clients.create(run_on(&run.workspace_id)).await;
     let third = host.beat_until_assigned(&again.id).await;
     let spec = FakeRunner::connect(&server, &third).await.claim().await;
     assert!(spec.inputs.is_empty(), "{:?}", spec.inputs);
@@ -183,17 +155,10 @@ async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_
 
 #[tokio::test]
 async fn chat_message_of_a_run_that_failed_unheard_goes_with_the_next_run() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let mut ws = workspaces(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
-    let mut request = run_request(&[]);
-    request.max_attempts = 1;
-    let run = clients.create(request).await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let run = clients.create_with_max_attempts(1).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.claim().await;
     send(&mut ws, &run.workspace_id, "hello").await.unwrap();
     // The runner fails before starting the harness and reports so.
@@ -209,11 +174,7 @@ async fn chat_message_of_a_run_that_failed_unheard_goes_with_the_next_run() {
     assert_eq!(listed[0].given_back, 1);
     assert!(reasons(&clients.events(&run.id).await).contains(&"message_given_back"));
 
-    let mut request = run_request(&[]);
-    request.target = Some(pb::create_run_request::Target::Workspace(
-        run.workspace_id.clone(),
-    ));
-    let again = clients.create(request).await;
+    let again = clients.create(run_on(&run.workspace_id)).await;
     let listed = messages(&mut ws, &run.workspace_id).await;
     assert_eq!(
         state_of(&listed[0]),
@@ -221,16 +182,13 @@ async fn chat_message_of_a_run_that_failed_unheard_goes_with_the_next_run() {
     );
     let second = host.beat_until_assigned(&again.id).await;
     let spec = FakeRunner::connect(&server, &second).await.claim().await;
-    assert_eq!(message_texts(&spec), [("message", "hello")]);
+    assert_eq!(message_texts(&spec.inputs), [("message", "hello")]);
 }
 
 #[tokio::test]
 async fn chat_message_without_an_unfinished_run_waits_for_the_next_run() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let mut ws = workspaces(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
     let workspace = ws
         .create_workspace(pb::CreateWorkspaceRequest {
             name: "chat".into(),
@@ -240,23 +198,13 @@ async fn chat_message_without_an_unfinished_run_waits_for_the_next_run() {
         .into_inner();
     let first = send(&mut ws, "chat", "first").await.unwrap();
     assert_eq!(state_of(&first), (pb::MessageState::Pending, ""));
-    let other = ws
-        .send_message(pb::SendMessageRequest {
-            workspace: "chat".into(),
-            text: "for review".into(),
-            station: "review".into(),
-        })
+    let other = send_to_station(&mut ws, "chat", "for review", "review")
         .await
-        .unwrap()
-        .into_inner()
-        .message
         .unwrap();
     assert_eq!(other.station, "review");
     send(&mut ws, &workspace.id, "second").await.unwrap();
 
-    let mut request = run_request(&[]);
-    request.target = Some(pb::create_run_request::Target::Workspace("chat".into()));
-    let run = clients.create(request).await;
+    let run = clients.create(run_on("chat")).await;
     let listed = messages(&mut ws, "chat").await;
     let states: Vec<_> = listed
         .iter()
@@ -277,7 +225,7 @@ async fn chat_message_without_an_unfinished_run_waits_for_the_next_run() {
         .await;
     assert_eq!(spec.prompt, "remember the codeword PELICAN");
     assert_eq!(
-        message_texts(&spec),
+        message_texts(&spec.inputs),
         [("message", "first"), ("message", "second")]
     );
 }
@@ -300,12 +248,7 @@ async fn chat_message_errors_are_precise() {
         .await
         .unwrap_err();
     assert_eq!(big.code(), Code::InvalidArgument, "{}", big.message());
-    let station = ws
-        .send_message(pb::SendMessageRequest {
-            workspace: "chat".into(),
-            text: "hi".into(),
-            station: "../x".into(),
-        })
+    let station = send_to_station(&mut ws, "chat", "hi", "../x")
         .await
         .unwrap_err();
     assert_eq!(station.code(), Code::InvalidArgument);

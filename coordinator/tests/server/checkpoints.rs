@@ -6,6 +6,7 @@ use cairn_coordinator::store::{ObjectKey, StoreOp};
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{PackId, TenantId};
 use cairn_proto::pb;
+use cairn_runner::client::Coordinator;
 use tonic::Code;
 
 use crate::harness::*;
@@ -20,6 +21,17 @@ async fn bump_generation(data_dir: &Path, workspace: &str) {
         .await
         .unwrap();
     pool.close().await;
+}
+
+async fn find_missing(
+    client: &mut Coordinator,
+    request: pb::FindMissingBlobsRequest,
+) -> Result<pb::FindMissingBlobsResponse, tonic::Status> {
+    client
+        .checkpoints
+        .find_missing_blobs(request)
+        .await
+        .map(tonic::Response::into_inner)
 }
 
 #[tokio::test]
@@ -51,26 +63,15 @@ async fn the_checkpoint_protocol_round_trips() {
         workspace: ws.id.clone(),
         blob_ids: wanted.clone(),
     };
-    let missing = client
-        .checkpoints
-        .find_missing_blobs(find.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let missing = find_missing(&mut client, find.clone()).await.unwrap();
     assert_eq!(missing.locations, [0, 0, 0]);
 
     upload(&mut client, &ws.id, &[&meta, &data]).await;
-    let first = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &first_begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let first = commit(
+        &mut client,
+        commit_request(&first_begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
     assert_eq!(first.sequence, 1);
     assert_eq!(first.workspace_id, ws.id);
     assert_eq!(first.pack_count, 2);
@@ -78,12 +79,7 @@ async fn the_checkpoint_protocol_round_trips() {
     assert_eq!(first.key_id, "k1");
 
     // Now every blob is known, each with the pack holding it.
-    let found = client
-        .checkpoints
-        .find_missing_blobs(find)
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_missing(&mut client, find).await.unwrap();
     assert_eq!(found.packs, [meta.id.to_string(), data.id.to_string()]);
     assert_eq!(found.locations, [1, 2, 2]);
 
@@ -92,17 +88,11 @@ async fn the_checkpoint_protocol_round_trips() {
     assert_eq!(second_begin.parent_checkpoint_id, first.id);
     let meta2 = build_pack(&keys, PackKind::Meta, &[b"root tree v2"]);
     upload(&mut client, &ws.id, &[&meta2]).await;
-    let second = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &second_begin,
-            &meta2,
-            &[&meta2],
-            &[&meta2, &data],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let second = commit(
+        &mut client,
+        commit_request(&second_begin, &meta2, &[&meta2], &[&meta2, &data]),
+    )
+    .await;
     assert_eq!(second.sequence, 2);
     assert_eq!(second.parent_checkpoint_id, first.id);
 
@@ -120,14 +110,7 @@ async fn the_checkpoint_protocol_round_trips() {
         .unwrap()
         .into_inner();
     assert_eq!(shown, first);
-    let workspace = client
-        .workspaces
-        .get_workspace(pb::GetWorkspaceRequest {
-            workspace: ws.id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let workspace = get_workspace(&mut client, &ws.id).await;
     assert_eq!(workspace.checkpoint_count, 2);
     assert_eq!(workspace.latest_checkpoint.unwrap().id, second.id);
 
@@ -193,16 +176,11 @@ async fn a_commit_naming_a_pack_that_was_never_uploaded_is_refused_and_leaves_no
     let data = build_pack(&keys, PackKind::Data, &[b"content"]);
     upload(&mut client, &ws.id, &[&meta]).await;
 
-    let status = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap_err();
+    let status = commit_err(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert!(
         status.message().contains(data.id.as_str()),
@@ -219,12 +197,7 @@ async fn a_commit_naming_a_pack_that_was_never_uploaded_is_refused_and_leaves_no
             .map(|b| b.as_bytes().to_vec())
             .collect(),
     };
-    let found = client
-        .checkpoints
-        .find_missing_blobs(find)
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_missing(&mut client, find).await.unwrap();
     assert_eq!(
         found.locations,
         [0],
@@ -233,17 +206,11 @@ async fn a_commit_naming_a_pack_that_was_never_uploaded_is_refused_and_leaves_no
 
     // Once the pack is there, the same commit goes through as checkpoint 1.
     upload(&mut client, &ws.id, &[&data]).await;
-    let committed = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let committed = commit(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
     assert_eq!(committed.sequence, 1);
 }
 
@@ -259,11 +226,7 @@ async fn a_commit_with_a_stale_generation_is_refused() {
     upload(&mut client, &ws.id, &[&meta]).await;
 
     bump_generation(dir.path(), &ws.id).await;
-    let status = client
-        .checkpoints
-        .commit_checkpoint(commit_request(&old, &meta, &[&meta], &[&meta]))
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, commit_request(&old, &meta, &[&meta], &[&meta])).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(
         status.message(),
@@ -289,12 +252,11 @@ async fn a_commit_with_a_stale_generation_is_refused() {
     // The current generation commits.
     let current = begin(&mut client, &ws.id).await;
     assert_eq!(current.generation, 2);
-    let committed = client
-        .checkpoints
-        .commit_checkpoint(commit_request(&current, &meta, &[&meta], &[&meta]))
-        .await
-        .unwrap()
-        .into_inner();
+    let committed = commit(
+        &mut client,
+        commit_request(&current, &meta, &[&meta], &[&meta]),
+    )
+    .await;
     assert_eq!(committed.generation, 2);
 }
 
@@ -312,21 +274,12 @@ async fn a_store_outage_makes_the_commit_unavailable_and_a_retry_succeeds() {
     let request = commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]);
 
     faults.fail_next(StoreOp::Stat, 1);
-    let status = client
-        .checkpoints
-        .commit_checkpoint(request.clone())
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, request.clone()).await;
     assert_eq!(status.code(), Code::Unavailable, "{}", status.message());
     assert!(list_checkpoints(&mut client, &ws.id).await.is_empty());
     assert!(faults.calls(StoreOp::Stat) >= 1);
 
-    let committed = client
-        .checkpoints
-        .commit_checkpoint(request)
-        .await
-        .unwrap()
-        .into_inner();
+    let committed = commit(&mut client, request).await;
     assert_eq!(committed.sequence, 1);
     assert_eq!(list_checkpoints(&mut client, &ws.id).await.len(), 1);
 }
@@ -358,11 +311,7 @@ async fn a_pack_missing_from_the_store_cannot_be_referenced_again() {
     upload(&mut client, &ws.id, &[&meta]).await;
     let mut request = commit_request(&begin, &meta, &[&meta], &[&meta]);
     request.referenced_packs.push(data_pack.to_string());
-    let status = client
-        .checkpoints
-        .commit_checkpoint(request)
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, request).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert!(
         status.message().contains(data_pack.as_str()),
@@ -384,16 +333,16 @@ async fn every_missing_pack_is_named_marked_lost_and_its_blobs_uploaded_again() 
     let data_a = build_pack(&keys, PackKind::Data, &[b"file a"]);
     let data_b = build_pack(&keys, PackKind::Data, &[b"file b"]);
     upload(&mut client, &ws.id, &[&meta, &data_a, &data_b]).await;
-    client
-        .checkpoints
-        .commit_checkpoint(commit_request(
+    commit(
+        &mut client,
+        commit_request(
             &begin1,
             &meta,
             &[&meta, &data_a, &data_b],
             &[&meta, &data_a, &data_b],
-        ))
-        .await
-        .unwrap();
+        ),
+    )
+    .await;
 
     // The store loses both data packs; the next commit reuses them.
     let tenant = TenantId::default_tenant();
@@ -402,16 +351,11 @@ async fn every_missing_pack_is_named_marked_lost_and_its_blobs_uploaded_again() 
     let begin2 = begin(&mut client, &ws.id).await;
     let meta2 = build_pack(&keys, PackKind::Meta, &[b"tree 2"]);
     upload(&mut client, &ws.id, &[&meta2]).await;
-    let status = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin2,
-            &meta2,
-            &[&meta2],
-            &[&meta2, &data_a, &data_b],
-        ))
-        .await
-        .unwrap_err();
+    let status = commit_err(
+        &mut client,
+        commit_request(&begin2, &meta2, &[&meta2], &[&meta2, &data_a, &data_b]),
+    )
+    .await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     for pack in [&data_a.id, &data_b.id] {
         assert!(
@@ -433,35 +377,19 @@ async fn every_missing_pack_is_named_marked_lost_and_its_blobs_uploaded_again() 
         workspace: ws.id.clone(),
         blob_ids: wanted,
     };
-    let found = client
-        .checkpoints
-        .find_missing_blobs(find.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_missing(&mut client, find.clone()).await.unwrap();
     assert_eq!(found.locations, [0, 0, 1]);
     assert_eq!(found.packs, [meta.id.to_string()]);
 
     let again = build_pack(&keys, PackKind::Data, &[b"file a", b"file b"]);
     upload(&mut client, &ws.id, &[&again]).await;
-    let committed = client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin2,
-            &meta2,
-            &[&meta2, &again],
-            &[&meta2, &again],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let committed = commit(
+        &mut client,
+        commit_request(&begin2, &meta2, &[&meta2, &again], &[&meta2, &again]),
+    )
+    .await;
     assert_eq!(committed.sequence, 2);
-    let found = client
-        .checkpoints
-        .find_missing_blobs(find)
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_missing(&mut client, find).await.unwrap();
     assert_eq!(found.locations, [1, 1, 2]);
     assert_eq!(found.packs, [again.id.to_string(), meta.id.to_string()]);
 }
@@ -475,26 +403,28 @@ async fn malformed_checkpoint_requests_are_invalid_arguments() {
     let begin = begin(&mut client, &ws.id).await;
 
     let too_many = vec![vec![0u8; 32]; begin.max_find_batch as usize + 1];
-    let status = client
-        .checkpoints
-        .find_missing_blobs(pb::FindMissingBlobsRequest {
+    let status = find_missing(
+        &mut client,
+        pb::FindMissingBlobsRequest {
             workspace: ws.id.clone(),
             blob_ids: too_many,
-        })
-        .await
-        .unwrap_err();
+        },
+    )
+    .await
+    .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("limit"), "{}", status.message());
 
     let short = vec![vec![0u8; 32], vec![0u8; 31]];
-    let status = client
-        .checkpoints
-        .find_missing_blobs(pb::FindMissingBlobsRequest {
+    let status = find_missing(
+        &mut client,
+        pb::FindMissingBlobsRequest {
             workspace: ws.id.clone(),
             blob_ids: short,
-        })
-        .await
-        .unwrap_err();
+        },
+    )
+    .await
+    .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(
         status.message().contains("blob_ids[1]"),
@@ -506,31 +436,19 @@ async fn malformed_checkpoint_requests_are_invalid_arguments() {
     upload(&mut client, &ws.id, &[&meta]).await;
     let mut unknown_key = commit_request(&begin, &meta, &[&meta], &[&meta]);
     unknown_key.key_id = "k9".into();
-    let status = client
-        .checkpoints
-        .commit_checkpoint(unknown_key)
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, unknown_key).await;
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("k9"), "{}", status.message());
 
     let mut no_reason = commit_request(&begin, &meta, &[&meta], &[&meta]);
     no_reason.reason = 0;
-    let status = client
-        .checkpoints
-        .commit_checkpoint(no_reason)
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, no_reason).await;
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("reason"), "{}", status.message());
 
     let mut foreign_root = commit_request(&begin, &meta, &[&meta], &[&meta]);
     foreign_root.root_tree = vec![9; 32];
-    let status = client
-        .checkpoints
-        .commit_checkpoint(foreign_root)
-        .await
-        .unwrap_err();
+    let status = commit_err(&mut client, foreign_root).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert!(
         status.message().contains("root tree"),

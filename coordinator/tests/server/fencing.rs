@@ -10,14 +10,9 @@ use crate::harness::*;
 
 #[tokio::test]
 async fn a_superseded_runner_can_neither_commit_nor_report() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut a = FakeHost::register(&server, &server.admin_token, "a", &[], 1).await;
+    let (server, mut clients, mut a) = patient_fleet("a", 1).await;
     let run = clients.create_run(&[]).await;
-    let first = a.beat_until_assigned(&run.id).await;
-    a.beat().await;
-    let mut stale = FakeRunner::connect(&server, &first).await;
+    let (first, mut stale) = a.launch(&server, &run.id).await;
     let spec = stale.start().await;
     let workspace = run.workspace_id.clone();
     let early = checkpoint(&mut stale.coordinator, &workspace, b"attempt one, turn one").await;
@@ -43,17 +38,9 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
     current.claim().await;
 
     // The stale commit is refused and nothing is recorded.
-    let refused = stale
-        .coordinator
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &stale_begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap_err();
+    let both = [&meta, &data];
+    let stale_commit = commit_request(&stale_begin, &meta, &both, &both);
+    let refused = commit_err(&mut stale.coordinator, stale_commit.clone()).await;
     assert_eq!(refused.code(), Code::FailedPrecondition);
     assert_eq!(
         refused.message(),
@@ -79,14 +66,11 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
         begin_refused.message()
     );
     // Claiming the newer generation outright does not work either.
-    let mut forged = commit_request(&stale_begin, &meta, &[&meta, &data], &[&meta, &data]);
-    forged.generation = second.generation;
-    let forged_refused = stale
-        .coordinator
-        .checkpoints
-        .commit_checkpoint(forged)
-        .await
-        .unwrap_err();
+    let forged = pb::CommitCheckpointRequest {
+        generation: second.generation,
+        ..stale_commit
+    };
+    let forged_refused = commit_err(&mut stale.coordinator, forged).await;
     assert_eq!(forged_refused.code(), Code::FailedPrecondition);
     assert_eq!(
         forged_refused.message(),

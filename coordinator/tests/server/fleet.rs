@@ -14,7 +14,7 @@ use cairn_proto::pb::runner_service_client::RunnerServiceClient;
 use cairn_runner::client::{AuthChannel, Coordinator};
 use tokio_stream::StreamExt;
 
-use crate::harness::TestServer;
+use crate::harness::{TestServer, data_dir};
 
 /// Starts a coordinator whose hosts are lost after `lease` of silence.
 pub async fn start_with_lease(data_dir: &std::path::Path, lease: Duration) -> TestServer {
@@ -30,6 +30,32 @@ pub async fn start_patient(data_dir: &std::path::Path) -> TestServer {
     start_with_lease(data_dir, Duration::from_secs(600)).await
 }
 
+/// The start of most fleet tests: a coordinator, its admin clients, and
+/// one host (without labels) registered with the admin token.
+pub type Fleet = (TestServer, Clients, FakeHost);
+
+/// A fleet whose hosts are never lost, on a fresh data directory (removed
+/// with the server).
+pub async fn patient_fleet(host: &str, slots: u32) -> Fleet {
+    fleet_with_lease(Duration::from_secs(600), host, slots).await
+}
+
+/// A fleet whose hosts are lost after `lease` of silence, on a fresh data
+/// directory (removed with the server).
+pub async fn fleet_with_lease(lease: Duration, host: &str, slots: u32) -> Fleet {
+    let dir = data_dir();
+    let mut server = start_with_lease(dir.path(), lease).await;
+    server.own_dir(dir);
+    fleet_on(server, host, slots).await
+}
+
+/// The admin clients and a host of a coordinator already started.
+pub async fn fleet_on(server: TestServer, host: &str, slots: u32) -> Fleet {
+    let clients = Clients::admin(&server).await;
+    let host = FakeHost::register(&server, &server.admin_token, host, &[], slots).await;
+    (server, clients, host)
+}
+
 /// Clients of the run and admin services with one token.
 pub struct Clients {
     pub runs: RunServiceClient<AuthChannel>,
@@ -38,7 +64,7 @@ pub struct Clients {
 
 impl Clients {
     pub async fn connect(server: &TestServer, token: &str) -> Self {
-        let channel = server.client_with(Some(token)).await.auth_channel();
+        let channel = server.channel(token).await;
         Self {
             runs: RunServiceClient::new(channel.clone()),
             admin: AdminServiceClient::new(channel),
@@ -58,6 +84,15 @@ impl Clients {
         self.runs.create_run(request).await.unwrap().into_inner()
     }
 
+    /// Creates a run in a new workspace that may take `max_attempts` attempts.
+    pub async fn create_with_max_attempts(&mut self, max_attempts: u32) -> pb::Run {
+        self.create(pb::CreateRunRequest {
+            max_attempts,
+            ..run_request(&[])
+        })
+        .await
+    }
+
     pub async fn get(&mut self, run: &str) -> pb::Run {
         self.runs
             .get_run(pb::GetRunRequest { run_id: run.into() })
@@ -66,18 +101,27 @@ impl Clients {
             .into_inner()
     }
 
-    /// The run's whole history so far.
-    pub async fn events(&mut self, run: &str) -> Vec<pb::RunEvent> {
-        let mut stream = self
-            .runs
+    /// The run's events after `after_sequence`; with `follow`, live until it ends.
+    pub async fn watch(
+        &mut self,
+        run: &str,
+        after_sequence: u64,
+        follow: bool,
+    ) -> tonic::Streaming<pb::RunEvent> {
+        self.runs
             .watch_run_events(pb::WatchRunEventsRequest {
                 run_id: run.into(),
-                after_sequence: 0,
-                follow: false,
+                after_sequence,
+                follow,
             })
             .await
             .unwrap()
-            .into_inner();
+            .into_inner()
+    }
+
+    /// The run's whole history so far.
+    pub async fn events(&mut self, run: &str) -> Vec<pb::RunEvent> {
+        let mut stream = self.watch(run, 0, false).await;
         let mut events = Vec::new();
         while let Some(event) = stream.next().await {
             events.push(event.unwrap());
@@ -93,6 +137,26 @@ impl Clients {
             })
             .await
             .map(tonic::Response::into_inner)
+    }
+
+    pub async fn cancel(&mut self, run: &str, reason: &str) -> pb::Run {
+        self.runs
+            .cancel_run(pb::CancelRunRequest {
+                run_id: run.into(),
+                reason: reason.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    pub async fn hosts(&mut self) -> Vec<pb::Host> {
+        self.admin
+            .list_hosts(pb::ListHostsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .hosts
     }
 
     pub async fn host_request(&mut self, op: &str, host: &str) -> Result<pb::Host, tonic::Status> {
@@ -123,6 +187,14 @@ pub fn run_request(labels: &[(&str, &str)]) -> pb::CreateRunRequest {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect(),
         ..Default::default()
+    }
+}
+
+/// A run request on the existing `workspace` (id or name) with the demo harness.
+pub fn run_on(workspace: &str) -> pb::CreateRunRequest {
+    pb::CreateRunRequest {
+        target: Some(pb::create_run_request::Target::Workspace(workspace.into())),
+        ..run_request(&[])
     }
 }
 
@@ -162,11 +234,10 @@ impl FakeHost {
         labels: &[(&str, &str)],
         slots: u32,
     ) -> Self {
-        let channel = server.client_with(Some(token)).await.auth_channel();
         let mut host = Self {
             id: String::new(),
             name: name.into(),
-            client: HostServiceClient::new(channel),
+            client: HostServiceClient::new(server.channel(token).await),
             labels: labels
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
@@ -184,8 +255,7 @@ impl FakeHost {
 
     /// Talks to `server` from now on (a coordinator restarted on new ports).
     pub async fn reconnect(&mut self, server: &TestServer, token: &str) {
-        let channel = server.client_with(Some(token)).await.auth_channel();
-        self.client = HostServiceClient::new(channel);
+        self.client = HostServiceClient::new(server.channel(token).await);
     }
 
     /// Registers (again, under the same id once it has one), as a restarted
@@ -260,6 +330,15 @@ impl FakeHost {
         }
     }
 
+    /// Beats until `run` is assigned, beats once more so the sandbox is
+    /// reported running, and connects the attempt's runner (not yet claimed).
+    pub async fn launch(&mut self, server: &TestServer, run: &str) -> (pb::Assignment, FakeRunner) {
+        let assignment = self.beat_until_assigned(run).await;
+        self.beat().await;
+        let runner = FakeRunner::connect(server, &assignment).await;
+        (assignment, runner)
+    }
+
     /// The destroy orders of the last answer, sandbox id → reason.
     pub fn destroy_orders(&self) -> BTreeMap<String, String> {
         self.last
@@ -267,6 +346,15 @@ impl FakeHost {
             .iter()
             .map(|d| (d.sandbox_id.clone(), d.reason.clone()))
             .collect()
+    }
+
+    /// The last answer's reason to destroy `sandbox`, if it said to.
+    pub fn destroy_order(&self, sandbox: &str) -> Option<&str> {
+        self.last
+            .destroy
+            .iter()
+            .find(|d| d.sandbox_id == sandbox)
+            .map(|d| d.reason.as_str())
     }
 
     /// Marks a sandbox gone: destroyed on an order, or exited on its own.
@@ -329,6 +417,17 @@ impl FakeRunner {
         spec
     }
 
+    /// Reports the harness's conversation `session` (of the claude harness).
+    pub async fn report_session(&mut self, session: &str) {
+        self.runner
+            .report_harness_session(pb::ReportHarnessSessionRequest {
+                harness: "claude".into(),
+                session_id: session.into(),
+            })
+            .await
+            .unwrap();
+    }
+
     pub async fn wait_for_person(&mut self, question: &str) -> pb::ReportWaitingResponse {
         self.runner
             .report_waiting(pb::ReportWaitingRequest {
@@ -355,6 +454,19 @@ impl FakeRunner {
             .await
             .map(drop)
     }
+}
+
+/// Waits (a minute at most) for the inputs of a runner's attempt.
+pub async fn wait_for_input(
+    runner: &mut RunnerServiceClient<AuthChannel>,
+) -> pb::WaitForInputResponse {
+    runner
+        .wait_for_input(pb::WaitForInputRequest {
+            timeout: Some(duration(Duration::from_secs(60))),
+        })
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 /// Bounds a polling loop: `tick` sleeps a little, and panics naming what

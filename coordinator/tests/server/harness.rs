@@ -9,7 +9,7 @@ use cairn_coordinator::store::{Faults, FaultyStore, ObjectStore};
 use cairn_coordinator::{ServeError, ServerConfig};
 use cairn_proto::domain::PackKind;
 use cairn_proto::pb;
-use cairn_runner::client::Coordinator;
+use cairn_runner::client::{AuthChannel, Coordinator};
 use cairn_runner::format::{FinishedPack, PackBuilder, TenantKeys, seal};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -25,6 +25,8 @@ pub struct TestServer {
     pub admin_token: String,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), ServeError>>>,
+    /// A data directory the server owns: removed after it.
+    owned_dir: Option<tempfile::TempDir>,
 }
 
 impl TestServer {
@@ -48,6 +50,7 @@ impl TestServer {
             admin_token: String::new(),
             shutdown: Some(shutdown),
             task: Some(task),
+            owned_dir: None,
         };
         server.admin_token = server.wait_until_ready().await;
         server
@@ -111,12 +114,23 @@ impl TestServer {
             .expect("the coordinator stops cleanly");
     }
 
+    /// Keeps `dir` (its data directory) until the server is dropped.
+    pub fn own_dir(&mut self, dir: tempfile::TempDir) {
+        assert_eq!(dir.path(), self.data_dir);
+        self.owned_dir = Some(dir);
+    }
+
     pub async fn client(&self) -> Coordinator {
         self.client_with(Some(&self.admin_token)).await
     }
 
     pub async fn client_with(&self, token: Option<&str>) -> Coordinator {
         Coordinator::connect(&self.grpc_url, token).await.unwrap()
+    }
+
+    /// A channel that sends `token`, for any service's client.
+    pub async fn channel(&self, token: &str) -> AuthChannel {
+        self.client_with(Some(token)).await.auth_channel()
     }
 
     /// The file an object key is stored in.
@@ -126,9 +140,11 @@ impl TestServer {
 
     /// Files left in the blob server's upload directory.
     pub fn temp_files(&self) -> usize {
-        std::fs::read_dir(self.data_dir.join("blobs/.tmp"))
-            .map(|d| d.count())
-            .unwrap_or(0)
+        let temp = self
+            .data_dir
+            .join("blobs")
+            .join(cairn_coordinator::blob_http::TEMP_DIR);
+        std::fs::read_dir(temp).map(|d| d.count()).unwrap_or(0)
     }
 }
 
@@ -150,6 +166,18 @@ pub async fn create_workspace(client: &mut Coordinator, name: &str) -> pb::Works
     client
         .workspaces
         .create_workspace(pb::CreateWorkspaceRequest { name: name.into() })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// A workspace by id or name.
+pub async fn get_workspace(client: &mut Coordinator, workspace: &str) -> pb::Workspace {
+    client
+        .workspaces
+        .get_workspace(pb::GetWorkspaceRequest {
+            workspace: workspace.into(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -269,6 +297,31 @@ pub fn commit_request(
     }
 }
 
+/// Commits a checkpoint that must be accepted.
+pub async fn commit(
+    client: &mut Coordinator,
+    request: pb::CommitCheckpointRequest,
+) -> pb::Checkpoint {
+    client
+        .checkpoints
+        .commit_checkpoint(request)
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Commits a checkpoint that must be refused; returns why.
+pub async fn commit_err(
+    client: &mut Coordinator,
+    request: pb::CommitCheckpointRequest,
+) -> tonic::Status {
+    client
+        .checkpoints
+        .commit_checkpoint(request)
+        .await
+        .unwrap_err()
+}
+
 /// One whole checkpoint of `contents`: a meta pack with a root tree blob and
 /// a data pack, uploaded and committed.
 pub async fn checkpoint(
@@ -281,17 +334,8 @@ pub async fn checkpoint(
     let meta = build_pack(&keys, PackKind::Meta, &[&[b"tree of ", contents].concat()]);
     let data = build_pack(&keys, PackKind::Data, &[contents]);
     upload(client, workspace, &[&meta, &data]).await;
-    client
-        .checkpoints
-        .commit_checkpoint(commit_request(
-            &begin,
-            &meta,
-            &[&meta, &data],
-            &[&meta, &data],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
+    let both = [&meta, &data];
+    commit(client, commit_request(&begin, &meta, &both, &both)).await
 }
 
 /// Every checkpoint of a workspace, newest first.

@@ -14,19 +14,9 @@ const SHORT_LEASE: Duration = Duration::from_secs(3);
 
 #[tokio::test]
 async fn a_lost_host_ends_its_attempts_and_its_runs_resume_elsewhere_until_max_attempts() {
-    let dir = data_dir();
-    let server = start_with_lease(dir.path(), SHORT_LEASE).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut a = FakeHost::register(&server, &server.admin_token, "a", &[], 1).await;
-    let run = clients
-        .create(pb::CreateRunRequest {
-            max_attempts: 2,
-            ..run_request(&[])
-        })
-        .await;
-    let first = a.beat_until_assigned(&run.id).await;
-    a.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let (server, mut clients, mut a) = fleet_with_lease(SHORT_LEASE, "a", 1).await;
+    let run = clients.create_with_max_attempts(2).await;
+    let (first, mut runner) = a.launch(&server, &run.id).await;
     runner.start().await;
     let mut b = FakeHost::register(&server, &server.admin_token, "b", &[], 1).await;
 
@@ -54,25 +44,14 @@ async fn a_lost_host_ends_its_attempts_and_its_runs_resume_elsewhere_until_max_a
     // a comes back: it is told it was lost and to destroy what it runs.
     let answer = a.beat().await;
     assert_eq!(answer.state, pb::HostState::Lost as i32);
-    assert_eq!(
-        a.destroy_orders()
-            .get(&first.sandbox_id)
-            .map(String::as_str),
-        Some("superseded")
-    );
+    assert_eq!(a.destroy_order(&first.sandbox_id), Some("superseded"));
     assert!(answer.assignments.is_empty());
     a.sandbox_gone(&first.sandbox_id, pb::SandboxState::Destroyed, -15);
     let old_id = a.id.clone();
     a.register_again().await;
     assert_eq!(a.id, old_id, "a host registers again under its old id");
     assert_eq!(a.beat().await.forget, [first.sandbox_id.as_str()]);
-    let hosts = clients
-        .admin
-        .list_hosts(pb::ListHostsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .hosts;
+    let hosts = clients.hosts().await;
     let listed_a = hosts.iter().find(|h| h.id == a.id).unwrap();
     assert_eq!(listed_a.state, pb::HostState::Ready as i32);
     assert_eq!(listed_a.used_slots, 0);
@@ -101,19 +80,9 @@ async fn a_lost_host_ends_its_attempts_and_its_runs_resume_elsewhere_until_max_a
 
 #[tokio::test]
 async fn a_run_waiting_for_a_person_on_a_lost_host_is_suspended() {
-    let dir = data_dir();
-    let server = start_with_lease(dir.path(), SHORT_LEASE).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
-    let run = clients
-        .create(pb::CreateRunRequest {
-            max_attempts: 1,
-            ..run_request(&[])
-        })
-        .await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let (server, mut clients, mut host) = fleet_with_lease(SHORT_LEASE, "h", 1).await;
+    let run = clients.create_with_max_attempts(1).await;
+    let (_, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
     runner.wait_for_person("shall I deploy?").await;
 
@@ -127,10 +96,7 @@ async fn a_run_waiting_for_a_person_on_a_lost_host_is_suspended() {
 
 #[tokio::test]
 async fn a_cordoned_host_gets_no_new_runs_until_uncordoned() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut alpha = FakeHost::register(&server, &server.admin_token, "alpha", &[], 2).await;
+    let (_server, mut clients, mut alpha) = patient_fleet("alpha", 2).await;
 
     let cordoned = clients.host_request("cordon", "alpha").await.unwrap();
     assert_eq!(cordoned.id, alpha.id);
@@ -150,13 +116,7 @@ async fn a_cordoned_host_gets_no_new_runs_until_uncordoned() {
     assert_eq!(ready.state, pb::HostState::Ready as i32);
     let assignment = alpha.beat_until_assigned(&run.id).await;
     alpha.beat().await;
-    let hosts = clients
-        .admin
-        .list_hosts(pb::ListHostsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .hosts;
+    let hosts = clients.hosts().await;
     assert_eq!(hosts.len(), 1);
     assert_eq!(hosts[0].name, "alpha");
     assert_eq!((hosts[0].slots, hosts[0].used_slots), (2, 1));
@@ -169,16 +129,8 @@ async fn a_cordoned_host_gets_no_new_runs_until_uncordoned() {
 
 #[tokio::test]
 async fn draining_releases_every_sandbox_running_runs_queue_again_and_waiting_ones_suspend() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 2).await;
-    let working = clients
-        .create(pb::CreateRunRequest {
-            max_attempts: 1,
-            ..run_request(&[])
-        })
-        .await;
+    let (server, mut clients, mut host) = patient_fleet("h", 2).await;
+    let working = clients.create_with_max_attempts(1).await;
     let asking = clients.create_run(&[]).await;
     let working_sandbox = host.beat_until_assigned(&working.id).await;
     let asking_sandbox = host.beat_until_assigned(&asking.id).await;
@@ -225,27 +177,16 @@ async fn draining_releases_every_sandbox_running_runs_queue_again_and_waiting_on
 
 #[tokio::test]
 async fn a_stopping_host_gets_nothing_new_and_its_runs_go_elsewhere() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 2).await;
-    let working = clients
-        .create(pb::CreateRunRequest {
-            max_attempts: 1,
-            ..run_request(&[])
-        })
-        .await;
-    let sandbox = host.beat_until_assigned(&working.id).await;
-    host.beat().await;
-    FakeRunner::connect(&server, &sandbox).await.start().await;
+    let (server, mut clients, mut host) = patient_fleet("h", 2).await;
+    let working = clients.create_with_max_attempts(1).await;
+    let (sandbox, mut runner) = host.launch(&server, &working.id).await;
+    runner.start().await;
 
     host.stopping = true;
     let answer = host.beat().await;
     assert_eq!(answer.state, pb::HostState::Stopping as i32);
     assert_eq!(
-        host.destroy_orders()
-            .get(&sandbox.sandbox_id)
-            .map(String::as_str),
+        host.destroy_order(&sandbox.sandbox_id),
         Some("host_stopping")
     );
     let listed = clients.host_request("uncordon", "h").await.unwrap();
@@ -282,14 +223,9 @@ async fn a_stopping_host_gets_nothing_new_and_its_runs_go_elsewhere() {
 
 #[tokio::test]
 async fn a_host_that_restarts_or_forgets_a_sandbox_gives_the_run_back() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
 
     // The host agent restarts: its runner got SIGTERM, checkpoints and

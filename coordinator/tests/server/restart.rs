@@ -26,14 +26,7 @@ async fn a_restart_keeps_workspaces_checkpoints_the_token_and_signed_urls() {
         secret
     );
     let mut client = second.client().await;
-    let found = client
-        .workspaces
-        .get_workspace(pb::GetWorkspaceRequest {
-            workspace: "durable".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let found = get_workspace(&mut client, "durable").await;
     assert_eq!(found.id, ws.id);
     assert_eq!(found.latest_checkpoint.unwrap().id, committed.id);
     let after = manifest(&mut client, &ws.id, "").await;
@@ -55,24 +48,13 @@ async fn a_restart_keeps_workspaces_checkpoints_the_token_and_signed_urls() {
 async fn stopping_ends_open_watches_and_a_restart_keeps_runs_and_their_tokens() {
     use tokio_stream::StreamExt;
 
-    use crate::fleet::{Clients, FakeHost, FakeRunner, start_patient};
+    use crate::fleet::{Clients, FakeRunner, fleet_on, start_patient};
 
     let dir = data_dir();
-    let first = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&first).await;
-    let mut host = FakeHost::register(&first, &first.admin_token, "h", &[], 1).await;
+    let (first, mut clients, mut host) = fleet_on(start_patient(dir.path()).await, "h", 1).await;
     let run = clients.create_run(&[]).await;
     let assignment = host.beat_until_assigned(&run.id).await;
-    let mut watch = clients
-        .runs
-        .watch_run_events(pb::WatchRunEventsRequest {
-            run_id: run.id.clone(),
-            after_sequence: 0,
-            follow: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = clients.watch(&run.id, 0, true).await;
     for expected in ["created", "assigned"] {
         assert_eq!(watch.next().await.unwrap().unwrap().reason, expected);
     }

@@ -99,14 +99,9 @@ impl FakeHost {
 
 #[tokio::test]
 async fn the_attempt_lifecycle_is_recorded_as_events() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let (assignment, mut runner) = host.launch(&server, &run.id).await;
 
     let spec = runner.claim().await;
     assert_eq!(spec.run_id, run.id);
@@ -135,14 +130,7 @@ async fn the_attempt_lifecycle_is_recorded_as_events() {
         .progress(pb::AttemptPhase::Running, "", "")
         .await
         .unwrap();
-    runner
-        .runner
-        .report_harness_session(pb::ReportHarnessSessionRequest {
-            harness: "claude".into(),
-            session_id: "0f8e-session".into(),
-        })
-        .await
-        .unwrap();
+    runner.report_session("0f8e-session").await;
     let checkpoint = checkpoint(&mut runner.coordinator, &run.workspace_id, b"turn one").await;
     assert_eq!(checkpoint.generation, assignment.generation);
     runner
@@ -188,18 +176,7 @@ async fn the_attempt_lifecycle_is_recorded_as_events() {
     assert_eq!(events[7].state, pb::RunState::Succeeded as i32);
 
     // Events after a sequence; the run has ended, so following stops at once.
-    let later: Vec<_> = clients
-        .runs
-        .watch_run_events(pb::WatchRunEventsRequest {
-            run_id: run.id.clone(),
-            after_sequence: 6,
-            follow: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .collect::<Vec<_>>()
-        .await;
+    let later: Vec<_> = clients.watch(&run.id, 6, true).await.collect().await;
     assert_eq!(
         later.len(),
         2,
@@ -209,19 +186,14 @@ async fn the_attempt_lifecycle_is_recorded_as_events() {
 
 #[tokio::test]
 async fn a_held_sandbox_is_destroyed_when_the_hold_expires_and_the_run_is_suspended() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients
         .create(pb::CreateRunRequest {
             hold: Some(duration(Duration::from_millis(500))),
             ..run_request(&[])
         })
         .await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let (assignment, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
     let held = runner.wait_for_person("which database?").await;
     assert!(held.hold_until.is_some());
@@ -282,14 +254,9 @@ async fn a_held_sandbox_is_destroyed_when_the_hold_expires_and_the_run_is_suspen
 
 #[tokio::test]
 async fn an_answer_within_the_hold_reaches_the_same_attempt() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let (_, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
 
     let refused = clients.answer(&run.id, "too early").await.unwrap_err();
@@ -302,15 +269,7 @@ async fn an_answer_within_the_hold_reaches_the_same_attempt() {
 
     runner.wait_for_person("postgres or sqlite?").await;
     let mut waiter = runner.runner.clone();
-    let pending = tokio::spawn(async move {
-        waiter
-            .wait_for_input(pb::WaitForInputRequest {
-                timeout: Some(duration(Duration::from_secs(60))),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    });
+    let pending = tokio::spawn(async move { wait_for_input(&mut waiter).await });
     let answered = clients.answer(&run.id, "sqlite").await.unwrap();
     assert_eq!(answered.state, pb::RunState::Waiting as i32);
     let delivered = pending.await.unwrap();
@@ -357,23 +316,11 @@ async fn an_answer_within_the_hold_reaches_the_same_attempt() {
 
 #[tokio::test]
 async fn an_answer_to_a_suspended_run_starts_the_next_attempt_resuming_the_conversation() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &first).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
-    runner
-        .runner
-        .report_harness_session(pb::ReportHarnessSessionRequest {
-            harness: "claude".into(),
-            session_id: "session-one".into(),
-        })
-        .await
-        .unwrap();
+    runner.report_session("session-one").await;
     runner.wait_for_person("which port?").await;
 
     let suspending = clients
@@ -387,12 +334,7 @@ async fn an_answer_to_a_suspended_run_starts_the_next_attempt_resuming_the_conve
         .into_inner();
     assert_eq!(suspending.state, pb::RunState::Waiting as i32);
     host.beat().await;
-    assert_eq!(
-        host.destroy_orders()
-            .get(&first.sandbox_id)
-            .map(String::as_str),
-        Some("suspended")
-    );
+    assert_eq!(host.destroy_order(&first.sandbox_id), Some("suspended"));
     host.sandbox_gone(&first.sandbox_id, pb::SandboxState::Destroyed, -15);
     host.beat().await;
     let suspended = clients.get(&run.id).await;
@@ -433,32 +375,17 @@ impl FakeRunner {
 
 #[tokio::test]
 async fn cancel_ends_the_run_at_once_and_destroys_its_sandbox() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let (assignment, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
 
-    let cancelled = clients
-        .runs
-        .cancel_run(pb::CancelRunRequest {
-            run_id: run.id.clone(),
-            reason: "wrong task".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let cancelled = clients.cancel(&run.id, "wrong task").await;
     assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
     assert_eq!(cancelled.state_reason, "cancelled: wrong task");
     host.beat().await;
     assert_eq!(
-        host.destroy_orders()
-            .get(&assignment.sandbox_id)
-            .map(String::as_str),
+        host.destroy_order(&assignment.sandbox_id),
         Some("cancelled")
     );
     // The runner still checkpoints and reports on its way out.
@@ -470,33 +397,17 @@ async fn cancel_ends_the_run_at_once_and_destroys_its_sandbox() {
     assert_eq!(done.attempts[0].end_reason, "cancelled");
     assert!(host.beat().await.assignments.is_empty());
 
-    let again = clients
-        .runs
-        .answer_run(pb::AnswerRunRequest {
-            run_id: run.id.clone(),
-            text: "hello?".into(),
-        })
-        .await
-        .unwrap_err();
+    let again = clients.answer(&run.id, "hello?").await.unwrap_err();
     assert_eq!(again.code(), Code::FailedPrecondition);
     assert!(again.message().contains("cancelled"), "{}", again.message());
 }
 
 #[tokio::test]
 async fn a_runner_that_crashes_is_retried_until_max_attempts() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
-    let run = clients
-        .create(pb::CreateRunRequest {
-            max_attempts: 2,
-            ..run_request(&[])
-        })
-        .await;
-    let first = host.beat_until_assigned(&run.id).await;
-    host.beat().await;
-    FakeRunner::connect(&server, &first).await.start().await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
+    let run = clients.create_with_max_attempts(2).await;
+    let (first, mut runner) = host.launch(&server, &run.id).await;
+    runner.start().await;
     host.sandbox_gone(&first.sandbox_id, pb::SandboxState::Exited, 3);
     host.beat().await;
     let requeued = clients.get(&run.id).await;
@@ -524,21 +435,9 @@ async fn a_runner_that_crashes_is_retried_until_max_attempts() {
 
 #[tokio::test]
 async fn watching_a_run_follows_its_events_live_until_it_ends() {
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
     let run = clients.create_run(&[]).await;
-    let mut stream = clients
-        .runs
-        .watch_run_events(pb::WatchRunEventsRequest {
-            run_id: run.id.clone(),
-            after_sequence: 0,
-            follow: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = clients.watch(&run.id, 0, true).await;
     let created = stream.next().await.unwrap().unwrap();
     assert_eq!(created.reason, "created");
 
@@ -640,32 +539,13 @@ async fn run_requests_are_checked_and_runs_list_newest_first_in_pages() {
     // One live run per workspace: a second would fence the first off.
     let busy = clients
         .runs
-        .create_run(pb::CreateRunRequest {
-            target: Some(pb::create_run_request::Target::Workspace(
-                "fix-login".into(),
-            )),
-            ..run_request(&[])
-        })
+        .create_run(run_on("fix-login"))
         .await
         .unwrap_err();
     assert_eq!(busy.code(), Code::FailedPrecondition);
     assert!(busy.message().contains(&named.id), "{}", busy.message());
-    clients
-        .runs
-        .cancel_run(pb::CancelRunRequest {
-            run_id: named.id.clone(),
-            reason: String::new(),
-        })
-        .await
-        .unwrap();
-    let follow_up = clients
-        .create(pb::CreateRunRequest {
-            target: Some(pb::create_run_request::Target::Workspace(
-                "fix-login".into(),
-            )),
-            ..run_request(&[])
-        })
-        .await;
+    clients.cancel(&named.id, "").await;
+    let follow_up = clients.create(run_on("fix-login")).await;
     assert_eq!(follow_up.workspace_id, named.workspace_id);
     let other = clients.create_run(&[]).await;
 

@@ -207,19 +207,14 @@ async fn created_tokens_carry_their_scope_and_nothing_more() {
     let mut client = Clients::connect(&server, &client_token.token).await;
     let mine = client.create_run(&[]).await;
     let other = client.create_run(&[]).await;
-    let denied = HostServiceClient::new(
-        server
-            .client_with(Some(&client_token.token))
-            .await
-            .auth_channel(),
-    )
-    .register_host(pb::RegisterHostRequest {
-        slots: 1,
-        driver: "local".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap_err();
+    let denied = HostServiceClient::new(server.channel(&client_token.token).await)
+        .register_host(pb::RegisterHostRequest {
+            slots: 1,
+            driver: "local".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
     assert_eq!(denied.code(), Code::PermissionDenied);
     let denied = client
         .admin
@@ -227,15 +222,10 @@ async fn created_tokens_carry_their_scope_and_nothing_more() {
         .await
         .unwrap_err();
     assert_eq!(denied.code(), Code::PermissionDenied);
-    let denied = RunnerServiceClient::new(
-        server
-            .client_with(Some(&client_token.token))
-            .await
-            .auth_channel(),
-    )
-    .claim_attempt(pb::ClaimAttemptRequest {})
-    .await
-    .unwrap_err();
+    let denied = RunnerServiceClient::new(server.channel(&client_token.token).await)
+        .claim_attempt(pb::ClaimAttemptRequest {})
+        .await
+        .unwrap_err();
     assert_eq!(denied.code(), Code::PermissionDenied);
 
     // A run token reads its own run, and no other.
@@ -294,12 +284,7 @@ async fn a_run_token_reaches_only_its_own_workspace() {
     let mut run = server.client_with(Some(&run_token.text)).await;
     let committed = checkpoint(&mut run, &own.id, b"own work").await;
     assert_eq!(committed.workspace_id, own.id);
-    run.workspaces
-        .get_workspace(pb::GetWorkspaceRequest {
-            workspace: "own".into(),
-        })
-        .await
-        .unwrap();
+    get_workspace(&mut run, "own").await;
 
     let denied = run
         .checkpoints

@@ -3,6 +3,7 @@
 use cairn_proto::pb;
 use tonic::Code;
 
+use crate::fleet::{Clients, FakeHost, FakeRunner, patient_fleet, run_on};
 use crate::harness::*;
 
 #[tokio::test]
@@ -21,14 +22,7 @@ async fn workspaces_are_created_and_found_by_id_or_name() {
     assert_eq!(unnamed.name, "");
 
     for reference in [named.id.as_str(), "fix-login"] {
-        let found = client
-            .workspaces
-            .get_workspace(pb::GetWorkspaceRequest {
-                workspace: reference.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let found = get_workspace(&mut client, reference).await;
         assert_eq!(found, named, "{reference}");
     }
 
@@ -300,7 +294,7 @@ async fn a_fork_is_refused_whole_with_precise_codes() {
         (
             fork_request("task", "not-an-id", 1),
             Code::InvalidArgument,
-            "",
+            "not-an-id",
         ),
         (
             fork_request("task", &unknown_checkpoint, 1),
@@ -323,7 +317,8 @@ async fn a_fork_is_refused_whole_with_precise_codes() {
         assert_eq!(status.code(), code, "{request:?}: {}", status.message());
         assert!(status.message().contains(words), "{}", status.message());
     }
-    assert!(empty.latest_checkpoint.is_none());
+    // Refused as a source, the empty workspace is as it was.
+    assert_eq!(get_workspace(&mut client, &empty.id).await, empty);
 
     // A name clash in the middle of the batch leaves nothing behind.
     create_workspace(&mut client, "task-fork-2").await;
@@ -336,40 +331,40 @@ async fn a_fork_is_refused_whole_with_precise_codes() {
     assert_eq!(count(&mut client).await, before + 1, "all or nothing");
 }
 
-#[tokio::test]
-async fn a_forks_first_run_forks_the_station_conversation_once() {
-    use crate::fleet::{Clients, FakeHost, FakeRunner, run_request, start_patient};
-
-    let dir = data_dir();
-    let server = start_patient(dir.path()).await;
-    let mut clients = Clients::admin(&server).await;
-    let mut client = server.client().await;
-    let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
-
-    // A run on the source records its conversation, then a checkpoint.
-    let source = create_workspace(&mut client, "src").await;
-    let on = |workspace: &str| pb::CreateRunRequest {
-        target: Some(pb::create_run_request::Target::Workspace(workspace.into())),
-        ..run_request(&[])
-    };
-    let run = clients.create(on(&source.id)).await;
+/// Creates a run on `workspace`, waits until the host is assigned it, and
+/// starts its runner (before the host reports the sandbox).
+async fn start_run_on(
+    (server, clients, host): (&TestServer, &mut Clients, &mut FakeHost),
+    workspace: &str,
+) -> (pb::Assignment, FakeRunner, pb::AttemptSpec) {
+    let run = clients.create(run_on(workspace)).await;
     let assignment = host.beat_until_assigned(&run.id).await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
+    let mut runner = FakeRunner::connect(server, &assignment).await;
     let spec = runner.start().await;
-    assert!(!spec.fork_session);
-    runner
-        .runner
-        .report_harness_session(pb::ReportHarnessSessionRequest {
-            harness: "claude".into(),
-            session_id: "session-source".into(),
-        })
-        .await
-        .unwrap();
-    checkpoint(&mut client, &source.id, b"work").await;
+    (assignment, runner, spec)
+}
+
+/// The runner reports success, and the host that its sandbox exited.
+async fn succeed(host: &mut FakeHost, assignment: &pb::Assignment, runner: &mut FakeRunner) {
     runner.outcome(pb::Outcome::Succeeded, &[]).await.unwrap();
     host.beat().await;
     host.sandbox_gone(&assignment.sandbox_id, pb::SandboxState::Exited, 0);
     host.beat().await;
+}
+
+#[tokio::test]
+async fn a_forks_first_run_forks_the_station_conversation_once() {
+    let (server, mut clients, mut host) = patient_fleet("h", 1).await;
+    let mut client = server.client().await;
+
+    // A run on the source records its conversation, then a checkpoint.
+    let source = create_workspace(&mut client, "src").await;
+    let (assignment, mut runner, spec) =
+        start_run_on((&server, &mut clients, &mut host), &source.id).await;
+    assert!(!spec.fork_session);
+    runner.report_session("session-source").await;
+    checkpoint(&mut client, &source.id, b"work").await;
+    succeed(&mut host, &assignment, &mut runner).await;
 
     let fork = client
         .workspaces
@@ -381,36 +376,19 @@ async fn a_forks_first_run_forks_the_station_conversation_once() {
         .remove(0);
 
     // The fork's first run forks the source's conversation …
-    let run = clients.create(on(&fork.id)).await;
-    let assignment = host.beat_until_assigned(&run.id).await;
-    let mut runner = FakeRunner::connect(&server, &assignment).await;
-    let spec = runner.start().await;
+    let (assignment, mut runner, spec) =
+        start_run_on((&server, &mut clients, &mut host), &fork.id).await;
     assert_eq!(spec.resume_session_id, "session-source");
     assert!(spec.fork_session, "{spec:?}");
-    runner
-        .runner
-        .report_harness_session(pb::ReportHarnessSessionRequest {
-            harness: "claude".into(),
-            session_id: "session-fork".into(),
-        })
-        .await
-        .unwrap();
-    runner.outcome(pb::Outcome::Succeeded, &[]).await.unwrap();
-    host.beat().await;
-    host.sandbox_gone(&assignment.sandbox_id, pb::SandboxState::Exited, 0);
-    host.beat().await;
+    runner.report_session("session-fork").await;
+    succeed(&mut host, &assignment, &mut runner).await;
 
     // … and its next run continues the fork's own; the source keeps its own.
     for (workspace, session) in [(&fork.id, "session-fork"), (&source.id, "session-source")] {
-        let run = clients.create(on(workspace)).await;
-        let assignment = host.beat_until_assigned(&run.id).await;
-        let mut runner = FakeRunner::connect(&server, &assignment).await;
-        let spec = runner.start().await;
+        let (assignment, mut runner, spec) =
+            start_run_on((&server, &mut clients, &mut host), workspace).await;
         assert_eq!(spec.resume_session_id, session);
         assert!(!spec.fork_session, "{spec:?}");
-        runner.outcome(pb::Outcome::Succeeded, &[]).await.unwrap();
-        host.beat().await;
-        host.sandbox_gone(&assignment.sandbox_id, pb::SandboxState::Exited, 0);
-        host.beat().await;
+        succeed(&mut host, &assignment, &mut runner).await;
     }
 }

@@ -464,9 +464,8 @@ fn read_once(
         cancelled: false,
     };
     let granularity = chunker::Granularity::for_path(&job.rel);
-    let read =
-        chunker::for_each_chunk_with(granularity, &file, before.size, |data| hasher.push(data))
-            .and_then(|size| hasher.flush().map(|()| size));
+    let read = chunker::for_each_chunk(granularity, &file, before.size, |data| hasher.push(data))
+        .and_then(|size| hasher.flush().map(|()| size));
     if hasher.cancelled {
         return Err(ReadError::Cancelled);
     }

@@ -130,7 +130,7 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     use super::*;
-    use crate::format::{ChunkRef, FormatError, TreeObject};
+    use crate::format::{ChunkRef, TreeObject};
     use crate::scan::{ScanOptions, scan};
 
     fn keys() -> TenantKeys {
@@ -195,7 +195,7 @@ mod tests {
         match TreeObject::decode(&bytes(id)).unwrap() {
             TreeObject::Entries(tree) => tree,
             TreeObject::Pages(pages) => {
-                Tree::from_pages(&pages, |p| Ok::<_, FormatError>(bytes(p)), |e| e).unwrap()
+                Tree::concat(pages.iter().map(|p| Tree::decode(&bytes(p)).unwrap())).unwrap()
             }
         }
     }

@@ -317,27 +317,20 @@ impl Tree {
         Ok(Tree { entries })
     }
 
-    /// The listing of a paged directory: its pages' entries in order.
-    /// `open_page` fetches a page's bytes.
-    pub fn from_pages<E>(
-        pages: &[BlobId],
-        mut open_page: impl FnMut(&BlobId) -> Result<Vec<u8>, E>,
-        malformed: impl Fn(FormatError) -> E,
-    ) -> Result<Tree, E> {
+    /// The listing of a paged directory: its decoded pages' entries, in
+    /// order (sorting and uniqueness across pages are [`Tree::validate`]'s).
+    pub fn concat(pages: impl IntoIterator<Item = Tree>) -> Result<Tree, FormatError> {
         let mut entries = Vec::new();
         for page in pages {
-            let tree = Tree::decode(&open_page(page)?).map_err(&malformed)?;
-            if tree.entries.is_empty() {
-                return Err(malformed(FormatError::MalformedTree(
-                    "an empty page".into(),
+            if page.entries.is_empty() {
+                return Err(FormatError::MalformedTree("an empty page".into()));
+            }
+            if entries.len() as u64 + page.entries.len() as u64 > MAX_ENTRIES {
+                return Err(FormatError::MalformedTree(format!(
+                    "more than {MAX_ENTRIES} entries in one directory"
                 )));
             }
-            if entries.len() as u64 + tree.entries.len() as u64 > MAX_ENTRIES {
-                return Err(malformed(FormatError::MalformedTree(format!(
-                    "more than {MAX_ENTRIES} entries in one directory"
-                ))));
-            }
-            entries.extend(tree.entries);
+            entries.extend(page.entries);
         }
         Ok(Tree { entries })
     }
@@ -535,22 +528,11 @@ mod tests {
             ids,
             encoded.pages.iter().map(|(id, _)| *id).collect::<Vec<_>>()
         );
-        Tree::from_pages(
-            &ids,
-            |id| {
-                Ok::<_, FormatError>(
-                    encoded
-                        .pages
-                        .iter()
-                        .find(|(i, _)| i == id)
-                        .unwrap()
-                        .1
-                        .clone(),
-                )
-            },
-            |e| e,
-        )
-        .unwrap()
+        let page = |id: &BlobId| {
+            let (_, bytes) = encoded.pages.iter().find(|(i, _)| i == id).unwrap();
+            Tree::decode(bytes).unwrap()
+        };
+        Tree::concat(ids.iter().map(page)).unwrap()
     }
 
     #[test]
@@ -618,12 +600,7 @@ mod tests {
     fn empty_or_oversized_page_lists_are_refused() {
         assert!(TreeObject::decode(b"CTRE\x02\x01\x00").is_err());
         assert!(TreeObject::decode(b"CTRE\x02\x07\x00").is_err());
-        let err = Tree::from_pages(
-            &[BlobId([1; 32])],
-            |_| Ok::<_, FormatError>(Tree::default().encode()),
-            |e| e,
-        )
-        .unwrap_err();
+        let err = Tree::concat([Tree::default()]).unwrap_err();
         assert!(err.to_string().contains("an empty page"), "{err}");
     }
 }

@@ -23,196 +23,87 @@
 //! split like a shell would), `cwd`, `credentials_dir`.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::os::unix::fs::PermissionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
 use super::{
-    Harness, HarnessCommand, HarnessError, Observed, Stream, TurnRequest, check_settings,
-    cwd_setting, new_session_id, template,
+    Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, new_session_id, non_empty,
 };
 
-const NAME: &str = "claude";
-const SETTINGS: &[&str] = cairn_proto::runs::CLAUDE_SETTINGS;
-/// The config dir, relative to the root.
-pub const STATE_DIR: &str = ".cairn/state/claude";
-/// Files in the config dir that hold credentials.
-pub const CREDENTIAL_FILES: &[&str] = &[".credentials.json", ".claude.json"];
-/// What Claude Code prints when `--resume` names no transcript under the cwd's slug.
-pub const SESSION_LOST: &str = "No conversation found with session ID:";
+const CLI: CliSpec = CliSpec {
+    name: "claude",
+    settings: cairn_proto::runs::CLAUDE_SETTINGS,
+    state_dir: ".cairn/state/claude",
+    state_env: "CLAUDE_CONFIG_DIR",
+    credentials_subdir: None,
+    credential_files: &[".credentials.json", ".claude.json"],
+    // Claude Code keeps copies of .claude.json next to it and in backups/.
+    more_excludes: &[".claude.json.backup*", "backups/.claude.json*"],
+    home_credentials: ".claude",
+    // What Claude Code prints when `--resume` names no transcript under the
+    // cwd's slug.
+    session_lost: "No conversation found with session ID:",
+    can_fork: true,
+};
 
 /// Claude Code, configured for one run.
 #[derive(Debug, Clone)]
-pub struct Claude {
-    binary: String,
-    model: Option<String>,
-    extra_args: Vec<String>,
-    cwd: Option<PathBuf>,
-    config_dir: PathBuf,
-    credentials_dir: Option<PathBuf>,
-}
+pub struct Claude(Cli);
 
 impl Claude {
     pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
-        check_settings(NAME, config, SETTINGS)?;
-        let setting = |key: &str| {
-            config
-                .get(key)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
-        let extra_args = match setting("args") {
-            Some(args) => template::split(&args).map_err(|source| HarnessError::Template {
-                harness: NAME,
-                key: "args",
-                source,
-            })?,
-            None => Vec::new(),
-        };
-        let credentials_dir = setting("credentials_dir").map(PathBuf::from).or_else(|| {
-            std::env::var_os("HOME")
-                .filter(|h| !h.is_empty())
-                .map(|h| PathBuf::from(h).join(".claude"))
-        });
-        Ok(Self {
-            binary: setting("binary").unwrap_or_else(|| "claude".to_owned()),
-            model: setting("model"),
-            extra_args,
-            cwd: cwd_setting(NAME, config, root)?,
-            config_dir: root.join(STATE_DIR),
-            credentials_dir,
-        })
-    }
-
-    /// `CLAUDE_CONFIG_DIR` of the run.
-    pub fn config_dir(&self) -> &Path {
-        &self.config_dir
+        Cli::new(&CLI, config, root).map(Self)
     }
 }
 
-impl Harness for Claude {
-    fn name(&self) -> &str {
-        NAME
+impl CliAdapter for Claude {
+    fn cli(&self) -> &Cli {
+        &self.0
     }
 
-    fn can_resume(&self) -> bool {
-        true
-    }
-
-    fn can_fork(&self) -> bool {
-        true
-    }
-
-    fn excludes(&self) -> Vec<String> {
-        let mut patterns: Vec<String> = CREDENTIAL_FILES
-            .iter()
-            .map(|f| format!("/{STATE_DIR}/{f}"))
-            .collect();
-        // Claude Code keeps copies of .claude.json next to it and in backups/.
-        patterns.push(format!("/{STATE_DIR}/.claude.json.backup*"));
-        patterns.push(format!("/{STATE_DIR}/backups/.claude.json*"));
-        patterns
-    }
-
-    fn prepare(&self) -> Result<(), HarnessError> {
-        let prepare_error = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| HarnessError::Prepare { path, source }
-        };
-        fs::create_dir_all(&self.config_dir).map_err(prepare_error(&self.config_dir))?;
-        fs::set_permissions(&self.config_dir, fs::Permissions::from_mode(0o700))
-            .map_err(prepare_error(&self.config_dir))?;
-        let Some(source_dir) = &self.credentials_dir else {
-            return Ok(());
-        };
-        for file in CREDENTIAL_FILES {
-            let from = source_dir.join(file);
-            if !from.is_file() {
-                continue;
-            }
-            let to = self.config_dir.join(file);
-            fs::copy(&from, &to).map_err(prepare_error(&to))?;
-            fs::set_permissions(&to, fs::Permissions::from_mode(0o600))
-                .map_err(prepare_error(&to))?;
-            tracing::debug!(file, from = %source_dir.display(), "claude credentials copied in");
-        }
-        Ok(())
-    }
-
-    fn configured_cwd(&self) -> Option<PathBuf> {
-        self.cwd.clone()
-    }
-
-    fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
+    fn args(&self, turn: &TurnRequest) -> Vec<String> {
         let mut args: Vec<String> = ["-p", "--output-format", "stream-json", "--verbose"]
             .map(String::from)
             .into();
         match turn {
-            TurnRequest::Start { .. } => {
-                args.push("--session-id".into());
-                args.push(new_session_id());
-            }
+            TurnRequest::Start { .. } => args.extend(["--session-id".into(), new_session_id()]),
             TurnRequest::Resume {
                 session_id, fork, ..
             } => {
-                args.push("--resume".into());
-                args.push(session_id.clone());
+                args.extend(["--resume".into(), session_id.clone()]);
                 if *fork {
                     args.push("--fork-session".into());
                 }
             }
         }
-        if let Some(model) = &self.model {
-            args.push("--model".into());
-            args.push(model.clone());
-        }
-        args.extend(self.extra_args.iter().cloned());
+        args.extend(self.0.options());
         let message = turn.message();
         if message.starts_with('-') {
             // Otherwise the message would be read as an option.
             args.push("--".into());
         }
         args.push(message.to_owned());
-        Ok(HarnessCommand {
-            program: self.binary.clone(),
-            args,
-            env: vec![(
-                "CLAUDE_CONFIG_DIR".into(),
-                self.config_dir.to_string_lossy().into_owned(),
-            )],
-            cwd: cwd.to_path_buf(),
-            session_at_start: None,
-        })
+        args
     }
 
-    fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if line.contains(SESSION_LOST) {
-            observed.session_lost = true;
-        }
-        if stream != Stream::Stdout || !line.starts_with('{') {
-            return;
-        }
-        let Ok(event) = serde_json::from_str::<Value>(line) else {
-            return;
-        };
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         match (event["type"].as_str(), event["subtype"].as_str()) {
             (Some("system"), Some("init")) => {
-                if let Some(id) = event["session_id"].as_str().filter(|id| !id.is_empty()) {
+                if let Some(id) = non_empty(&event["session_id"]) {
                     observed.session_id = Some(id.to_owned());
                 }
             }
             (Some("result"), subtype) => {
-                let text = event["result"].as_str().map(str::to_owned);
                 if event["is_error"].as_bool() == Some(true) {
-                    observed.error = Some(text.filter(|t| !t.is_empty()).unwrap_or_else(|| {
+                    let text = non_empty(&event["result"]).map(str::to_owned);
+                    observed.error = Some(text.unwrap_or_else(|| {
                         format!("claude reported {}", subtype.unwrap_or("an error"))
                     }));
                 } else {
-                    observed.summary = text;
+                    observed.summary = event["result"].as_str().map(str::to_owned);
                 }
-                if let Some(id) = event["session_id"].as_str().filter(|id| !id.is_empty()) {
+                if let Some(id) = non_empty(&event["session_id"]) {
                     observed.session_id.get_or_insert_with(|| id.to_owned());
                 }
             }
@@ -223,14 +114,14 @@ impl Harness for Claude {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::super::{Harness, Stream, is_uuid, resume_turn, settings, start_turn};
     use super::*;
 
     fn claude(config: &[(&str, &str)]) -> Claude {
-        let config = config
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Claude::new(&config, Path::new("/workspace")).unwrap()
+        Claude::new(&settings(config), Path::new("/workspace")).unwrap()
     }
 
     #[test]
@@ -239,14 +130,7 @@ mod tests {
             ("model", "opus"),
             ("args", "--permission-mode 'accept Edits'"),
         ]);
-        let start = c
-            .command(
-                &TurnRequest::Start {
-                    message: "fix it".into(),
-                },
-                Path::new("/workspace/app"),
-            )
-            .unwrap();
+        let start = start_turn(&c, "fix it", "/workspace/app");
         assert_eq!(start.program, "claude");
         assert_eq!(
             &start.args[..5],
@@ -258,7 +142,7 @@ mod tests {
                 "--session-id"
             ]
         );
-        assert!(super::super::is_uuid(&start.args[5]), "{:?}", start.args);
+        assert!(is_uuid(&start.args[5]), "{:?}", start.args);
         assert_eq!(
             &start.args[6..],
             [
@@ -279,53 +163,21 @@ mod tests {
         assert_eq!(start.cwd, Path::new("/workspace/app"));
 
         let plain = claude(&[("binary", "/opt/claude")]);
-        let resume = plain
-            .command(
-                &TurnRequest::Resume {
-                    session_id: "s-1".into(),
-                    message: "-v please".into(),
-                    fork: false,
-                },
-                Path::new("/w"),
-            )
-            .unwrap();
+        let resume = resume_turn(&plain, "s-1", "-v please", false).unwrap();
         assert_eq!(resume.program, "/opt/claude");
-        assert_eq!(
-            resume.args,
-            [
-                "-p",
-                "--output-format",
-                "stream-json",
-                "--verbose",
-                "--resume",
-                "s-1",
-                "--",
-                "-v please"
-            ]
-        );
-        let fork = plain
-            .command(
-                &TurnRequest::Resume {
-                    session_id: "s-1".into(),
-                    message: "go on".into(),
-                    fork: true,
-                },
-                Path::new("/w"),
-            )
-            .unwrap();
-        assert_eq!(
-            fork.args,
-            [
-                "-p",
-                "--output-format",
-                "stream-json",
-                "--verbose",
-                "--resume",
-                "s-1",
-                "--fork-session",
-                "go on"
-            ]
-        );
+        let resume_s1 = [
+            "-p",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--resume",
+            "s-1",
+        ];
+        assert_eq!(&resume.args[..6], resume_s1);
+        assert_eq!(&resume.args[6..], ["--", "-v please"]);
+        let fork = resume_turn(&plain, "s-1", "go on", true).unwrap();
+        assert_eq!(&fork.args[..6], resume_s1);
+        assert_eq!(&fork.args[6..], ["--fork-session", "go on"]);
     }
 
     #[test]
@@ -378,10 +230,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let home = tempfile::tempdir().unwrap();
         fs::write(home.path().join(".credentials.json"), "{\"token\":1}").unwrap();
-        let config = BTreeMap::from([(
-            "credentials_dir".to_owned(),
-            home.path().to_string_lossy().into_owned(),
-        )]);
+        let config = settings(&[("credentials_dir", &home.path().to_string_lossy())]);
         let c = Claude::new(&config, root.path()).unwrap();
         c.prepare().unwrap();
         let copied = root.path().join(".cairn/state/claude/.credentials.json");

@@ -23,117 +23,51 @@
 //! `credentials_dir`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
-use super::{
-    Harness, HarnessCommand, HarnessError, Observed, Stream, TurnRequest, check_settings,
-    copy_credentials, cwd_setting, home_subdir, split_args,
-};
+use super::{Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, non_empty};
 
-const NAME: &str = "codex";
-const SETTINGS: &[&str] = cairn_proto::runs::CODEX_SETTINGS;
-/// `CODEX_HOME`, relative to the root.
-pub const STATE_DIR: &str = ".cairn/state/codex";
-/// Files in `CODEX_HOME` that hold credentials.
-pub const CREDENTIAL_FILES: &[&str] = &["auth.json"];
-/// What `codex exec resume` prints when no rollout has the id.
-pub const SESSION_LOST: &str = "no rollout found for thread id";
+const CLI: CliSpec = CliSpec {
+    name: "codex",
+    settings: cairn_proto::runs::CODEX_SETTINGS,
+    state_dir: ".cairn/state/codex",
+    state_env: "CODEX_HOME",
+    credentials_subdir: None,
+    credential_files: &["auth.json"],
+    more_excludes: &[],
+    home_credentials: ".codex",
+    // What `codex exec resume` prints when no rollout has the id.
+    session_lost: "no rollout found for thread id",
+    // Codex cannot fork non-interactively.
+    can_fork: false,
+};
 
 /// Codex, configured for one run.
 #[derive(Debug, Clone)]
-pub struct Codex {
-    binary: String,
-    model: Option<String>,
-    extra_args: Vec<String>,
-    cwd: Option<PathBuf>,
-    home: PathBuf,
-    credentials_dir: Option<PathBuf>,
-}
+pub struct Codex(Cli);
 
 impl Codex {
     pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
-        check_settings(NAME, config, SETTINGS)?;
-        let setting = |key: &str| {
-            config
-                .get(key)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
-        Ok(Self {
-            binary: setting("binary").unwrap_or_else(|| "codex".to_owned()),
-            model: setting("model"),
-            extra_args: split_args(NAME, setting("args"))?,
-            cwd: cwd_setting(NAME, config, root)?,
-            home: root.join(STATE_DIR),
-            credentials_dir: setting("credentials_dir")
-                .map(PathBuf::from)
-                .or_else(|| home_subdir(".codex")),
-        })
-    }
-
-    /// `CODEX_HOME` of the run.
-    pub fn home(&self) -> &Path {
-        &self.home
+        Cli::new(&CLI, config, root).map(Self)
     }
 }
 
-impl Harness for Codex {
-    fn name(&self) -> &str {
-        NAME
+impl CliAdapter for Codex {
+    fn cli(&self) -> &Cli {
+        &self.0
     }
 
-    fn can_resume(&self) -> bool {
-        true
-    }
-
-    fn excludes(&self) -> Vec<String> {
-        CREDENTIAL_FILES
-            .iter()
-            .map(|f| format!("/{STATE_DIR}/{f}"))
-            .collect()
-    }
-
-    fn prepare(&self) -> Result<(), HarnessError> {
-        copy_credentials(
-            NAME,
-            &self.home,
-            &self.home,
-            self.credentials_dir.as_deref(),
-            CREDENTIAL_FILES,
-        )
-    }
-
-    fn configured_cwd(&self) -> Option<PathBuf> {
-        self.cwd.clone()
-    }
-
-    fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
+    fn args(&self, turn: &TurnRequest) -> Vec<String> {
         let message = turn.message().to_owned();
-        let mut options = vec!["--json".to_owned()];
-        if let Some(model) = &self.model {
-            options.push("--model".into());
-            options.push(model.clone());
-        }
-        options.extend(self.extra_args.iter().cloned());
-        let mut args = vec!["exec".to_owned()];
-        let positionals = match turn {
-            TurnRequest::Start { .. } => vec![message],
-            // Codex cannot fork non-interactively; the runner never asks
-            // (can_fork is false), and continuing the source's conversation
-            // instead would be wrong.
-            TurnRequest::Resume { fork: true, .. } => {
-                return Err(HarnessError::BadSetting {
-                    harness: NAME,
-                    key: "binary",
-                    reason: "the codex adapter cannot fork a conversation".into(),
-                });
-            }
-            TurnRequest::Resume { session_id, .. } => {
-                args.push("resume".into());
-                vec![session_id.clone(), message]
-            }
+        let options = std::iter::once("--json".to_owned()).chain(self.0.options());
+        let (mut args, positionals) = match turn {
+            TurnRequest::Start { .. } => (vec!["exec".to_owned()], vec![message]),
+            TurnRequest::Resume { session_id, .. } => (
+                vec!["exec".to_owned(), "resume".to_owned()],
+                vec![session_id.clone(), message],
+            ),
         };
         if positionals.iter().any(|p| p.starts_with('-')) {
             // Otherwise the id or message would be read as an option.
@@ -144,31 +78,13 @@ impl Harness for Codex {
             args.extend(positionals);
             args.extend(options);
         }
-        Ok(HarnessCommand {
-            program: self.binary.clone(),
-            args,
-            env: vec![(
-                "CODEX_HOME".into(),
-                self.home.to_string_lossy().into_owned(),
-            )],
-            cwd: cwd.to_path_buf(),
-            session_at_start: None,
-        })
+        args
     }
 
-    fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if line.contains(SESSION_LOST) {
-            observed.session_lost = true;
-        }
-        if stream != Stream::Stdout || !line.starts_with('{') {
-            return;
-        }
-        let Ok(event) = serde_json::from_str::<Value>(line) else {
-            return;
-        };
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         match event["type"].as_str() {
             Some("thread.started") => {
-                if let Some(id) = event["thread_id"].as_str().filter(|id| !id.is_empty()) {
+                if let Some(id) = non_empty(&event["thread_id"]) {
                     observed.session_id.get_or_insert_with(|| id.to_owned());
                 }
             }
@@ -178,10 +94,8 @@ impl Harness for Codex {
                 }
             }
             Some("turn.failed") => {
-                let message = event["error"]["message"]
-                    .as_str()
-                    .filter(|m| !m.is_empty())
-                    .unwrap_or("codex reported a failed turn");
+                let message =
+                    non_empty(&event["error"]["message"]).unwrap_or("codex reported a failed turn");
                 observed.error = Some(message.to_owned());
             }
             _ => {}
@@ -194,14 +108,11 @@ mod tests {
     use std::fs;
     use std::os::unix::fs::PermissionsExt as _;
 
+    use super::super::{Harness, Stream, resume_turn, settings, start_turn};
     use super::*;
 
     fn codex(config: &[(&str, &str)], root: &Path) -> Codex {
-        let config = config
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Codex::new(&config, root).unwrap()
+        Codex::new(&settings(config), root).unwrap()
     }
 
     #[test]
@@ -210,14 +121,7 @@ mod tests {
             &[("model", "gpt-5"), ("args", "--sandbox 'workspace-write'")],
             Path::new("/workspace"),
         );
-        let start = c
-            .command(
-                &TurnRequest::Start {
-                    message: "fix it".into(),
-                },
-                Path::new("/workspace/app"),
-            )
-            .unwrap();
+        let start = start_turn(&c, "fix it", "/workspace/app");
         assert_eq!(start.program, "codex");
         assert_eq!(
             start.args,
@@ -241,19 +145,7 @@ mod tests {
         assert_eq!(start.cwd, Path::new("/workspace/app"));
 
         let plain = codex(&[("binary", "/opt/codex")], Path::new("/workspace"));
-        let resume = |message: &str| {
-            plain
-                .command(
-                    &TurnRequest::Resume {
-                        session_id: "t-1".into(),
-                        message: message.into(),
-                        fork: false,
-                    },
-                    Path::new("/w"),
-                )
-                .unwrap()
-                .args
-        };
+        let resume = |message: &str| resume_turn(&plain, "t-1", message, false).unwrap().args;
         assert_eq!(
             resume("go on"),
             ["exec", "resume", "t-1", "go on", "--json"]
@@ -314,8 +206,9 @@ mod tests {
             root.path(),
         );
         c.prepare().unwrap();
-        assert!(c.home().is_dir(), "CODEX_HOME exists before the first turn");
-        let copied = root.path().join(".cairn/state/codex/auth.json");
+        let home = root.path().join(".cairn/state/codex");
+        assert!(home.is_dir(), "CODEX_HOME exists before the first turn");
+        let copied = home.join("auth.json");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "{\"token\":1}");
         assert_eq!(
             fs::metadata(&copied).unwrap().permissions().mode() & 0o777,

@@ -194,14 +194,11 @@ impl Harness for CommandHarness {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{resume_turn, settings, start_turn};
     use super::*;
 
     fn harness(config: &[(&str, &str)]) -> Result<CommandHarness, HarnessError> {
-        let config = config
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        CommandHarness::new(&config, Path::new("/workspace"))
+        CommandHarness::new(&settings(config), Path::new("/workspace"))
     }
 
     #[test]
@@ -270,14 +267,7 @@ mod tests {
         ])
         .unwrap();
         assert!(h.can_resume());
-        let start = h
-            .command(
-                &TurnRequest::Start {
-                    message: "go".into(),
-                },
-                Path::new("/workspace"),
-            )
-            .unwrap();
+        let start = start_turn(&h, "go", "/workspace");
         let chosen = start
             .session_at_start
             .clone()
@@ -292,16 +282,7 @@ mod tests {
     fn without_resume_no_conversation_continues() {
         let h = harness(&[("start", "sh -c 'echo {message}'")]).unwrap();
         assert!(!h.can_resume());
-        let err = h
-            .command(
-                &TurnRequest::Resume {
-                    session_id: "x".into(),
-                    message: "m".into(),
-                    fork: false,
-                },
-                Path::new("/w"),
-            )
-            .unwrap_err();
+        let err = resume_turn(&h, "x", "m", false).unwrap_err();
         assert!(err.to_string().contains("\"resume\""), "{err}");
         let err = harness(&[("start", "a {message}"), ("resume", "a {message}")]).unwrap_err();
         assert!(

@@ -28,101 +28,51 @@
 //! `credentials_dir`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
 use super::{
-    Harness, HarnessCommand, HarnessError, Observed, Stream, TurnRequest, check_settings,
-    copy_credentials, cwd_setting, home_subdir, new_session_id, split_args,
+    Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, new_session_id, non_empty,
 };
 
-const NAME: &str = "gemini";
-const SETTINGS: &[&str] = cairn_proto::runs::GEMINI_SETTINGS;
-/// `GEMINI_CLI_HOME`, relative to the root.
-pub const STATE_DIR: &str = ".cairn/state/gemini";
-/// Where Gemini CLI keeps its files under `GEMINI_CLI_HOME`.
-pub const GEMINI_DIR: &str = ".gemini";
-/// Files in `$GEMINI_CLI_HOME/.gemini` that hold credentials.
-pub const CREDENTIAL_FILES: &[&str] = &[
-    "oauth_creds.json",
-    "google_accounts.json",
-    "mcp-oauth-tokens.json",
-    "a2a-oauth-tokens.json",
-    "gemini-credentials.json",
-];
-/// What `gemini --resume` prints (exit 42) when no chat has the id.
-pub const SESSION_LOST: &str = "Error resuming session: Invalid session identifier";
+const CLI: CliSpec = CliSpec {
+    name: "gemini",
+    settings: cairn_proto::runs::GEMINI_SETTINGS,
+    state_dir: ".cairn/state/gemini",
+    state_env: "GEMINI_CLI_HOME",
+    // Where Gemini CLI keeps its files under `GEMINI_CLI_HOME`.
+    credentials_subdir: Some(".gemini"),
+    credential_files: &[
+        "oauth_creds.json",
+        "google_accounts.json",
+        "mcp-oauth-tokens.json",
+        "a2a-oauth-tokens.json",
+        "gemini-credentials.json",
+    ],
+    more_excludes: &[],
+    home_credentials: ".gemini",
+    // What `gemini --resume` prints (exit 42) when no chat has the id.
+    session_lost: "Error resuming session: Invalid session identifier",
+    can_fork: false,
+};
 
 /// Gemini CLI, configured for one run.
 #[derive(Debug, Clone)]
-pub struct Gemini {
-    binary: String,
-    model: Option<String>,
-    extra_args: Vec<String>,
-    cwd: Option<PathBuf>,
-    home: PathBuf,
-    credentials_dir: Option<PathBuf>,
-}
+pub struct Gemini(Cli);
 
 impl Gemini {
     pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
-        check_settings(NAME, config, SETTINGS)?;
-        let setting = |key: &str| {
-            config
-                .get(key)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
-        Ok(Self {
-            binary: setting("binary").unwrap_or_else(|| "gemini".to_owned()),
-            model: setting("model"),
-            extra_args: split_args(NAME, setting("args"))?,
-            cwd: cwd_setting(NAME, config, root)?,
-            home: root.join(STATE_DIR),
-            credentials_dir: setting("credentials_dir")
-                .map(PathBuf::from)
-                .or_else(|| home_subdir(GEMINI_DIR)),
-        })
-    }
-
-    /// `GEMINI_CLI_HOME` of the run.
-    pub fn home(&self) -> &Path {
-        &self.home
+        Cli::new(&CLI, config, root).map(Self)
     }
 }
 
-impl Harness for Gemini {
-    fn name(&self) -> &str {
-        NAME
+impl CliAdapter for Gemini {
+    fn cli(&self) -> &Cli {
+        &self.0
     }
 
-    fn can_resume(&self) -> bool {
-        true
-    }
-
-    fn excludes(&self) -> Vec<String> {
-        CREDENTIAL_FILES
-            .iter()
-            .map(|f| format!("/{STATE_DIR}/{GEMINI_DIR}/{f}"))
-            .collect()
-    }
-
-    fn prepare(&self) -> Result<(), HarnessError> {
-        copy_credentials(
-            NAME,
-            &self.home,
-            &self.home.join(GEMINI_DIR),
-            self.credentials_dir.as_deref(),
-            CREDENTIAL_FILES,
-        )
-    }
-
-    fn configured_cwd(&self) -> Option<PathBuf> {
-        self.cwd.clone()
-    }
-
-    fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
+    fn args(&self, turn: &TurnRequest) -> Vec<String> {
         let message = turn.message();
         let mut args = if message.starts_with('-') {
             // Otherwise the message would be read as an option.
@@ -130,66 +80,31 @@ impl Harness for Gemini {
         } else {
             vec!["-p".to_owned(), message.to_owned()]
         };
-        args.push("--output-format".into());
-        args.push("stream-json".into());
+        args.extend(["--output-format".into(), "stream-json".into()]);
         match turn {
-            TurnRequest::Start { .. } => {
-                args.push("--session-id".into());
-                args.push(new_session_id());
-            }
-            TurnRequest::Resume { fork: true, .. } => {
-                return Err(HarnessError::BadSetting {
-                    harness: NAME,
-                    key: "binary",
-                    reason: "the gemini adapter cannot fork a conversation".into(),
-                });
-            }
+            TurnRequest::Start { .. } => args.extend(["--session-id".into(), new_session_id()]),
             TurnRequest::Resume { session_id, .. } => {
-                args.push("--resume".into());
-                args.push(session_id.clone());
+                args.extend(["--resume".into(), session_id.clone()]);
             }
         }
-        if let Some(model) = &self.model {
-            args.push("--model".into());
-            args.push(model.clone());
-        }
-        args.extend(self.extra_args.iter().cloned());
-        Ok(HarnessCommand {
-            program: self.binary.clone(),
-            args,
-            env: vec![(
-                "GEMINI_CLI_HOME".into(),
-                self.home.to_string_lossy().into_owned(),
-            )],
-            cwd: cwd.to_path_buf(),
-            session_at_start: None,
-        })
+        args.extend(self.0.options());
+        args
     }
 
-    fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if line.contains(SESSION_LOST) {
-            observed.session_lost = true;
-        }
-        if stream != Stream::Stdout || !line.starts_with('{') {
-            return;
-        }
-        let Ok(event) = serde_json::from_str::<Value>(line) else {
-            return;
-        };
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         match event["type"].as_str() {
             Some("init") => {
-                if let Some(id) = event["session_id"].as_str().filter(|id| !id.is_empty()) {
+                if let Some(id) = non_empty(&event["session_id"]) {
                     observed.session_id.get_or_insert_with(|| id.to_owned());
                 }
             }
+            Some("result") if event["status"] == "error" => {
+                let message =
+                    non_empty(&event["error"]["message"]).unwrap_or("gemini reported an error");
+                observed.error = Some(message.to_owned());
+            }
             Some("result") => {
-                if event["status"] == "error" {
-                    let message = event["error"]["message"]
-                        .as_str()
-                        .filter(|m| !m.is_empty())
-                        .unwrap_or("gemini reported an error");
-                    observed.error = Some(message.to_owned());
-                } else if let Some(text) = event["response"].as_str() {
+                if let Some(text) = event["response"].as_str() {
                     observed.summary = Some(text.to_owned());
                 }
             }
@@ -202,14 +117,11 @@ impl Harness for Gemini {
 mod tests {
     use std::fs;
 
+    use super::super::{Harness, Stream, is_uuid, resume_turn, settings, start_turn};
     use super::*;
 
     fn gemini(config: &[(&str, &str)], root: &Path) -> Gemini {
-        let config = config
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Gemini::new(&config, root).unwrap()
+        Gemini::new(&settings(config), root).unwrap()
     }
 
     #[test]
@@ -218,14 +130,7 @@ mod tests {
             &[("model", "gemini-2.5-pro"), ("args", "--yolo")],
             Path::new("/workspace"),
         );
-        let start = g
-            .command(
-                &TurnRequest::Start {
-                    message: "fix it".into(),
-                },
-                Path::new("/workspace/app"),
-            )
-            .unwrap();
+        let start = start_turn(&g, "fix it", "/workspace/app");
         assert_eq!(start.program, "gemini");
         assert_eq!(
             &start.args[..5],
@@ -237,7 +142,7 @@ mod tests {
                 "--session-id"
             ]
         );
-        assert!(super::super::is_uuid(&start.args[5]), "{:?}", start.args);
+        assert!(is_uuid(&start.args[5]), "{:?}", start.args);
         assert_eq!(&start.args[6..], ["--model", "gemini-2.5-pro", "--yolo"]);
         assert!(!start.args.contains(&"--resume".to_owned()));
         assert_eq!(
@@ -249,16 +154,7 @@ mod tests {
         );
 
         let plain = gemini(&[], Path::new("/workspace"));
-        let resume = plain
-            .command(
-                &TurnRequest::Resume {
-                    session_id: "s-1".into(),
-                    message: "-v please".into(),
-                    fork: false,
-                },
-                Path::new("/w"),
-            )
-            .unwrap();
+        let resume = resume_turn(&plain, "s-1", "-v please", false).unwrap();
         assert_eq!(
             resume.args,
             [
@@ -317,11 +213,10 @@ mod tests {
             root.path(),
         );
         g.prepare().unwrap();
-        let copied = root
-            .path()
-            .join(".cairn/state/gemini/.gemini/oauth_creds.json");
+        let dot_gemini = root.path().join(".cairn/state/gemini/.gemini");
+        let copied = dot_gemini.join("oauth_creds.json");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "{\"token\":1}");
-        assert!(!g.home().join(".gemini/google_accounts.json").exists());
+        assert!(!dot_gemini.join("google_accounts.json").exists());
         let matcher = crate::scan::exclude_matcher(root.path(), &g.excludes())
             .unwrap()
             .unwrap();

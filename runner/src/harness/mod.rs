@@ -18,6 +18,11 @@
 //! - [`claude`] — Claude Code, exactly per ../shared/reference/harnesses.md.
 //! - [`codex`] — Codex CLI, per the same reference.
 //! - [`gemini`] — Gemini CLI, per the same reference.
+//!
+//!   These three share `Cli`: a state directory in the workspace, fresh
+//!   credentials, the same settings and JSON-lines output; each describes
+//!   itself in a `CliSpec` and adds its flags and event shapes
+//!   (`CliAdapter`).
 //! - [`command`] — any CLI, described by `start` / `resume` templates and a
 //!   `session_regex`.
 
@@ -37,6 +42,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cairn_proto::pb;
+use serde_json::Value;
 
 pub use process::{RunningTurn, TurnEvent, TurnExit, spawn_turn};
 
@@ -127,10 +133,19 @@ pub trait Harness: Send + Sync + fmt::Debug {
     fn observe(&self, stream: Stream, line: &str, observed: &mut Observed);
 }
 
+/// The adapters this runner has, as the coordinator knows them too.
+fn adapter_names() -> String {
+    let names: Vec<&str> = cairn_proto::runs::HARNESS_ADAPTERS
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    names.join(", ")
+}
+
 /// Why a harness cannot be set up or started.
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
-    #[error("unknown harness {0:?} (this runner has: claude, codex, gemini, command)")]
+    #[error("unknown harness {0:?} (this runner has: {known})", known = adapter_names())]
     Unknown(String),
     #[error("harness {harness}: unknown setting {key:?} (known: {known})")]
     UnknownSetting {
@@ -235,6 +250,218 @@ fn cwd_setting(
     Ok(Some(joined))
 }
 
+/// What sets an agent CLI that keeps its state in the workspace (Claude
+/// Code, Codex, Gemini CLI) apart from the others; [`Cli`] and [`CliAdapter`]
+/// do the rest.
+#[derive(Debug)]
+struct CliSpec {
+    /// The adapter's name, as in `HarnessSpec.name`, and the default `binary`.
+    name: &'static str,
+    /// The settings the adapter knows.
+    settings: &'static [&'static str],
+    /// The CLI's state directory, relative to the root, so that its
+    /// conversations live in the workspace and travel with its checkpoints.
+    state_dir: &'static str,
+    /// The environment variable that points the CLI at its state directory.
+    state_env: &'static str,
+    /// Where the credential files are, inside the state directory.
+    credentials_subdir: Option<&'static str>,
+    /// The files there that hold credentials: never checkpointed, copied in
+    /// fresh from `credentials_dir` before the first turn.
+    credential_files: &'static [&'static str],
+    /// More patterns, relative to the state directory, that no checkpoint
+    /// may contain (copies the CLI makes of its credentials).
+    more_excludes: &'static [&'static str],
+    /// The default `credentials_dir`, relative to `$HOME`.
+    home_credentials: &'static str,
+    /// What the CLI prints when the conversation to resume is gone.
+    session_lost: &'static str,
+    /// Whether the CLI can fork a conversation.
+    can_fork: bool,
+}
+
+/// An agent CLI of a [`CliSpec`], configured for one run by the settings
+/// `binary`, `model`, `args` (extra arguments, split like a shell would),
+/// `cwd` and `credentials_dir`.
+#[derive(Debug, Clone)]
+struct Cli {
+    spec: &'static CliSpec,
+    binary: String,
+    model: Option<String>,
+    extra_args: Vec<String>,
+    cwd: Option<PathBuf>,
+    /// The state directory (absolute).
+    state_dir: PathBuf,
+    credentials_dir: Option<PathBuf>,
+}
+
+impl Cli {
+    fn new(
+        spec: &'static CliSpec,
+        config: &BTreeMap<String, String>,
+        root: &Path,
+    ) -> Result<Self, HarnessError> {
+        check_settings(spec.name, config, spec.settings)?;
+        let setting = |key: &str| {
+            config
+                .get(key)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        Ok(Self {
+            spec,
+            binary: setting("binary").unwrap_or_else(|| spec.name.to_owned()),
+            model: setting("model"),
+            extra_args: split_args(spec.name, setting("args"))?,
+            cwd: cwd_setting(spec.name, config, root)?,
+            state_dir: root.join(spec.state_dir),
+            credentials_dir: setting("credentials_dir")
+                .map(PathBuf::from)
+                .or_else(|| home_subdir(spec.home_credentials)),
+        })
+    }
+
+    /// `--model <model>` when the setting names one, then the `args` setting.
+    fn options(&self) -> impl Iterator<Item = String> {
+        let model = self
+            .model
+            .iter()
+            .flat_map(|m| ["--model".to_owned(), m.clone()]);
+        model.chain(self.extra_args.iter().cloned())
+    }
+
+    fn excludes(&self) -> Vec<String> {
+        let spec = self.spec;
+        let credentials = match spec.credentials_subdir {
+            Some(subdir) => format!("/{}/{subdir}", spec.state_dir),
+            None => format!("/{}", spec.state_dir),
+        };
+        let files = spec
+            .credential_files
+            .iter()
+            .map(|f| format!("{credentials}/{f}"));
+        let more = spec
+            .more_excludes
+            .iter()
+            .map(|p| format!("/{}/{p}", spec.state_dir));
+        files.chain(more).collect()
+    }
+
+    /// Creates the state directory (private) and copies each credential
+    /// file present in `credentials_dir` into it (mode 0600). Credentials
+    /// are never logged, only which files were copied.
+    fn prepare(&self) -> Result<(), HarnessError> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let prepare_error = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| HarnessError::Prepare { path, source }
+        };
+        let target_dir = match self.spec.credentials_subdir {
+            Some(subdir) => self.state_dir.join(subdir),
+            None => self.state_dir.clone(),
+        };
+        for dir in [&self.state_dir, &target_dir] {
+            fs::create_dir_all(dir).map_err(prepare_error(dir))?;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                .map_err(prepare_error(dir))?;
+        }
+        let Some(source_dir) = &self.credentials_dir else {
+            return Ok(());
+        };
+        for file in self.spec.credential_files {
+            let from = source_dir.join(file);
+            if !from.is_file() {
+                continue;
+            }
+            let to = target_dir.join(file);
+            fs::copy(&from, &to).map_err(prepare_error(&to))?;
+            fs::set_permissions(&to, fs::Permissions::from_mode(0o600))
+                .map_err(prepare_error(&to))?;
+            tracing::debug!(harness = self.spec.name, file, from = %source_dir.display(), "credentials copied in");
+        }
+        Ok(())
+    }
+}
+
+/// An adapter built on [`Cli`]: only its command line and the JSON events
+/// of its stdout are its own. Every such adapter is a [`Harness`].
+trait CliAdapter: Send + Sync + fmt::Debug {
+    fn cli(&self) -> &Cli;
+    /// The arguments of one turn (a fork only if the CLI can fork).
+    fn args(&self, turn: &TurnRequest) -> Vec<String>;
+    /// Reads one JSON event of stdout into `observed`.
+    fn observe_event(&self, event: &Value, observed: &mut Observed);
+}
+
+impl<T: CliAdapter> Harness for T {
+    fn name(&self) -> &str {
+        self.cli().spec.name
+    }
+
+    fn can_resume(&self) -> bool {
+        true
+    }
+
+    fn can_fork(&self) -> bool {
+        self.cli().spec.can_fork
+    }
+
+    fn excludes(&self) -> Vec<String> {
+        self.cli().excludes()
+    }
+
+    fn prepare(&self) -> Result<(), HarnessError> {
+        self.cli().prepare()
+    }
+
+    fn configured_cwd(&self) -> Option<PathBuf> {
+        self.cli().cwd.clone()
+    }
+
+    fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
+        let cli = self.cli();
+        let name = cli.spec.name;
+        if let TurnRequest::Resume { fork: true, .. } = turn
+            && !cli.spec.can_fork
+        {
+            // The runner never asks (can_fork is false), and continuing the
+            // source's conversation instead would be wrong.
+            return Err(HarnessError::BadSetting {
+                harness: name,
+                key: "binary",
+                reason: format!("the {name} adapter cannot fork a conversation"),
+            });
+        }
+        Ok(HarnessCommand {
+            program: cli.binary.clone(),
+            args: self.args(turn),
+            env: vec![(
+                cli.spec.state_env.into(),
+                cli.state_dir.to_string_lossy().into_owned(),
+            )],
+            cwd: cwd.to_path_buf(),
+            session_at_start: None,
+        })
+    }
+
+    fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
+        if line.contains(self.cli().spec.session_lost) {
+            observed.session_lost = true;
+        }
+        if stream != Stream::Stdout || !line.starts_with('{') {
+            return;
+        }
+        if let Ok(event) = serde_json::from_str::<Value>(line) {
+            self.observe_event(&event, observed);
+        }
+    }
+}
+
+/// The string `value` holds, unless it is empty (or not a string).
+fn non_empty(value: &Value) -> Option<&str> {
+    value.as_str().filter(|s| !s.is_empty())
+}
+
 /// The `args` setting, split into words like a shell would.
 fn split_args(harness: &'static str, args: Option<String>) -> Result<Vec<String>, HarnessError> {
     match args {
@@ -254,39 +481,39 @@ fn home_subdir(name: &str) -> Option<PathBuf> {
         .map(|h| PathBuf::from(h).join(name))
 }
 
-/// Creates the harness's state directory `state_dir` (private) and copies
-/// each credential file present in `source_dir` into `target_dir` (mode
-/// 0600). Credentials are never logged, only which files were copied.
-fn copy_credentials(
-    harness: &'static str,
-    state_dir: &Path,
-    target_dir: &Path,
-    source_dir: Option<&Path>,
-    files: &[&str],
-) -> Result<(), HarnessError> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let prepare_error = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| HarnessError::Prepare { path, source }
+/// A configuration of these settings.
+#[cfg(test)]
+fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The command of a turn that opens a conversation with `message`, in `cwd`.
+#[cfg(test)]
+fn start_turn(harness: &dyn Harness, message: &str, cwd: &str) -> HarnessCommand {
+    let turn = TurnRequest::Start {
+        message: message.into(),
     };
-    for dir in [state_dir, target_dir] {
-        fs::create_dir_all(dir).map_err(prepare_error(dir))?;
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(prepare_error(dir))?;
-    }
-    let Some(source_dir) = source_dir else {
-        return Ok(());
+    harness.command(&turn, Path::new(cwd)).unwrap()
+}
+
+/// The command of a turn that continues (or forks) conversation
+/// `session_id` with `message`, in `/w`.
+#[cfg(test)]
+fn resume_turn(
+    harness: &dyn Harness,
+    session_id: &str,
+    message: &str,
+    fork: bool,
+) -> Result<HarnessCommand, HarnessError> {
+    let turn = TurnRequest::Resume {
+        session_id: session_id.into(),
+        message: message.into(),
+        fork,
     };
-    for file in files {
-        let from = source_dir.join(file);
-        if !from.is_file() {
-            continue;
-        }
-        let to = target_dir.join(file);
-        fs::copy(&from, &to).map_err(prepare_error(&to))?;
-        fs::set_permissions(&to, fs::Permissions::from_mode(0o600)).map_err(prepare_error(&to))?;
-        tracing::debug!(harness, file, from = %source_dir.display(), "credentials copied in");
-    }
-    Ok(())
+    harness.command(&turn, Path::new("/w"))
 }
 
 /// The working directory of a new conversation when the configuration names
@@ -366,7 +593,7 @@ mod tests {
     #[test]
     fn a_cwd_outside_the_workspace_is_refused() {
         let root = Path::new("/workspace");
-        let config = |v: &str| BTreeMap::from([("cwd".to_owned(), v.to_owned())]);
+        let config = |v: &str| settings(&[("cwd", v)]);
         assert_eq!(
             cwd_setting("claude", &config("app"), root).unwrap(),
             Some(root.join("app"))

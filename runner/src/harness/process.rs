@@ -21,8 +21,8 @@ use tokio::task::JoinHandle;
 
 use super::{Harness, HarnessCommand, HarnessError, Observed, Stream};
 
-/// Variables of the runner that the harness must not see.
-const HIDDEN_ENV: &[&str] = &["CAIRN_RUN_TOKEN", "CAIRN_TOKEN"];
+/// Variables of the runner that the harness and the workspace's services must not see.
+pub(crate) const HIDDEN_ENV: &[&str] = &["CAIRN_RUN_TOKEN", "CAIRN_TOKEN"];
 /// Lines of stderr kept to explain a failed turn.
 const STDERR_TAIL: usize = 20;
 /// After the harness exits, how long its output may stay open (held by

@@ -111,14 +111,11 @@ fn pieces(template: &str, word: &str, known: &[&str]) -> Result<Vec<Piece>, Temp
             '{' => {
                 let mut name = String::new();
                 loop {
-                    match chars.next() {
-                        Some('}') => break,
-                        Some(c) => name.push(c),
-                        None => {
-                            return Err(TemplateError::UnclosedBrace {
-                                template: template.to_owned(),
-                            });
-                        }
+                    match chars.next().ok_or_else(|| TemplateError::UnclosedBrace {
+                        template: template.to_owned(),
+                    })? {
+                        '}' => break,
+                        c => name.push(c),
                     }
                 }
                 if !known.contains(&name.as_str()) {
@@ -154,6 +151,10 @@ pub fn split(source: &str) -> Result<Vec<String>, TemplateError> {
     let mut word = String::new();
     let mut in_word = false;
     let mut chars = source.chars();
+    let unterminated = |quote| TemplateError::Unterminated {
+        template: source.to_owned(),
+        quote,
+    };
     while let Some(c) = chars.next() {
         match c {
             c if c.is_whitespace() => {
@@ -165,44 +166,26 @@ pub fn split(source: &str) -> Result<Vec<String>, TemplateError> {
             '\'' => {
                 in_word = true;
                 loop {
-                    match chars.next() {
-                        Some('\'') => break,
-                        Some(c) => word.push(c),
-                        None => {
-                            return Err(TemplateError::Unterminated {
-                                template: source.to_owned(),
-                                quote: "single",
-                            });
-                        }
+                    match chars.next().ok_or_else(|| unterminated("single"))? {
+                        '\'' => break,
+                        c => word.push(c),
                     }
                 }
             }
             '"' => {
                 in_word = true;
                 loop {
-                    match chars.next() {
-                        Some('"') => break,
-                        Some('\\') => match chars.next() {
-                            Some(c @ ('"' | '\\' | '$' | '`')) => word.push(c),
-                            Some('\n') => {}
-                            Some(c) => {
+                    match chars.next().ok_or_else(|| unterminated("double"))? {
+                        '"' => break,
+                        '\\' => match chars.next().ok_or_else(|| unterminated("double"))? {
+                            c @ ('"' | '\\' | '$' | '`') => word.push(c),
+                            '\n' => {}
+                            c => {
                                 word.push('\\');
                                 word.push(c);
                             }
-                            None => {
-                                return Err(TemplateError::Unterminated {
-                                    template: source.to_owned(),
-                                    quote: "double",
-                                });
-                            }
                         },
-                        Some(c) => word.push(c),
-                        None => {
-                            return Err(TemplateError::Unterminated {
-                                template: source.to_owned(),
-                                quote: "double",
-                            });
-                        }
+                        c => word.push(c),
                     }
                 }
             }

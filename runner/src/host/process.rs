@@ -361,7 +361,7 @@ pub fn signal_group(pgid: i32, signal: libc::c_int) {
     if rc < 0 {
         let err = io::Error::last_os_error();
         if err.raw_os_error() != Some(libc::ESRCH) {
-            tracing::warn!(pgid, signal, error = %err, "cannot signal the sandbox's process group");
+            tracing::warn!(pgid, signal, error = %err, "cannot signal a process group");
         }
     }
 }
@@ -384,16 +384,24 @@ pub fn session_members(sid: i32) -> Vec<i32> {
     };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| matches!(read_stat(pid), Some(s) if s.session == sid && s.state != 'Z'))
+        .filter(|&pid| matches!(read_stat(pid), Some(s) if s.session == sid && !s.is_zombie()))
         .collect()
 }
 
-/// The fields of `/proc/<pid>/stat` the host agent needs.
+/// The fields of `/proc/<pid>/stat` the host agent and the demo need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProcStat {
     pub state: char,
+    pub parent: i32,
+    pub group: i32,
     pub session: i32,
     pub start_time: u64,
+}
+
+impl ProcStat {
+    pub fn is_zombie(&self) -> bool {
+        self.state == 'Z'
+    }
 }
 
 /// Reads `/proc/<pid>/stat`; `None` when the process does not exist.
@@ -401,13 +409,16 @@ pub fn read_stat(pid: i32) -> Option<ProcStat> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-fn parse_stat(text: &str) -> Option<ProcStat> {
+/// Parses the text of `/proc/<pid>/stat`; `None` when it is malformed.
+pub fn parse_stat(text: &str) -> Option<ProcStat> {
     // The command name (field 2) may contain spaces and ')'; fields resume after the last ')'.
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // Numbering from `man proc`: field 3 is state, 6 session, 22 starttime.
+    // Numbering from `man proc`: field 3 is state, 4 ppid, 5 pgrp, 6 session, 22 starttime.
     Some(ProcStat {
         state: fields.first()?.chars().next()?,
+        parent: fields.get(1)?.parse().ok()?,
+        group: fields.get(2)?.parse().ok()?,
         session: fields.get(3)?.parse().ok()?,
         start_time: fields.get(19)?.parse().ok()?,
     })
@@ -419,13 +430,15 @@ mod tests {
 
     #[test]
     fn parses_proc_stat_with_odd_command_names() {
-        let line = "4242 (we ird) name)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 \
+        let line = "4242 (we ird) name)) S 17 4240 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 \
                     200 18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0";
         let stat = parse_stat(line).unwrap();
         assert_eq!(
             stat,
             ProcStat {
                 state: 'S',
+                parent: 17,
+                group: 4240,
                 session: 4242,
                 start_time: 987654
             }

@@ -328,25 +328,22 @@ fn open_tree(
         path: shown(dir_path),
         source,
     };
-    let bytes = meta
-        .open(keys, id)
-        .ok_or_else(|| PlanError::MissingTree {
-            path: shown(dir_path),
-        })?
-        .map_err(corrupt)?;
-    let tree = match TreeObject::decode(&bytes).map_err(corrupt)? {
+    let open = |id: &BlobId| {
+        meta.open(keys, id)
+            .ok_or_else(|| PlanError::MissingTree {
+                path: shown(dir_path),
+            })?
+            .map_err(corrupt)
+    };
+    let tree = match TreeObject::decode(&open(id)?).map_err(corrupt)? {
         TreeObject::Entries(tree) => tree,
-        TreeObject::Pages(pages) => Tree::from_pages(
-            &pages,
-            |page| {
-                meta.open(keys, page)
-                    .ok_or_else(|| PlanError::MissingTree {
-                        path: shown(dir_path),
-                    })?
-                    .map_err(corrupt)
-            },
-            corrupt,
-        )?,
+        TreeObject::Pages(pages) => {
+            let pages = pages
+                .iter()
+                .map(|page| Tree::decode(&open(page)?).map_err(corrupt))
+                .collect::<Result<Vec<_>, _>>()?;
+            Tree::concat(pages).map_err(corrupt)?
+        }
     };
     tree.validate()
         .map_err(|(name, reason)| PlanError::Unsafe {

@@ -33,12 +33,13 @@ pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool, can_fork: bool) ->
     let session = spec.resume_session_id.trim();
     let question = Some(spec.question.trim()).filter(|q| !q.is_empty());
     let fork = spec.fork_session && !session.is_empty();
+    let handoff = |why: &str| TurnRequest::Start {
+        message: briefing(&spec.prompt, question, &messages, why),
+    };
     let request = if fork && !(can_resume && can_fork) {
-        let why =
-            format!("the workspace was forked and this harness cannot fork conversation {session}");
-        TurnRequest::Start {
-            message: briefing(&spec.prompt, question, &messages, &why),
-        }
+        handoff(&format!(
+            "the workspace was forked and this harness cannot fork conversation {session}"
+        ))
     } else if !session.is_empty() && can_resume {
         // A new run on a station continues the station's conversation, and
         // its task has not been said in it yet.
@@ -56,15 +57,11 @@ pub fn opening_turn(spec: &pb::AttemptSpec, can_resume: bool, can_fork: bool) ->
             fork,
         }
     } else if !session.is_empty() {
-        let why = format!("this harness cannot continue conversation {session}");
-        TurnRequest::Start {
-            message: briefing(&spec.prompt, question, &messages, &why),
-        }
+        handoff(&format!(
+            "this harness cannot continue conversation {session}"
+        ))
     } else if question.is_some() {
-        let why = "the harness never reported a conversation id";
-        TurnRequest::Start {
-            message: briefing(&spec.prompt, question, &messages, why),
-        }
+        handoff("the harness never reported a conversation id")
     } else if messages.is_empty() {
         TurnRequest::Start {
             message: spec.prompt.clone(),
@@ -128,6 +125,15 @@ mod tests {
         }
     }
 
+    /// Continuing conversation `s-1` with `message`.
+    fn resume_s1(message: &str, fork: bool) -> TurnRequest {
+        TurnRequest::Resume {
+            session_id: "s-1".into(),
+            message: message.into(),
+            fork,
+        }
+    }
+
     fn spec(inputs: Vec<pb::RunInput>, session: &str, question: &str) -> pb::AttemptSpec {
         pb::AttemptSpec {
             prompt: "Build the thing.".into(),
@@ -170,25 +176,11 @@ mod tests {
             "Which colour?",
         );
         let opening = opening_turn(&s, true, true);
-        assert_eq!(
-            opening.request,
-            TurnRequest::Resume {
-                session_id: "s-1".into(),
-                message: "Blue.\n\nAnd round.".into(),
-                fork: false,
-            }
-        );
+        assert_eq!(opening.request, resume_s1("Blue.\n\nAnd round.", false));
         assert_eq!(opening.input_ids, [4, 5]);
         assert_eq!(opening.messages, ["Blue.", "And round."]);
         let lost = opening_turn(&spec(vec![], "s-1", ""), true, true).request;
-        assert_eq!(
-            lost,
-            TurnRequest::Resume {
-                session_id: "s-1".into(),
-                message: CARRY_ON.into(),
-                fork: false,
-            }
-        );
+        assert_eq!(lost, resume_s1(CARRY_ON, false));
     }
 
     #[test]
@@ -199,11 +191,7 @@ mod tests {
         };
         assert_eq!(
             opening_turn(&s, true, true).request,
-            TurnRequest::Resume {
-                session_id: "s-1".into(),
-                message: "Build the thing.".into(),
-                fork: false,
-            }
+            resume_s1("Build the thing.", false)
         );
     }
 
@@ -216,11 +204,7 @@ mod tests {
         };
         assert_eq!(
             opening_turn(&s, true, true).request,
-            TurnRequest::Resume {
-                session_id: "s-1".into(),
-                message: "Build the thing.".into(),
-                fork: true,
-            }
+            resume_s1("Build the thing.", true)
         );
         for (can_resume, can_fork) in [(true, false), (false, false)] {
             let TurnRequest::Start { message } = opening_turn(&s, can_resume, can_fork).request

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use crate::harness::template;
+use crate::host::process::signal_group;
 
 /// The declaration, relative to the root.
 pub const SERVICES_FILE: &str = ".cairn/services.toml";
@@ -101,23 +102,23 @@ struct Service {
     argv: Vec<String>,
     cwd: PathBuf,
     env: BTreeMap<String, String>,
-    health: Health,
+    /// None: started is as good as it gets.
+    health: Option<Health>,
 }
 
 #[derive(Debug, Clone)]
-enum Health {
-    /// No check: started is as good as it gets.
-    None,
-    Command {
-        argv: Vec<String>,
-        timeout: Duration,
-        interval: Duration,
-    },
-    Tcp {
-        port: u16,
-        timeout: Duration,
-        interval: Duration,
-    },
+struct Health {
+    probe: Probe,
+    timeout: Duration,
+    interval: Duration,
+}
+
+#[derive(Debug, Clone)]
+enum Probe {
+    /// Exits 0 once the service is healthy.
+    Command(Vec<String>),
+    /// Accepts connections on 127.0.0.1 once the service is healthy.
+    Tcp(u16),
 }
 
 /// What became of one service, for the prepare step.
@@ -197,31 +198,24 @@ fn declared(root: &Path) -> Result<Vec<Service>, ServicesError> {
                 }
             };
             let health = match spec.health {
-                None => Health::None,
-                Some(h) => {
-                    let timeout = duration(h.timeout.as_deref(), DEFAULT_TIMEOUT)
-                        .map_err(|e| invalid(format!("health.timeout: {e}")))?;
-                    let interval = duration(h.interval.as_deref(), DEFAULT_INTERVAL)
-                        .map_err(|e| invalid(format!("health.interval: {e}")))?;
-                    match (h.command, h.tcp) {
-                        (Some(command), None) => Health::Command {
-                            argv: words(&command)
-                                .map_err(|e| invalid(format!("health.command: {e}")))?,
-                            timeout,
-                            interval,
-                        },
-                        (None, Some(port)) => Health::Tcp {
-                            port,
-                            timeout,
-                            interval,
-                        },
+                None => None,
+                Some(h) => Some(Health {
+                    probe: match (h.command, h.tcp) {
+                        (Some(command), None) => Probe::Command(
+                            words(&command).map_err(|e| invalid(format!("health.command: {e}")))?,
+                        ),
+                        (None, Some(port)) => Probe::Tcp(port),
                         _ => {
                             return Err(invalid(
                                 "health needs exactly one of `command` and `tcp`".into(),
                             ));
                         }
-                    }
-                }
+                    },
+                    timeout: duration(h.timeout.as_deref(), DEFAULT_TIMEOUT)
+                        .map_err(|e| invalid(format!("health.timeout: {e}")))?,
+                    interval: duration(h.interval.as_deref(), DEFAULT_INTERVAL)
+                        .map_err(|e| invalid(format!("health.interval: {e}")))?,
+                }),
             };
             Ok(Service {
                 name: spec.name,
@@ -253,7 +247,15 @@ fn duration(text: Option<&str>, default: Duration) -> Result<Duration, String> {
 /// The services of an attempt, running until [`Services::stop`].
 #[derive(Debug, Default)]
 pub struct Services {
-    running: Vec<(String, tokio::process::Child)>,
+    running: Vec<Running>,
+}
+
+#[derive(Debug)]
+struct Running {
+    name: String,
+    /// Its own process group (its pid, kept: a reaped child has no id).
+    pgid: i32,
+    child: tokio::process::Child,
 }
 
 impl Services {
@@ -306,36 +308,38 @@ impl Services {
             .args(&service.argv[1..])
             .current_dir(&service.cwd)
             .envs(&service.env)
-            .env_remove("CAIRN_RUN_TOKEN")
-            .env_remove("CAIRN_TOKEN")
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(true);
+        for name in crate::harness::process::HIDDEN_ENV {
+            command.env_remove(name);
+        }
         let child = match command.spawn() {
             Ok(child) => child,
             Err(e) => return unhealthy(format!("cannot start {:?}: {e}", service.argv[0])),
         };
-        self.running.push((service.name.clone(), child));
-        let (_, child) = self.running.last_mut().expect("just pushed");
-        let began = Instant::now();
-        let (timeout, interval) = match &service.health {
-            Health::None => return Started::Running { name },
-            Health::Command {
-                timeout, interval, ..
-            }
-            | Health::Tcp {
-                timeout, interval, ..
-            } => (*timeout, *interval),
+        // A child not yet waited for always has an id; never signal group 0 (ours).
+        let Some(pgid) = child.id().map(|pid| pid as i32) else {
+            return unhealthy("it ended as it started".into());
         };
+        self.running.push(Running {
+            name: name.clone(),
+            pgid,
+            child,
+        });
+        let child = &mut self.running.last_mut().expect("just pushed").child;
+        let Some(health) = &service.health else {
+            return Started::Running { name };
+        };
+        let began = Instant::now();
         loop {
             if let Ok(Some(status)) = child.try_wait() {
                 return unhealthy(format!("it exited ({status}) before it was healthy"));
             }
-            let healthy = match &service.health {
-                Health::None => true,
-                Health::Command { argv, .. } => tokio::process::Command::new(&argv[0])
+            let healthy = match &health.probe {
+                Probe::Command(argv) => tokio::process::Command::new(&argv[0])
                     .args(&argv[1..])
                     .current_dir(&service.cwd)
                     .envs(&service.env)
@@ -346,7 +350,7 @@ impl Services {
                     .status()
                     .await
                     .is_ok_and(|s| s.success()),
-                Health::Tcp { port, .. } => tokio::net::TcpStream::connect(("127.0.0.1", *port))
+                Probe::Tcp(port) => tokio::net::TcpStream::connect(("127.0.0.1", *port))
                     .await
                     .is_ok(),
             };
@@ -356,44 +360,34 @@ impl Services {
                     after: began.elapsed(),
                 };
             }
-            if began.elapsed() >= timeout {
+            if began.elapsed() >= health.timeout {
                 return unhealthy(format!(
                     "its health check did not pass within {}",
-                    humantime::format_duration(timeout)
+                    humantime::format_duration(health.timeout)
                 ));
             }
-            tokio::time::sleep(interval).await;
+            tokio::time::sleep(health.interval).await;
         }
     }
 
     /// Stops every service: SIGTERM to its process group, SIGKILL after a grace.
     pub async fn stop(mut self) {
-        for (_, child) in &self.running {
-            if let Some(pid) = child.id() {
-                signal_group(pid as i32, libc::SIGTERM);
-            }
+        for service in &self.running {
+            signal_group(service.pgid, libc::SIGTERM);
         }
         let deadline = tokio::time::Instant::now() + STOP_GRACE;
-        for (name, child) in &mut self.running {
-            let pgid = child.id().map(|pid| pid as i32);
-            if tokio::time::timeout_at(deadline, child.wait())
+        for service in &mut self.running {
+            if tokio::time::timeout_at(deadline, service.child.wait())
                 .await
                 .is_err()
             {
-                tracing::warn!(service = %name, "the service did not stop on SIGTERM; killing it");
+                tracing::warn!(service = %service.name, "the service did not stop on SIGTERM; killing it");
             }
             // The group may hold children that outlive the service's own process.
-            if let Some(pgid) = pgid {
-                signal_group(pgid, libc::SIGKILL);
-            }
-            let _ = child.wait().await;
+            signal_group(service.pgid, libc::SIGKILL);
+            let _ = service.child.wait().await;
         }
     }
-}
-
-fn signal_group(pgid: i32, signal: libc::c_int) {
-    // SAFETY: killpg takes no pointers; a gone group only returns ESRCH.
-    unsafe { libc::killpg(pgid, signal) };
 }
 
 #[cfg(test)]
@@ -462,19 +456,14 @@ command = "sleep 600"
         assert_eq!(log, "no database\n");
         assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
 
-        let pids: Vec<u32> = services
-            .running
-            .iter()
-            .filter_map(|(_, c)| c.id())
-            .collect();
+        let pids: Vec<i32> = services.running.iter().map(|r| r.pgid).collect();
         services.stop().await;
         assert!(
             std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
             "the web service is stopped"
         );
         for pid in pids {
-            let alive =
-                fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+            let alive = crate::host::process::read_stat(pid).is_some_and(|s| s.state != 'Z');
             assert!(!alive, "process {pid} outlived stop()");
         }
     }

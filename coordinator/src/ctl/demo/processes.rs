@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use cairn_runner::host::LocalDriver;
-use cairn_runner::host::process::signal_group;
+use cairn_runner::host::process::{ProcStat, read_stat, signal_group};
 use tokio::process::{Child, Command};
 use tokio::signal::unix::SignalKind;
 
@@ -420,26 +420,7 @@ pub fn tail(path: &Path, lines: usize) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Process {
     pub pid: i32,
-    pub parent: i32,
-    pub group: i32,
-    pub session: i32,
-    pub start_time: u64,
-    pub zombie: bool,
-}
-
-/// Parses `/proc/<pid>/stat` (the command name may hold spaces and `)`).
-pub fn parse_stat(pid: i32, text: &str) -> Option<Process> {
-    let rest = &text[text.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // Fields from `man proc`, counted from 3 (state) after the name.
-    Some(Process {
-        pid,
-        zombie: fields.first()? == &"Z",
-        parent: fields.get(1)?.parse().ok()?,
-        group: fields.get(2)?.parse().ok()?,
-        session: fields.get(3)?.parse().ok()?,
-        start_time: fields.get(19)?.parse().ok()?,
-    })
+    pub stat: ProcStat,
 }
 
 fn all_processes() -> Vec<Process> {
@@ -449,12 +430,12 @@ fn all_processes() -> Vec<Process> {
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter_map(|pid| {
-            parse_stat(
+            Some(Process {
                 pid,
-                &std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?,
-            )
+                stat: read_stat(pid)?,
+            })
         })
-        .filter(|p| !p.zombie)
+        .filter(|p| !p.stat.is_zombie())
         .collect()
 }
 
@@ -467,7 +448,7 @@ pub fn sandbox_processes(host: i32) -> Vec<Process> {
 fn select_sandboxes(host: i32, processes: &[Process]) -> Vec<Process> {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
     for p in processes {
-        children.entry(p.parent).or_default().push(p.pid);
+        children.entry(p.stat.parent).or_default().push(p.pid);
     }
     let mut descendants = BTreeSet::new();
     let mut stack = vec![host];
@@ -478,16 +459,19 @@ fn select_sandboxes(host: i32, processes: &[Process]) -> Vec<Process> {
             }
         }
     }
-    let host_session = processes.iter().find(|p| p.pid == host).map(|p| p.session);
+    let host_session = processes
+        .iter()
+        .find(|p| p.pid == host)
+        .map(|p| p.stat.session);
     let sessions: BTreeSet<i32> = processes
         .iter()
-        .filter(|p| descendants.contains(&p.pid) && Some(p.session) != host_session)
-        .map(|p| p.session)
+        .filter(|p| descendants.contains(&p.pid) && Some(p.stat.session) != host_session)
+        .map(|p| p.stat.session)
         .collect();
     processes
         .iter()
         .filter(|p| {
-            p.pid != host && (descendants.contains(&p.pid) || sessions.contains(&p.session))
+            p.pid != host && (descendants.contains(&p.pid) || sessions.contains(&p.stat.session))
         })
         .copied()
         .collect()
@@ -499,12 +483,14 @@ fn kill_groups(processes: &[Process]) -> usize {
     let alive: Vec<Process> = processes
         .iter()
         .filter_map(|p| {
-            let text = std::fs::read_to_string(format!("/proc/{}/stat", p.pid)).ok()?;
-            let current = parse_stat(p.pid, &text)?;
-            (current.start_time == p.start_time && !current.zombie).then_some(current)
+            let current = read_stat(p.pid)?;
+            (current.start_time == p.stat.start_time && !current.is_zombie()).then_some(Process {
+                pid: p.pid,
+                stat: current,
+            })
         })
         .collect();
-    let groups: BTreeSet<i32> = alive.iter().map(|p| p.group).collect();
+    let groups: BTreeSet<i32> = alive.iter().map(|p| p.stat.group).collect();
     for group in groups {
         signal_group(group, SIGKILL);
     }
@@ -518,23 +504,14 @@ mod tests {
     fn process(pid: i32, parent: i32, session: i32) -> Process {
         Process {
             pid,
-            parent,
-            group: pid,
-            session,
-            start_time: 1,
-            zombie: false,
+            stat: ProcStat {
+                state: 'S',
+                parent,
+                group: pid,
+                session,
+                start_time: 1,
+            },
         }
-    }
-
-    #[test]
-    fn stat_lines_parse_with_odd_command_names() {
-        let line = "4242 (we ird) name)) S 17 4242 4200 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000";
-        let p = parse_stat(4242, line).unwrap();
-        assert_eq!(
-            (p.parent, p.group, p.session, p.start_time, p.zombie),
-            (17, 4242, 4200, 987654, false)
-        );
-        assert!(parse_stat(1, "garbage").is_none());
     }
 
     #[test]
