@@ -12,7 +12,9 @@ one run, side by side, for each method:
 
 Methods: cairn (release cairn-coordinator on ephemeral ports, cairn-runner
 checkpoint / restore with a fresh runner cache for the restore, as on a new
-host), and from ../shared/bench/baselines.sh: tar-gz (restored with untar-gz),
+host; the incremental checkpoint is asked of a resident `cairn-runner watch`
+started after the full one, as the runner inside a sandbox is resident and
+tracks changes with inotify), and from ../shared/bench/baselines.sh: tar-gz (restored with untar-gz),
 parts (no restore: n/a) and restic (restored with `restic restore latest
 --target`). Page caches cannot be dropped here, so every measurement runs
 --repeat times (each repeat on a fresh store, one more agent turn into the
@@ -179,11 +181,37 @@ class Results:
         return max(values) if values else None
 
 
-def cairn_checkpoint(bins, coordinator, root, workspace, cache_dir):
+def cairn_checkpoint(bins, coordinator, root, workspace, cache_dir, socket=None):
+    via = ["--socket", socket] if socket else []
     seconds, out = run([bins["cairn-runner"], "checkpoint", "--root", root, "--workspace", workspace,
-                        "--output", "json"], env=coordinator.env(cache_dir))
+                        "--output", "json"] + via, env=coordinator.env(cache_dir))
     report = json.loads(out)
     return seconds, report
+
+
+class Watcher:
+    """`cairn-runner watch`: the resident runner of a sandbox, which tracks changes with inotify."""
+
+    def __init__(self, bins, coordinator, root, workspace, cache_dir, socket, log_path):
+        self.socket = socket
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [bins["cairn-runner"], "watch", "--root", root, "--workspace", workspace, "--socket", socket,
+             "--interval", "24h"],
+            env=coordinator.env(cache_dir), stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(socket):
+            if self.proc.poll() is not None:
+                raise BenchError(f"cairn-runner watch exited ({self.proc.returncode}); see {log_path}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"cairn-runner watch did not listen within 120 s; see {log_path}")
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.log.close()
 
 
 def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
@@ -217,10 +245,16 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
             seconds, _ = run(["bash", BASELINES, "restic", workspace_root, restic_repo])
             results.add("full", "restic", seconds, tree_bytes(restic_repo) - before)
 
+        # In a sandbox the runner is resident and watches the workspace; so here.
+        socket = os.path.join(rep, "watch.sock")
+        watcher = Watcher(bins, coordinator, workspace_root, "bench", cache, socket, os.path.join(rep, "watch.log"))
         log(f"repeat {turn}/{args.repeat}: agent turn {turn}, incremental checkpoints")
         run([sys.executable, MAKE_WORKSPACE, workspace_root, "--turn", str(turn)])
         before = tree_bytes(coordinator.blobs_dir)
-        seconds, report = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache)
+        try:
+            seconds, report = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache, socket)
+        finally:
+            watcher.stop()
         grown = tree_bytes(coordinator.blobs_dir) - before
         results.add("incremental", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
                     files_read=report["stats"]["files_read"])

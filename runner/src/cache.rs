@@ -18,7 +18,9 @@
 //! │ pack count varint │ pack digest[32]*
 //! │ blob count varint │ (blob id[32] │ pack ordinal varint)*
 //! │ file count varint │ (path bytes │ dev │ ino │ size │ mtime_s │ mtime_ns │ ctime_s
-//! │                      │ ctime_ns │ mode │ chunk count │ (blob id[32] │ len)*)*
+//! │                      │ ctime_ns │ mode │ git level u8 │ chunk count │ (blob id[32] │ len)*)*
+//! git level: 0 for a plain file; 1 + the zlib level for a git loose blob
+//! whose chunks hold its content (see crate::gitobj)
 //! ```
 
 use std::collections::HashMap;
@@ -33,7 +35,7 @@ use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use crate::format::ChunkRef;
 
 const MAGIC: &[u8; 4] = b"CFPC";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// A fast checksum of the cache's bytes (it is written without fsync, so a
 /// crash can leave blocks of another file's data or zeros in it). Not a
@@ -98,6 +100,9 @@ impl Fingerprint {
 pub struct CachedFile {
     pub fingerprint: Fingerprint,
     pub chunks: Vec<ChunkRef>,
+    /// Set for a git loose blob stored by its content: the zlib level that
+    /// re-creates the file from `chunks`.
+    pub git_level: Option<u8>,
 }
 
 /// The per-workspace fingerprint cache.
@@ -160,12 +165,11 @@ impl Cache {
         self.files.get(rel_path)
     }
 
-    /// The chunks of `rel_path` if its fingerprint is unchanged.
-    pub fn lookup(&self, rel_path: &[u8], fingerprint: &Fingerprint) -> Option<&[ChunkRef]> {
+    /// What is known of `rel_path` if its fingerprint is unchanged.
+    pub fn lookup(&self, rel_path: &[u8], fingerprint: &Fingerprint) -> Option<&CachedFile> {
         self.files
             .get(rel_path)
             .filter(|f| f.fingerprint == *fingerprint)
-            .map(|f| &f.chunks[..])
     }
 
     pub fn insert_file(&mut self, rel_path: Vec<u8>, file: CachedFile) {
@@ -278,6 +282,7 @@ impl Cache {
             put_i64(&mut out, fp.ctime_sec);
             put_i64(&mut out, fp.ctime_nsec);
             put_u64(&mut out, u64::from(fp.mode));
+            out.push(file.git_level.map_or(0, |level| level + 1));
             put_u64(&mut out, file.chunks.len() as u64);
             for c in &file.chunks {
                 out.extend_from_slice(c.id.as_bytes());
@@ -349,6 +354,11 @@ impl Cache {
                 ctime_nsec: r.i64().map_err(e)?,
                 mode: r.u32().map_err(e)?,
             };
+            let git_level = match r.u8().map_err(e)? {
+                0 => None,
+                stored @ 1..=10 => Some(stored - 1),
+                _ => return Err("git level is out of range".into()),
+            };
             let n = r.u64().map_err(e)?;
             if n > bytes.len() as u64 / 33 {
                 return Err("chunk count is out of range".into());
@@ -364,6 +374,7 @@ impl Cache {
                 CachedFile {
                     fingerprint,
                     chunks,
+                    git_level,
                 },
             );
         }
@@ -407,12 +418,23 @@ mod tests {
             CachedFile {
                 fingerprint: fp(42),
                 chunks: vec![chunk],
+                git_level: None,
             },
         );
+        let loose = CachedFile {
+            fingerprint: fp(44),
+            chunks: vec![chunk],
+            git_level: Some(1),
+        };
+        cache.insert_file(b".git/objects/ab/cd".to_vec(), loose.clone());
         cache.save().unwrap();
 
         let loaded = Cache::load(dir.path(), &ws, "k1");
-        assert_eq!(loaded.lookup(b"src/a.rs", &fp(42)), Some(&[chunk][..]));
+        assert_eq!(
+            loaded.lookup(b"src/a.rs", &fp(42)).map(|f| &f.chunks[..]),
+            Some(&[chunk][..])
+        );
+        assert_eq!(loaded.lookup(b".git/objects/ab/cd", &fp(44)), Some(&loose));
         assert_eq!(
             loaded.lookup(b"src/a.rs", &fp(43)),
             None,
@@ -446,6 +468,7 @@ mod tests {
                         id: BlobId([i; 32]),
                         len: 10,
                     }],
+                    git_level: None,
                 },
             );
         }

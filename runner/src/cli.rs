@@ -38,6 +38,11 @@ pub enum Command {
     Checkpoint(CheckpointArgs),
     /// Restore the newest restorable checkpoint (or a chosen one) into the workspace.
     Restore(RestoreArgs),
+    /// Stay resident: watch the workspace, checkpoint it every --interval
+    /// when something changed, and cut a checkpoint whenever
+    /// `cairn-runner checkpoint` asks through the control socket (only what
+    /// changed is walked and read).
+    Watch(WatchArgs),
     /// Run the attempt this sandbox was started for: restore, drive the
     /// harness, checkpoint, report (inside a sandbox, started by cairn-host).
     Run(RunArgs),
@@ -88,6 +93,53 @@ pub struct CheckpointArgs {
 
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+
+    /// The control socket of a `cairn-runner watch` of this workspace; when
+    /// one answers there, it cuts the checkpoint. Default: the socket a
+    /// watcher of this root and cache directory would use, if it exists.
+    #[arg(long, env = "CAIRN_CONTROL_SOCKET")]
+    pub socket: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct WatchArgs {
+    #[command(flatten)]
+    pub coordinator: CoordinatorArgs,
+
+    /// The workspace directory to watch.
+    #[arg(long, default_value = "/workspace")]
+    pub root: PathBuf,
+
+    /// Workspace id or name.
+    #[arg(long, env = "CAIRN_WORKSPACE")]
+    pub workspace: String,
+
+    /// Where the fingerprint cache lives (outside the workspace).
+    #[arg(long, env = "CAIRN_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    /// Leave out files that git ignores (every checkpoint then walks the
+    /// whole workspace: git's rules depend on more than what changed).
+    #[arg(long)]
+    pub skip_ignored: bool,
+
+    /// Leave out paths matching this gitignore-style pattern (repeatable).
+    #[arg(long = "exclude", value_name = "PATTERN")]
+    pub excludes: Vec<String>,
+
+    /// How often to checkpoint (reason interval) when something changed.
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub interval: std::time::Duration,
+
+    /// Walk the whole workspace at least this often, whatever the change
+    /// events say (a guard against events that never came).
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = humantime::parse_duration)]
+    pub full_scan_interval: std::time::Duration,
+
+    /// Where to listen for `cairn-runner checkpoint` (default: derived from
+    /// the root and the cache directory, so that command finds it).
+    #[arg(long, env = "CAIRN_CONTROL_SOCKET")]
+    pub socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -186,6 +238,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Checkpoint(args) => crate::checkpoint::cli_main(args).await,
             Command::Restore(args) => crate::restore::cli_main(args).await,
+            Command::Watch(args) => crate::watch::cli_main(args).await,
             Command::Run(args) => crate::run::cli_main(args).await,
             Command::Ask(args) => crate::run::outcome::ask_main(args),
         }

@@ -12,9 +12,14 @@
 //! - [`restore`]: restoring a checkpoint, verified, with fallback to older
 //!   ones; also the pack-reading and tree-walking pieces `cairnctl` reuses.
 //! - [`scan`]: the parallel walk of a workspace (metadata only, ignore rules).
+//! - [`tracker`]: inotify change tracking, so a walk lists only what changed.
 //! - [`chunker`]: cutting file content into chunks (whole or FastCDC).
+//! - [`gitobj`]: git loose blobs stored by their content (they dedupe with
+//!   the working-tree files they copy).
 //! - [`git`]: per-repository git metadata recorded with each checkpoint.
 //! - [`checkpoint`]: cutting, sealing, uploading and committing a checkpoint.
+//! - [`watch`]: `cairn-runner watch`, a resident checkpointer (interval
+//!   checkpoints when changed, and `cairn-runner checkpoint` through its socket).
 //! - [`host`]: the host agent `cairn-host` (sandboxes, drivers, heartbeats).
 //! - [`run`]: `cairn-runner run`, one attempt of a run inside its sandbox:
 //!   restore, harness turns, checkpoints, reports.
@@ -30,9 +35,12 @@ pub mod demo_agent;
 pub mod failpoint;
 pub mod format;
 pub mod git;
+pub mod gitobj;
 pub mod harness;
 pub mod host;
 pub mod restore;
 pub mod run;
 pub mod scan;
+pub mod tracker;
 pub mod transfer;
+pub mod watch;

@@ -25,6 +25,7 @@
 //! announced through a callback as soon as they are found, so their git
 //! metadata can be read while the walk goes on.
 
+use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::fs::{self, Metadata};
 use std::io;
@@ -110,7 +111,7 @@ pub struct RepoFound {
 }
 
 /// The result of a walk.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Scan {
     pub root: PathBuf,
     /// When the walk began; files changed after it are not trusted for caching.
@@ -221,6 +222,95 @@ pub fn exclude_matcher(root: &Path, patterns: &[String]) -> Result<Option<Gitign
 
 /// Walks `opts.root`, calling `on_repo` for every repository found.
 pub fn scan(opts: &ScanOptions, on_repo: &(dyn Fn(RepoFound) + Sync)) -> Result<Scan, ScanError> {
+    walk_root(opts, None, on_repo)
+}
+
+/// Walks only what may have changed since `previous`: the directories in
+/// `dirty` (relative paths whose listing, or an entry of which, changed) are
+/// listed again, with every directory that is new; everything else is taken
+/// from `previous` without a system call. `previous` must be a scan of the
+/// same root with the same options, and `dirty` must hold every directory
+/// changed since it was taken (a change tracker's job); anything else may
+/// be named too. Repositories are announced as by [`scan`].
+///
+/// Refused with `skip_ignored`: what git ignores depends on every
+/// `.gitignore` above a directory and on the index, which a listing of the
+/// dirty directories alone cannot tell.
+pub fn rescan(
+    opts: &ScanOptions,
+    previous: &Scan,
+    dirty: &HashSet<Vec<u8>>,
+    on_repo: &(dyn Fn(RepoFound) + Sync),
+) -> Result<Scan, ScanError> {
+    assert!(
+        !opts.skip_ignored,
+        "a partial rescan cannot apply git's ignore rules"
+    );
+    let mut ancestors = HashSet::new();
+    for path in dirty {
+        let mut rest = &path[..];
+        while let Some(slash) = rest.iter().rposition(|b| *b == b'/') {
+            rest = &rest[..slash];
+            if !ancestors.insert(rest.to_vec()) {
+                break;
+            }
+        }
+        if !path.is_empty() {
+            ancestors.insert(Vec::new());
+        }
+    }
+    let reuse = Reuse {
+        previous,
+        dirty,
+        ancestors,
+        reused_subtrees: Mutex::new(Vec::new()),
+    };
+    walk_root(opts, Some(&reuse), on_repo)
+}
+
+/// What a partial rescan may take from the scan before it.
+struct Reuse<'a> {
+    previous: &'a Scan,
+    dirty: &'a HashSet<Vec<u8>>,
+    /// Every directory above a dirty path: walked through, not relisted.
+    ancestors: HashSet<Vec<u8>>,
+    /// Directories taken whole, with everything below them, from `previous`.
+    reused_subtrees: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Reuse<'_> {
+    /// The previous listing of `rel`, if it may be used as it is.
+    fn listing(&self, rel: &[u8]) -> Option<&ScannedDir> {
+        if self.dirty.contains(rel) {
+            return None;
+        }
+        let dirs = &self.previous.dirs;
+        let at = dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()?;
+        Some(&dirs[at])
+    }
+
+    /// Whether nothing at or below `rel` changed and `previous` has it.
+    fn whole_subtree(&self, rel: &[u8]) -> bool {
+        !self.ancestors.contains(rel) && self.listing(rel).is_some()
+    }
+
+    /// The previous listings of `rel` and everything below it.
+    fn subtree(&self, rel: &[u8]) -> impl Iterator<Item = &ScannedDir> {
+        let dirs = &self.previous.dirs;
+        let start = dirs.partition_point(|d| d.path[..] < *rel);
+        let mut below = rel.to_vec();
+        below.push(b'/');
+        dirs[start..]
+            .iter()
+            .take_while(move |d| d.path == rel || d.path.starts_with(&below))
+    }
+}
+
+fn walk_root(
+    opts: &ScanOptions,
+    reuse: Option<&Reuse<'_>>,
+    on_repo: &(dyn Fn(RepoFound) + Sync),
+) -> Result<Scan, ScanError> {
     let root = resolve_root(&opts.root)?;
     let excludes = exclude_matcher(&root, &opts.excludes)?;
     let walk = Walk {
@@ -228,6 +318,7 @@ pub fn scan(opts: &ScanOptions, on_repo: &(dyn Fn(RepoFound) + Sync)) -> Result<
         exclude_paths: &opts.exclude_paths,
         excludes,
         on_repo,
+        reuse,
         dirs: Mutex::new(Vec::new()),
         warnings: Mutex::new(Vec::new()),
     };
@@ -247,6 +338,18 @@ pub fn scan(opts: &ScanOptions, on_repo: &(dyn Fn(RepoFound) + Sync)) -> Result<
         .dirs
         .into_inner()
         .expect("no walker panicked holding the lock");
+    if let Some(reuse) = reuse {
+        let subtrees = reuse
+            .reused_subtrees
+            .lock()
+            .expect("no walker panicked holding the lock");
+        for top in subtrees.iter() {
+            for dir in reuse.subtree(top) {
+                announce_repo(&root, dir, on_repo);
+                dirs.push(dir.clone());
+            }
+        }
+    }
     dirs.sort_unstable_by(|a, b| a.path.cmp(&b.path));
     if dirs.first().is_none_or(|d| !d.path.is_empty()) {
         // The root itself vanished while the walk began.
@@ -265,11 +368,24 @@ pub fn scan(opts: &ScanOptions, on_repo: &(dyn Fn(RepoFound) + Sync)) -> Result<
     })
 }
 
+/// Announces `dir` if it is a repository taken from an earlier scan (a
+/// directory holding `.git`, not itself inside a `.git` directory).
+fn announce_repo(root: &Path, dir: &ScannedDir, on_repo: &(dyn Fn(RepoFound) + Sync)) {
+    let in_git_dir = dir.path.split(|b| *b == b'/').any(|part| part == b".git");
+    if !in_git_dir && dir.nodes.iter().any(|n| n.name == b".git") {
+        on_repo(RepoFound {
+            dir: root.join(rel_path(&dir.path)),
+            rel: dir.path.clone(),
+        });
+    }
+}
+
 struct Walk<'a> {
     skip_ignored: bool,
     exclude_paths: &'a [PathBuf],
     excludes: Option<Gitignore>,
     on_repo: &'a (dyn Fn(RepoFound) + Sync),
+    reuse: Option<&'a Reuse<'a>>,
     dirs: Mutex<Vec<ScannedDir>>,
     warnings: Mutex<Vec<String>>,
 }
@@ -293,6 +409,22 @@ impl<'a> Walk<'a> {
     where
         'a: 's,
     {
+        if let Some(previous) = self.reuse.and_then(|reuse| reuse.listing(&rel)) {
+            // Unchanged itself, but something below it changed.
+            if !ctx.in_git_dir && previous.nodes.iter().any(|n| n.name == b".git") {
+                (self.on_repo)(RepoFound {
+                    dir: abs.clone(),
+                    rel: rel.clone(),
+                });
+            }
+            for node in &previous.nodes {
+                if node.kind == NodeKind::Dir {
+                    self.descend(scope, &abs, &rel, &node.name, &ctx, None);
+                }
+            }
+            self.dirs.lock().expect("dirs lock").push(previous.clone());
+            return;
+        }
         let listing = match fs::read_dir(&abs) {
             Ok(listing) => listing,
             // Gone since its parent was listed: its parent entry is dropped too.
@@ -393,12 +525,7 @@ impl<'a> Walk<'a> {
             let kind = if file_type.is_file() {
                 NodeKind::File(Fingerprint::of(&meta))
             } else if is_dir {
-                let ctx = DirContext {
-                    scope: if is_git_dir { None } else { grandchild_scope },
-                    in_git_dir: ctx.in_git_dir || is_git_dir,
-                };
-                let (abs, rel) = (child_abs.clone(), child_rel.clone());
-                scope.spawn(move |scope| self.walk_dir(scope, abs, rel, ctx));
+                self.descend(scope, &abs, &rel, &name, &ctx, grandchild_scope);
                 NodeKind::Dir
             } else if file_type.is_symlink() {
                 match fs::read_link(&child_abs) {
@@ -441,6 +568,39 @@ impl<'a> Walk<'a> {
             .lock()
             .expect("dirs lock")
             .push(ScannedDir { path: rel, nodes });
+    }
+
+    /// Walks the child directory `name` of `rel`, or, in a partial rescan
+    /// where nothing below it changed, takes it from the previous scan.
+    fn descend<'s>(
+        &'s self,
+        scope: &rayon::Scope<'s>,
+        abs: &Path,
+        rel: &[u8],
+        name: &[u8],
+        ctx: &DirContext,
+        ignore_scope: Option<Arc<IgnoreScope>>,
+    ) where
+        'a: 's,
+    {
+        let child_rel = join_rel(rel, name);
+        if let Some(reuse) = self.reuse
+            && reuse.whole_subtree(&child_rel)
+        {
+            reuse
+                .reused_subtrees
+                .lock()
+                .expect("subtrees lock")
+                .push(child_rel);
+            return;
+        }
+        let is_git_dir = name == b".git";
+        let ctx = DirContext {
+            scope: if is_git_dir { None } else { ignore_scope },
+            in_git_dir: ctx.in_git_dir || is_git_dir,
+        };
+        let child_abs = abs.join(OsStr::from_bytes(name));
+        scope.spawn(move |scope| self.walk_dir(scope, child_abs, child_rel, ctx));
     }
 }
 

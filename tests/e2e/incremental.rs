@@ -1,6 +1,8 @@
 //! Incremental cost: after one agent turn a checkpoint uploads a sliver of
-//! the first one, and a second workspace holding the same repository uploads
-//! only what differs (deduplication is tenant-wide).
+//! the first one, a turn that commits costs about as much as one that does
+//! not (git's loose blobs dedupe with the working tree), and a second
+//! workspace holding the same repository uploads only what differs
+//! (deduplication is tenant-wide).
 
 use std::path::Path;
 
@@ -57,6 +59,39 @@ fn one_turn_uploads_under_five_percent_and_a_copy_dedupes_across_workspaces() {
         json_u64(&second, "stats.files_read") < 100,
         "unchanged files were read again: {second}"
     );
+
+    // A turn that commits: `git add` wrote every edited file again as a
+    // loose object, which is stored by its content and so dedupes with the
+    // working-tree file (before format v3 it cost as much again).
+    agent_turn(&root, 2);
+    let commit_turn = client.checkpoint(&root, &workspace);
+    let commit_uploaded = json_u64(&commit_turn, "stats.uploaded_bytes");
+    assert!(
+        commit_uploaded < second_uploaded * 2,
+        "the commit turn uploaded {commit_uploaded} bytes, the edit-only turn {second_uploaded}: \
+         staged files were stored twice: {commit_turn}"
+    );
+    let restored = tmp.path().join("restored");
+    let new_host = coordinator.client();
+    new_host.restore(&restored, &workspace);
+    cairn_e2e::assert_trees_equal(&root, &restored);
+    // The restore told the fingerprint cache what it wrote: the first
+    // checkpoint after a resume does not read the workspace again (only
+    // files changed within seconds of the restore, whose times cannot yet
+    // prove them unchanged, are read).
+    let after_resume = new_host.checkpoint(&restored, &workspace);
+    assert!(
+        json_u64(&after_resume, "stats.files_read") * 20 < json_u64(&after_resume, "stats.files"),
+        "the checkpoint after a restore read the workspace again: {after_resume}"
+    );
+    assert!(
+        json_u64(&after_resume, "stats.uploaded_bytes") < 300_000,
+        "{after_resume}"
+    );
+    let fsck = run(std::process::Command::new("git")
+        .args(["fsck", "--strict"])
+        .current_dir(restored.join("app")));
+    assert!(fsck.status.success(), "git fsck after the restore: {fsck}");
 
     // A fresh machine (empty cache) with the same repository, other workspace.
     let other_workspace = coordinator.create_workspace("incremental-copy");

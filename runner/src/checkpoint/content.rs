@@ -31,6 +31,7 @@ use rayon::prelude::*;
 use crate::cache::{Cache, CachedFile, Fingerprint};
 use crate::chunker;
 use crate::format::{ChunkRef, TenantKeys};
+use crate::gitobj;
 use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel};
 
 /// Plaintext gathered before the store is asked which blobs it lacks.
@@ -61,6 +62,9 @@ pub struct FileContent {
     /// The fingerprint under which the cache may remember `chunks` (None
     /// when the file changed too recently, or while it was read).
     pub cacheable: Option<Fingerprint>,
+    /// A git loose blob stored by its content ([`crate::gitobj`]): the zlib
+    /// level that re-creates the file from `chunks`.
+    pub git_level: Option<u8>,
 }
 
 impl FileContent {
@@ -69,6 +73,7 @@ impl FileContent {
         self.cacheable.map(|fingerprint| CachedFile {
             fingerprint,
             chunks: self.chunks.clone(),
+            git_level: self.git_level,
         })
     }
 }
@@ -114,14 +119,15 @@ pub fn read_all(
             let rel = join_rel(&dir.path, &node.name);
             let reusable = cache
                 .lookup(&rel, fingerprint)
-                .filter(|chunks| chunks.iter().all(|c| cache.knows_blob(&c.id)));
+                .filter(|known| known.chunks.iter().all(|c| cache.knows_blob(&c.id)));
             match reusable {
-                Some(chunks) => {
+                Some(known) => {
                     content.files[d][n] = Some(FileContent {
-                        chunks: chunks.to_vec(),
+                        chunks: known.chunks.clone(),
                         size: fingerprint.size,
                         meta: node.meta,
                         cacheable: Some(*fingerprint),
+                        git_level: known.git_level,
                     });
                 }
                 None => {
@@ -237,6 +243,7 @@ fn record(
                 chunks: read.chunks,
                 size: read.size,
                 meta: read.meta,
+                git_level: read.git_level,
             });
         }
         ReadResult::Gone => {}
@@ -321,6 +328,7 @@ struct ReadFile {
     /// The fingerprint matching what was read (taken after reading).
     after: Fingerprint,
     changed: bool,
+    git_level: Option<u8>,
 }
 
 enum ReadResult {
@@ -464,8 +472,13 @@ fn read_once(
         cancelled: false,
     };
     let granularity = chunker::Granularity::for_path(&job.rel);
-    let read = chunker::for_each_chunk(granularity, &file, before.size, |data| hasher.push(data))
-        .and_then(|size| hasher.flush().map(|()| size));
+    let mut git_level = None;
+    let read = if gitobj::is_candidate(&job.rel, before.size) {
+        read_loose_object(&file, before.size, &mut hasher, &mut git_level)
+    } else {
+        chunker::for_each_chunk(granularity, &file, before.size, |data| hasher.push(data))
+    }
+    .and_then(|size| hasher.flush().map(|()| size));
     if hasher.cancelled {
         return Err(ReadError::Cancelled);
     }
@@ -478,8 +491,38 @@ fn read_once(
         meta: Meta::of(&after_meta),
         after,
         changed: before != after || size != after.size,
+        git_level,
     };
     Ok((read, hasher.held))
+}
+
+/// Reads what may be a git loose blob: its content is chunked like a
+/// workspace file (so it dedupes with the working-tree copy) when this
+/// runner re-creates the stored bytes exactly, else the bytes as they are.
+/// Returns the size on disk.
+fn read_loose_object(
+    mut file: &File,
+    size_hint: u64,
+    hasher: &mut Hasher<'_>,
+    git_level: &mut Option<u8>,
+) -> io::Result<u64> {
+    use std::io::Read as _;
+    let mut stored = Vec::with_capacity(size_hint as usize);
+    file.read_to_end(&mut stored)?;
+    let size = stored.len() as u64;
+    let standard = chunker::Granularity::Standard;
+    match gitobj::unpack(&stored) {
+        Some((level, content)) => {
+            *git_level = Some(level);
+            chunker::for_each_chunk(standard, &content[..], content.len() as u64, |data| {
+                hasher.push(data)
+            })?;
+        }
+        None => {
+            chunker::for_each_chunk(standard, &stored[..], size, |data| hasher.push(data))?;
+        }
+    }
+    Ok(size)
 }
 
 #[cfg(test)]

@@ -58,6 +58,7 @@ use crate::failpoint::{self, FailpointError};
 use crate::format::{FORMAT_VERSION, seal};
 use crate::git::{self, RepoState};
 use crate::scan::{self, Scan, ScanError, ScanOptions, join_rel};
+use crate::tracker::{ChangeTracker, ScanKind};
 use crate::transfer::TransferError;
 
 /// At most this many warnings are recorded on a checkpoint; the rest are counted.
@@ -83,6 +84,9 @@ pub struct CheckpointOptions {
     pub generation: u64,
     /// The harness session the checkpoint belongs to, if any.
     pub harness: Option<pb::HarnessSession>,
+    /// Watches the root between checkpoints, so that only what changed is
+    /// listed (None: every checkpoint walks the whole workspace).
+    pub tracker: Option<Arc<ChangeTracker>>,
 }
 
 /// Sizes and counts of one checkpoint (the `stats` of the JSON output).
@@ -325,16 +329,28 @@ async fn run(
         excludes: opts.excludes.clone(),
         exclude_paths: vec![cache_dir.clone()],
     };
+    let tracker = opts.tracker.clone();
     let (scanned, inspector) = blocking(move || {
         let inspector = git::Inspector::start();
-        let scanned = scan::scan(&scan_options, &|found| inspector.submit(found));
+        let on_repo = |found| inspector.submit(found);
+        let scanned = match &tracker {
+            Some(tracker) => tracker.scan(&scan_options, &on_repo),
+            None => scan::scan(&scan_options, &on_repo).map(|scan| {
+                let kind = ScanKind::Full {
+                    reason: "no change tracker".into(),
+                };
+                (scan, kind)
+            }),
+        };
         (scanned, inspector)
     })
     .await?;
-    let scan = Arc::new(scanned?);
+    let (scanned, scan_kind) = scanned?;
+    let scan = Arc::new(scanned);
     tracing::debug!(
         files = scan.file_count(),
         directories = scan.dirs.len(),
+        walk = ?scan_kind,
         elapsed_ms = ms(),
         "workspace scanned"
     );
@@ -665,6 +681,17 @@ impl<'a> Store<'a> {
 /// `cairn-runner checkpoint`.
 pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
     let reason: CheckpointReason = args.reason.parse()?;
+    if let Some((socket, named)) = crate::watch::socket_for(&args) {
+        if crate::watch::ask(&socket, &args).await? {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            !named,
+            "no `cairn-runner watch` answers at {}",
+            socket.display()
+        );
+        tracing::debug!(socket = %socket.display(), "a stale control socket; checkpointing here");
+    }
     let opts = CheckpointOptions {
         coordinator: args.coordinator.coordinator,
         token: args.coordinator.token,
@@ -676,6 +703,7 @@ pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
         excludes: args.excludes,
         generation: 0,
         harness: None,
+        tracker: None,
     };
     let report = checkpoint(opts)
         .await
@@ -693,7 +721,7 @@ pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
 }
 
 /// An error and its causes on one line, each cause said once.
-fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
+pub fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

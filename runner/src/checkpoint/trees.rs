@@ -62,9 +62,16 @@ pub fn build(
                         counts.total_bytes += file.size;
                         entries.push(Entry {
                             name: node.name.clone(),
-                            kind: EntryKind::File {
-                                size: file.size,
-                                chunks: file.chunks.clone(),
+                            kind: match file.git_level {
+                                Some(level) => EntryKind::GitBlob {
+                                    size: file.size,
+                                    level,
+                                    chunks: file.chunks.clone(),
+                                },
+                                None => EntryKind::File {
+                                    size: file.size,
+                                    chunks: file.chunks.clone(),
+                                },
                             },
                             mode: file.meta.mode,
                             mtime_sec: file.meta.mtime_sec,
@@ -174,6 +181,7 @@ mod tests {
                             size: data.len() as u64,
                             meta: node.meta,
                             cacheable: None,
+                            git_level: None,
                         })
                     })
                     .collect()

@@ -1,7 +1,7 @@
 //! Tree objects: one per directory, split into pages when it is large.
 //!
 //! ```text
-//! v2:  "CTRE" │ version u8 (=2) │ layout u8 │ body
+//! v2+: "CTRE" │ version u8 (2 or 3) │ layout u8 │ body
 //!        layout 0 (entries): count varint │ entry*
 //!        layout 1 (pages):   page count varint │ page blob id[32]*
 //!                            each page is a layout-0 tree object; the
@@ -12,6 +12,11 @@
 //! body  = file:    size varint │ chunk count varint │ (blob id[32] │ len varint)*
 //!         dir:     subtree blob id[32]
 //!         symlink: target bytes
+//!         git blob (v3): size varint │ zlib level u8 │ chunk count varint
+//!                  │ (blob id[32] │ len varint)*
+//!                  the chunks hold the *content* of a git loose blob; the
+//!                  file is zlib(level, "blob <content len>\0" ‖ content),
+//!                  `size` bytes long (see crate::gitobj)
 //!         fifo/char/block/socket: empty (never written by cairn; readers refuse them)
 //! bytes = len varint │ raw
 //! ```
@@ -56,9 +61,24 @@ pub struct ChunkRef {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EntryKind {
-    File { size: u64, chunks: Vec<ChunkRef> },
-    Dir { tree: BlobId },
-    Symlink { target: Vec<u8> },
+    File {
+        size: u64,
+        chunks: Vec<ChunkRef>,
+    },
+    /// A git loose blob stored by its content (format v3, [`crate::gitobj`]):
+    /// the file is `size` bytes of zlib at `level` over a header and the
+    /// content the chunks hold.
+    GitBlob {
+        size: u64,
+        level: u8,
+        chunks: Vec<ChunkRef>,
+    },
+    Dir {
+        tree: BlobId,
+    },
+    Symlink {
+        target: Vec<u8>,
+    },
     Fifo,
     CharDevice,
     BlockDevice,
@@ -75,13 +95,14 @@ impl EntryKind {
             Self::CharDevice => 5,
             Self::BlockDevice => 6,
             Self::Socket => 7,
+            Self::GitBlob { .. } => 8,
         }
     }
 
     /// A word for messages.
     pub fn describe(&self) -> &'static str {
         match self {
-            Self::File { .. } => "file",
+            Self::File { .. } | Self::GitBlob { .. } => "file",
             Self::Dir { .. } => "directory",
             Self::Symlink { .. } => "symlink",
             Self::Fifo => "fifo",
@@ -218,6 +239,19 @@ impl Tree {
                         put_u64(&mut out, u64::from(c.len));
                     }
                 }
+                EntryKind::GitBlob {
+                    size,
+                    level,
+                    chunks,
+                } => {
+                    put_u64(&mut out, *size);
+                    out.push(*level);
+                    put_u64(&mut out, chunks.len() as u64);
+                    for c in chunks {
+                        out.extend_from_slice(c.id.as_bytes());
+                        put_u64(&mut out, u64::from(c.len));
+                    }
+                }
                 EntryKind::Dir { tree } => out.extend_from_slice(tree.as_bytes()),
                 EntryKind::Symlink { target } => put_bytes(&mut out, target),
                 EntryKind::Fifo
@@ -240,7 +274,7 @@ impl Tree {
         }
     }
 
-    fn decode_entries(bytes: &[u8], mut r: Reader<'_>) -> Result<Tree, FormatError> {
+    fn decode_entries(bytes: &[u8], version: u32, mut r: Reader<'_>) -> Result<Tree, FormatError> {
         let count = r.u64()?;
         if count > MAX_ENTRIES {
             return Err(FormatError::MalformedTree(format!(
@@ -260,30 +294,29 @@ impl Tree {
             let kind = match code {
                 1 => {
                     let size = r.u64()?;
-                    let n = r.u64()?;
-                    // Every chunk takes at least 33 bytes: a cheap bound before allocating.
-                    if n > (bytes.len() as u64) / 33 {
-                        return Err(FormatError::MalformedTree(format!("{n} chunks cannot fit")));
-                    }
-                    let mut chunks = Vec::with_capacity(n as usize);
-                    let mut sum: u64 = 0;
-                    for _ in 0..n {
-                        let id = BlobId::from_slice(r.take(32)?).expect("32 bytes");
-                        let len = r.u32()?;
-                        if len == 0 || len > MAX_CHUNK_LEN {
-                            return Err(FormatError::MalformedTree(format!(
-                                "chunk of {len} bytes"
-                            )));
-                        }
-                        sum += u64::from(len);
-                        chunks.push(ChunkRef { id, len });
-                    }
+                    let chunks = read_chunks(bytes, &mut r)?;
+                    let sum: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
                     if sum != size {
                         return Err(FormatError::MalformedTree(format!(
                             "file declares {size} bytes but its chunks hold {sum}"
                         )));
                     }
                     EntryKind::File { size, chunks }
+                }
+                8 if version >= 3 => {
+                    let size = r.u64()?;
+                    let level = r.u8()?;
+                    if level > 9 {
+                        return Err(FormatError::MalformedTree(format!(
+                            "git blob with zlib level {level}"
+                        )));
+                    }
+                    let chunks = read_chunks(bytes, &mut r)?;
+                    EntryKind::GitBlob {
+                        size,
+                        level,
+                        chunks,
+                    }
                 }
                 2 => EntryKind::Dir {
                     tree: BlobId::from_slice(r.take(32)?).expect("32 bytes"),
@@ -363,6 +396,25 @@ impl Tree {
     }
 }
 
+/// A file's chunk list: count, then (id, length) pairs.
+fn read_chunks(bytes: &[u8], r: &mut Reader<'_>) -> Result<Vec<ChunkRef>, FormatError> {
+    let n = r.u64()?;
+    // Every chunk takes at least 33 bytes: a cheap bound before allocating.
+    if n > (bytes.len() as u64) / 33 {
+        return Err(FormatError::MalformedTree(format!("{n} chunks cannot fit")));
+    }
+    let mut chunks = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let id = BlobId::from_slice(r.take(32)?).expect("32 bytes");
+        let len = r.u32()?;
+        if len == 0 || len > MAX_CHUNK_LEN {
+            return Err(FormatError::MalformedTree(format!("chunk of {len} bytes")));
+        }
+        chunks.push(ChunkRef { id, len });
+    }
+    Ok(chunks)
+}
+
 impl TreeObject {
     /// Decodes any tree object, of any version up to this build's.
     pub fn decode(bytes: &[u8]) -> Result<TreeObject, FormatError> {
@@ -378,10 +430,10 @@ impl TreeObject {
             });
         }
         if version < 2 {
-            return Tree::decode_entries(bytes, r).map(TreeObject::Entries);
+            return Tree::decode_entries(bytes, version, r).map(TreeObject::Entries);
         }
         match r.u8()? {
-            LAYOUT_ENTRIES => Tree::decode_entries(bytes, r).map(TreeObject::Entries),
+            LAYOUT_ENTRIES => Tree::decode_entries(bytes, version, r).map(TreeObject::Entries),
             LAYOUT_PAGES => {
                 let count = r.u64()?;
                 if count == 0 || count > MAX_PAGES {
@@ -447,12 +499,47 @@ mod tests {
                         target: b"../x".to_vec(),
                     },
                 ),
+                entry(
+                    "loose",
+                    EntryKind::GitBlob {
+                        size: 5,
+                        level: 1,
+                        chunks: vec![ChunkRef { id, len: 7 }],
+                    },
+                ),
                 entry("ünïcode", EntryKind::Fifo),
             ],
         };
         let decoded = Tree::decode(&tree.encode()).unwrap();
         assert_eq!(decoded, tree);
         assert!(decoded.validate().is_ok());
+    }
+
+    #[test]
+    fn git_blobs_exist_only_from_version_3() {
+        let tree = Tree {
+            entries: vec![entry(
+                "loose",
+                EntryKind::GitBlob {
+                    size: 5,
+                    level: 1,
+                    chunks: vec![],
+                },
+            )],
+        };
+        let mut bytes = tree.encode();
+        assert_eq!(bytes[4], 3);
+        bytes[4] = 2;
+        let err = Tree::decode(&bytes).unwrap_err();
+        assert!(err.to_string().contains("unknown entry kind 8"), "{err}");
+        let mut bad_level = tree.clone();
+        bad_level.entries[0].kind = EntryKind::GitBlob {
+            size: 5,
+            level: 12,
+            chunks: vec![],
+        };
+        let err = Tree::decode(&bad_level.encode()).unwrap_err();
+        assert!(err.to_string().contains("zlib level 12"), "{err}");
     }
 
     #[test]

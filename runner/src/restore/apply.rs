@@ -35,6 +35,7 @@ use rayon::prelude::*;
 
 use crate::cache::{Cache, Fingerprint};
 use crate::format::{self, ChunkRef, FormatError, TenantKeys};
+use crate::gitobj;
 
 use super::fsops::{self, EntryMeta};
 use super::plan::{Plan, PlanKind};
@@ -167,7 +168,12 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
         .into_par_iter()
         .map(|i| {
             let entry = &plan.entries[i];
-            let PlanKind::File { size, chunks } = &entry.kind else {
+            let PlanKind::File {
+                size,
+                chunks,
+                git_level,
+            } = &entry.kind
+            else {
                 return Ok(None);
             };
             if !entry.parent.map_or(root_exists, |p| usable[p]) {
@@ -190,7 +196,12 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
                     existing: Existing::Dir,
                 }));
             }
-            if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, *size, chunks) {
+            let on_disk = OnDisk {
+                size: *size,
+                chunks,
+                git_level: *git_level,
+            };
+            if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
                 let meta_ok = entry.meta.matches(&meta, target.set_owner);
                 return Ok(Some(FileState::Reuse {
                     meta_ok,
@@ -210,38 +221,61 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
     Ok(Survey { root_exists, files })
 }
 
-/// The fingerprint of the file at `path` if it already holds `chunks`.
+/// What a file of the plan must be on disk.
+struct OnDisk<'a> {
+    size: u64,
+    chunks: &'a [ChunkRef],
+    git_level: Option<u8>,
+}
+
+/// The fingerprint of the file at `path` if it already holds what `want` says.
 fn reusable(
     target: &Target,
     rel: &[u8],
     path: &Path,
     meta: &fs::Metadata,
-    size: u64,
-    chunks: &[ChunkRef],
+    want: &OnDisk<'_>,
 ) -> Option<Fingerprint> {
     // A file with other links may be shared with something outside the
     // root; it is replaced rather than kept and re-permissioned.
-    if !meta.file_type().is_file() || meta.len() != size || meta.nlink() != 1 {
+    if !meta.file_type().is_file() || meta.len() != want.size || meta.nlink() != 1 {
         return None;
     }
     let fingerprint = Fingerprint::of(meta);
     if let Some(cache) = &target.cache
-        && cache.lookup(rel, &fingerprint) == Some(chunks)
+        && cache
+            .lookup(rel, &fingerprint)
+            .is_some_and(|known| known.chunks == want.chunks && known.git_level == want.git_level)
     {
         return Some(fingerprint);
     }
     let mut file = fsops::open_for_read(path).ok()?;
-    let mut buf = Vec::new();
-    for chunk in chunks {
-        buf.resize(chunk.len as usize, 0);
-        file.read_exact(&mut buf).ok()?;
-        if !target.keys.verify_blob_id(&chunk.id, &buf) {
-            return None;
+    let holds_chunks = |mut content: &[u8]| {
+        want.chunks.iter().all(|chunk| {
+            let len = chunk.len as usize;
+            let ok = content.len() >= len && target.keys.verify_blob_id(&chunk.id, &content[..len]);
+            content = content.get(len..).unwrap_or_default();
+            ok
+        }) && content.is_empty()
+    };
+    let matches = match want.git_level {
+        Some(level) => {
+            let mut stored = Vec::with_capacity(want.size as usize);
+            file.read_to_end(&mut stored).ok()?;
+            gitobj::unpack(&stored)
+                .is_some_and(|(found, content)| found == level && holds_chunks(&content))
         }
-    }
+        None => {
+            let mut buf = Vec::new();
+            want.chunks.iter().all(|chunk| {
+                buf.resize(chunk.len as usize, 0);
+                file.read_exact(&mut buf).is_ok() && target.keys.verify_blob_id(&chunk.id, &buf)
+            })
+        }
+    };
     // The file must not have changed while it was read.
     let after = Fingerprint::of(&file.metadata().ok()?);
-    (after == fingerprint).then_some(fingerprint)
+    (matches && after == fingerprint).then_some(fingerprint)
 }
 
 /// A file the download writes.
@@ -254,6 +288,11 @@ pub(crate) struct FileJob {
     remaining: AtomicU32,
     /// A single-chunk file: created by its one write instead of in advance.
     create_on_write: bool,
+    /// A git loose blob: the chunks are its content, deflated at this level
+    /// once all are written ([`crate::gitobj`]).
+    git_level: Option<u8>,
+    /// The bytes the chunks hold.
+    content_len: u64,
     pub fingerprint: OnceLock<Fingerprint>,
 }
 
@@ -280,7 +319,15 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     }
     let mut prepared = Prepared::default();
     for (i, (entry, state)) in plan.entries.iter().zip(survey.files).enumerate() {
-        let (PlanKind::File { size, chunks }, Some(state)) = (&entry.kind, state) else {
+        let (
+            PlanKind::File {
+                size,
+                chunks,
+                git_level,
+            },
+            Some(state),
+        ) = (&entry.kind, state)
+        else {
             continue;
         };
         let path = target.path(&entry.path);
@@ -316,9 +363,10 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
             continue;
         }
         let create_on_write = chunks.len() == 1;
+        let content_len: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
         if !create_on_write {
             let file = fsops::create_new(&path).map_err(local("creating", &path))?;
-            file.set_len(*size).map_err(local("sizing", &path))?;
+            file.set_len(content_len).map_err(local("sizing", &path))?;
         }
         prepared.jobs.push(FileJob {
             plan_index: i,
@@ -326,6 +374,8 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
             meta: entry.meta,
             remaining: AtomicU32::new(chunks.len() as u32),
             create_on_write,
+            git_level: *git_level,
+            content_len,
             fingerprint: OnceLock::new(),
         });
     }
@@ -438,8 +488,14 @@ pub(crate) fn write_span(
             if job.create_on_write {
                 let mut file =
                     fsops::create_new(&job.path).map_err(local("creating", &job.path))?;
-                file.write_all(&plain)
-                    .map_err(local("writing", &job.path))?;
+                match job.git_level {
+                    Some(level) => file.write_all(
+                        &gitobj::pack(level, &plain)
+                            .map_err(|e| local("compressing the git object", &job.path)(e))?,
+                    ),
+                    None => file.write_all(&plain),
+                }
+                .map_err(local("writing", &job.path))?;
                 let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
                 let _ = job.fingerprint.set(fingerprint);
                 done.files += 1;
@@ -453,6 +509,9 @@ pub(crate) fn write_span(
                 file.write_all_at(&plain, file_offset)
                     .map_err(local("writing", &job.path))?;
                 if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    if let Some(level) = job.git_level {
+                        deflate_in_place(file, &job.path, level, job.content_len)?;
+                    }
                     let fingerprint = finish_file(file, &job.path, &job.meta, writers.set_owner)?;
                     let _ = job.fingerprint.set(fingerprint);
                     done.files += 1;
@@ -462,6 +521,24 @@ pub(crate) fn write_span(
         }
     }
     Ok(done)
+}
+
+/// Turns a file holding a git blob's content into its loose object.
+fn deflate_in_place(
+    file: &fs::File,
+    path: &Path,
+    level: u8,
+    content_len: u64,
+) -> Result<(), LocalError> {
+    let mut content = vec![0; content_len as usize];
+    file.read_exact_at(&mut content, 0)
+        .map_err(local("reading back", path))?;
+    let stored =
+        gitobj::pack(level, &content).map_err(local("compressing the git object", path))?;
+    file.write_all_at(&stored, 0)
+        .map_err(local("writing", path))?;
+    file.set_len(stored.len() as u64)
+        .map_err(local("sizing", path))
 }
 
 /// Symlinks, removal of what the plan lacks, and directory metadata.

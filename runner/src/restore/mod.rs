@@ -44,7 +44,7 @@ use futures::{StreamExt, TryStreamExt, stream};
 use crate::cache::{Cache, CachedFile, Fingerprint};
 use crate::cli::{OutputFormat, RestoreArgs, default_cache_dir};
 use crate::client::{ConnectError, Coordinator};
-use crate::format::{ChunkRef, IndexEntry, PackIndex};
+use crate::format::{IndexEntry, PackIndex};
 use crate::transfer::BlobTransfer;
 
 use apply::{LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
@@ -541,7 +541,7 @@ struct AttemptContext<'a> {
 /// What the fingerprint cache learns from a restore.
 #[derive(Debug, Clone, Default)]
 struct CacheUpdate {
-    files: Vec<(Vec<u8>, Fingerprint, Vec<ChunkRef>)>,
+    files: Vec<(Vec<u8>, CachedFile)>,
     blobs: Vec<(BlobId, PackId)>,
 }
 
@@ -603,9 +603,16 @@ async fn attempt(
         .filter_map(|(i, fingerprint)| {
             let entry = &plan.entries[i];
             match &entry.kind {
-                plan::PlanKind::File { chunks, .. } => {
-                    Some((entry.path.clone(), fingerprint, chunks.clone()))
-                }
+                plan::PlanKind::File {
+                    chunks, git_level, ..
+                } => Some((
+                    entry.path.clone(),
+                    CachedFile {
+                        fingerprint,
+                        chunks: chunks.clone(),
+                        git_level: *git_level,
+                    },
+                )),
                 _ => None,
             }
         })
@@ -796,7 +803,7 @@ async fn download(
     let mut needed: HashMap<BlobId, NeededBlob> = HashMap::new();
     let mut bytes_to_write = 0;
     for (job_index, job) in jobs.iter().enumerate() {
-        let plan::PlanKind::File { chunks, size } = &plan.entries[job.plan_index].kind else {
+        let plan::PlanKind::File { chunks, size, .. } = &plan.entries[job.plan_index].kind else {
             unreachable!("jobs are made for files only")
         };
         bytes_to_write += size;
@@ -913,16 +920,7 @@ fn update_cache(
     let files = update
         .files
         .into_iter()
-        .filter(|(_, fingerprint, _)| restored_fingerprint_is_stable(fingerprint, restore_started))
-        .map(|(path, fingerprint, chunks)| {
-            (
-                path,
-                CachedFile {
-                    fingerprint,
-                    chunks,
-                },
-            )
-        })
+        .filter(|(_, file)| restored_fingerprint_is_stable(&file.fingerprint, restore_started))
         .collect();
     cache.replace_files(files);
     for (blob, pack) in &update.blobs {

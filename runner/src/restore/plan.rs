@@ -107,9 +107,12 @@ pub enum PlanKind {
         tree: BlobId,
         children: Range<usize>,
     },
+    /// `size` is the file's length on disk; with `git_level` it is a git
+    /// loose blob whose content the chunks hold ([`crate::gitobj`]).
     File {
         size: u64,
         chunks: Vec<ChunkRef>,
+        git_level: Option<u8>,
     },
     Symlink {
         target: Vec<u8>,
@@ -264,6 +267,27 @@ pub fn build_plan(
                     PlanKind::File {
                         size: *size,
                         chunks: chunks.clone(),
+                        git_level: None,
+                    }
+                }
+                EntryKind::GitBlob {
+                    size,
+                    level,
+                    chunks,
+                } => {
+                    let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+                    if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED {
+                        return Err(unsafe_entry(format!(
+                            "the git object declares {content} bytes of content in {size} bytes, \
+                             more than a loose object cairn stores by content"
+                        )));
+                    }
+                    plan.files += 1;
+                    plan.total_bytes += size;
+                    PlanKind::File {
+                        size: *size,
+                        chunks: chunks.clone(),
+                        git_level: Some(*level),
                     }
                 }
                 EntryKind::Dir { tree } => {

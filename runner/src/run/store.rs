@@ -6,6 +6,7 @@
 //! generation); tests count calls through their own implementation.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::ids::BlobId;
@@ -16,6 +17,7 @@ use tonic::Code;
 use crate::checkpoint::{self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport};
 use crate::client::Coordinator;
 use crate::restore::{self, NoProgress, RestoreError, RestoreOptions, human_bytes};
+use crate::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 
 /// What the workspace was prepared from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +127,35 @@ pub struct RemoteStore {
     pub root: PathBuf,
     pub cache_dir: PathBuf,
     pub target: StoreTarget,
+    /// Started by the first checkpoint (after the restore, whose writes it
+    /// need not see), so later ones list only what changed.
+    pub tracker: Arc<tokio::sync::OnceCell<Option<Arc<ChangeTracker>>>>,
+}
+
+impl RemoteStore {
+    async fn tracker(&self) -> Option<Arc<ChangeTracker>> {
+        let root = self.root.clone();
+        self.tracker
+            .get_or_init(|| async move {
+                let started = tokio::task::spawn_blocking(move || {
+                    ChangeTracker::start(&root, DEFAULT_FULL_SCAN_INTERVAL)
+                })
+                .await;
+                match started {
+                    Ok(Ok(tracker)) => Some(Arc::new(tracker)),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "change tracking is off; every checkpoint walks the whole workspace");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "starting change tracking failed; every checkpoint walks the whole workspace");
+                        None
+                    }
+                }
+            })
+            .await
+            .clone()
+    }
 }
 
 impl WorkspaceStore for RemoteStore {
@@ -175,6 +206,7 @@ impl WorkspaceStore for RemoteStore {
                 excludes: self.target.excludes.clone(),
                 generation: self.target.generation,
                 harness: request.harness,
+                tracker: self.tracker().await,
             };
             let report = match &request.unless_unchanged {
                 Some(baseline) => checkpoint::checkpoint_if_changed(opts, baseline).await?,

@@ -1,0 +1,375 @@
+//! Change tracking: which directories changed since the last walk, so an
+//! incremental checkpoint lists only those instead of the whole workspace.
+//!
+//! A [`ChangeTracker`] watches the root with inotify (through `notify`) and
+//! keeps the set of *dirty* directories: the parent of every path an event
+//! names (its entry there changed) and the path itself (if it is a
+//! directory, its listing changed). [`ChangeTracker::scan`] then hands the
+//! dirty set and the previous walk to [`scan::rescan`].
+//!
+//! It falls back to a full walk, and says why in the log, when:
+//! - there is no previous walk yet (the first checkpoint of a process);
+//! - the kernel dropped events (queue overflow) or the watcher reported an
+//!   error (e.g. the inotify watch limit was reached);
+//! - git's ignore rules are in force (`skip_ignored`, see [`scan::rescan`]);
+//! - the last full walk is older than the full-scan interval, a guard
+//!   against events that never came.
+//!
+//! The watcher starts before the first walk, so a change made while that
+//! walk runs is still in the next dirty set. Taking the set and walking are
+//! not atomic; a change in between is seen by this walk and named again in
+//! the next set, which costs one listing, never a miss.
+
+use std::collections::HashSet;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
+
+use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions};
+
+/// Full walks at least this often, whatever the events say.
+pub const DEFAULT_FULL_SCAN_INTERVAL: Duration = Duration::from_secs(30 * 60);
+
+/// Why change tracking could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TrackerError {
+    #[error(transparent)]
+    Root(#[from] ScanError),
+    #[error("cannot watch {root} for changes: {source}")]
+    Watch {
+        root: PathBuf,
+        source: notify::Error,
+    },
+}
+
+/// How a walk was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScanKind {
+    /// Every directory was listed, for this reason.
+    Full { reason: String },
+    /// Only these many changed directories were listed.
+    Partial { dirty: usize },
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    dirty: HashSet<Vec<u8>>,
+    /// Events were lost; the next walk must be full. Says why.
+    lost: Option<String>,
+}
+
+/// Watches a workspace and makes walks that list only what changed.
+pub struct ChangeTracker {
+    root: PathBuf,
+    pending: Arc<Mutex<Pending>>,
+    previous: Mutex<Option<(Arc<Scan>, Instant)>>,
+    full_scan_interval: Duration,
+    // Dropping the watcher stops the events.
+    _watcher: RecommendedWatcher,
+}
+
+impl std::fmt::Debug for ChangeTracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChangeTracker")
+            .field("root", &self.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChangeTracker {
+    /// Starts watching `root` and everything below it.
+    pub fn start(root: &Path, full_scan_interval: Duration) -> Result<Self, TrackerError> {
+        let root = scan::resolve_root(root)?;
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let handler = {
+            let pending = pending.clone();
+            let root = root.clone();
+            move |event: notify::Result<notify::Event>| {
+                let mut pending = pending.lock().expect("pending lock");
+                match event {
+                    Ok(event) if event.need_rescan() => {
+                        pending.lost = Some("the kernel dropped change events".into());
+                    }
+                    Ok(event) => {
+                        if matches!(event.kind, EventKind::Access(_)) {
+                            return;
+                        }
+                        for path in &event.paths {
+                            mark(&mut pending.dirty, &root, path);
+                        }
+                    }
+                    Err(e) => {
+                        pending.lost = Some(format!("the change watcher failed: {e}"));
+                    }
+                }
+            }
+        };
+        let watch_error = |source| TrackerError::Watch {
+            root: root.clone(),
+            source,
+        };
+        let config = notify::Config::default().with_follow_symlinks(false);
+        let mut watcher = RecommendedWatcher::new(handler, config).map_err(watch_error)?;
+        watcher
+            .watch(&root, RecursiveMode::Recursive)
+            .map_err(watch_error)?;
+        Ok(Self {
+            root,
+            pending,
+            previous: Mutex::new(None),
+            full_scan_interval,
+            _watcher: watcher,
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Walks the workspace, listing only what changed when it can.
+    pub fn scan(
+        &self,
+        opts: &ScanOptions,
+        on_repo: &(dyn Fn(RepoFound) + Sync),
+    ) -> Result<(Scan, ScanKind), ScanError> {
+        let Pending { dirty, lost } =
+            std::mem::take(&mut *self.pending.lock().expect("pending lock"));
+        let previous = self.previous.lock().expect("previous lock").clone();
+        let full_reason = match &previous {
+            None => Some("first walk".to_owned()),
+            Some(_) if opts.skip_ignored => Some("git's ignore rules are in force".to_owned()),
+            Some(_) if lost.is_some() => lost,
+            Some((scan, _)) if scan.root != self.root => Some("another root".to_owned()),
+            Some((_, at)) if at.elapsed() >= self.full_scan_interval => {
+                Some("the periodic full walk is due".to_owned())
+            }
+            Some(_) => None,
+        };
+        let (scan, kind, full_at) = match (full_reason, previous) {
+            (None, Some((previous, full_at))) => {
+                let scan = scan::rescan(opts, &previous, &dirty, on_repo)?;
+                let kind = ScanKind::Partial { dirty: dirty.len() };
+                (scan, kind, full_at)
+            }
+            (reason, _) => {
+                let reason = reason.unwrap_or_default();
+                tracing::info!(root = %self.root.display(), %reason, "walking the whole workspace");
+                let scan = scan::scan(opts, on_repo)?;
+                (scan, ScanKind::Full { reason }, Instant::now())
+            }
+        };
+        *self.previous.lock().expect("previous lock") = Some((Arc::new(scan.clone()), full_at));
+        Ok((scan, kind))
+    }
+}
+
+/// Marks what an event at `path` may have changed: the listing of its
+/// parent (the entry itself) and its own listing (if it is a directory).
+fn mark(dirty: &mut HashSet<Vec<u8>>, root: &Path, path: &Path) {
+    let Ok(rel) = path.strip_prefix(root) else {
+        return;
+    };
+    let rel = rel.as_os_str().as_bytes();
+    let parent = match rel.iter().rposition(|b| *b == b'/') {
+        Some(slash) => &rel[..slash],
+        None => &[][..],
+    };
+    if !dirty.contains(parent) {
+        dirty.insert(parent.to_vec());
+    }
+    if !rel.is_empty() && !dirty.contains(rel) {
+        dirty.insert(rel.to_vec());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::scan::{NodeKind, ScanOptions};
+
+    fn options(root: &Path) -> ScanOptions {
+        ScanOptions {
+            root: root.to_path_buf(),
+            skip_ignored: false,
+            excludes: vec![],
+            exclude_paths: vec![],
+        }
+    }
+
+    /// Waits until the watcher has seen something (inotify delivers events
+    /// asynchronously, through notify's own thread).
+    fn settle(tracker: &ChangeTracker) {
+        for _ in 0..200 {
+            if !tracker.pending.lock().unwrap().dirty.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    fn listing(scan: &Scan) -> Vec<(String, String)> {
+        scan.dirs
+            .iter()
+            .flat_map(|d| {
+                d.nodes.iter().map(move |n| {
+                    let kind = match &n.kind {
+                        NodeKind::File(fp) => format!("file {}", fp.size),
+                        NodeKind::Dir => "dir".into(),
+                        NodeKind::Symlink(t) => format!("link {}", String::from_utf8_lossy(t)),
+                    };
+                    (
+                        String::from_utf8_lossy(&scan::join_rel(&d.path, &n.name)).into_owned(),
+                        kind,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn partial_walks_see_every_kind_of_change_and_equal_a_full_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in ["a/deep/er", "b", "c/gone/below", "untouched/x/y"] {
+            fs::create_dir_all(root.join(d)).unwrap();
+        }
+        for f in [
+            "a/deep/er/f.rs",
+            "b/g.rs",
+            "c/gone/below/h",
+            "untouched/x/y/z",
+            "top",
+        ] {
+            fs::write(root.join(f), "0").unwrap();
+        }
+        let tracker = ChangeTracker::start(root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = options(root);
+        let (first, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(
+            kind,
+            ScanKind::Full {
+                reason: "first walk".into()
+            }
+        );
+
+        fs::write(root.join("a/deep/er/f.rs"), "longer content").unwrap();
+        fs::write(root.join("b/new.rs"), "new").unwrap();
+        fs::remove_dir_all(root.join("c/gone")).unwrap();
+        fs::create_dir_all(root.join("n/e/w")).unwrap();
+        fs::write(root.join("n/e/w/file"), "deep new").unwrap();
+        std::os::unix::fs::symlink("top", root.join("link")).unwrap();
+        fs::rename(root.join("b/g.rs"), root.join("a/g.rs")).unwrap();
+        settle(&tracker);
+
+        let (second, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        let ScanKind::Partial { dirty } = kind else {
+            panic!("expected a partial walk, got {kind:?}")
+        };
+        assert!(dirty < 20, "{dirty} dirty directories");
+        let full = scan::scan(&opts, &|_| {}).unwrap();
+        assert_eq!(listing(&second), listing(&full));
+        assert_ne!(listing(&first), listing(&full));
+        let paths: Vec<String> = listing(&second).into_iter().map(|(p, _)| p).collect();
+        for expected in [
+            "a/g.rs",
+            "b/new.rs",
+            "n/e/w/file",
+            "link",
+            "untouched/x/y/z",
+        ] {
+            assert!(
+                paths.contains(&expected.to_owned()),
+                "{expected} in {paths:?}"
+            );
+        }
+        assert!(!paths.iter().any(|p| p.starts_with("c/gone")), "{paths:?}");
+
+        // Nothing changed: the walk is the previous one, listing nothing.
+        let (third, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(kind, ScanKind::Partial { dirty: 0 });
+        assert_eq!(listing(&third), listing(&full));
+    }
+
+    #[test]
+    fn repositories_are_announced_by_partial_walks_too() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fs::create_dir_all(root.join("app/.git/objects")).unwrap();
+        fs::create_dir_all(root.join("lib/.git")).unwrap();
+        fs::write(root.join("app/src.rs"), "x").unwrap();
+        let tracker = ChangeTracker::start(root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = options(root);
+        tracker.scan(&opts, &|_| {}).unwrap();
+        fs::write(root.join("app/src.rs"), "changed").unwrap();
+        settle(&tracker);
+        let found = Mutex::new(Vec::new());
+        let (_, kind) = tracker
+            .scan(&opts, &|repo| found.lock().unwrap().push(repo.rel))
+            .unwrap();
+        assert!(matches!(kind, ScanKind::Partial { .. }), "{kind:?}");
+        let mut found = found.into_inner().unwrap();
+        found.sort();
+        assert_eq!(found, [b"app".to_vec(), b"lib".to_vec()]);
+    }
+
+    #[test]
+    fn lost_events_ignore_rules_and_the_interval_force_a_full_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fs::write(root.join("f"), "x").unwrap();
+        let tracker = ChangeTracker::start(root, Duration::from_secs(3600)).unwrap();
+        let opts = options(root);
+        tracker.scan(&opts, &|_| {}).unwrap();
+        tracker.pending.lock().unwrap().lost = Some("the kernel dropped change events".into());
+        let (_, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(
+            kind,
+            ScanKind::Full {
+                reason: "the kernel dropped change events".into()
+            }
+        );
+        let ignoring = ScanOptions {
+            skip_ignored: true,
+            ..options(root)
+        };
+        let (_, kind) = tracker.scan(&ignoring, &|_| {}).unwrap();
+        assert!(matches!(kind, ScanKind::Full { .. }), "{kind:?}");
+
+        let eager = ChangeTracker::start(root, Duration::ZERO).unwrap();
+        eager.scan(&opts, &|_| {}).unwrap();
+        let (_, kind) = eager.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(
+            kind,
+            ScanKind::Full {
+                reason: "the periodic full walk is due".into()
+            }
+        );
+    }
+
+    #[test]
+    fn marking_names_the_parent_and_the_path() {
+        let mut dirty = HashSet::new();
+        let root = Path::new("/w");
+        mark(&mut dirty, root, Path::new("/w/a/b/c.rs"));
+        mark(&mut dirty, root, Path::new("/w/top"));
+        mark(&mut dirty, root, Path::new("/elsewhere/x"));
+        let mut got: Vec<_> = dirty.into_iter().collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                b"".to_vec(),
+                b"a/b".to_vec(),
+                b"a/b/c.rs".to_vec(),
+                b"top".to_vec()
+            ]
+        );
+    }
+}
