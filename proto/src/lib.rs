@@ -7,12 +7,15 @@
 //!   works with. Every id is a newtype; messages received over the wire are
 //!   validated into domain types with `TryFrom`, so a malformed request is
 //!   refused at the edge with a [`ValidationError`] naming the field.
+//! - [`stations`]: the files a run lays for its station and the handoff
+//!   note it leaves, validated on receipt.
 //! - [`auth`]: how a bearer token travels in gRPC metadata.
 
 pub mod auth;
 pub mod domain;
 pub mod ids;
 pub mod runs;
+pub mod stations;
 
 pub use domain::ValidationError;
 

@@ -256,6 +256,11 @@ pub const HARNESS_ADAPTERS: &[(&str, &[&str])] = &[
     ("claude", CLAUDE_SETTINGS),
     ("codex", CODEX_SETTINGS),
     ("gemini", GEMINI_SETTINGS),
+    ("pi", PI_SETTINGS),
+    ("opencode", OPENCODE_SETTINGS),
+    ("goose", GOOSE_SETTINGS),
+    ("openhands", OPENHANDS_SETTINGS),
+    ("aider", AIDER_SETTINGS),
     ("command", COMMAND_SETTINGS),
 ];
 
@@ -267,6 +272,22 @@ pub const CODEX_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credent
 
 /// Settings of the Gemini CLI adapter (docs/harnesses.md).
 pub const GEMINI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the pi adapter (docs/harnesses.md).
+pub const PI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the opencode adapter (docs/harnesses.md).
+pub const OPENCODE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the goose adapter (docs/harnesses.md).
+pub const GOOSE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
+/// Settings of the OpenHands CLI adapter (docs/harnesses.md). OpenHands
+/// takes its model from its own settings file, so there is no `model`.
+pub const OPENHANDS_SETTINGS: &[&str] = &["binary", "args", "cwd", "credentials_dir"];
+
+/// Settings of the Aider adapter (docs/harnesses.md).
+pub const AIDER_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
 
 /// Settings of the templated `command` adapter (docs/harnesses.md).
 pub const COMMAND_SETTINGS: &[&str] = &["start", "resume", "session_regex", "session_lost", "cwd"];

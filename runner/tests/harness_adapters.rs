@@ -1,21 +1,33 @@
-//! The `codex` and `gemini` adapters driven by the run state machine
+//! The harness adapters other than `claude` (codex, gemini, pi, opencode,
+//! goose, openhands, aider) driven by the run state machine
 //! (`cairn_runner::run::run`), against the same fake RunnerService and
 //! snapshotting store as run_attempt.rs (both in attempt_support/), with the
 //! Python test doubles in tests/doubles/ as the harnesses. The doubles honour
 //! each CLI's documented contract (flags, files, id reports, refusals) and
-//! remember earlier turns by reading their own transcripts; each turn also
+//! remember earlier turns by reading their own transcripts (for opencode and
+//! goose: a SQLite database in WAL mode, left with its WAL); each turn also
 //! records its arguments and the credential files it saw (as SHA-256) in the
 //! transcript.
+//!
+//! Every adapter runs the same four tests: the first turn, a resume on
+//! "another host" (the workspace wiped and restored), a lost conversation,
+//! and credentials that never reach a checkpoint. Aider has no ids, so its
+//! versions check the lossy-handoff briefing instead of a resumed id.
 
 mod attempt_support;
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::ops::Deref;
+use std::path::Path;
+use std::process::Command;
 
 use attempt_support::*;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
 use cairn_runner::run::Finished;
+use cairn_runner::run::messages::LOSSY_HANDOFF;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +36,30 @@ use tokio_util::sync::CancellationToken;
 enum Kind {
     Codex,
     Gemini,
+    Pi,
+    Opencode,
+    Goose,
+    OpenHands,
+    Aider,
+}
+
+/// A conversation as a checkpoint holds it.
+#[derive(Debug)]
+struct Conversation {
+    /// Everything said in it, in order.
+    text: String,
+    /// The test double's own record of each turn (arguments, credentials seen).
+    records: Vec<Value>,
+}
+
+impl Conversation {
+    /// The arguments of each turn, in order.
+    fn argv(&self) -> Vec<Vec<String>> {
+        self.records
+            .iter()
+            .map(|r| serde_json::from_value(r["argv"].clone()).unwrap())
+            .collect()
+    }
 }
 
 impl Kind {
@@ -31,6 +67,11 @@ impl Kind {
         match self {
             Self::Codex => "codex",
             Self::Gemini => "gemini",
+            Self::Pi => "pi",
+            Self::Opencode => "opencode",
+            Self::Goose => "goose",
+            Self::OpenHands => "openhands",
+            Self::Aider => "aider",
         }
     }
 
@@ -47,52 +88,300 @@ impl Kind {
         format!(".cairn/state/{}", self.name())
     }
 
-    /// Where the credential file lives, relative to the root.
-    fn credential_path(self) -> String {
-        match self {
-            Self::Codex => ".cairn/state/codex/auth.json".into(),
-            Self::Gemini => ".cairn/state/gemini/.gemini/oauth_creds.json".into(),
-        }
-    }
-
+    /// The credential file the test gives the harness (it holds the canary).
     fn credential_file(self) -> &'static str {
         match self {
-            Self::Codex => "auth.json",
+            Self::Codex | Self::Pi | Self::Opencode => "auth.json",
             Self::Gemini => "oauth_creds.json",
+            Self::Goose => "secrets.yaml",
+            Self::OpenHands => "agent_settings.json",
+            Self::Aider => ".env",
         }
     }
 
-    /// Whether `path` (relative to the root) is the transcript of `session`.
-    fn is_transcript(self, path: &str, content: &[u8], session: &str) -> bool {
+    /// Where that file must reach the harness, relative to the root.
+    fn credential_path(self) -> String {
+        let inside = match self {
+            Self::Codex | Self::Pi | Self::OpenHands | Self::Aider => "",
+            Self::Gemini => ".gemini/",
+            Self::Opencode => "data/opencode/",
+            Self::Goose => "config/",
+        };
+        format!("{}/{inside}{}", self.state(), self.credential_file())
+    }
+
+    /// Whether the harness continues a conversation by its id (all but Aider).
+    fn resumes(self) -> bool {
+        self != Self::Aider
+    }
+
+    /// The SQLite database of its conversations, relative to the root.
+    fn database(self) -> Option<&'static str> {
+        match self {
+            Self::Opencode => Some(".cairn/state/opencode/data/opencode/opencode.db"),
+            Self::Goose => Some(".cairn/state/goose/data/sessions/sessions.db"),
+            _ => None,
+        }
+    }
+
+    /// Conversation `session` as `snapshot` holds it.
+    fn conversation(self, snapshot: &Snapshot, session: &str) -> Conversation {
+        if let Some(db) = self.database() {
+            return self.conversation_in_database(&snapshot.files, db, session);
+        }
+        let files = &snapshot.files;
+        let file = |wanted: &dyn Fn(&str, &[u8]) -> bool| -> String {
+            files
+                .iter()
+                .find(|(path, content)| wanted(path, content))
+                .map(|(_, content)| String::from_utf8(content.clone()).unwrap())
+                .unwrap_or_else(|| {
+                    panic!(
+                        "no transcript of {session} in {:?}",
+                        files.keys().collect::<Vec<_>>()
+                    )
+                })
+        };
+        let lines = |text: &str| -> Vec<Value> {
+            text.lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .collect()
+        };
         match self {
             Self::Codex => {
-                path.starts_with(".cairn/state/codex/sessions/")
-                    && path.ends_with(&format!("-{session}.jsonl"))
+                let text = file(&|path, _| {
+                    path.starts_with(".cairn/state/codex/sessions/")
+                        && path.ends_with(&format!("-{session}.jsonl"))
+                });
+                let records = lines(&text)
+                    .into_iter()
+                    .filter(|v| v["type"] == "cairn_double")
+                    .map(|v| v["payload"].clone())
+                    .collect();
+                Conversation { text, records }
             }
             Self::Gemini => {
-                path.starts_with(".cairn/state/gemini/.gemini/tmp/app/chats/session-")
-                    && path.ends_with(&format!("-{}.jsonl", &session[..8]))
-                    && String::from_utf8_lossy(content)
-                        .lines()
-                        .next()
-                        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                        .is_some_and(|v| v["sessionId"] == session)
+                let text = file(&|path, content| {
+                    path.starts_with(".cairn/state/gemini/.gemini/tmp/app/chats/session-")
+                        && path.ends_with(&format!("-{}.jsonl", &session[..8]))
+                        && String::from_utf8_lossy(content)
+                            .lines()
+                            .next()
+                            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+                            .is_some_and(|v| v["sessionId"] == session)
+                });
+                let records = lines(&text)
+                    .into_iter()
+                    .filter(|v| v["type"] == "cairn_double")
+                    .collect();
+                Conversation { text, records }
+            }
+            Self::Pi => {
+                let text = file(&|path, _| {
+                    path.starts_with(".cairn/state/pi/sessions/--")
+                        && path.ends_with(&format!("_{session}.jsonl"))
+                });
+                let records = lines(&text)
+                    .into_iter()
+                    .filter(|v| v["type"] == "custom" && v["customType"] == "cairn_double")
+                    .map(|v| v["data"].clone())
+                    .collect();
+                Conversation { text, records }
+            }
+            Self::OpenHands => {
+                let events = format!(".cairn/state/openhands/conversations/{session}/events/");
+                let texts: Vec<String> = files
+                    .iter()
+                    .filter(|(path, _)| path.starts_with(&events))
+                    .map(|(_, content)| String::from_utf8(content.clone()).unwrap())
+                    .collect();
+                assert!(!texts.is_empty(), "no events of {session}");
+                let records = texts
+                    .iter()
+                    .map(|t| serde_json::from_str::<Value>(t).unwrap())
+                    .filter(|v| v["kind"] == "cairn_double")
+                    .collect();
+                Conversation {
+                    text: texts.join("\n"),
+                    records,
+                }
+            }
+            Self::Aider => {
+                // One chat history, whatever the conversation.
+                let text = file(&|path, _| path == ".cairn/state/aider/.aider.chat.history.md");
+                let records = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("> cairn_double "))
+                    .map(|r| serde_json::from_str(r).unwrap())
+                    .collect();
+                Conversation { text, records }
+            }
+            Self::Opencode | Self::Goose => unreachable!("kept in a database"),
+        }
+    }
+
+    fn conversation_in_database(
+        self,
+        files: &BTreeMap<String, Vec<u8>>,
+        db: &str,
+        session: &str,
+    ) -> Conversation {
+        let messages = match self {
+            Self::Opencode => {
+                "SELECT text FROM message WHERE session_id = ? ORDER BY time_created, rowid"
+            }
+            _ => "SELECT content_json FROM messages WHERE session_id = ? ORDER BY id",
+        };
+        let texts: Vec<String> = query(files, db, true, messages, &[session])
+            .into_iter()
+            .map(|row| {
+                let cell = row[0].as_str().unwrap();
+                match self {
+                    // goose keeps a message's content as JSON items.
+                    Self::Goose => serde_json::from_str::<Value>(cell).unwrap()[0]["text"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                    _ => cell.to_owned(),
+                }
+            })
+            .collect();
+        let records = query(
+            files,
+            db,
+            true,
+            "SELECT record FROM cairn_double WHERE session_id = ? ORDER BY id",
+            &[session],
+        )
+        .into_iter()
+        .map(|row| serde_json::from_str(row[0].as_str().unwrap()).unwrap())
+        .collect();
+        Conversation {
+            text: texts.join("\n"),
+            records,
+        }
+    }
+
+    /// The user messages of `session` in the database of `files`.
+    fn user_messages(self, files: &BTreeMap<String, Vec<u8>>, session: &str) -> Vec<String> {
+        let db = self.database().expect("a database");
+        let sql = match self {
+            Self::Opencode => {
+                "SELECT text FROM message WHERE session_id = ? AND role = 'user' \
+                 ORDER BY time_created, rowid"
+            }
+            _ => {
+                "SELECT json_extract(content_json, '$[0].text') FROM messages \
+                 WHERE session_id = ? AND role = 'user' ORDER BY id"
+            }
+        };
+        query(files, db, true, sql, &[session])
+            .into_iter()
+            .map(|row| row[0].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// The arguments of a turn that opens a conversation with `message`
+    /// (`session` names it where the arguments do).
+    fn start_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
+        let own = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+        match self {
+            Self::Codex => own(&["exec", message, "--json"]),
+            Self::Gemini => own(&[
+                "-p",
+                message,
+                "--output-format",
+                "stream-json",
+                "--session-id",
+                session,
+            ]),
+            Self::Pi => own(&["--mode", "json", "--session", &s.pi_file(session), message]),
+            Self::Opencode => own(&["run", message, "--format", "json"]),
+            Self::Goose => own(&["run", "-t", message, "--output-format", "stream-json"]),
+            Self::OpenHands => own(&["--headless", "--json", "-t", message]),
+            Self::Aider => {
+                let state = |f: &str| s.root.join(".cairn/state/aider").join(f);
+                own(&[
+                    "--chat-history-file",
+                    state(".aider.chat.history.md").to_str().unwrap(),
+                    "--input-history-file",
+                    state(".aider.input.history").to_str().unwrap(),
+                    "--restore-chat-history",
+                    "--env-file",
+                    state(".env").to_str().unwrap(),
+                    "--yes-always",
+                    "--message",
+                    message,
+                ])
             }
         }
     }
 
-    /// The test double's own record of each turn (arguments, credentials seen).
-    fn records(self, transcript: &str) -> Vec<serde_json::Value> {
-        transcript
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["type"] == "cairn_double")
-            .map(|v| match self {
-                Self::Codex => v["payload"].clone(),
-                Self::Gemini => v,
-            })
-            .collect()
+    /// The arguments of a turn that continues conversation `session`.
+    fn resume_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
+        let own = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+        match self {
+            Self::Codex => own(&["exec", "resume", session, message, "--json"]),
+            Self::Gemini => own(&[
+                "-p",
+                message,
+                "--output-format",
+                "stream-json",
+                "--resume",
+                session,
+            ]),
+            // pi is given the conversation's file, as for its first turn.
+            Self::Pi => self.start_args(s, session, message),
+            Self::Opencode => own(&["run", "-s", session, message, "--format", "json"]),
+            Self::Goose => own(&[
+                "run",
+                "--resume",
+                "--session-id",
+                session,
+                "-t",
+                message,
+                "--output-format",
+                "stream-json",
+            ]),
+            Self::OpenHands => own(&["--headless", "--json", "-t", message, "--resume", session]),
+            Self::Aider => unreachable!("aider does not resume"),
+        }
     }
+}
+
+/// Runs `sql` (with `params`) on a copy of the SQLite database `db` as
+/// `files` hold it — with its `-wal` file, or without it — and returns the
+/// rows. Python's sqlite3 reads it, as the doubles write it.
+fn query(
+    files: &BTreeMap<String, Vec<u8>>,
+    db: &str,
+    with_wal: bool,
+    sql: &str,
+    params: &[&str],
+) -> Vec<Vec<Value>> {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("copy.db");
+    fs::write(&copy, files.get(db).unwrap_or_else(|| panic!("no {db}"))).unwrap();
+    if with_wal && let Some(wal) = files.get(&format!("{db}-wal")) {
+        fs::write(dir.path().join("copy.db-wal"), wal).unwrap();
+    }
+    let script = "import json, sqlite3, sys\n\
+                  db = sqlite3.connect(sys.argv[1])\n\
+                  rows = db.execute(sys.argv[2], json.loads(sys.argv[3])).fetchall()\n\
+                  print(json.dumps([list(r) for r in rows]))\n";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&copy)
+        .arg(sql)
+        .arg(serde_json::to_string(params).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// A run's sandbox (see `Harnessed`) for one kind of harness.
@@ -136,20 +425,36 @@ impl Sandbox {
         self.harnessed.run(shutdown).await.unwrap()
     }
 
-    /// The transcript of `session` in the newest checkpoint.
-    fn transcript(&self, session: &str) -> String {
+    /// Conversation `session` in the newest checkpoint.
+    fn conversation(&self, session: &str) -> Conversation {
         let newest = self.store.committed().pop().expect("a checkpoint");
-        newest
+        self.kind.conversation(&newest, session)
+    }
+
+    /// pi's file of conversation `session` (absolute), as the runner chose
+    /// it: under the directory of the cwd (`<root>/app`).
+    fn pi_file(&self, session: &str) -> String {
+        let newest = self.store.committed().pop().expect("a checkpoint");
+        let suffix = format!("_{session}.jsonl");
+        let file = newest
             .files
-            .iter()
-            .find(|(p, c)| self.kind.is_transcript(p, c, session))
-            .map(|(_, c)| String::from_utf8(c.clone()).unwrap())
-            .unwrap_or_else(|| {
-                panic!(
-                    "no transcript of {session} in {:?}",
-                    newest.files.keys().collect::<Vec<_>>()
-                )
-            })
+            .keys()
+            .find(|p| p.starts_with(".cairn/state/pi/sessions/") && p.ends_with(&suffix))
+            .unwrap_or_else(|| panic!("no session file of {session}"));
+        let cwd = self.root.join("app");
+        let project = format!(
+            "--{}--",
+            cwd.to_str()
+                .unwrap()
+                .trim_start_matches('/')
+                .replace('/', "-")
+        );
+        assert_eq!(
+            Path::new(file).parent().unwrap(),
+            Path::new(".cairn/state/pi/sessions").join(project),
+            "filed under the cwd"
+        );
+        self.root.join(file).to_string_lossy().into_owned()
     }
 }
 
@@ -158,82 +463,67 @@ const PROMPT: &str = "The codeword is PELICAN.\n\
                       edit notes.md second line\n\
                       ask Which colour should the button be?";
 
+/// Aider's conversations after the first start with a briefing that quotes
+/// the task, and the doubles act on every directive they are given, so
+/// Aider's tests give it no question to ask (it would ask again).
+const PROMPT_WITHOUT_QUESTION: &str = "The codeword is PELICAN.\n\
+                                       commit notes.md first line\n\
+                                       edit notes.md second line";
+
 /// (1) The first turn records the id the harness reported; a question is
-/// answered in the same sandbox by resuming that conversation.
+/// answered in the same sandbox by resuming that conversation. (Aider: the
+/// turn runs with its history files in the state directory.)
 async fn first_turn_records_the_session(kind: Kind) {
     let s = Sandbox::new(kind);
-    s.next(s.attempt(1, PROMPT));
-    s.answer(vec![input(2, "answer", "Blue.")]);
+    let prompt = if kind.resumes() {
+        s.answer(vec![input(2, "answer", "Blue.")]);
+        PROMPT
+    } else {
+        PROMPT_WITHOUT_QUESTION
+    };
+    s.next(s.attempt(1, prompt));
     assert_eq!(s.run().await, Finished::Succeeded);
 
     let sessions = s.fake.sessions();
     assert_eq!(sessions.len(), 1, "{:#?}", s.fake.calls());
     let session = &sessions[0];
-    assert!(
-        s.fake.calls().iter().any(|c| matches!(
-            c,
-            Call::Waiting { question, .. } if question == "Which colour should the button be?"
-        )),
-        "the double asked through the outcome file"
-    );
+    let checkpoints = s.store.committed();
+    let done = checkpoints.first().unwrap();
+    if kind.resumes() {
+        assert!(
+            s.fake.calls().iter().any(|c| matches!(
+                c,
+                Call::Waiting { question, .. } if question == "Which colour should the button be?"
+            )),
+            "the double asked through the outcome file"
+        );
+        assert_eq!(
+            s.store.reasons(),
+            [CheckpointReason::Pause, CheckpointReason::End]
+        );
+    } else {
+        assert_eq!(s.store.reasons(), [CheckpointReason::End]);
+    }
+    assert_eq!(done.session.as_ref(), Some(session));
     assert_eq!(
-        s.store.reasons(),
-        [CheckpointReason::Pause, CheckpointReason::End]
-    );
-    let pause = &s.store.committed()[0];
-    assert_eq!(pause.session.as_ref(), Some(session));
-    assert_eq!(
-        pause.text("app/notes.md").as_deref(),
+        done.text("app/notes.md").as_deref(),
         Some("first line\nsecond line\n")
     );
     let repo = git2::Repository::open(s.root.join("app")).unwrap();
     let head = repo.head().unwrap().peel_to_commit().unwrap();
     assert_eq!(head.message().map(str::trim), Some("test double: notes.md"));
 
-    let transcript = s.transcript(session);
-    let records = kind.records(&transcript);
-    let argv: Vec<Vec<String>> = records
-        .iter()
-        .map(|r| serde_json::from_value(r["argv"].clone()).unwrap())
-        .collect();
+    let conversation = s.conversation(session);
+    let mut expected = vec![kind.start_args(&s, session, prompt)];
+    if kind.resumes() {
+        expected.push(kind.resume_args(&s, session, "Blue."));
+    }
+    assert_eq!(conversation.argv(), expected);
+    let end = s.store.committed().pop().unwrap();
+    let first = &conversation.records[0];
     match kind {
-        Kind::Codex => assert_eq!(
-            argv,
-            [
-                vec!["exec".to_owned(), PROMPT.into(), "--json".into()],
-                vec![
-                    "exec".to_owned(),
-                    "resume".into(),
-                    session.clone(),
-                    "Blue.".into(),
-                    "--json".into()
-                ],
-            ]
-        ),
         Kind::Gemini => {
-            assert_eq!(
-                argv,
-                [
-                    vec![
-                        "-p".to_owned(),
-                        PROMPT.into(),
-                        "--output-format".into(),
-                        "stream-json".into(),
-                        "--session-id".into(),
-                        session.clone()
-                    ],
-                    vec![
-                        "-p".to_owned(),
-                        "Blue.".into(),
-                        "--output-format".into(),
-                        "stream-json".into(),
-                        "--resume".into(),
-                        session.clone()
-                    ],
-                ]
-            );
-            let end = s.store.committed().pop().unwrap();
-            let projects: serde_json::Value = serde_json::from_str(
+            let projects: Value = serde_json::from_str(
                 &end.text(".cairn/state/gemini/.gemini/projects.json")
                     .unwrap(),
             )
@@ -247,6 +537,36 @@ async fn first_turn_records_the_session(kind: Kind) {
                     .contains_key(".cairn/state/gemini/.gemini/tmp/app/.project_root")
             );
         }
+        Kind::Opencode => {
+            for (name, dir) in [
+                ("XDG_DATA_HOME", "data"),
+                ("XDG_CONFIG_HOME", "config"),
+                ("XDG_STATE_HOME", "state"),
+            ] {
+                assert_eq!(
+                    first["xdg"][name],
+                    s.root
+                        .join(".cairn/state/opencode")
+                        .join(dir)
+                        .to_str()
+                        .unwrap(),
+                    "{name}"
+                );
+            }
+        }
+        Kind::Goose => assert_eq!(first["keyring_disabled"], true),
+        Kind::Aider => {
+            assert!(
+                conversation.text.contains("#### The codeword is PELICAN."),
+                "{}",
+                conversation.text
+            );
+            assert!(
+                end.files
+                    .contains_key(".cairn/state/aider/.aider.input.history")
+            );
+        }
+        Kind::Codex | Kind::Pi | Kind::OpenHands => {}
     }
 }
 
@@ -254,6 +574,9 @@ async fn first_turn_records_the_session(kind: Kind) {
 /// root), the next attempt resumes the same conversation, which remembers
 /// the first turn.
 async fn another_host_resumes_the_conversation(kind: Kind) {
+    if !kind.resumes() {
+        return another_host_gets_a_lossy_briefing(kind).await;
+    }
     let s = Sandbox::new(kind);
     s.next(s.attempt(1, PROMPT));
     // The question goes unanswered; the host stops the sandbox.
@@ -285,27 +608,60 @@ async fn another_host_resumes_the_conversation(kind: Kind) {
     );
     assert_eq!(s.fake.outcome().summary, "the codeword was PELICAN");
     assert_eq!(s.fake.outcome().consumed_inputs, [2]);
-    let records = kind.records(&s.transcript(&session));
-    let last: Vec<String> =
-        serde_json::from_value(records.last().unwrap()["argv"].clone()).unwrap();
-    let resume_form: Vec<String> = match kind {
-        Kind::Codex => vec![
-            "exec".into(),
-            "resume".into(),
-            session.clone(),
-            "recall codeword".into(),
-            "--json".into(),
-        ],
-        Kind::Gemini => vec![
-            "-p".into(),
-            "recall codeword".into(),
-            "--output-format".into(),
-            "stream-json".into(),
-            "--resume".into(),
-            session.clone(),
-        ],
-    };
-    assert_eq!(last, resume_form);
+    let argv = s.conversation(&session).argv();
+    assert_eq!(
+        argv.last().unwrap(),
+        &kind.resume_args(&s, &session, "recall codeword")
+    );
+}
+
+/// (2, Aider) Aider cannot continue a conversation: the next run on the
+/// station, on another host, opens a new one with the briefing labelled as
+/// a lossy handoff, and Aider's restored chat history still holds the first
+/// run's words.
+async fn another_host_gets_a_lossy_briefing(kind: Kind) {
+    let s = Sandbox::new(kind);
+    s.next(s.attempt(1, PROMPT_WITHOUT_QUESTION));
+    assert_eq!(s.run().await, Finished::Succeeded);
+    let first = s
+        .fake
+        .sessions()
+        .pop()
+        .expect("a conversation was recorded");
+
+    fs::remove_dir_all(&s.root).unwrap();
+    // A new run on the same station: its task, and the station's conversation.
+    let mut second = s.attempt(1, "recall codeword");
+    second.run_id = "run-2".into();
+    second.resume_session_id = first.clone();
+    second.prompt_delivered = false;
+    s.next(second);
+    assert_eq!(s.run().await, Finished::Succeeded);
+
+    let sessions = s.fake.sessions();
+    assert_eq!(sessions.len(), 1);
+    assert_ne!(sessions[0], first, "a new conversation");
+    let running = s.fake.details(AttemptPhase::Running);
+    assert!(
+        running
+            .iter()
+            .any(|d| d.starts_with(&format!("{} started a new conversation in ", kind.name()))),
+        "{running:#?}"
+    );
+    assert_eq!(s.fake.outcome().summary, "the codeword was PELICAN");
+    let argv = s.conversation(&sessions[0]).argv();
+    assert_eq!(argv.len(), 2);
+    let message = argv[1].last().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "{LOSSY_HANDOFF} (this harness cannot continue conversation {first})"
+        )),
+        "{message}"
+    );
+    assert!(message.contains("recall codeword"), "{message}");
+    let mut briefed = kind.start_args(&s, &sessions[0], message);
+    briefed.pop();
+    assert_eq!(argv[1][..argv[1].len() - 1], briefed);
 }
 
 /// (3) A conversation the harness does not know is replaced by a new one
@@ -322,24 +678,39 @@ async fn a_lost_conversation_gets_the_briefing(kind: Kind) {
     assert_eq!(s.run().await, Finished::Succeeded);
 
     let running = s.fake.details(AttemptPhase::Running);
-    assert!(
-        running.contains(&format!(
-            "{} has no conversation {gone} any more; started a new conversation with a handoff \
-             briefing (lossy handoff)",
-            kind.name()
-        )),
-        "{running:#?}"
-    );
+    let (said, why) = if kind.resumes() {
+        (
+            format!(
+                "{} has no conversation {gone} any more; started a new conversation with a \
+                 handoff briefing (lossy handoff)",
+                kind.name()
+            ),
+            format!("{} has no conversation {gone} any more", kind.name()),
+        )
+    } else {
+        (
+            format!(
+                "{} started a new conversation in {}",
+                kind.name(),
+                s.root.join("app").display()
+            ),
+            format!("this harness cannot continue conversation {gone}"),
+        )
+    };
+    assert!(running.contains(&said), "{running:#?}");
     let sessions = s.fake.sessions();
-    assert_eq!(sessions.len(), 1);
+    assert_eq!(sessions.len(), 1, "{:#?}", s.fake.calls());
     assert_ne!(sessions[0], gone, "a new conversation");
     let outcome = s.fake.outcome();
     assert_eq!(outcome.summary, "the codeword was HERON");
     assert_eq!(outcome.consumed_inputs, [7]);
-    let transcript = s.transcript(&sessions[0]);
+    let conversation = s.conversation(&sessions[0]);
     assert!(
-        transcript.contains("lossy handoff: the earlier conversation could not be resumed"),
-        "{transcript}"
+        conversation
+            .text
+            .contains(&format!("{LOSSY_HANDOFF} ({why})")),
+        "{}",
+        conversation.text
     );
 }
 
@@ -362,9 +733,10 @@ async fn credentials_are_injected_and_never_checkpointed(kind: Kind) {
             );
         }
         assert!(snapshot.files.keys().any(|p| p.starts_with(&kind.state())));
+        assert!(!snapshot.files.contains_key(&kind.credential_path()));
     }
     let secret = fs::read(s.credentials.join(kind.credential_file())).unwrap();
-    let records = kind.records(&s.transcript(&session));
+    let records = s.conversation(&session).records;
     let seen = &records[0]["credentials"][kind.credential_file()];
     assert_eq!(
         seen["path"],
@@ -376,6 +748,55 @@ async fn credentials_are_injected_and_never_checkpointed(kind: Kind) {
         fs::read(s.root.join(kind.credential_path())).unwrap(),
         secret,
         "copied in fresh"
+    );
+}
+
+/// (5, opencode and goose) The harness keeps its conversations in SQLite in
+/// WAL mode and the turn leaves its writes in the `-wal` file: the
+/// checkpoint taken between turns carries it, and the database restored on
+/// another host has every turn.
+async fn the_wal_travels_with_the_checkpoint(kind: Kind) {
+    let db = kind.database().expect("a SQLite-backed harness");
+    let wal = format!("{db}-wal");
+    let s = Sandbox::new(kind);
+    s.next(s.attempt(1, PROMPT));
+    let shutdown = stop_once_waiting(&s.fake);
+    assert_eq!(s.run_until(shutdown).await, Finished::Interrupted);
+    let session = s.fake.sessions().pop().expect("a session was reported");
+
+    let pause = s.store.committed().into_iter().next().unwrap();
+    assert_eq!(pause.reason, CheckpointReason::Pause);
+    assert!(
+        pause.files.get(&wal).is_some_and(|w| !w.is_empty()),
+        "the WAL is in the checkpoint: {:?}",
+        pause.files.keys().collect::<Vec<_>>()
+    );
+    let tables = "SELECT count(*) FROM sqlite_master WHERE type = 'table'";
+    assert_eq!(
+        query(&pause.files, db, false, tables, &[]),
+        [[Value::from(0)]],
+        "without its WAL the database has nothing yet"
+    );
+    assert_eq!(kind.user_messages(&pause.files, &session), [PROMPT]);
+
+    fs::remove_dir_all(&s.root).unwrap();
+    let mut second = s.attempt(2, PROMPT);
+    second.inputs = vec![input(2, "answer", "recall codeword")];
+    second.resume_session_id = session.clone();
+    second.prompt_delivered = true;
+    second.question = "Which colour should the button be?".into();
+    s.next(second);
+    assert_eq!(s.run().await, Finished::Succeeded);
+    assert_eq!(
+        s.fake.outcome().summary,
+        "the codeword was PELICAN",
+        "the restored database answers"
+    );
+    let end = s.store.committed().pop().unwrap();
+    assert!(end.files.get(&wal).is_some_and(|w| !w.is_empty()));
+    assert_eq!(
+        kind.user_messages(&end.files, &session),
+        [PROMPT, "recall codeword"]
     );
 }
 
@@ -417,4 +838,166 @@ async fn gemini_a_lost_conversation_gets_the_briefing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemini_credentials_are_injected_and_never_checkpointed() {
     credentials_are_injected_and_never_checkpointed(Kind::Gemini).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_first_turn_records_the_session() {
+    first_turn_records_the_session(Kind::Pi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_another_host_resumes_the_conversation() {
+    another_host_resumes_the_conversation(Kind::Pi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_a_lost_conversation_gets_the_briefing() {
+    a_lost_conversation_gets_the_briefing(Kind::Pi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_credentials_are_injected_and_never_checkpointed() {
+    credentials_are_injected_and_never_checkpointed(Kind::Pi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_first_turn_records_the_session() {
+    first_turn_records_the_session(Kind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_another_host_resumes_the_conversation() {
+    another_host_resumes_the_conversation(Kind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_a_lost_conversation_gets_the_briefing() {
+    a_lost_conversation_gets_the_briefing(Kind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_credentials_are_injected_and_never_checkpointed() {
+    credentials_are_injected_and_never_checkpointed(Kind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_the_wal_travels_with_the_checkpoint() {
+    the_wal_travels_with_the_checkpoint(Kind::Opencode).await;
+}
+
+/// The first run on a forked workspace forks the source's conversation:
+/// a new id that remembers the source's turns, the source left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_a_forked_workspace_forks_the_conversation() {
+    let s = Sandbox::new(Kind::Opencode);
+    s.next(s.attempt(1, "The codeword is PELICAN."));
+    assert_eq!(s.run().await, Finished::Succeeded);
+    let source = s.fake.sessions().pop().unwrap();
+
+    let mut fork = s.attempt(1, "recall codeword");
+    fork.run_id = "run-2".into();
+    fork.workspace_id = "ws-2".into();
+    fork.resume_session_id = source.clone();
+    fork.prompt_delivered = false;
+    fork.fork_session = true;
+    s.next(fork);
+    assert_eq!(s.run().await, Finished::Succeeded);
+
+    let forked = s.fake.sessions().pop().unwrap();
+    assert_ne!(forked, source, "a new id");
+    let running = s.fake.details(AttemptPhase::Running);
+    assert!(
+        running
+            .iter()
+            .any(|d| d.starts_with(&format!("opencode forked conversation {source} in "))),
+        "{running:#?}"
+    );
+    assert_eq!(s.fake.outcome().summary, "the codeword was PELICAN");
+    let end = s.store.committed().pop().unwrap();
+    assert_eq!(
+        Kind::Opencode.conversation(&end, &forked).argv(),
+        [[
+            "run",
+            "-s",
+            &source,
+            "--fork",
+            "recall codeword",
+            "--format",
+            "json"
+        ]]
+    );
+    assert_eq!(
+        Kind::Opencode.user_messages(&end.files, &forked),
+        ["The codeword is PELICAN.", "recall codeword"]
+    );
+    assert_eq!(
+        Kind::Opencode.user_messages(&end.files, &source),
+        ["The codeword is PELICAN."],
+        "the source is left as it was"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_first_turn_records_the_session() {
+    first_turn_records_the_session(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_another_host_resumes_the_conversation() {
+    another_host_resumes_the_conversation(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_a_lost_conversation_gets_the_briefing() {
+    a_lost_conversation_gets_the_briefing(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_credentials_are_injected_and_never_checkpointed() {
+    credentials_are_injected_and_never_checkpointed(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_the_wal_travels_with_the_checkpoint() {
+    the_wal_travels_with_the_checkpoint(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_first_turn_records_the_session() {
+    first_turn_records_the_session(Kind::OpenHands).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_another_host_resumes_the_conversation() {
+    another_host_resumes_the_conversation(Kind::OpenHands).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_a_lost_conversation_gets_the_briefing() {
+    a_lost_conversation_gets_the_briefing(Kind::OpenHands).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_credentials_are_injected_and_never_checkpointed() {
+    credentials_are_injected_and_never_checkpointed(Kind::OpenHands).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_first_turn_records_the_session() {
+    first_turn_records_the_session(Kind::Aider).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_another_host_gets_a_lossy_briefing_and_its_history() {
+    another_host_resumes_the_conversation(Kind::Aider).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_a_lost_conversation_gets_the_briefing() {
+    a_lost_conversation_gets_the_briefing(Kind::Aider).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_credentials_are_injected_and_never_checkpointed() {
+    credentials_are_injected_and_never_checkpointed(Kind::Aider).await;
 }

@@ -13,6 +13,7 @@ use attempt_support::*;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
 use cairn_runner::run::{self, Finished};
+use sha2::Digest as _;
 use tokio_util::sync::CancellationToken;
 
 const DEMO: &str = env!("CARGO_BIN_EXE_cairn-demo-agent");
@@ -498,7 +499,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
         1,
         "hello",
         pb::HarnessSpec {
-            name: "aider".into(),
+            name: "nonesuch".into(),
             config: Default::default(),
         },
     ));
@@ -506,13 +507,95 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
         h.run(CancellationToken::new()).await.unwrap(),
         Finished::Failed
     );
-    assert_eq!(
-        h.fake.outcome().error,
-        "unknown harness \"aider\" (this runner has: claude, codex, gemini, command)"
+    let error = h.fake.outcome().error;
+    assert!(
+        error.starts_with("unknown harness \"nonesuch\" (this runner has: claude, codex, "),
+        "{error}"
     );
     assert_eq!(
         h.store.state.lock().unwrap().restores,
         0,
         "nothing was restored for a run that cannot start"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_station_clears_leftovers_lays_its_files_is_briefed_and_ends_with_a_note() {
+    let h = Harnessed::claude_sandbox();
+    git2::Repository::init(h.root.join("app")).unwrap();
+    // What station implement left: a skill it laid, and an outcome file.
+    let implement_skill = ".cairn/state/claude/skills/implement/SKILL.md";
+    fs::create_dir_all(h.root.join(".cairn/state/claude/skills/implement")).unwrap();
+    fs::write(h.root.join(implement_skill), "# implement\n").unwrap();
+    fs::write(
+        h.root.join(".cairn/laid.json"),
+        format!(
+            r#"{{"station":"implement","run_id":"run-0","files":[{{"path":"{implement_skill}","sha256":"{}"}}]}}"#,
+            hex::encode(sha2::Sha256::digest(b"# implement\n"))
+        ),
+    )
+    .unwrap();
+    fs::write(h.root.join(".cairn/outcome.json"), r#"{"status":"done"}"#).unwrap();
+
+    let review_skill = ".cairn/state/claude/skills/review/SKILL.md";
+    let mut spec = h.attempt(1, "Review it.\ncommit review.md looks good", h.claude());
+    spec.station = "review".into();
+    spec.lay = [(review_skill.to_owned(), b"# review\n".to_vec())].into();
+    spec.notes = vec![pb::HandoffNote {
+        run_id: "run-0".into(),
+        station: "implement".into(),
+        attempt: 1,
+        outcome: "succeeded".into(),
+        text: Some(pb::HandoffText {
+            summary: "Implemented the feature.".into(),
+            next: "review the feature".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }];
+    h.next(spec);
+
+    assert_eq!(
+        h.run(CancellationToken::new()).await.unwrap(),
+        Finished::Succeeded
+    );
+    assert_eq!(
+        h.fake.details(AttemptPhase::Preparing),
+        [
+            "workspace has no checkpoint: started empty".to_owned(),
+            "cleared 1 file laid by station implement, an outcome file left by an earlier agent"
+                .to_owned(),
+            format!("laid 1 file for station review: {review_skill}"),
+        ]
+    );
+    let end = h.store.committed().pop().unwrap();
+    assert!(!end.files.contains_key(implement_skill));
+    assert_eq!(end.text(review_skill).as_deref(), Some("# review\n"));
+    let laid = end.text(".cairn/laid.json").unwrap();
+    assert!(laid.contains("\"station\": \"review\""), "{laid}");
+    // The new conversation's first message was the handover briefing.
+    let transcript = end
+        .files
+        .iter()
+        .find(|(p, _)| p.starts_with(".cairn/state/claude/projects/") && p.ends_with(".jsonl"))
+        .map(|(_, c)| String::from_utf8_lossy(c).into_owned())
+        .expect("a transcript");
+    assert!(
+        transcript.contains(
+            "Handover from station implement: this is the first conversation at station review."
+        ) && transcript.contains("next: review the feature"),
+        "{transcript}"
+    );
+
+    // The note: the agent wrote none, so the runner composed it.
+    let note = h.fake.outcome().handoff.expect("a handoff note");
+    assert!(
+        note.changed.starts_with("app: 1 new commit (")
+            && note.changed.contains("demo agent: review.md"),
+        "{note:?}"
+    );
+    assert!(note.changed.ends_with("; nothing uncommitted"), "{note:?}");
+    assert_eq!(note.next, "not stated");
+    assert_eq!(note.composed, ["changed", "checked", "uncertain", "next"]);
+    assert_eq!(note.summary, h.fake.outcome().summary);
 }

@@ -1,4 +1,7 @@
-"""Shared by the codex and gemini test doubles: the demo agent's directives.
+"""Shared by the test doubles (codex, gemini, pi, opencode, goose, openhands,
+aider): the demo agent's directives, the record of credentials a turn saw,
+and, for the SQLite-backed doubles, a database kept in WAL mode whose WAL
+is left in place when the process ends.
 
 commit <path> <text>   write text to path, git add + commit (in the cwd)
 edit <path> <text>     append text to path (left uncommitted)
@@ -12,7 +15,9 @@ Other lines are only remembered (they are in the transcript).
 import hashlib
 import json
 import os
+import sqlite3
 import subprocess
+import sys
 
 FILLER = {"is", "was", "are", "were", "=", ":", "-", "to", "be", "will", "shall", "of", "it's"}
 
@@ -111,3 +116,36 @@ def credentials_seen(directory, files):
             with open(path, "rb") as f:
                 seen[name] = {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
     return seen
+
+
+def credential_seen(path):
+    """The record of one credential file at `path`, if it is there: path
+    and SHA-256 (never the content)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def open_wal(path, schema):
+    """Opens (creating) the SQLite database at `path` in WAL mode, with
+    automatic checkpoints off, so that what a turn writes stays in the
+    `-wal` file, as a harness that is still running (or was killed) leaves
+    it. `schema` is run once (CREATE TABLE IF NOT EXISTS ...)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    db = sqlite3.connect(path, isolation_level=None)
+    mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode != "wal":
+        raise RuntimeError(f"{path}: journal mode {mode}, not wal")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.executescript(schema)
+    return db
+
+
+def leave(code):
+    """Ends the process at once, without closing the database: SQLite
+    would checkpoint the WAL into the main file (and delete it) on close,
+    and the point is that the WAL carries the turns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

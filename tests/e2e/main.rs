@@ -8,7 +8,8 @@
 //! (hold, suspend, answer, resume elsewhere), hosts (lost host, stale runner,
 //! SIGTERM and cancel, placement), ctl_runs (cairnctl runs/hosts/tokens),
 //! demo (`cairnctl demo`). Issue 4: fork (`cairnctl workspace fork`, the
-//! conversation forked). The issue-3 and -4 tests need root or user namespaces
+//! conversation forked), chats, stations (handover between stations: notes,
+//! briefing, leftovers cleared, fast-forward). The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
 //! Run with `cargo build --bins && cargo nextest run -p cairn-e2e`
@@ -28,4 +29,6 @@ mod incremental;
 mod partial;
 mod runs;
 mod signed_urls;
+mod stations;
 mod tokens;
+mod watch;

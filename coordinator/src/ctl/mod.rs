@@ -10,7 +10,7 @@
 //! only [`demo`] uses the coordinator library, to embed a coordinator.
 //!
 //! - [`output`]: tables, JSON shapes and human units.
-//! - [`workspace`]: `workspace create|list|show|fork`.
+//! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes`.
 //! - [`checkpoints`]: `checkpoints WS`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
 //! - [`verify`]: `verify WS [--read-data]`.
@@ -269,6 +269,12 @@ pub enum WorkspaceCommand {
         /// Workspace id or name.
         workspace: String,
     },
+    /// Show the handoff notes runs left on a workspace, oldest first: run,
+    /// station, time, and what changed, was checked, is uncertain, comes next.
+    Notes {
+        /// Workspace id or name.
+        workspace: String,
+    },
 }
 
 /// Sets up tracing on stderr (`RUST_LOG` filters; default `warn`).
@@ -352,6 +358,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Workspace(WorkspaceCommand::Messages { workspace }) => {
             workspace::messages(&coordinator, &workspace, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Notes { workspace }) => {
+            workspace::notes(&coordinator, &workspace, output).await
         }
         Command::Checkpoints { workspace } => {
             checkpoints::list(&coordinator, &workspace, output).await

@@ -316,6 +316,7 @@ pub fn run_json(r: &pb::Run) -> Value {
             "branch": repo.branch,
         })).collect::<Vec<_>>(),
         "image": r.image,
+        "laid_paths": r.laid_paths,
         "checkpoint_interval_ms": millis(duration(r.checkpoint_interval.as_ref())),
         "created_at": rfc3339(time_of!(r.created_at)),
         "updated_at": rfc3339(time_of!(r.updated_at)),

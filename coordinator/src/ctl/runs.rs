@@ -33,7 +33,8 @@ pub struct CreateArgs {
     /// Name of the new workspace (letters, digits, '-', '_', '.').
     #[arg(long, conflicts_with = "workspace")]
     pub name: Option<String>,
-    /// Harness adapter: claude, codex, gemini or command (docs/harnesses.md).
+    /// Harness adapter: claude, codex, gemini, pi, opencode, goose, openhands,
+    /// aider or command (docs/harnesses.md).
     #[arg(long)]
     pub harness: String,
     /// Harness setting, e.g. binary=/usr/local/bin/claude (repeatable).
@@ -65,6 +66,37 @@ pub struct CreateArgs {
     /// Periodic checkpoints while something changed (e.g. 10m).
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub checkpoint_interval: Option<Duration>,
+    /// Lay a file for this run's station before the harness starts: the
+    /// content of the local file LOCALFILE at PATH, relative to the workspace
+    /// (a skill, a harness profile file). The next run removes it again
+    /// (repeatable; docs/stations.md).
+    #[arg(long = "lay", value_name = "PATH=LOCALFILE", value_parser = parse_lay)]
+    pub lay: Vec<LayArg>,
+}
+
+/// A `--lay PATH=LOCALFILE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayArg {
+    /// Where in the workspace.
+    pub path: String,
+    /// The local file whose content is laid.
+    pub local: std::path::PathBuf,
+}
+
+/// `PATH=LOCALFILE`, the workspace path checked like the coordinator checks it.
+pub fn parse_lay(text: &str) -> Result<LayArg, String> {
+    let (path, local) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not PATH=LOCALFILE"))?;
+    let path = path.trim();
+    cairn_proto::stations::validate_lay_path(path).map_err(|e| e.reason)?;
+    if local.is_empty() {
+        return Err(format!("{text:?} names no local file (PATH=LOCALFILE)"));
+    }
+    Ok(LayArg {
+        path: path.to_owned(),
+        local: local.into(),
+    })
 }
 
 /// A `--repo name=url[@branch]`.
@@ -155,6 +187,15 @@ impl CreateArgs {
                 anyhow::bail!("--harness-config {key} is given twice");
             }
         }
+        let mut lay = HashMap::new();
+        for arg in self.lay {
+            let content = std::fs::read(&arg.local).with_context(|| {
+                format!("--lay {}: cannot read {}", arg.path, arg.local.display())
+            })?;
+            if lay.insert(arg.path.clone(), content).is_some() {
+                anyhow::bail!("--lay {} is given twice", arg.path);
+            }
+        }
         let target = match (self.workspace, self.new_workspace) {
             (Some(workspace), _) => pb::create_run_request::Target::Workspace(workspace),
             (None, _) => pb::create_run_request::Target::NewWorkspace(pb::NewWorkspace {
@@ -183,6 +224,7 @@ impl CreateArgs {
                 .collect(),
             image: self.image.unwrap_or_default(),
             checkpoint_interval: self.checkpoint_interval.map(to_proto_duration),
+            lay,
         })
     }
 }
@@ -355,6 +397,14 @@ pub fn run_details(run: &pb::Run) -> String {
     pairs.extend([
         ("max attempts", run.max_attempts.to_string()),
         ("repos", repos),
+        (
+            "lays",
+            if run.laid_paths.is_empty() {
+                "-".to_owned()
+            } else {
+                run.laid_paths.join(", ")
+            },
+        ),
         ("question", output::or_dash(&run.question)),
         ("summary", output::or_dash(&run.summary)),
         ("session", output::or_dash(&run.harness_session_id)),
@@ -611,6 +661,36 @@ mod tests {
             Some(pb::create_run_request::Target::Workspace("ws-1".into()))
         );
         assert_eq!(request.hold, None, "the coordinator's default applies");
+    }
+
+    #[test]
+    fn laid_files_are_read_from_local_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let skill = dir.path().join("SKILL.md");
+        std::fs::write(&skill, "# review\n").unwrap();
+        let lay = format!(
+            ".cairn/state/claude/skills/review/SKILL.md={}",
+            skill.display()
+        );
+        let request = args(&["--workspace", "w", "--lay", &lay]).unwrap();
+        assert_eq!(
+            request.lay[".cairn/state/claude/skills/review/SKILL.md"],
+            b"# review\n"
+        );
+        let missing = format!("x.md={}", dir.path().join("nope").display());
+        let err = args(&["--workspace", "w", "--lay", &missing]).unwrap_err();
+        assert!(
+            format!("{err:#}").starts_with("--lay x.md: cannot read "),
+            "{err:#}"
+        );
+        let err = args(&["--workspace", "w", "--lay", "../x.md=/etc/hostname"]).unwrap_err();
+        assert!(err.to_string().contains("leaves the workspace"), "{err}");
+        let twice = format!("a.md={}", skill.display());
+        let err = args(&["--workspace", "w", "--lay", &twice, "--lay", &twice]).unwrap_err();
+        assert!(
+            err.to_string().contains("--lay a.md is given twice"),
+            "{err}"
+        );
     }
 
     #[test]

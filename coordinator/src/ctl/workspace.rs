@@ -1,4 +1,4 @@
-//! `cairnctl workspace create|list|show|fork|send|messages`.
+//! `cairnctl workspace create|list|show|fork|send|messages|notes`.
 
 use std::process::ExitCode;
 
@@ -293,4 +293,134 @@ pub async fn messages(
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn note_json(n: &pb::HandoffNote) -> serde_json::Value {
+    let text = n.text.clone().unwrap_or_default();
+    serde_json::json!({
+        "workspace_id": n.workspace_id,
+        "run_id": n.run_id,
+        "station": n.station,
+        "attempt": n.attempt,
+        "harness": n.harness,
+        "outcome": n.outcome,
+        "checkpoint_id": n.checkpoint_id,
+        "created_at": output::rfc3339(time_of!(n.created_at)),
+        "summary": text.summary,
+        "changed": text.changed,
+        "checked": text.checked,
+        "uncertain": text.uncertain,
+        "next": text.next,
+        "composed": text.composed,
+    })
+}
+
+/// One note for people: a heading line, then each field, continuation
+/// lines indented.
+fn note_text(n: &pb::HandoffNote) -> String {
+    let text = n.text.clone().unwrap_or_default();
+    let mut out = format!(
+        "run {}  station {}  attempt {}  {}  {}  ({})\n",
+        n.run_id,
+        n.station,
+        n.attempt,
+        n.outcome,
+        output::when(time_of!(n.created_at)),
+        n.harness
+    );
+    for (label, field, value) in [
+        ("summary", "", &text.summary),
+        ("changed", "changed", &text.changed),
+        ("checked", "checked", &text.checked),
+        ("uncertain", "uncertain", &text.uncertain),
+        ("next", "next", &text.next),
+    ] {
+        let by_runner = !field.is_empty() && text.composed.iter().any(|c| c == field);
+        let mut lines = value.lines();
+        out.push_str(&format!(
+            "  {:<10} {}{}\n",
+            format!("{label}:"),
+            lines.next().unwrap_or("-"),
+            if by_runner { "  [by the runner]" } else { "" }
+        ));
+        for line in lines {
+            out.push_str(&format!("  {:<10} {line}\n", ""));
+        }
+    }
+    out
+}
+
+pub async fn notes(
+    coordinator: &Coordinator,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let notes = client
+        .list_handoff_notes(pb::ListHandoffNotesRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("listing the handoff notes"))?
+        .into_inner()
+        .notes;
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            notes.iter().map(note_json).collect(),
+        ))?,
+        Output::Table if notes.is_empty() => emit("no handoff notes yet")?,
+        Output::Table => emit(
+            notes
+                .iter()
+                .map(note_text)
+                .collect::<Vec<_>>()
+                .join("\n")
+                .trim_end(),
+        )?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_show_every_field_and_who_wrote_it() {
+        let note = pb::HandoffNote {
+            workspace_id: "ws-1".into(),
+            run_id: "run-1".into(),
+            station: "implement".into(),
+            attempt: 2,
+            harness: "claude".into(),
+            outcome: "succeeded".into(),
+            text: Some(pb::HandoffText {
+                summary: "Added the form.".into(),
+                changed: "app: 1 new commit\nlib: no new commits".into(),
+                checked: "cargo test".into(),
+                uncertain: "not stated".into(),
+                next: "review it".into(),
+                composed: vec!["changed".into(), "uncertain".into()],
+            }),
+            ..Default::default()
+        };
+        let text = note_text(&note);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[0].starts_with("run run-1  station implement  attempt 2  succeeded  "),
+            "{text}"
+        );
+        assert_eq!(lines[1], "  summary:   Added the form.");
+        assert_eq!(lines[2], "  changed:   app: 1 new commit  [by the runner]");
+        assert_eq!(lines[3], "             lib: no new commits");
+        assert_eq!(lines[4], "  checked:   cargo test");
+        assert_eq!(lines[5], "  uncertain: not stated  [by the runner]");
+        assert_eq!(lines[6], "  next:      review it");
+        let json = note_json(&note);
+        assert_eq!(json["station"], "implement");
+        assert_eq!(
+            json["composed"],
+            serde_json::json!(["changed", "uncertain"])
+        );
+    }
 }

@@ -1,5 +1,6 @@
 //! Metadata: tenants and their keys, tokens, workspaces, packs, blobs and
-//! checkpoints; hosts, runs, attempts, their events and inputs, in SQLite
+//! checkpoints; hosts, runs, attempts, their events and inputs; handoff
+//! notes and the files runs lay for their stations, in SQLite
 //! (`DIR/cairn.db`).
 //!
 //! [`MetadataStore`] has one method per operation the services need and
@@ -28,6 +29,7 @@ mod messages;
 mod runner;
 mod runs;
 mod scheduling;
+mod stations;
 mod workspaces;
 
 pub use hosts::{
@@ -39,6 +41,7 @@ pub use runs::{
     RunInput, SessionRecord, StartedAttempt, event_reason,
 };
 pub use scheduling::{HostCapacity, QueuedRun};
+pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use workspaces::Forked;
 
 use std::path::{Path, PathBuf};

@@ -16,6 +16,7 @@ use super::runs::{
     StartedAttempt, add_event, event_reason, load_run, mark_attempt_ended, pending_inputs,
     set_attempt_state, transition,
 };
+use super::stations::{NOTES_PER_ATTEMPT, laid_files, recent_notes, record_note};
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
 use sqlx::SqliteConnection;
 
@@ -177,10 +178,17 @@ impl MetadataStore {
         .await
         .map_err(query_error("station session"))?;
         // A conversation is resumed only by the harness that holds it.
+        let station_session_harness = session
+            .as_ref()
+            .filter(|(harness, _, _)| *harness != run.harness.name)
+            .map(|(harness, _, _)| harness.clone())
+            .unwrap_or_default();
         let (resume_session_id, fork_session) = session
             .filter(|(harness, _, _)| *harness == run.harness.name)
             .map(|(_, id, fork_pending)| (id, fork_pending != 0))
             .unwrap_or_default();
+        let notes = recent_notes(tx.conn(), &run.workspace_id, NOTES_PER_ATTEMPT).await?;
+        let lay = laid_files(tx.conn(), run_id).await?;
         let prompt_delivered: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)",
         )
@@ -201,6 +209,9 @@ impl MetadataStore {
             resume_session_id,
             fork_session,
             prompt_delivered,
+            notes,
+            lay,
+            station_session_harness,
         })
     }
 
@@ -446,6 +457,7 @@ impl MetadataStore {
             error,
             checkpoint,
             consumed,
+            handoff,
         } = report;
         let (outcome, summary, error) = (*outcome, summary.as_str(), error.as_str());
         let checkpoint = checkpoint.as_ref();
@@ -465,6 +477,12 @@ impl MetadataStore {
             .map_err(query_error("record outcome"))?;
         if let Some(a) = run.attempt_mut(number) {
             a.outcome = Some(outcome);
+        }
+        if let Some(handoff) = handoff {
+            let checkpoint = checkpoint
+                .map(ToString::to_string)
+                .unwrap_or_else(|| run.last_checkpoint_id.clone());
+            record_note(&mut tx, &run, number, outcome, &checkpoint, handoff, now).await?;
         }
         if !summary.is_empty() {
             sqlx::query("UPDATE runs SET summary = $1 WHERE id = $2")

@@ -20,18 +20,20 @@
 //! never retried as a failure: it is suspended (or queued again at once when
 //! an answer is already pending).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
 
 use cairn_proto::ids::{CheckpointId, Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptPhase, AttemptState, Labels, Outcome, RunState, SandboxState};
+use cairn_proto::stations::{HandoffText, LaidFiles};
 use prost::Message;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 use super::checkpoints::push_in_list;
 use super::hosts::destroy_reason;
+use super::stations::HandoffNote;
 use super::workspaces::{ensure_active_workspace, insert_workspace};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
@@ -126,6 +128,8 @@ pub struct Run {
     pub created_at: SystemTime,
     pub updated_at: SystemTime,
     pub attempts: Vec<Attempt>,
+    /// The paths the run lays (their contents are read only at a claim).
+    pub laid_paths: Vec<String>,
 }
 
 impl Run {
@@ -196,6 +200,8 @@ pub struct NewRun {
     pub repos: Vec<pb::RepoSpec>,
     pub image: String,
     pub checkpoint_interval: Duration,
+    /// Files laid for the run's station before its harness starts.
+    pub lay: LaidFiles,
 }
 
 /// Filters of a run listing.
@@ -219,6 +225,13 @@ pub struct StartedAttempt {
     pub fork_session: bool,
     /// An earlier attempt of this run started the harness with the prompt.
     pub prompt_delivered: bool,
+    /// The workspace's newest handoff notes, oldest first.
+    pub notes: Vec<HandoffNote>,
+    /// The files to lay, path → content.
+    pub lay: BTreeMap<String, Vec<u8>>,
+    /// The harness holding the station's conversation when it is not the
+    /// run's (that conversation cannot be resumed); empty otherwise.
+    pub station_session_harness: String,
 }
 
 /// A phase report of a runner.
@@ -238,6 +251,8 @@ pub struct OutcomeReport {
     pub checkpoint: Option<CheckpointId>,
     /// Input ids the harness heard.
     pub consumed: Vec<u64>,
+    /// The run's handoff note, if the runner wrote one.
+    pub handoff: Option<HandoffText>,
 }
 
 /// A harness conversation of a workspace's station.
@@ -259,11 +274,12 @@ const ATTEMPT_COLUMNS: &str = "run_id, number, generation, host_id, sandbox_id, 
 const EVENT_COLUMNS: &str =
     "run_id, sequence, at, state, reason, host_id, attempt, generation, checkpoint_id, detail";
 
-fn encode_spec(harness: &pb::HarnessSpec, labels: &Labels, repos: &[pb::RepoSpec]) -> Vec<u8> {
+fn encode_spec(new: &NewRun) -> Vec<u8> {
     pb::Run {
-        harness: Some(harness.clone()),
-        labels: labels.0.clone().into_iter().collect(),
-        repos: repos.to_vec(),
+        harness: Some(new.harness.clone()),
+        labels: new.labels.0.clone().into_iter().collect(),
+        repos: new.repos.clone(),
+        laid_paths: new.lay.paths(),
         ..Default::default()
     }
     .encode_to_vec()
@@ -321,6 +337,7 @@ fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
         created_at: from_millis(row.try_get("created_at").map_err(read)?),
         updated_at: from_millis(row.try_get("updated_at").map_err(read)?),
         attempts: Vec::new(),
+        laid_paths: spec.laid_paths,
     })
 }
 
@@ -935,7 +952,7 @@ impl MetadataStore {
         .bind(workspace.as_str())
         .bind(&new.station)
         .bind(&new.prompt)
-        .bind(encode_spec(&new.harness, &new.labels, &new.repos))
+        .bind(encode_spec(&new))
         .bind(&new.image)
         .bind(duration_millis(new.hold))
         .bind(duration_millis(new.checkpoint_interval))
@@ -946,17 +963,23 @@ impl MetadataStore {
         .execute(tx.conn())
         .await
         .map_err(query_error("insert run"))?;
+        super::stations::insert_laid_files(&mut tx, &id, &new.lay).await?;
         let mut run = load_run(tx.conn(), &id)
             .await?
             .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
         let detail = format!(
-            "station {}, harness {}{}",
+            "station {}, harness {}{}{}",
             run.station,
             run.harness.name,
             if run.labels.is_empty() {
                 String::new()
             } else {
                 format!(", labels {}", run.labels)
+            },
+            match run.laid_paths.len() {
+                0 => String::new(),
+                1 => format!(", lays {}", run.laid_paths[0]),
+                n => format!(", lays {n} files"),
             }
         );
         add_event(

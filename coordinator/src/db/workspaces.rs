@@ -237,6 +237,7 @@ impl MetadataStore {
             .execute(tx.conn())
             .await
             .map_err(query_error("copy station sessions"))?;
+            super::stations::copy_notes_for_fork(&mut tx, source, &id, &from).await?;
             ids.push(id);
         }
         self.commit(tx).await?;

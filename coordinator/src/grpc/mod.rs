@@ -39,7 +39,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use crate::auth::AuthLayer;
-use crate::db::{Attempt, Checkpoint, DbError, Host, MetadataStore, Run, RunEvent, Workspace};
+use crate::db::{
+    Attempt, Checkpoint, DbError, HandoffNote, Host, MetadataStore, Run, RunEvent, Workspace,
+};
 use crate::scheduler::SchedulerHandle;
 use crate::store::{ObjectStore, StoreError};
 use crate::tokens::{Principal, RunTokenKey};
@@ -325,6 +327,21 @@ fn run_to_pb(r: &Run) -> pb::Run {
         image: r.image.clone(),
         checkpoint_interval: Some(to_proto_duration(r.checkpoint_interval)),
         hold_until: r.hold_until.map(to_timestamp),
+        laid_paths: r.laid_paths.clone(),
+    }
+}
+
+fn handoff_note_to_pb(n: &HandoffNote) -> pb::HandoffNote {
+    pb::HandoffNote {
+        workspace_id: n.workspace_id.to_string(),
+        run_id: n.run_id.to_string(),
+        station: n.station.clone(),
+        attempt: n.attempt,
+        harness: n.harness.clone(),
+        outcome: n.outcome.as_str().to_owned(),
+        checkpoint_id: n.checkpoint_id.clone(),
+        created_at: Some(to_timestamp(n.created_at)),
+        text: Some(n.text.clone().into()),
     }
 }
 
@@ -381,9 +398,15 @@ pub async fn serve(
     let checkpoints = CheckpointServiceServer::new(CheckpointApi::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let runs = RunServiceServer::new(RunApi::new(shared.clone()));
+    // A run request carries the files it lays, an attempt's spec those and
+    // the workspace's handoff notes.
+    let runs = RunServiceServer::new(RunApi::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let hosts = HostServiceServer::new(HostApi::new(shared.clone()));
-    let runner = RunnerServiceServer::new(RunnerApi::new(shared.clone()));
+    let runner = RunnerServiceServer::new(RunnerApi::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let admin = AdminServiceServer::new(AdminApi::new(shared));
 
     let (health_reporter, health) = tonic_health::server::health_reporter();

@@ -10,10 +10,11 @@ use cairn_proto::ids::CheckpointId;
 use cairn_proto::pb;
 use cairn_proto::pb::runner_service_server::RunnerService;
 use cairn_proto::runs::{AttemptPhase, Outcome, from_proto_duration, to_proto_duration};
+use cairn_proto::stations::HandoffText;
 use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
-use super::{ServiceError, Shared};
+use super::{ServiceError, Shared, handoff_note_to_pb};
 use crate::auth::principal;
 use crate::db::{OutcomeReport, ProgressReport, RunInput, SessionRecord};
 use crate::tokens::RunBinding;
@@ -133,6 +134,9 @@ impl RunnerService for RunnerApi {
             question: run.question.clone(),
             prompt_delivered: started.prompt_delivered,
             fork_session: started.fork_session,
+            notes: started.notes.iter().map(handoff_note_to_pb).collect(),
+            lay: started.lay.clone().into_iter().collect(),
+            station_session_harness: started.station_session_harness.clone(),
         }))
     }
 
@@ -250,6 +254,11 @@ impl RunnerService for RunnerApi {
         bounded("summary", &req.summary)?;
         bounded("error", &req.error)?;
         let checkpoint = optional_checkpoint(&req.checkpoint_id)?;
+        let handoff = req
+            .handoff
+            .map(HandoffText::try_from)
+            .transpose()
+            .map_err(ServiceError::from)?;
         self.shared
             .db
             .report_outcome(
@@ -261,6 +270,7 @@ impl RunnerService for RunnerApi {
                     error: req.error,
                     checkpoint,
                     consumed: req.consumed_inputs,
+                    handoff,
                 },
             )
             .await

@@ -10,6 +10,7 @@ use cairn_proto::ids::RunId;
 use cairn_proto::pb;
 use cairn_proto::pb::run_service_server::RunService;
 use cairn_proto::runs::{Labels, RunState, from_proto_duration, validate_station};
+use cairn_proto::stations::LaidFiles;
 use futures::Stream;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -206,6 +207,7 @@ impl RunApi {
             return Err(invalid("checkpoint_interval must be at least 1s"));
         }
         validate_repos(&req.repos)?;
+        let lay = LaidFiles::try_from(req.lay)?;
         if req.image.len() > 1024 || req.image.contains(char::is_whitespace) {
             return Err(invalid(format!(
                 "image {:?} is not an image name",
@@ -228,6 +230,7 @@ impl RunApi {
                     repos: req.repos,
                     image: req.image,
                     checkpoint_interval,
+                    lay,
                 },
             )
             .await?;
@@ -493,12 +496,17 @@ mod tests {
         };
         assert_eq!(validate_harness(Some(ok.clone())).unwrap(), ok);
         let unknown = pb::HarnessSpec {
-            name: "aider".into(),
+            name: "nonesuch".into(),
             ..Default::default()
         };
         let err = validate_harness(Some(unknown)).unwrap_err().to_string();
+        let known: Vec<&str> = cairn_proto::runs::HARNESS_ADAPTERS
+            .iter()
+            .map(|(name, _)| *name)
+            .collect();
         assert!(
-            err.contains("there are: claude, codex, gemini, command"),
+            err.contains(&format!("(there are: {})", known.join(", ")))
+                && err.contains("claude, codex"),
             "{err}"
         );
         let typo = pb::HarnessSpec {

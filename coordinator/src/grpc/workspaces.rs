@@ -1,4 +1,5 @@
-//! `cairn.v1.WorkspaceService`: create, show, list and fork workspaces.
+//! `cairn.v1.WorkspaceService`: create, show, list and fork workspaces; chat
+//! messages; the handoff notes runs left.
 
 use cairn_proto::domain::{to_timestamp, validate_name};
 use cairn_proto::ids::{CheckpointId, WorkspaceId};
@@ -9,8 +10,8 @@ use tonic::{Request, Response, Status};
 
 use super::runs::DEFAULT_STATION;
 use super::{
-    ServiceError, Shared, decode_page_token, encode_page_token, ensure_active, page_size,
-    workspace_to_pb,
+    ServiceError, Shared, decode_page_token, encode_page_token, ensure_active, handoff_note_to_pb,
+    page_size, workspace_to_pb,
 };
 use crate::auth::principal;
 use crate::db::{Message, MessageState};
@@ -195,6 +196,29 @@ impl WorkspaceService for WorkspaceApi {
             .map_err(ServiceError::from)?;
         Ok(Response::new(pb::ListMessagesResponse {
             messages: messages.iter().map(message_to_pb).collect(),
+        }))
+    }
+
+    async fn list_handoff_notes(
+        &self,
+        request: Request<pb::ListHandoffNotesRequest>,
+    ) -> Result<Response<pb::ListHandoffNotesResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let workspace = self
+            .shared
+            .workspace(&principal, &request.get_ref().workspace)
+            .await?;
+        principal
+            .authorize(Action::ReadWorkspace(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        let notes = self
+            .shared
+            .db
+            .list_handoff_notes(&workspace.id)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::ListHandoffNotesResponse {
+            notes: notes.iter().map(handoff_note_to_pb).collect(),
         }))
     }
 

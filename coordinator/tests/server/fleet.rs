@@ -379,7 +379,9 @@ impl FakeRunner {
     pub async fn connect(server: &TestServer, assignment: &pb::Assignment) -> Self {
         let coordinator = server.client_with(Some(&assignment.run_token)).await;
         Self {
-            runner: RunnerServiceClient::new(coordinator.auth_channel()),
+            // As the real runner: an attempt's spec may be large.
+            runner: RunnerServiceClient::new(coordinator.auth_channel())
+                .max_decoding_message_size(cairn_runner::client::MAX_MESSAGE_BYTES),
             coordinator,
         }
     }

@@ -11,5 +11,6 @@ mod harness;
 mod hosts;
 mod restart;
 mod runs;
+mod stations;
 mod tokens;
 mod workspaces;

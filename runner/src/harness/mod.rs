@@ -18,19 +18,38 @@
 //! - [`claude`] — Claude Code, exactly per ../shared/reference/harnesses.md.
 //! - [`codex`] — Codex CLI, per the same reference.
 //! - [`gemini`] — Gemini CLI, per the same reference.
+//! - [`pi`] — pi, per the same reference; the runner chooses the session
+//!   file (and so the id) of a new conversation.
+//! - [`opencode`] — opencode, per the same reference (SQLite in WAL mode;
+//!   forks with `--fork`).
+//! - [`goose`] — goose, per the same reference (SQLite; its stream-json
+//!   events and its "session not found" text are unverified).
+//! - [`openhands`] — OpenHands CLI, per the same reference (the id is
+//!   printed at exit; its "not found" text is unverified).
+//! - [`aider`] — Aider: no conversation ids, so it never resumes; every
+//!   conversation after the first starts with a lossy-handoff briefing, and
+//!   Aider restores its own chat history file.
 //!
-//!   These three share `Cli`: a state directory in the workspace, fresh
-//!   credentials, the same settings and JSON-lines output; each describes
-//!   itself in a `CliSpec` and adds its flags and event shapes
-//!   (`CliAdapter`).
+//!   These share `Cli`: a state directory in the workspace, fresh
+//!   credentials, the same settings. Each describes itself in a `CliSpec`.
+//!   Claude Code, Codex and Gemini CLI also share the shape of their turns
+//!   (flags that do not depend on the working directory, JSON-lines output)
+//!   and add only their flags and event shapes (`CliAdapter`); the others
+//!   build whole invocations and read every output line themselves
+//!   (`CliTurns`).
 //! - [`command`] — any CLI, described by `start` / `resume` templates and a
 //!   `session_regex`.
 
+pub mod aider;
 pub mod claude;
 pub mod codex;
 pub mod command;
 pub mod gemini;
+pub mod goose;
+pub mod opencode;
+pub mod openhands;
 pub mod pattern;
+pub mod pi;
 pub mod process;
 pub mod template;
 
@@ -193,6 +212,11 @@ pub fn from_spec(spec: &pb::HarnessSpec, root: &Path) -> Result<Arc<dyn Harness>
         "claude" => Ok(Arc::new(claude::Claude::new(&config, root)?)),
         "codex" => Ok(Arc::new(codex::Codex::new(&config, root)?)),
         "gemini" => Ok(Arc::new(gemini::Gemini::new(&config, root)?)),
+        "pi" => Ok(Arc::new(pi::Pi::new(&config, root)?)),
+        "opencode" => Ok(Arc::new(opencode::Opencode::new(&config, root)?)),
+        "goose" => Ok(Arc::new(goose::Goose::new(&config, root)?)),
+        "openhands" => Ok(Arc::new(openhands::OpenHands::new(&config, root)?)),
+        "aider" => Ok(Arc::new(aider::Aider::new(&config, root)?)),
         "command" => Ok(Arc::new(command::CommandHarness::new(&config, root)?)),
         other => Err(HarnessError::Unknown(other.to_owned())),
     }
@@ -250,9 +274,9 @@ fn cwd_setting(
     Ok(Some(joined))
 }
 
-/// What sets an agent CLI that keeps its state in the workspace (Claude
-/// Code, Codex, Gemini CLI) apart from the others; [`Cli`] and [`CliAdapter`]
-/// do the rest.
+/// What sets an agent CLI that keeps its state in the workspace (all but
+/// `command`) apart from the others; [`Cli`] and [`CliAdapter`] (or
+/// [`CliTurns`]) do the rest.
 #[derive(Debug)]
 struct CliSpec {
     /// The adapter's name, as in `HarnessSpec.name`, and the default `binary`.
@@ -262,19 +286,23 @@ struct CliSpec {
     /// The CLI's state directory, relative to the root, so that its
     /// conversations live in the workspace and travel with its checkpoints.
     state_dir: &'static str,
-    /// The environment variable that points the CLI at its state directory.
+    /// The environment variable that points the CLI at its state directory
+    /// (empty: the CLI is pointed there by flags, as Aider is).
     state_env: &'static str,
     /// Where the credential files are, inside the state directory.
     credentials_subdir: Option<&'static str>,
-    /// The files there that hold credentials: never checkpointed, copied in
-    /// fresh from `credentials_dir` before the first turn.
+    /// The files there that hold credentials (paths relative to it): never
+    /// checkpointed, copied in fresh from `credentials_dir` before the
+    /// first turn.
     credential_files: &'static [&'static str],
     /// More patterns, relative to the state directory, that no checkpoint
     /// may contain (copies the CLI makes of its credentials).
     more_excludes: &'static [&'static str],
     /// The default `credentials_dir`, relative to `$HOME`.
     home_credentials: &'static str,
-    /// What the CLI prints when the conversation to resume is gone.
+    /// What the CLI prints when the conversation to resume is gone (read by
+    /// [`CliAdapter`] adapters; a [`CliTurns`] adapter reads its output
+    /// itself).
     session_lost: &'static str,
     /// Whether the CLI can fork a conversation.
     can_fork: bool,
@@ -318,6 +346,17 @@ impl Cli {
             credentials_dir: setting("credentials_dir")
                 .map(PathBuf::from)
                 .or_else(|| home_subdir(spec.home_credentials)),
+        })
+    }
+
+    /// The variable pointing the CLI at its state directory, if it has one.
+    fn state_env(&self) -> Option<(String, String)> {
+        let name = self.spec.state_env;
+        (!name.is_empty()).then(|| {
+            (
+                name.to_owned(),
+                self.state_dir.to_string_lossy().into_owned(),
+            )
         })
     }
 
@@ -374,6 +413,11 @@ impl Cli {
                 continue;
             }
             let to = target_dir.join(file);
+            if let Some(parent) = to.parent().filter(|p| !p.exists()) {
+                fs::create_dir_all(parent).map_err(prepare_error(parent))?;
+                fs::set_permissions(parent, fs::Permissions::from_mode(0o700))
+                    .map_err(prepare_error(parent))?;
+            }
             fs::copy(&from, &to).map_err(prepare_error(&to))?;
             fs::set_permissions(&to, fs::Permissions::from_mode(0o600))
                 .map_err(prepare_error(&to))?;
@@ -383,8 +427,9 @@ impl Cli {
     }
 }
 
-/// An adapter built on [`Cli`]: only its command line and the JSON events
-/// of its stdout are its own. Every such adapter is a [`Harness`].
+/// An adapter built on [`Cli`] whose arguments do not depend on the working
+/// directory and whose stdout is JSON lines: only its command line and the
+/// JSON events are its own. Every such adapter is a [`CliTurns`].
 trait CliAdapter: Send + Sync + fmt::Debug {
     fn cli(&self) -> &Cli;
     /// The arguments of one turn (a fork only if the CLI can fork).
@@ -393,67 +438,131 @@ trait CliAdapter: Send + Sync + fmt::Debug {
     fn observe_event(&self, event: &Value, observed: &mut Observed);
 }
 
-impl<T: CliAdapter> Harness for T {
+/// How one turn of a [`CliTurns`] adapter is started.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Invocation {
+    args: Vec<String>,
+    /// Set besides the state directory's variable.
+    env: Vec<(String, String)>,
+    /// The conversation's id, when it is known before the CLI says anything.
+    session_at_start: Option<String>,
+}
+
+/// An adapter built on [`Cli`] that builds each turn's invocation itself
+/// (from the turn and the working directory) and reads every output line
+/// itself. Every such adapter is a [`Harness`].
+trait CliTurns: Send + Sync + fmt::Debug {
+    fn base(&self) -> &Cli;
+    /// Whether a conversation can be continued by its id.
+    fn resumes(&self) -> bool {
+        true
+    }
+    /// One turn, run in `cwd` (a resume only if it can resume, a fork only
+    /// if it can fork).
+    fn invocation(&self, turn: &TurnRequest, cwd: &Path) -> Invocation;
+    /// Reads one line of output into `observed`.
+    fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed);
+}
+
+impl<T: CliAdapter> CliTurns for T {
+    fn base(&self) -> &Cli {
+        self.cli()
+    }
+
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
+        Invocation {
+            args: self.args(turn),
+            ..Invocation::default()
+        }
+    }
+
+    fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
+        if line.contains(self.cli().spec.session_lost) {
+            observed.session_lost = true;
+        }
+        if let Some(event) = json_event(stream, line) {
+            self.observe_event(&event, observed);
+        }
+    }
+}
+
+impl<T: CliTurns> Harness for T {
     fn name(&self) -> &str {
-        self.cli().spec.name
+        self.base().spec.name
     }
 
     fn can_resume(&self) -> bool {
-        true
+        self.resumes()
     }
 
     fn can_fork(&self) -> bool {
-        self.cli().spec.can_fork
+        self.base().spec.can_fork
     }
 
     fn excludes(&self) -> Vec<String> {
-        self.cli().excludes()
+        self.base().excludes()
     }
 
     fn prepare(&self) -> Result<(), HarnessError> {
-        self.cli().prepare()
+        self.base().prepare()
     }
 
     fn configured_cwd(&self) -> Option<PathBuf> {
-        self.cli().cwd.clone()
+        self.base().cwd.clone()
     }
 
     fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
-        let cli = self.cli();
+        let cli = self.base();
         let name = cli.spec.name;
-        if let TurnRequest::Resume { fork: true, .. } = turn
-            && !cli.spec.can_fork
-        {
-            // The runner never asks (can_fork is false), and continuing the
-            // source's conversation instead would be wrong.
+        // The runner never asks for these (can_resume / can_fork say no),
+        // and doing something else instead would be wrong.
+        let refused = match turn {
+            TurnRequest::Resume { .. } if !self.resumes() => Some("cannot continue a conversation"),
+            TurnRequest::Resume { fork: true, .. } if !cli.spec.can_fork => {
+                Some("cannot fork a conversation")
+            }
+            _ => None,
+        };
+        if let Some(what) = refused {
             return Err(HarnessError::BadSetting {
                 harness: name,
                 key: "binary",
-                reason: format!("the {name} adapter cannot fork a conversation"),
+                reason: format!("the {name} adapter {what}"),
             });
         }
+        let invocation = self.invocation(turn, cwd);
         Ok(HarnessCommand {
             program: cli.binary.clone(),
-            args: self.args(turn),
-            env: vec![(
-                cli.spec.state_env.into(),
-                cli.state_dir.to_string_lossy().into_owned(),
-            )],
+            args: invocation.args,
+            env: cli.state_env().into_iter().chain(invocation.env).collect(),
             cwd: cwd.to_path_buf(),
-            session_at_start: None,
+            session_at_start: invocation.session_at_start,
         })
     }
 
     fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if line.contains(self.cli().spec.session_lost) {
-            observed.session_lost = true;
-        }
-        if stream != Stream::Stdout || !line.starts_with('{') {
-            return;
-        }
-        if let Ok(event) = serde_json::from_str::<Value>(line) {
-            self.observe_event(&event, observed);
-        }
+        self.observe_line(stream, line, observed);
+    }
+}
+
+/// The JSON object a line of stdout holds, if it holds one.
+fn json_event(stream: Stream, line: &str) -> Option<Value> {
+    if stream != Stream::Stdout || !line.starts_with('{') {
+        return None;
+    }
+    serde_json::from_str::<Value>(line)
+        .ok()
+        .filter(Value::is_object)
+}
+
+/// A message as one argument for a CLI that reads any argument starting
+/// with `-` as an option (and, for some, `@` as a file to attach) and has
+/// no way to say otherwise: a leading space keeps it a message.
+fn message_word(message: &str) -> String {
+    if message.starts_with(['-', '@']) {
+        format!(" {message}")
+    } else {
+        message.to_owned()
     }
 }
 
@@ -623,12 +732,21 @@ mod tests {
                 .collect(),
         };
         let root = Path::new("/workspace");
-        let err = from_spec(&spec("aider", &[]), root).unwrap_err();
+        let err = from_spec(&spec("cursor", &[]), root).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown harness \"aider\" (this runner has: claude, codex, gemini, command)"
+            "unknown harness \"cursor\" (this runner has: claude, codex, gemini, pi, opencode, \
+             goose, openhands, aider, command)"
         );
-        for name in ["codex", "gemini"] {
+        for name in [
+            "codex",
+            "gemini",
+            "pi",
+            "opencode",
+            "goose",
+            "openhands",
+            "aider",
+        ] {
             let err = from_spec(&spec(name, &[("binray", "x")]), root).unwrap_err();
             assert!(
                 err.to_string().contains("unknown setting \"binray\""),

@@ -12,7 +12,7 @@ use cairn_proto::pb;
 use cairn_proto::pb::runner_service_client::RunnerServiceClient;
 use tonic::Code;
 
-use crate::client::AuthChannel;
+use crate::client::{AuthChannel, MAX_MESSAGE_BYTES};
 use crate::restore::describe_status;
 
 const ATTEMPTS: u32 = 8;
@@ -72,10 +72,13 @@ pub struct Control {
 }
 
 impl Control {
-    /// Uses `channel`, which carries the run token.
+    /// Uses `channel`, which carries the run token. An attempt's spec may
+    /// be large (the files it lays, the workspace's handoff notes).
     pub fn new(channel: AuthChannel) -> Self {
         Self {
-            client: RunnerServiceClient::new(channel),
+            client: RunnerServiceClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
         }
     }
 

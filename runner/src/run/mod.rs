@@ -4,13 +4,15 @@
 //! ClaimAttempt ─► AttemptSpec (workspace, generation, harness, prompt, inputs, resume id)
 //! restore the newest checkpoint ──► RESTORING <checkpoint>
 //!   or, when there is none: clone the run's repos / start empty ──► PREPARING
+//! station: clear what earlier runs laid and a stale outcome file,
+//!   fast-forward each checkout to its upstream, lay this run's files ──► PREPARING
 //! turn: harness process (own process group) ──► RUNNING
 //!   │  init event ─► ReportHarnessSession; the turn's inputs are now heard
 //!   │  every checkpoint_interval ─► checkpoint (interval) if anything changed
 //!   ▼  exit ─► outcome file (or the exit status) says how the turn ended
 //!   needs_input ─► checkpoint (pause) ─► ReportWaiting ─► WaitForInput …
 //!                    answer ─► RUNNING ─► next turn, same conversation (--resume)
-//!   done / failed ─► checkpoint (end) ─► ReportOutcome
+//!   done / failed ─► checkpoint (end) ─► ReportOutcome with the handoff note
 //!   conversation gone ─► new conversation opened with a handoff briefing
 //! SIGTERM / SIGINT at any point after the harness started: SIGTERM to the
 //!   harness's group, grace, SIGKILL ─► checkpoint (destroy) ─► INTERRUPTED
@@ -28,6 +30,10 @@
 //! checkpoint after a turn carries that reason (pause or end).
 
 pub mod control;
+pub mod fastforward;
+pub mod gitcli;
+pub mod handoff;
+pub mod laid;
 pub mod messages;
 pub mod outcome;
 pub mod prepare;
@@ -175,6 +181,9 @@ pub async fn run(
         baseline: None,
         last_checkpoint: String::new(),
         harness_started: false,
+        cloned: BTreeSet::new(),
+        start_heads: handoff::Heads::default(),
+        agent_handoff: None,
     };
     attempt.run().await
 }
@@ -234,11 +243,22 @@ struct Attempt {
     baseline: Option<Baseline>,
     last_checkpoint: String,
     harness_started: bool,
+    /// Repositories this attempt cloned (nothing to fast-forward).
+    cloned: BTreeSet<String>,
+    /// Each checkout's HEAD when the harness was about to start.
+    start_heads: handoff::Heads,
+    /// The handoff the agent wrote in its latest outcome file.
+    agent_handoff: Option<handoff::AgentHandoff>,
 }
 
 impl Attempt {
     async fn run(mut self) -> Result<Finished, RunError> {
         match self.prepare_workspace().await? {
+            Prepared::Ready => {}
+            Prepared::Interrupted => return self.finish_interrupted().await,
+            Prepared::Failed(error) => return self.finish_unstarted(error).await,
+        }
+        match self.prepare_station().await? {
             Prepared::Ready => {}
             Prepared::Interrupted => return self.finish_interrupted().await,
             Prepared::Failed(error) => return self.finish_unstarted(error).await,
@@ -307,9 +327,12 @@ impl Attempt {
                     };
                     match cloned {
                         Ok(done) => {
-                            tracing::info!(repo = %repo.name, "{done}");
+                            tracing::info!(repo = %repo.name, "{}", done.said);
+                            if done.fresh {
+                                self.cloned.insert(done.name);
+                            }
                             self.control
-                                .progress(AttemptPhase::Preparing, done, "")
+                                .progress(AttemptPhase::Preparing, done.said, "")
                                 .await?;
                         }
                         Err(e) => return Ok(Prepared::Failed(e.to_string())),
@@ -324,6 +347,65 @@ impl Attempt {
             }
             Err(e) => return Err(RunError::Prepare(e)),
         }
+        Ok(Prepared::Ready)
+    }
+
+    /// The station's part of the prepare step: clear what earlier runs left
+    /// for themselves, bring each checkout up to date with its upstream,
+    /// lay this run's files, and note where every checkout stands.
+    async fn prepare_station(&mut self) -> Result<Prepared, RunError> {
+        let root = self.options.root.clone();
+        let files = match laid::received(&self.spec.lay) {
+            Ok(files) => files,
+            Err(error) => return Ok(Prepared::Failed(error)),
+        };
+        let cleared = {
+            let root = root.clone();
+            tokio::task::spawn_blocking(move || laid::clear_leftovers(&root))
+                .await
+                .unwrap_or_else(|e| laid::Cleared {
+                    unreadable: Some(format!("clearing stopped: {e}")),
+                    ..Default::default()
+                })
+        };
+        if let Some(line) = cleared.describe() {
+            tracing::info!("{line}");
+            self.control
+                .progress(AttemptPhase::Preparing, line, "")
+                .await?;
+        }
+        let shutdown = self.shutdown.clone();
+        let lines = tokio::select! {
+            lines = fastforward::fast_forward_all(&root, &self.cloned) => lines,
+            _ = shutdown.cancelled() => return Ok(Prepared::Interrupted),
+        };
+        for line in lines {
+            self.control
+                .progress(AttemptPhase::Preparing, line, "")
+                .await?;
+        }
+        let (station, run_id) = (self.spec.station.clone(), self.spec.run_id.clone());
+        let replaceable = cleared.replaceable();
+        let laid = tokio::task::spawn_blocking(move || {
+            laid::lay(&root, &station, &run_id, &files, &replaceable)
+        })
+        .await;
+        match laid {
+            Ok(Ok(Some(line))) => {
+                tracing::info!("{line}");
+                self.control
+                    .progress(AttemptPhase::Preparing, line, "")
+                    .await?;
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return Ok(Prepared::Failed(e.to_string())),
+            Err(e) => {
+                return Ok(Prepared::Failed(format!(
+                    "laying the run's files stopped: {e}"
+                )));
+            }
+        }
+        self.start_heads = handoff::heads(&self.options.root).await;
         Ok(Prepared::Ready)
     }
 
@@ -368,12 +450,9 @@ impl Attempt {
                         "{} has no conversation {session_id} any more",
                         self.harness.name()
                     );
-                    let message = messages::briefing(
-                        &self.spec.prompt,
-                        question.as_deref(),
-                        &turn.answers,
-                        &why,
-                    );
+                    let message =
+                        messages::Briefing::of(&self.spec, question.as_deref(), &turn.answers)
+                            .lossy(&why);
                     turn = Turn {
                         request: TurnRequest::Start { message },
                         ..turn
@@ -428,7 +507,8 @@ impl Attempt {
                     "the harness never reported a conversation id"
                 };
                 TurnRequest::Start {
-                    message: messages::briefing(&self.spec.prompt, Some(question), &answers, why),
+                    message: messages::Briefing::of(&self.spec, Some(question), &answers)
+                        .lossy(why),
                 }
             }
         };
@@ -628,13 +708,24 @@ impl Attempt {
         Ok(())
     }
 
-    fn classify(&self, exit: TurnExit, turn: &Turn) -> TurnEnd {
+    fn classify(&mut self, exit: TurnExit, turn: &Turn) -> TurnEnd {
         if let TurnRequest::Resume { session_id, .. } = &turn.request
             && exit.observed.session_lost
         {
             return TurnEnd::SessionLost(session_id.clone());
         }
-        match outcome::take(&outcome::path_in(&self.options.root)) {
+        let taken = outcome::take_with_handoff(&outcome::path_in(&self.options.root));
+        let taken = match taken {
+            Ok(Some((outcome, handoff))) => {
+                if handoff.is_some() {
+                    self.agent_handoff = handoff;
+                }
+                Ok(Some(outcome))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
+        match taken {
             Ok(Some(OutcomeFile::NeedsInput { question })) => TurnEnd::Asked(question),
             Ok(Some(OutcomeFile::Done { summary })) => TurnEnd::Done(
                 summary
@@ -753,7 +844,18 @@ impl Attempt {
             outcome = pb::Outcome::Failed;
         }
         tracing::info!(outcome = ?outcome, %summary, %error, "attempt finished");
-        self.report_outcome(outcome, summary, error).await?;
+        let ending = if outcome == pb::Outcome::Succeeded {
+            handoff::Ending::Succeeded {
+                summary: summary.clone(),
+            }
+        } else {
+            handoff::Ending::Failed {
+                error: error.clone(),
+            }
+        };
+        let note = self.handoff_note(&ending).await;
+        self.report_outcome(outcome, summary, error, Some(note))
+            .await?;
         Ok(if outcome == pb::Outcome::Succeeded {
             Finished::Succeeded
         } else {
@@ -764,7 +866,7 @@ impl Attempt {
     /// Ends an attempt whose harness never ran: nothing to checkpoint.
     async fn finish_unstarted(&mut self, error: String) -> Result<Finished, RunError> {
         tracing::error!(%error, "the attempt fails before the harness started");
-        self.report_outcome(pb::Outcome::Failed, String::new(), error)
+        self.report_outcome(pb::Outcome::Failed, String::new(), error, None)
             .await?;
         Ok(Finished::Failed)
     }
@@ -777,7 +879,12 @@ impl Attempt {
             error = format!("the destroy checkpoint failed: {reason}");
         }
         tracing::info!(checkpoint = %self.last_checkpoint, "interrupted");
-        self.report_outcome(pb::Outcome::Interrupted, String::new(), error)
+        let note = if self.harness_started {
+            Some(self.handoff_note(&handoff::Ending::Interrupted).await)
+        } else {
+            None
+        };
+        self.report_outcome(pb::Outcome::Interrupted, String::new(), error, note)
             .await?;
         Ok(Finished::Interrupted)
     }
@@ -790,11 +897,19 @@ impl Attempt {
         }
     }
 
+    /// The run's handoff note: the agent's words where it gave them, the
+    /// rest from git and how the run ended.
+    async fn handoff_note(&self, ending: &handoff::Ending) -> pb::HandoffText {
+        let changed = handoff::changes(&self.options.root, &self.start_heads).await;
+        handoff::compose(self.agent_handoff.as_ref(), ending, &changed)
+    }
+
     async fn report_outcome(
         &mut self,
         outcome: pb::Outcome,
         summary: String,
         error: String,
+        handoff: Option<pb::HandoffText>,
     ) -> Result<(), RunError> {
         self.control
             .outcome(pb::ReportOutcomeRequest {
@@ -803,6 +918,7 @@ impl Attempt {
                 error,
                 checkpoint_id: self.last_checkpoint.clone(),
                 consumed_inputs: self.heard(),
+                handoff,
             })
             .await?;
         Ok(())
@@ -869,6 +985,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
             root: root.clone(),
             cache_dir: cache_dir.clone(),
             target,
+            tracker: Default::default(),
         })
     };
     let finished = run(control, &stores, RunOptions::new(root.clone()), shutdown).await?;

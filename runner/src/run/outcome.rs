@@ -9,8 +9,13 @@
 //! {"status": "failed", "error": "The build needs a licence key."}
 //! ```
 //!
+//! Beside the status the agent may leave its handoff note (see
+//! [`super::handoff`]): `"handoff": {"changed": …, "checked": …,
+//! "uncertain": …, "next": …}`, each a text or a list of texts.
+//!
 //! The agent writes it itself or runs `cairn-runner ask "question"`. The
-//! runner clears it before every turn, reads it when the turn ends, and
+//! runner clears it before every turn (and a new run clears one an earlier
+//! agent left before the harness starts), reads it when the turn ends, and
 //! deletes it after reading. A turn without the file ends by the harness's
 //! exit status: success is `done`, anything else `failed`.
 
@@ -20,6 +25,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::handoff::AgentHandoff;
 use crate::cli::AskArgs;
 use crate::harness::{OUTCOME_ENV, OUTCOME_FILE};
 
@@ -87,6 +93,31 @@ pub fn path_from_env() -> PathBuf {
 
 /// Reads the outcome file and deletes it; `None` when there is none.
 pub fn take(path: &Path) -> Result<Option<Outcome>, OutcomeError> {
+    take_with_handoff(path).map(|taken| taken.map(|(outcome, _)| outcome))
+}
+
+/// Reads the outcome file and deletes it, with the agent's handoff note if
+/// it wrote one (a handoff that cannot be read is logged and left out: the
+/// runner composes the note then).
+pub fn take_with_handoff(
+    path: &Path,
+) -> Result<Option<(Outcome, Option<AgentHandoff>)>, OutcomeError> {
+    let Some(text) = take_text(path)? else {
+        return Ok(None);
+    };
+    let outcome = parse(path, &text)?;
+    let handoff = match AgentHandoff::from_outcome_json(&text) {
+        Ok(handoff) => handoff,
+        Err(e) => {
+            tracing::warn!(error = %e, "the handoff in the outcome file cannot be used; the runner composes the note");
+            None
+        }
+    };
+    Ok(Some((outcome, handoff)))
+}
+
+/// The outcome file's text, the file deleted; `None` when there is none.
+fn take_text(path: &Path) -> Result<Option<String>, OutcomeError> {
     let read_error = |source| OutcomeError::Read {
         path: path.to_path_buf(),
         source,
@@ -102,19 +133,26 @@ pub fn take(path: &Path) -> Result<Option<Outcome>, OutcomeError> {
     let removed = fs::remove_file(path);
     read.map_err(read_error)?;
     removed.map_err(read_error)?;
+    if text.len() as u64 > MAX_BYTES {
+        return Err(OutcomeError::Invalid {
+            path: path.to_path_buf(),
+            reason: format!("it is larger than {MAX_BYTES} bytes"),
+        });
+    }
+    Ok(Some(text))
+}
+
+fn parse(path: &Path, text: &str) -> Result<Outcome, OutcomeError> {
     let invalid = |reason: String| OutcomeError::Invalid {
         path: path.to_path_buf(),
         reason,
     };
-    if text.len() as u64 > MAX_BYTES {
-        return Err(invalid(format!("it is larger than {MAX_BYTES} bytes")));
-    }
-    let outcome: Outcome = serde_json::from_str(&text).map_err(|e| {
+    let outcome: Outcome = serde_json::from_str(text).map_err(|e| {
         invalid(format!(
             "{e} (expected {{\"status\":\"needs_input\",\"question\":…}}, {{\"status\":\"done\"}} or {{\"status\":\"failed\",\"error\":…}})"
         ))
     })?;
-    outcome.validate().map(Some).map_err(invalid)
+    outcome.validate().map_err(invalid)
 }
 
 /// Removes a stale outcome file before a turn.
@@ -262,5 +300,39 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("the question is empty"), "{err}");
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn the_agents_handoff_comes_with_its_outcome() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("outcome.json");
+        fs::write(
+            &path,
+            r#"{"status":"done","summary":"ok","handoff":{"next":"ship it"}}"#,
+        )
+        .unwrap();
+        let (outcome, handoff) = take_with_handoff(&path).unwrap().unwrap();
+        assert_eq!(
+            outcome,
+            Outcome::Done {
+                summary: Some("ok".into())
+            }
+        );
+        assert_eq!(handoff, Some(AgentHandoff::new("", "", "", "ship it")));
+        assert!(!path.exists());
+        // A handoff that cannot be read does not spoil the outcome.
+        fs::write(
+            &path,
+            r#"{"status":"failed","error":"no key","handoff":[1]}"#,
+        )
+        .unwrap();
+        let (outcome, handoff) = take_with_handoff(&path).unwrap().unwrap();
+        assert_eq!(
+            outcome,
+            Outcome::Failed {
+                error: "no key".into()
+            }
+        );
+        assert_eq!(handoff, None);
     }
 }

@@ -1,5 +1,7 @@
 //! Preparing a workspace that has no checkpoint (cloning the run's
-//! repositories), and the record of where each conversation runs.
+//! repositories), and the record of where each conversation runs. (The
+//! station's part of the prepare step — clearing leftovers, fast-forwarding,
+//! laying files — is in `laid` and `fastforward`.)
 //!
 //! Claude Code finds a conversation by the slug of its working directory,
 //! so a conversation must be resumed in the directory it started in — even
@@ -34,8 +36,19 @@ pub enum CloneError {
     },
 }
 
-/// Clones one repository into `<root>/<name>`; returns what it did, in words.
-pub async fn clone_repo(root: &Path, repo: &pb::RepoSpec) -> Result<String, CloneError> {
+/// What [`clone_repo`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cloned {
+    /// The repository's directory name.
+    pub name: String,
+    /// Cloned just now (false: something was there already and was kept).
+    pub fresh: bool,
+    /// What it did, in words.
+    pub said: String,
+}
+
+/// Clones one repository into `<root>/<name>`.
+pub async fn clone_repo(root: &Path, repo: &pb::RepoSpec) -> Result<Cloned, CloneError> {
     let name = repo.name.trim();
     let mut components = Path::new(name).components();
     if !matches!(
@@ -46,10 +59,14 @@ pub async fn clone_repo(root: &Path, repo: &pb::RepoSpec) -> Result<String, Clon
     }
     let dest = root.join(name);
     if fs::read_dir(&dest).is_ok_and(|mut entries| entries.next().is_some()) {
-        return Ok(format!(
-            "kept {name}: {} is already there and not empty",
-            dest.display()
-        ));
+        return Ok(Cloned {
+            name: name.to_owned(),
+            fresh: false,
+            said: format!(
+                "kept {name}: {} is already there and not empty",
+                dest.display()
+            ),
+        });
     }
     let mut git = tokio::process::Command::new("git");
     git.arg("clone");
@@ -86,9 +103,14 @@ pub async fn clone_repo(root: &Path, repo: &pb::RepoSpec) -> Result<String, Clon
             reason,
         });
     }
-    Ok(match repo.branch.trim() {
+    let said = match repo.branch.trim() {
         "" => format!("cloned {name} from {}", repo.url),
         branch => format!("cloned {name} from {} (branch {branch})", repo.url),
+    };
+    Ok(Cloned {
+        name: name.to_owned(),
+        fresh: true,
+        said,
     })
 }
 
@@ -195,13 +217,17 @@ mod tests {
             branch: String::new(),
         };
         let done = clone_repo(root.path(), &spec).await.unwrap();
-        assert_eq!(done, format!("cloned app from {url}"));
+        assert_eq!(done.said, format!("cloned app from {url}"));
+        assert!(done.fresh && done.name == "app");
         assert_eq!(
             fs::read_to_string(root.path().join("app/README")).unwrap(),
             "hello\n"
         );
         let again = clone_repo(root.path(), &spec).await.unwrap();
-        assert!(again.starts_with("kept app"), "{again}");
+        assert!(
+            again.said.starts_with("kept app") && !again.fresh,
+            "{again:?}"
+        );
 
         let bad = pb::RepoSpec {
             name: "../x".into(),

@@ -1,0 +1,205 @@
+//! The Aider adapter (`aider`), per ../shared/reference/harnesses.md.
+//!
+//! - Aider has no conversation ids and cannot continue a conversation by
+//!   id ([`Harness::can_resume`](super::Harness::can_resume) is false): the
+//!   runner starts every conversation after the first with the handoff
+//!   briefing, labelled as a lossy handoff. So that a workspace's station
+//!   still records that there was a conversation (and its next run knows
+//!   to brief), the runner names each new conversation with a new UUID of
+//!   its own, known as the turn starts.
+//! - State: Aider has no state variable; its history files are pointed into
+//!   `<root>/.cairn/state/aider/` by flags — `--chat-history-file
+//!   .aider.chat.history.md`, `--input-history-file .aider.input.history` —
+//!   and `--restore-chat-history` has Aider read the chat history back, so
+//!   a new conversation (on any host, after a restore) still sees what was
+//!   said before, as far as Aider restores it.
+//! - Every turn: `--chat-history-file <f> --input-history-file <f>
+//!   --restore-chat-history --env-file <state>/.env --yes-always [model and
+//!   args] --message <message>` (`--yes-always`: nobody is there to answer
+//!   Aider's confirmations). A message starting with `-` is passed as
+//!   `--message=<message>`.
+//! - Output is plain text: the turn's summary is the last non-empty line.
+//! - Credentials: the keys file `.env` (Aider's `.env` format) is copied
+//!   from `credentials_dir` (default `$HOME/.aider`) into
+//!   `.cairn/state/aider/.env`, passed with `--env-file`, and never
+//!   checkpointed. (Aider's other key files, `~/.aider/oauth-keys.env` and
+//!   keys in `~/.aider.conf.yml`, live under the sandbox's home, outside
+//!   the workspace, and are never checkpointed either.)
+//!
+//! Settings: `binary` (default `aider`), `model`, `args`, `cwd`,
+//! `credentials_dir`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::{
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, new_session_id,
+};
+
+const CLI: CliSpec = CliSpec {
+    name: "aider",
+    settings: cairn_proto::runs::AIDER_SETTINGS,
+    state_dir: ".cairn/state/aider",
+    // Aider is pointed at its files by flags.
+    state_env: "",
+    credentials_subdir: None,
+    credential_files: &[".env"],
+    more_excludes: &[],
+    home_credentials: ".aider",
+    // Unused: Aider has no ids, so no conversation of its can be lost.
+    session_lost: "",
+    can_fork: false,
+};
+
+/// The chat history, in the state directory.
+pub const CHAT_HISTORY: &str = ".aider.chat.history.md";
+/// The input history, in the state directory.
+pub const INPUT_HISTORY: &str = ".aider.input.history";
+
+/// Aider, configured for one run.
+#[derive(Debug, Clone)]
+pub struct Aider(Cli);
+
+impl Aider {
+    pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
+        Cli::new(&CLI, config, root).map(Self)
+    }
+}
+
+impl CliTurns for Aider {
+    fn base(&self) -> &Cli {
+        &self.0
+    }
+
+    fn resumes(&self) -> bool {
+        false
+    }
+
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
+        let state = |name: &str| self.0.state_dir.join(name).to_string_lossy().into_owned();
+        let mut args = vec![
+            "--chat-history-file".to_owned(),
+            state(CHAT_HISTORY),
+            "--input-history-file".into(),
+            state(INPUT_HISTORY),
+            "--restore-chat-history".into(),
+            "--env-file".into(),
+            state(".env"),
+            "--yes-always".into(),
+        ];
+        args.extend(self.0.options());
+        let message = turn.message();
+        if message.starts_with('-') {
+            // Otherwise the message would be read as an option.
+            args.push(format!("--message={message}"));
+        } else {
+            args.extend(["--message".into(), message.to_owned()]);
+        }
+        Invocation {
+            args,
+            env: Vec::new(),
+            session_at_start: Some(new_session_id()),
+        }
+    }
+
+    fn observe_line(&self, _stream: Stream, _line: &str, _observed: &mut Observed) {
+        // Aider prints only text for people; the runner keeps the last line
+        // of stdout as the summary and the exit status says how it went.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::super::{Harness, is_uuid, resume_turn, settings, start_turn};
+    use super::*;
+
+    fn aider(config: &[(&str, &str)], root: &Path) -> Aider {
+        Aider::new(&settings(config), root).unwrap()
+    }
+
+    #[test]
+    fn every_turn_is_a_new_conversation_with_the_history_restored() {
+        let a = aider(
+            &[("model", "sonnet"), ("args", "--no-auto-commits")],
+            Path::new("/workspace"),
+        );
+        assert!(!a.can_resume());
+        assert!(!a.can_fork());
+        let start = start_turn(&a, "fix it", "/workspace/app");
+        assert_eq!(start.program, "aider");
+        assert_eq!(
+            start.args,
+            [
+                "--chat-history-file",
+                "/workspace/.cairn/state/aider/.aider.chat.history.md",
+                "--input-history-file",
+                "/workspace/.cairn/state/aider/.aider.input.history",
+                "--restore-chat-history",
+                "--env-file",
+                "/workspace/.cairn/state/aider/.env",
+                "--yes-always",
+                "--model",
+                "sonnet",
+                "--no-auto-commits",
+                "--message",
+                "fix it"
+            ]
+        );
+        assert!(start.env.is_empty(), "{:?}", start.env);
+        let id = start.session_at_start.expect("the runner names it");
+        assert!(is_uuid(&id), "{id}");
+        let again = start_turn(&a, "-v please", "/workspace/app");
+        assert_ne!(again.session_at_start.unwrap(), id, "a new conversation");
+        assert_eq!(again.args.last().unwrap(), "--message=-v please");
+
+        let err = resume_turn(&a, &id, "go on", false).unwrap_err();
+        assert!(
+            err.to_string().contains("cannot continue a conversation"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn aider_says_nothing_the_runner_reads() {
+        let a = aider(&[], Path::new("/workspace"));
+        let mut seen = Observed::default();
+        for line in ["Aider v0.86.0", "Applied edit to notes.md", "{\"x\":1}"] {
+            a.observe(Stream::Stdout, line, &mut seen);
+        }
+        assert_eq!(seen, Observed::default());
+    }
+
+    #[test]
+    fn the_keys_file_is_excluded_and_copied_in_fresh() {
+        let root = tempfile::tempdir().unwrap();
+        let home = tempfile::tempdir().unwrap();
+        fs::write(home.path().join(".env"), "ANTHROPIC_API_KEY=k\n").unwrap();
+        let a = aider(
+            &[("credentials_dir", &home.path().to_string_lossy())],
+            root.path(),
+        );
+        a.prepare().unwrap();
+        let copied = root.path().join(".cairn/state/aider/.env");
+        assert_eq!(
+            fs::read_to_string(&copied).unwrap(),
+            "ANTHROPIC_API_KEY=k\n"
+        );
+        let matcher = crate::scan::exclude_matcher(root.path(), &a.excludes())
+            .unwrap()
+            .unwrap();
+        for (path, excluded) in [
+            (".cairn/state/aider/.env", true),
+            (".cairn/state/aider/.aider.chat.history.md", false),
+            (".cairn/state/aider/.aider.input.history", false),
+            ("app/.env", false),
+        ] {
+            assert_eq!(
+                matcher.matched(root.path().join(path), false).is_ignore(),
+                excluded,
+                "{path}"
+            );
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The OpenHands CLI adapter (`openhands`), per
+//! ../shared/reference/harnesses.md.
+//!
+//! - State: `OPENHANDS_PERSISTENCE_DIR=<root>/.cairn/state/openhands`, so
+//!   conversations (`conversations/<id>/`: `base_state.json` and
+//!   `events/event-*.json`) live in the workspace and travel with its
+//!   checkpoints.
+//! - First turn: `--headless --json -t <message>` (OpenHands chooses the
+//!   id); every later turn, and every turn after a restore: `--headless
+//!   --json -t <message> --resume <id>`. `args` follow. A message starting
+//!   with `-` is passed attached, as `-t<message>`.
+//! - The conversation's id is printed when the CLI exits: `Conversation ID:
+//!   <hex>` (so it is reported at the end of a turn, not at its start).
+//! - Unverified (the reference says so; the test double does this): with
+//!   `--json` each event is a JSON line with a `kind`; the turn's summary is
+//!   the `message` of an `ActionEvent` whose action is a `FinishAction`,
+//!   else the text of the last agent `MessageEvent`; a
+//!   `ConversationErrorEvent` (`detail`) or `AgentErrorEvent` (`error`)
+//!   marks a failed turn. A line that is not an event and says the
+//!   conversation was not found (`Conversation <id> not found`) means the
+//!   conversation is gone.
+//! - Credentials: `agent_settings.json` (it holds the LLM key) and
+//!   `cloud/api_key.txt` in the persistence dir are never checkpointed;
+//!   they are copied in fresh from `credentials_dir` (default
+//!   `$HOME/.openhands`) before the first turn.
+//! - No fork: a forked workspace's first turn gets the handoff briefing.
+//!
+//! Settings: `binary` (default `openhands`), `args`, `cwd`,
+//! `credentials_dir` (OpenHands takes its model from `agent_settings.json`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::LazyLock;
+
+use regex::Regex;
+use serde_json::Value;
+
+use super::{
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, json_event,
+    non_empty,
+};
+
+const CLI: CliSpec = CliSpec {
+    name: "openhands",
+    settings: cairn_proto::runs::OPENHANDS_SETTINGS,
+    state_dir: ".cairn/state/openhands",
+    state_env: "OPENHANDS_PERSISTENCE_DIR",
+    credentials_subdir: None,
+    credential_files: &["agent_settings.json", "cloud/api_key.txt"],
+    more_excludes: &[],
+    home_credentials: ".openhands",
+    // Unverified: what `openhands --resume <id>` prints for an unknown id
+    // (see LOST, which is what is matched).
+    session_lost: "not found",
+    can_fork: false,
+};
+
+/// What OpenHands prints as it exits.
+static CONVERSATION_ID: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"Conversation ID:\s*([0-9A-Fa-f][0-9A-Fa-f-]*)")
+        .expect("a valid regular expression")
+});
+
+/// Unverified: OpenHands' answer to an unknown conversation id.
+static LOST: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?i)\bconversation\b.*\bnot found\b").expect("a valid regular expression")
+});
+
+/// OpenHands CLI, configured for one run.
+#[derive(Debug, Clone)]
+pub struct OpenHands(Cli);
+
+impl OpenHands {
+    pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
+        Cli::new(&CLI, config, root).map(Self)
+    }
+}
+
+impl CliTurns for OpenHands {
+    fn base(&self) -> &Cli {
+        &self.0
+    }
+
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
+        let mut args: Vec<String> = ["--headless", "--json"].map(String::from).into();
+        let message = turn.message();
+        if message.starts_with('-') {
+            // Attached, so that it cannot be read as an option.
+            args.push(format!("-t{message}"));
+        } else {
+            args.extend(["-t".into(), message.to_owned()]);
+        }
+        if let TurnRequest::Resume { session_id, .. } = turn {
+            args.extend(["--resume".into(), session_id.clone()]);
+        }
+        args.extend(self.0.options());
+        Invocation {
+            args,
+            ..Invocation::default()
+        }
+    }
+
+    fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
+        let Some(event) = json_event(stream, line) else {
+            if let Some(id) = CONVERSATION_ID.captures(line).and_then(|c| c.get(1)) {
+                observed
+                    .session_id
+                    .get_or_insert_with(|| id.as_str().to_owned());
+            } else if LOST.is_match(line) {
+                observed.session_lost = true;
+            }
+            return;
+        };
+        match event["kind"].as_str() {
+            Some("ActionEvent") if event["action"]["kind"] == "FinishAction" => {
+                if let Some(text) = event["action"]["message"].as_str() {
+                    observed.summary = Some(text.to_owned());
+                }
+            }
+            Some("MessageEvent") if event["source"] == "agent" => {
+                if let Some(text) = text_of(&event["llm_message"]["content"]) {
+                    observed.summary = Some(text);
+                }
+            }
+            Some("ConversationErrorEvent") => {
+                let why = non_empty(&event["detail"]).unwrap_or("openhands reported an error");
+                observed.error = Some(why.to_owned());
+            }
+            Some("AgentErrorEvent") => {
+                let why = non_empty(&event["error"]).unwrap_or("the agent reported an error");
+                observed.error = Some(why.to_owned());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The text items of an LLM message's content, joined; `None` when there
+/// is no text.
+fn text_of(content: &Value) -> Option<String> {
+    let texts: Vec<&str> = content
+        .as_array()?
+        .iter()
+        .filter(|item| item["type"] == "text")
+        .filter_map(|item| item["text"].as_str())
+        .collect();
+    (!texts.is_empty()).then(|| texts.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::super::{Harness, resume_turn, settings, start_turn};
+    use super::*;
+
+    fn openhands(config: &[(&str, &str)], root: &Path) -> OpenHands {
+        OpenHands::new(&settings(config), root).unwrap()
+    }
+
+    #[test]
+    fn turns_use_the_exact_flags() {
+        let o = openhands(&[("args", "--always-approve")], Path::new("/workspace"));
+        let start = start_turn(&o, "fix it", "/workspace/app");
+        assert_eq!(start.program, "openhands");
+        assert_eq!(
+            start.args,
+            ["--headless", "--json", "-t", "fix it", "--always-approve"]
+        );
+        assert_eq!(
+            start.env,
+            [(
+                "OPENHANDS_PERSISTENCE_DIR".to_owned(),
+                "/workspace/.cairn/state/openhands".to_owned()
+            )]
+        );
+        assert_eq!(start.session_at_start, None);
+
+        let plain = openhands(&[], Path::new("/workspace"));
+        let resume = |message: &str| resume_turn(&plain, "a1b2c3", message, false).unwrap().args;
+        assert_eq!(
+            resume("go on"),
+            ["--headless", "--json", "-t", "go on", "--resume", "a1b2c3"]
+        );
+        assert_eq!(
+            resume("-v please"),
+            ["--headless", "--json", "-t-v please", "--resume", "a1b2c3"]
+        );
+        assert!(!plain.can_fork());
+        let err = OpenHands::new(&settings(&[("model", "x")]), Path::new("/w")).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown setting \"model\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_id_comes_at_exit_and_the_events_give_summary_and_errors() {
+        let o = openhands(&[], Path::new("/workspace"));
+        let mut seen = Observed::default();
+        for line in [
+            r#"{"kind":"MessageEvent","source":"user","llm_message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
+            r#"{"kind":"MessageEvent","source":"agent","llm_message":{"role":"assistant","content":[{"type":"text","text":"working"}]}}"#,
+            r#"{"kind":"ActionEvent","source":"agent","action":{"kind":"FinishAction","message":"did it"}}"#,
+            "Goodbye!",
+            "Conversation ID: 4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e",
+        ] {
+            o.observe(Stream::Stdout, line, &mut seen);
+        }
+        assert_eq!(
+            seen,
+            Observed {
+                session_id: Some("4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e".into()),
+                summary: Some("did it".into()),
+                ..Observed::default()
+            }
+        );
+        let mut failed = Observed::default();
+        o.observe(
+            Stream::Stdout,
+            r#"{"kind":"ConversationErrorEvent","code":"LLMError","detail":"no API key"}"#,
+            &mut failed,
+        );
+        assert_eq!(failed.error.as_deref(), Some("no API key"));
+        let mut lost = Observed::default();
+        o.observe(
+            Stream::Stderr,
+            "Error: Conversation 4f1c2d3e not found",
+            &mut lost,
+        );
+        assert!(lost.session_lost);
+        assert_eq!(lost.session_id, None);
+    }
+
+    #[test]
+    fn credentials_are_excluded_and_copied_in_fresh() {
+        let root = tempfile::tempdir().unwrap();
+        let home = tempfile::tempdir().unwrap();
+        fs::write(home.path().join("agent_settings.json"), "{\"llm\":1}").unwrap();
+        fs::create_dir_all(home.path().join("cloud")).unwrap();
+        fs::write(home.path().join("cloud/api_key.txt"), "key").unwrap();
+        let o = openhands(
+            &[("credentials_dir", &home.path().to_string_lossy())],
+            root.path(),
+        );
+        o.prepare().unwrap();
+        let state = root.path().join(".cairn/state/openhands");
+        assert_eq!(
+            fs::read_to_string(state.join("agent_settings.json")).unwrap(),
+            "{\"llm\":1}"
+        );
+        assert_eq!(
+            fs::read_to_string(state.join("cloud/api_key.txt")).unwrap(),
+            "key"
+        );
+        let matcher = crate::scan::exclude_matcher(root.path(), &o.excludes())
+            .unwrap()
+            .unwrap();
+        for (path, excluded) in [
+            (".cairn/state/openhands/agent_settings.json", true),
+            (".cairn/state/openhands/cloud/api_key.txt", true),
+            (
+                ".cairn/state/openhands/conversations/abc/base_state.json",
+                false,
+            ),
+            ("app/agent_settings.json", false),
+        ] {
+            assert_eq!(
+                matcher.matched(root.path().join(path), false).is_ignore(),
+                excluded,
+                "{path}"
+            );
+        }
+    }
+}
