@@ -11,6 +11,47 @@
 //!   note it leaves, validated on receipt.
 //! - [`auth`]: how a bearer token travels in gRPC metadata.
 
+/// An enum of words: `ALL`, `as_str`, `Display`, and `FromStr` refusing any
+/// other word with a [`ValidationError`] of field `$field`. The caller gives
+/// the derives.
+macro_rules! word_enum {
+    ($(#[$meta:meta])* $name:ident, $field:literal, { $($variant:ident => $word:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        pub enum $name {
+            $($variant),+
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$(Self::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $word),+
+                }
+            }
+        }
+
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl ::std::str::FromStr for $name {
+            type Err = $crate::ValidationError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
+                    let words: Vec<&str> = Self::ALL.iter().map(|v| v.as_str()).collect();
+                    $crate::ValidationError::new(
+                        $field,
+                        format!("{s:?} is not one of {}", words.join(", ")),
+                    )
+                })
+            }
+        }
+    };
+}
+
 pub mod auth;
 pub mod domain;
 pub mod ids;

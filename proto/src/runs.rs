@@ -10,40 +10,15 @@ use serde::{Deserialize, Serialize};
 use crate::ValidationError;
 use crate::pb;
 
+/// A `word_enum!` that is also a `cairn.v1` enum `$pb` on the wire.
 macro_rules! wire_enum {
     ($(#[$doc:meta])* $name:ident, $pb:ty, $field:literal, { $($variant:ident => $word:literal),+ $(,)? }) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        #[serde(rename_all = "snake_case")]
-        pub enum $name {
-            $($variant),+
-        }
-
-        impl $name {
-            pub const ALL: &'static [$name] = &[$(Self::$variant),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $(Self::$variant => $word),+
-                }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl FromStr for $name {
-            type Err = ValidationError;
-            fn from_str(s: &str) -> Result<Self, Self::Err> {
-                Self::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
-                    let words: Vec<&str> = Self::ALL.iter().map(|v| v.as_str()).collect();
-                    ValidationError::new($field, format!("{s:?} is not one of {}", words.join(", ")))
-                })
-            }
-        }
+        word_enum!(
+            $(#[$doc])*
+            #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+            #[serde(rename_all = "snake_case")]
+            $name, $field, { $($variant => $word),+ }
+        );
 
         impl From<$name> for $pb {
             fn from(v: $name) -> Self {
@@ -264,30 +239,33 @@ pub const HARNESS_ADAPTERS: &[(&str, &[&str])] = &[
     ("command", COMMAND_SETTINGS),
 ];
 
+/// The settings of the adapters of agent CLIs (all but OpenHands).
+const AGENT_CLI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+
 /// Settings of the Claude Code adapter (docs/harnesses.md).
-pub const CLAUDE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const CLAUDE_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the Codex CLI adapter (docs/harnesses.md).
-pub const CODEX_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const CODEX_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the Gemini CLI adapter (docs/harnesses.md).
-pub const GEMINI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const GEMINI_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the pi adapter (docs/harnesses.md).
-pub const PI_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const PI_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the opencode adapter (docs/harnesses.md).
-pub const OPENCODE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const OPENCODE_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the goose adapter (docs/harnesses.md).
-pub const GOOSE_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const GOOSE_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the OpenHands CLI adapter (docs/harnesses.md). OpenHands
 /// takes its model from its own settings file, so there is no `model`.
 pub const OPENHANDS_SETTINGS: &[&str] = &["binary", "args", "cwd", "credentials_dir"];
 
 /// Settings of the Aider adapter (docs/harnesses.md).
-pub const AIDER_SETTINGS: &[&str] = &["binary", "model", "args", "cwd", "credentials_dir"];
+pub const AIDER_SETTINGS: &[&str] = AGENT_CLI_SETTINGS;
 
 /// Settings of the templated `command` adapter (docs/harnesses.md).
 pub const COMMAND_SETTINGS: &[&str] = &["start", "resume", "session_regex", "session_lost", "cwd"];

@@ -7,8 +7,6 @@
 //! against the filesystem before it writes or removes anything.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt;
-use std::str::FromStr;
 
 use crate::ValidationError;
 use crate::pb;
@@ -71,38 +69,6 @@ pub fn validate_lay_path(path: &str) -> Result<(), ValidationError> {
 pub struct LaidFiles(BTreeMap<String, Vec<u8>>);
 
 impl LaidFiles {
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// The paths, in order.
-    pub fn paths(&self) -> Vec<String> {
-        self.0.keys().cloned().collect()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &Vec<u8>)> {
-        self.0.iter()
-    }
-
-    pub fn into_inner(self) -> BTreeMap<String, Vec<u8>> {
-        self.0
-    }
-}
-
-impl TryFrom<HashMap<String, Vec<u8>>> for LaidFiles {
-    type Error = ValidationError;
-
-    /// Validates `CreateRunRequest.lay` (or `AttemptSpec.lay`).
-    fn try_from(files: HashMap<String, Vec<u8>>) -> Result<Self, ValidationError> {
-        Self::new(files)
-    }
-}
-
-impl LaidFiles {
     /// Validates path → content pairs.
     pub fn new(
         files: impl IntoIterator<Item = (String, Vec<u8>)>,
@@ -149,51 +115,45 @@ impl LaidFiles {
         }
         Ok(Self(files))
     }
-}
 
-/// The fields of a handoff note the agent may leave out (and the runner
-/// then fills in).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum NoteField {
-    Changed,
-    Checked,
-    Uncertain,
-    Next,
-}
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 
-impl NoteField {
-    pub const ALL: [NoteField; 4] = [Self::Changed, Self::Checked, Self::Uncertain, Self::Next];
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Changed => "changed",
-            Self::Checked => "checked",
-            Self::Uncertain => "uncertain",
-            Self::Next => "next",
-        }
+    /// The paths, in order.
+    pub fn paths(&self) -> Vec<String> {
+        self.0.keys().cloned().collect()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Vec<u8>)> {
+        self.0.iter()
     }
 }
 
-impl fmt::Display for NoteField {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+impl TryFrom<HashMap<String, Vec<u8>>> for LaidFiles {
+    type Error = ValidationError;
+
+    /// Validates `CreateRunRequest.lay` (or `AttemptSpec.lay`).
+    fn try_from(files: HashMap<String, Vec<u8>>) -> Result<Self, ValidationError> {
+        Self::new(files)
     }
 }
 
-impl FromStr for NoteField {
-    type Err = ValidationError;
-    fn from_str(s: &str) -> Result<Self, ValidationError> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.as_str() == s)
-            .ok_or_else(|| {
-                ValidationError::new(
-                    "handoff.composed",
-                    format!("{s:?} is not one of changed, checked, uncertain, next"),
-                )
-            })
+word_enum!(
+    /// The fields of a handoff note the agent may leave out (and the runner
+    /// then fills in).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+    NoteField, "handoff.composed", {
+        Changed => "changed",
+        Checked => "checked",
+        Uncertain => "uncertain",
+        Next => "next",
     }
-}
+);
 
 /// What a handoff note says, validated.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

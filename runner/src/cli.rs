@@ -62,12 +62,13 @@ pub struct CoordinatorArgs {
     pub token: Option<String>,
 }
 
+/// Which workspace a checkpoint is of, and what it leaves out.
 #[derive(Debug, Clone, Args)]
-pub struct CheckpointArgs {
+pub struct WorkspaceArgs {
     #[command(flatten)]
     pub coordinator: CoordinatorArgs,
 
-    /// The workspace directory to checkpoint.
+    /// The workspace directory.
     #[arg(long, default_value = "/workspace")]
     pub root: PathBuf,
 
@@ -75,21 +76,36 @@ pub struct CheckpointArgs {
     #[arg(long, env = "CAIRN_WORKSPACE")]
     pub workspace: String,
 
-    /// Why the checkpoint is cut: turn, pause, end, destroy, interval or manual.
-    #[arg(long, default_value = "manual")]
-    pub reason: String,
-
     /// Where the fingerprint cache lives (outside the workspace).
     #[arg(long, env = "CAIRN_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
 
-    /// Leave out files that git ignores (node_modules, build outputs, …).
+    /// Leave out files that git ignores (node_modules, build outputs, …). A
+    /// watcher then walks the whole workspace at every checkpoint: git's
+    /// rules depend on more than what changed.
     #[arg(long)]
     pub skip_ignored: bool,
 
     /// Leave out paths matching this gitignore-style pattern (repeatable).
     #[arg(long = "exclude", value_name = "PATTERN")]
     pub excludes: Vec<String>,
+}
+
+impl WorkspaceArgs {
+    /// The cache directory, defaulted.
+    pub fn cache_dir(&self) -> PathBuf {
+        self.cache_dir.clone().unwrap_or_else(default_cache_dir)
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckpointArgs {
+    #[command(flatten)]
+    pub target: WorkspaceArgs,
+
+    /// Why the checkpoint is cut: turn, pause, end, destroy, interval or manual.
+    #[arg(long, default_value = "manual")]
+    pub reason: String,
 
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
@@ -104,28 +120,7 @@ pub struct CheckpointArgs {
 #[derive(Debug, Clone, Args)]
 pub struct WatchArgs {
     #[command(flatten)]
-    pub coordinator: CoordinatorArgs,
-
-    /// The workspace directory to watch.
-    #[arg(long, default_value = "/workspace")]
-    pub root: PathBuf,
-
-    /// Workspace id or name.
-    #[arg(long, env = "CAIRN_WORKSPACE")]
-    pub workspace: String,
-
-    /// Where the fingerprint cache lives (outside the workspace).
-    #[arg(long, env = "CAIRN_CACHE_DIR")]
-    pub cache_dir: Option<PathBuf>,
-
-    /// Leave out files that git ignores (every checkpoint then walks the
-    /// whole workspace: git's rules depend on more than what changed).
-    #[arg(long)]
-    pub skip_ignored: bool,
-
-    /// Leave out paths matching this gitignore-style pattern (repeatable).
-    #[arg(long = "exclude", value_name = "PATTERN")]
-    pub excludes: Vec<String>,
+    pub target: WorkspaceArgs,
 
     /// How often to checkpoint (reason interval) when something changed.
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]

@@ -240,14 +240,16 @@ impl Inspector {
     }
 }
 
+/// Git for the tests of this crate: a fixed identity, `main` as the first
+/// branch, and a panic (with git's words) when a command fails.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use std::fs;
+    use std::path::Path;
     use std::process::Command;
 
-    use super::*;
-
-    fn git(dir: &Path, args: &[&str]) -> String {
+    /// Runs `git ARGS` in `dir`; returns its stdout, trimmed.
+    pub fn git(dir: &Path, args: &[&str]) -> String {
         let out = Command::new("git")
             .args([
                 "-c",
@@ -269,10 +271,25 @@ mod tests {
         String::from_utf8(out.stdout).unwrap().trim().to_owned()
     }
 
-    fn commit(dir: &Path, file: &str, content: &str) {
+    /// Writes `content` to `file` in the repository `dir` and commits it
+    /// with `message`; returns the new HEAD.
+    pub fn commit(dir: &Path, file: &str, content: &str, message: &str) -> String {
         fs::write(dir.join(file), content).unwrap();
         git(dir, &["add", file]);
-        git(dir, &["commit", "-qm", file]);
+        git(dir, &["commit", "-qm", message]);
+        git(dir, &["rev-parse", "HEAD"])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::testing::git;
+    use super::*;
+
+    fn commit(dir: &Path, file: &str, content: &str) {
+        super::testing::commit(dir, file, content, file);
     }
 
     #[test]

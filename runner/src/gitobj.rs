@@ -56,11 +56,15 @@ pub fn is_candidate(rel: &[u8], size: u64) -> bool {
 /// re-creates `stored` from it exactly; None when `stored` is not such a
 /// blob.
 pub fn unpack(stored: &[u8]) -> Option<(u8, Vec<u8>)> {
+    let mut inflater = ZlibDecoder::new(stored).take(MAX_CONTENT + 64);
     let mut inflated = Vec::with_capacity(stored.len() * 3);
-    ZlibDecoder::new(stored)
-        .take(MAX_CONTENT + 64)
-        .read_to_end(&mut inflated)
-        .ok()?;
+    // Trees and commits (most loose objects) are told apart by their
+    // header, before anything else is inflated.
+    (&mut inflater).take(5).read_to_end(&mut inflated).ok()?;
+    if inflated != b"blob " {
+        return None;
+    }
+    inflater.read_to_end(&mut inflated).ok()?;
     let nul = inflated.iter().position(|b| *b == 0)?;
     let declared: usize = std::str::from_utf8(inflated[..nul].strip_prefix(b"blob ")?)
         .ok()?

@@ -111,7 +111,7 @@ pub struct RepoFound {
 }
 
 /// The result of a walk.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Scan {
     pub root: PathBuf,
     /// When the walk began; files changed after it are not trusted for caching.
@@ -726,11 +726,10 @@ impl IgnoreScope {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::git::testing::git;
     use std::collections::BTreeMap;
     use std::os::unix::fs::{PermissionsExt, symlink};
-    use std::process::Command;
-
-    use super::*;
 
     /// Every scanned path with a short description of what it is.
     fn listing(scan: &Scan) -> BTreeMap<String, String> {
@@ -760,23 +759,6 @@ mod tests {
 
     fn run(opts: &ScanOptions) -> Scan {
         scan(opts, &|_| {}).unwrap()
-    }
-
-    fn git(dir: &Path, args: &[&str]) {
-        let status = Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@example.com",
-                "-c",
-                "init.defaultBranch=main",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .status()
-            .unwrap();
-        assert!(status.success(), "git {args:?} failed");
     }
 
     #[test]

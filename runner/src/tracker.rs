@@ -125,16 +125,13 @@ impl ChangeTracker {
         })
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
-    /// Walks the workspace, listing only what changed when it can.
+    /// Walks the workspace, listing only what changed when it can. The walk
+    /// is kept (shared, not copied) as the base of the next one.
     pub fn scan(
         &self,
         opts: &ScanOptions,
         on_repo: &(dyn Fn(RepoFound) + Sync),
-    ) -> Result<(Scan, ScanKind), ScanError> {
+    ) -> Result<(Arc<Scan>, ScanKind), ScanError> {
         let Pending { dirty, lost } =
             std::mem::take(&mut *self.pending.lock().expect("pending lock"));
         let previous = self.previous.lock().expect("previous lock").clone();
@@ -161,7 +158,8 @@ impl ChangeTracker {
                 (scan, ScanKind::Full { reason }, Instant::now())
             }
         };
-        *self.previous.lock().expect("previous lock") = Some((Arc::new(scan.clone()), full_at));
+        let scan = Arc::new(scan);
+        *self.previous.lock().expect("previous lock") = Some((scan.clone(), full_at));
         Ok((scan, kind))
     }
 }

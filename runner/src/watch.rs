@@ -36,9 +36,9 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex;
 
 use crate::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport};
-use crate::cli::{CheckpointArgs, OutputFormat, WatchArgs, default_cache_dir};
+use crate::cli::{CheckpointArgs, OutputFormat, WatchArgs};
 use crate::client::Coordinator;
-use crate::scan::{self, ScanOptions};
+use crate::scan;
 use crate::tracker::ChangeTracker;
 
 /// Longest request line accepted on the control socket.
@@ -199,55 +199,37 @@ async fn handle(stream: UnixStream, checkpointer: &Checkpointer) -> io::Result<(
 
 /// `cairn-runner watch`.
 pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
-    let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
-    let root = scan::resolve_root(&args.root)?;
+    let root = scan::resolve_root(&args.target.root)?;
+    let mut options = CheckpointOptions::from_args(args.target, CheckpointReason::Manual);
     let socket = args
         .socket
-        .unwrap_or_else(|| default_socket(&cache_dir, &root));
+        .unwrap_or_else(|| default_socket(&options.cache_dir, &root));
+    std::fs::create_dir_all(&options.cache_dir).with_context(|| {
+        format!(
+            "creating the cache directory {}",
+            options.cache_dir.display()
+        )
+    })?;
+    let cache_dir = std::fs::canonicalize(&options.cache_dir).with_context(|| {
+        format!(
+            "resolving the cache directory {}",
+            options.cache_dir.display()
+        )
+    })?;
+    // The first walk, made now, is what the first checkpoint builds on.
+    let walk = options.scan_options(&root, &cache_dir);
     let full_scan_interval = args.full_scan_interval;
-    std::fs::create_dir_all(&cache_dir)
-        .with_context(|| format!("creating the cache directory {}", cache_dir.display()))?;
-    let cache_dir = std::fs::canonicalize(&cache_dir)
-        .with_context(|| format!("resolving the cache directory {}", cache_dir.display()))?;
-    let tracker = {
-        // The first walk, made now, is what the first checkpoint builds on.
-        let walk = ScanOptions {
-            root: root.clone(),
-            skip_ignored: args.skip_ignored,
-            excludes: args.excludes.clone(),
-            exclude_paths: vec![cache_dir.clone()],
-        };
-        tokio::task::spawn_blocking(move || -> anyhow::Result<ChangeTracker> {
-            let tracker = ChangeTracker::start(&walk.root, full_scan_interval)?;
-            tracker.scan(&walk, &|_| {})?;
-            Ok(tracker)
-        })
-        .await
-        .context("starting the change tracker")??
-    };
-    let baseline = newest_checkpoint(
-        &args.coordinator.coordinator,
-        args.coordinator.token.as_deref(),
-        &args.workspace,
-    )
-    .await?;
+    let tracker = tokio::task::spawn_blocking(move || -> anyhow::Result<ChangeTracker> {
+        let tracker = ChangeTracker::start(&walk.root, full_scan_interval)?;
+        tracker.scan(&walk, &|_| {})?;
+        Ok(tracker)
+    })
+    .await
+    .context("starting the change tracker")??;
+    options.tracker = Some(Arc::new(tracker));
+    let baseline = newest_checkpoint(&options).await?;
     let listener = bind(&socket)?;
-    let checkpointer = Arc::new(Checkpointer::new(
-        CheckpointOptions {
-            coordinator: args.coordinator.coordinator,
-            token: args.coordinator.token,
-            workspace: args.workspace,
-            root: root.clone(),
-            reason: CheckpointReason::Manual,
-            cache_dir,
-            skip_ignored: args.skip_ignored,
-            excludes: args.excludes,
-            generation: 0,
-            harness: None,
-            tracker: Some(Arc::new(tracker)),
-        },
-        baseline,
-    ));
+    let checkpointer = Arc::new(Checkpointer::new(options, baseline));
     tracing::info!(
         root = %root.display(),
         socket = %socket.display(),
@@ -262,17 +244,14 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
 
 /// The workspace's newest checkpoint, which the first interval checkpoint
 /// is compared with (None: it has none, so the first one is cut).
-async fn newest_checkpoint(
-    address: &str,
-    token: Option<&str>,
-    workspace: &str,
-) -> anyhow::Result<Option<Baseline>> {
-    let coordinator = Coordinator::connect(address, token).await?;
+async fn newest_checkpoint(options: &CheckpointOptions) -> anyhow::Result<Option<Baseline>> {
+    let workspace = &options.workspace;
+    let coordinator = Coordinator::connect(&options.coordinator, options.token.as_deref()).await?;
     let listed = coordinator
         .checkpoints
         .clone()
         .list_checkpoints(pb::ListCheckpointsRequest {
-            workspace: workspace.to_owned(),
+            workspace: workspace.clone(),
             page_size: 1,
             page_token: String::new(),
         })
@@ -338,9 +317,8 @@ pub fn socket_for(args: &CheckpointArgs) -> Option<(PathBuf, bool)> {
     if let Some(socket) = &args.socket {
         return Some((socket.clone(), true));
     }
-    let cache_dir = args.cache_dir.clone().unwrap_or_else(default_cache_dir);
-    let root = scan::resolve_root(&args.root).ok()?;
-    let socket = default_socket(&cache_dir, &root);
+    let root = scan::resolve_root(&args.target.root).ok()?;
+    let socket = default_socket(&args.target.cache_dir(), &root);
     socket.exists().then_some((socket, false))
 }
 
@@ -361,7 +339,7 @@ pub async fn ask(socket: &Path, args: &CheckpointArgs) -> anyhow::Result<bool> {
     };
     let (read, mut write) = stream.into_split();
     let mut request = serde_json::to_vec(&Request {
-        workspace: args.workspace.clone(),
+        workspace: args.target.workspace.clone(),
         reason: args.reason.clone(),
     })?;
     request.push(b'\n');

@@ -142,26 +142,25 @@ impl Kind {
                     )
                 })
         };
-        let lines = |text: &str| -> Vec<Value> {
-            text.lines()
+        // A JSON-lines transcript, and the records among its lines.
+        let transcript = |text: String, record: &dyn Fn(&Value) -> Option<Value>| {
+            let records = text
+                .lines()
                 .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                .collect()
+                .filter_map(|v| record(&v))
+                .collect();
+            Conversation { text, records }
         };
         match self {
-            Self::Codex => {
-                let text = file(&|path, _| {
+            Self::Codex => transcript(
+                file(&|path, _| {
                     path.starts_with(".cairn/state/codex/sessions/")
                         && path.ends_with(&format!("-{session}.jsonl"))
-                });
-                let records = lines(&text)
-                    .into_iter()
-                    .filter(|v| v["type"] == "cairn_double")
-                    .map(|v| v["payload"].clone())
-                    .collect();
-                Conversation { text, records }
-            }
-            Self::Gemini => {
-                let text = file(&|path, content| {
+                }),
+                &|v| (v["type"] == "cairn_double").then(|| v["payload"].clone()),
+            ),
+            Self::Gemini => transcript(
+                file(&|path, content| {
                     path.starts_with(".cairn/state/gemini/.gemini/tmp/app/chats/session-")
                         && path.ends_with(&format!("-{}.jsonl", &session[..8]))
                         && String::from_utf8_lossy(content)
@@ -169,25 +168,19 @@ impl Kind {
                             .next()
                             .and_then(|l| serde_json::from_str::<Value>(l).ok())
                             .is_some_and(|v| v["sessionId"] == session)
-                });
-                let records = lines(&text)
-                    .into_iter()
-                    .filter(|v| v["type"] == "cairn_double")
-                    .collect();
-                Conversation { text, records }
-            }
-            Self::Pi => {
-                let text = file(&|path, _| {
+                }),
+                &|v| (v["type"] == "cairn_double").then(|| v.clone()),
+            ),
+            Self::Pi => transcript(
+                file(&|path, _| {
                     path.starts_with(".cairn/state/pi/sessions/--")
                         && path.ends_with(&format!("_{session}.jsonl"))
-                });
-                let records = lines(&text)
-                    .into_iter()
-                    .filter(|v| v["type"] == "custom" && v["customType"] == "cairn_double")
-                    .map(|v| v["data"].clone())
-                    .collect();
-                Conversation { text, records }
-            }
+                }),
+                &|v| {
+                    (v["type"] == "custom" && v["customType"] == "cairn_double")
+                        .then(|| v["data"].clone())
+                },
+            ),
             Self::OpenHands => {
                 let events = format!(".cairn/state/openhands/conversations/{session}/events/");
                 let texts: Vec<String> = files
@@ -284,10 +277,9 @@ impl Kind {
     /// The arguments of a turn that opens a conversation with `message`
     /// (`session` names it where the arguments do).
     fn start_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
-        let own = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
         match self {
-            Self::Codex => own(&["exec", message, "--json"]),
-            Self::Gemini => own(&[
+            Self::Codex => strings(&["exec", message, "--json"]),
+            Self::Gemini => strings(&[
                 "-p",
                 message,
                 "--output-format",
@@ -295,13 +287,13 @@ impl Kind {
                 "--session-id",
                 session,
             ]),
-            Self::Pi => own(&["--mode", "json", "--session", &s.pi_file(session), message]),
-            Self::Opencode => own(&["run", message, "--format", "json"]),
-            Self::Goose => own(&["run", "-t", message, "--output-format", "stream-json"]),
-            Self::OpenHands => own(&["--headless", "--json", "-t", message]),
+            Self::Pi => strings(&["--mode", "json", "--session", &s.pi_file(session), message]),
+            Self::Opencode => strings(&["run", message, "--format", "json"]),
+            Self::Goose => strings(&["run", "-t", message, "--output-format", "stream-json"]),
+            Self::OpenHands => strings(&["--headless", "--json", "-t", message]),
             Self::Aider => {
                 let state = |f: &str| s.root.join(".cairn/state/aider").join(f);
-                own(&[
+                strings(&[
                     "--chat-history-file",
                     state(".aider.chat.history.md").to_str().unwrap(),
                     "--input-history-file",
@@ -319,10 +311,9 @@ impl Kind {
 
     /// The arguments of a turn that continues conversation `session`.
     fn resume_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
-        let own = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
         match self {
-            Self::Codex => own(&["exec", "resume", session, message, "--json"]),
-            Self::Gemini => own(&[
+            Self::Codex => strings(&["exec", "resume", session, message, "--json"]),
+            Self::Gemini => strings(&[
                 "-p",
                 message,
                 "--output-format",
@@ -332,8 +323,8 @@ impl Kind {
             ]),
             // pi is given the conversation's file, as for its first turn.
             Self::Pi => self.start_args(s, session, message),
-            Self::Opencode => own(&["run", "-s", session, message, "--format", "json"]),
-            Self::Goose => own(&[
+            Self::Opencode => strings(&["run", "-s", session, message, "--format", "json"]),
+            Self::Goose => strings(&[
                 "run",
                 "--resume",
                 "--session-id",
@@ -343,10 +334,17 @@ impl Kind {
                 "--output-format",
                 "stream-json",
             ]),
-            Self::OpenHands => own(&["--headless", "--json", "-t", message, "--resume", session]),
+            Self::OpenHands => {
+                strings(&["--headless", "--json", "-t", message, "--resume", session])
+            }
             Self::Aider => unreachable!("aider does not resume"),
         }
     }
+}
+
+/// Owned copies of `args`.
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| a.to_string()).collect()
 }
 
 /// Runs `sql` (with `params`) on a copy of the SQLite database `db` as
@@ -423,6 +421,29 @@ impl Sandbox {
     /// Runs one attempt; `shutdown` plays the host's SIGTERM.
     async fn run_until(&self, shutdown: CancellationToken) -> Finished {
         self.harnessed.run(shutdown).await.unwrap()
+    }
+
+    /// Runs the first attempt, with PROMPT, until its question goes
+    /// unanswered and the host stops the sandbox; returns the conversation.
+    async fn stop_at_the_question(&self) -> String {
+        self.next(self.attempt(1, PROMPT));
+        let shutdown = stop_once_waiting(&self.fake);
+        assert_eq!(self.run_until(shutdown).await, Finished::Interrupted);
+        self.fake.sessions().pop().expect("a session was reported")
+    }
+
+    /// On "another host" (the workspace wiped, to be restored at the same
+    /// root), runs the second attempt: it continues `session` with the
+    /// answer "recall codeword".
+    async fn answer_on_another_host(&self, session: &str) {
+        fs::remove_dir_all(&self.root).unwrap();
+        let mut second = self.attempt(2, PROMPT);
+        second.inputs = vec![input(2, "answer", "recall codeword")];
+        second.resume_session_id = session.to_owned();
+        second.prompt_delivered = true;
+        second.question = "Which colour should the button be?".into();
+        self.next(second);
+        assert_eq!(self.run().await, Finished::Succeeded);
     }
 
     /// Conversation `session` in the newest checkpoint.
@@ -578,20 +599,8 @@ async fn another_host_resumes_the_conversation(kind: Kind) {
         return another_host_gets_a_lossy_briefing(kind).await;
     }
     let s = Sandbox::new(kind);
-    s.next(s.attempt(1, PROMPT));
-    // The question goes unanswered; the host stops the sandbox.
-    let shutdown = stop_once_waiting(&s.fake);
-    assert_eq!(s.run_until(shutdown).await, Finished::Interrupted);
-    let session = s.fake.sessions().pop().expect("a session was reported");
-
-    fs::remove_dir_all(&s.root).unwrap();
-    let mut second = s.attempt(2, PROMPT);
-    second.inputs = vec![input(2, "answer", "recall codeword")];
-    second.resume_session_id = session.clone();
-    second.prompt_delivered = true;
-    second.question = "Which colour should the button be?".into();
-    s.next(second);
-    assert_eq!(s.run().await, Finished::Succeeded);
+    let session = s.stop_at_the_question().await;
+    s.answer_on_another_host(&session).await;
 
     assert_eq!(
         s.fake.sessions(),
@@ -759,10 +768,7 @@ async fn the_wal_travels_with_the_checkpoint(kind: Kind) {
     let db = kind.database().expect("a SQLite-backed harness");
     let wal = format!("{db}-wal");
     let s = Sandbox::new(kind);
-    s.next(s.attempt(1, PROMPT));
-    let shutdown = stop_once_waiting(&s.fake);
-    assert_eq!(s.run_until(shutdown).await, Finished::Interrupted);
-    let session = s.fake.sessions().pop().expect("a session was reported");
+    let session = s.stop_at_the_question().await;
 
     let pause = s.store.committed().into_iter().next().unwrap();
     assert_eq!(pause.reason, CheckpointReason::Pause);
@@ -779,14 +785,7 @@ async fn the_wal_travels_with_the_checkpoint(kind: Kind) {
     );
     assert_eq!(kind.user_messages(&pause.files, &session), [PROMPT]);
 
-    fs::remove_dir_all(&s.root).unwrap();
-    let mut second = s.attempt(2, PROMPT);
-    second.inputs = vec![input(2, "answer", "recall codeword")];
-    second.resume_session_id = session.clone();
-    second.prompt_delivered = true;
-    second.question = "Which colour should the button be?".into();
-    s.next(second);
-    assert_eq!(s.run().await, Finished::Succeeded);
+    s.answer_on_another_host(&session).await;
     assert_eq!(
         s.fake.outcome().summary,
         "the codeword was PELICAN",

@@ -12,6 +12,7 @@ use std::time::Duration;
 use attempt_support::*;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
+use cairn_runner::host::process::read_stat;
 use cairn_runner::run::{self, Finished};
 use sha2::Digest as _;
 use tokio_util::sync::CancellationToken;
@@ -32,6 +33,11 @@ impl Harnessed {
     fn claude(&self) -> pb::HarnessSpec {
         self.harness("claude", DEMO)
     }
+
+    /// Runs one attempt to its end, with no SIGTERM on the way.
+    async fn run_to_end(&self) -> Finished {
+        self.run(CancellationToken::new()).await.unwrap()
+    }
 }
 
 const PROMPT: &str = "The codeword is PELICAN.\n\
@@ -47,7 +53,7 @@ async fn a_turn_asks_waits_and_resumes_the_same_conversation_with_the_answer() {
     h.next(h.attempt(1, PROMPT, h.claude()));
     h.answer(vec![input(2, "answer", "Blue.\nrecall codeword")]);
 
-    let finished = h.run(CancellationToken::new()).await.unwrap();
+    let finished = h.run_to_end().await;
     assert_eq!(finished, Finished::Succeeded);
 
     let calls = h.fake.calls();
@@ -217,10 +223,7 @@ async fn a_suspended_run_resumes_after_a_restore_and_recalls_the_first_turn() {
     second.question = "Which colour should the button be?".into();
     h.next(second);
 
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     assert_eq!(
         h.fake.progress(AttemptPhase::Restoring),
         [Call::Progress {
@@ -254,10 +257,7 @@ async fn a_lost_conversation_is_replaced_by_a_briefed_one() {
     spec.question = "What should I remember?".into();
     h.next(spec);
 
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     let running = h.fake.details(AttemptPhase::Running);
     assert!(
         running.contains(&format!(
@@ -313,10 +313,7 @@ async fn periodic_checkpoints_are_cut_only_when_something_changed() {
     )));
     h.next(spec);
 
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     let committed = h.store.committed();
     let intervals: Vec<&Snapshot> = committed
         .iter()
@@ -390,10 +387,7 @@ async fn the_command_adapter_drives_a_templated_harness_through_a_question() {
     h.next(h.attempt(1, PROMPT, command));
     h.answer(vec![input(2, "answer", "recall codeword")]);
 
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     let sessions = h.fake.sessions();
     assert_eq!(sessions.len(), 1, "the regex found the conversation once");
     assert!(sessions.iter().all(|s| s.len() == 36));
@@ -427,10 +421,7 @@ health = { command = "test -s sleeper.pid", interval = "50ms" }
     )
     .unwrap();
     h.next(h.attempt(1, "edit a.txt one", h.claude()));
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     let preparing = h.fake.details(AttemptPhase::Preparing);
     assert!(
         preparing
@@ -443,7 +434,7 @@ health = { command = "test -s sleeper.pid", interval = "50ms" }
         .trim()
         .parse()
         .unwrap();
-    let alive = fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+    let alive = read_stat(pid).is_some_and(|s| !s.is_zombie());
     assert!(!alive, "the service outlived its attempt");
     let end = h.store.committed().pop().unwrap();
     assert!(end.files.contains_key(".cairn/services.toml"));
@@ -462,10 +453,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
         "edit a.txt one\nfail the licence server is down",
         h.claude(),
     ));
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Failed
-    );
+    assert_eq!(h.run_to_end().await, Finished::Failed);
     let outcome = h.fake.outcome();
     assert_eq!(outcome.outcome, pb::Outcome::Failed as i32);
     assert_eq!(outcome.error, "the licence server is down");
@@ -481,10 +469,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
         .config
         .insert("binary".into(), "/nonexistent/claude".into());
     h.next(h.attempt(1, "hello", missing));
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Failed
-    );
+    assert_eq!(h.run_to_end().await, Finished::Failed);
     assert!(
         h.fake
             .outcome()
@@ -503,10 +488,7 @@ async fn a_failing_harness_fails_the_run_with_its_reason() {
             config: Default::default(),
         },
     ));
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Failed
-    );
+    assert_eq!(h.run_to_end().await, Finished::Failed);
     let error = h.fake.outcome().error;
     assert!(
         error.starts_with("unknown harness \"nonesuch\" (this runner has: claude, codex, "),
@@ -555,10 +537,7 @@ async fn a_new_station_clears_leftovers_lays_its_files_is_briefed_and_ends_with_
     }];
     h.next(spec);
 
-    assert_eq!(
-        h.run(CancellationToken::new()).await.unwrap(),
-        Finished::Succeeded
-    );
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
     assert_eq!(
         h.fake.details(AttemptPhase::Preparing),
         [

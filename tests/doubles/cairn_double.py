@@ -1,7 +1,7 @@
 """Shared by the test doubles (codex, gemini, pi, opencode, goose, openhands,
 aider): the demo agent's directives, the record of credentials a turn saw,
-and, for the SQLite-backed doubles, a database kept in WAL mode whose WAL
-is left in place when the process ends.
+refusing to run, and, for the SQLite-backed doubles, a database kept in WAL
+mode whose WAL is left in place when the process ends.
 
 commit <path> <text>   write text to path, git add + commit (in the cwd)
 edit <path> <text>     append text to path (left uncommitted)
@@ -106,18 +106,6 @@ def summary(said):
     return "; ".join(said) if said else "nothing to do: the message had no directives"
 
 
-def credentials_seen(directory, files):
-    """Which credential files exist at their documented place: path and the
-    SHA-256 of the content (never the content)."""
-    seen = {}
-    for name in files:
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                seen[name] = {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
-    return seen
-
-
 def credential_seen(path):
     """The record of one credential file at `path`, if it is there: path
     and SHA-256 (never the content)."""
@@ -125,6 +113,13 @@ def credential_seen(path):
         return None
     with open(path, "rb") as f:
         return {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def credentials_seen(directory, files):
+    """Which credential files (paths relative to `directory`) exist at their
+    documented place, each with its record (see credential_seen)."""
+    seen = {name: credential_seen(os.path.join(directory, name)) for name in files}
+    return {name: record for name, record in seen.items() if record}
 
 
 def open_wal(path, schema):
@@ -140,6 +135,12 @@ def open_wal(path, schema):
     db.execute("PRAGMA wal_autocheckpoint=0")
     db.executescript(schema)
     return db
+
+
+def fail(message, code=1):
+    """Says why on stderr and ends the process with `code` (see leave)."""
+    print(message, file=sys.stderr)
+    leave(code)
 
 
 def leave(code):

@@ -3,7 +3,7 @@
 //! harness gives its messages back; the next run at the station takes them
 //! and its agent (the demo agent) hears them.
 
-use cairn_e2e::fleet::{Fleet, HostOptions, codeword, describe_run, state_of};
+use cairn_e2e::fleet::{Fleet, HostOptions, codeword, describe_run, on_workspace, state_of};
 use cairn_proto::pb;
 use cairn_proto::runs::RunState;
 
@@ -18,23 +18,12 @@ fn messages(fleet: &Fleet, workspace: &str) -> Vec<pb::Message> {
         .messages
 }
 
-fn on_workspace(mut request: pb::CreateRunRequest, workspace: &str) -> pb::CreateRunRequest {
-    request.target = Some(pb::create_run_request::Target::Workspace(
-        workspace.to_owned(),
-    ));
-    request
-}
-
 #[test]
 fn chat_message_given_back_by_a_run_that_never_started_its_harness_is_heard_by_the_next() {
     let mut fleet = Fleet::start();
     fleet.start_host("a", HostOptions::default());
+    fleet.coordinator.create_workspace("chat");
     let mut client = fleet.block_on(fleet.coordinator.admin()).workspaces;
-    fleet
-        .block_on(client.create_workspace(pb::CreateWorkspaceRequest {
-            name: "chat".into(),
-        }))
-        .unwrap_or_else(|s| panic!("CreateWorkspace failed: {s}"));
 
     // No run yet: the message waits on the workspace.
     let sent = fleet

@@ -6,9 +6,8 @@
 //! recording script), which forks a conversation the way Claude Code does:
 //! a copy of the transcript under a new session id.
 
-use cairn_e2e::fleet::{Fleet, HostOptions, codeword};
+use cairn_e2e::fleet::{Fleet, HostOptions, codeword, on_workspace};
 use cairn_e2e::{json_str, tempdir};
-use cairn_proto::pb;
 use cairn_proto::runs::RunState;
 
 #[test]
@@ -54,10 +53,8 @@ fn a_fork_of_three_goes_three_ways_and_each_remembers_the_conversation() {
     // A different follow-up on each.
     let mut runs = Vec::new();
     for (i, fork) in forks.iter().enumerate() {
-        let mut request =
-            fleet.run_request("", &format!("commit b{i}.txt fork {i}\nrecall codeword"));
-        request.target = Some(pb::create_run_request::Target::Workspace(fork.clone()));
-        runs.push(fleet.create_run(request).id);
+        let request = fleet.run_request("", &format!("commit b{i}.txt fork {i}\nrecall codeword"));
+        runs.push(fleet.create_run(on_workspace(request, fork)).id);
     }
     let mut sessions = Vec::new();
     for (i, (fork, run_id)) in forks.iter().zip(&runs).enumerate() {

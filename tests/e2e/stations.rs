@@ -14,7 +14,7 @@
 use std::fs;
 use std::path::Path;
 
-use cairn_e2e::fleet::{AgentTurn, Fleet, HostOptions, describe_run};
+use cairn_e2e::fleet::{AgentTurn, Fleet, HostOptions, describe_run, on_workspace};
 use cairn_e2e::{git, tempdir, write};
 use cairn_proto::pb;
 use cairn_proto::runs::RunState;
@@ -53,7 +53,7 @@ fn push_a_fix(repo: &Path, file: &str, subject: &str) -> String {
     git(repo, &["add", file]);
     git(repo, &["commit", "-qm", subject]);
     git(repo, &["push", "-q", "origin", "HEAD:main"]);
-    git(repo, &["rev-parse", "HEAD"]).trim().to_owned()
+    head_of(repo)
 }
 
 fn run_at(
@@ -69,13 +69,6 @@ fn run_at(
         .iter()
         .map(|(path, content)| ((*path).to_owned(), content.as_bytes().to_vec()))
         .collect();
-    request
-}
-
-fn on_workspace(mut request: pb::CreateRunRequest, workspace: &str) -> pb::CreateRunRequest {
-    request.target = Some(pb::create_run_request::Target::Workspace(
-        workspace.to_owned(),
-    ));
     request
 }
 
@@ -102,6 +95,18 @@ fn notes(fleet: &Fleet, workspace: &str) -> Vec<Value> {
 
 fn head_of(repo: &Path) -> String {
     git(repo, &["rev-parse", "HEAD"]).trim().to_owned()
+}
+
+/// Each of `steps` is a line of the run's (only) attempt's prepare step.
+#[track_caller]
+fn assert_prepared(run: &pb::Run, steps: &[String]) {
+    let prepare = &run.attempts[0].prepare;
+    for step in steps {
+        assert!(
+            prepare.contains(step),
+            "no {step:?} in the prepare step: {prepare:?}"
+        );
+    }
 }
 
 #[test]
@@ -132,12 +137,11 @@ fn a_station_handover_clears_leftovers_fast_forwards_and_briefs_a_new_conversati
         turn.workspace.join(IMPLEMENT_SKILL).is_file(),
         "the implement skill was laid before the agent started"
     );
-    assert!(
-        first.attempts[0].prepare.contains(&format!(
+    assert_prepared(
+        &first,
+        &[format!(
             "laid 1 file for station implement: {IMPLEMENT_SKILL}"
-        )),
-        "{}",
-        describe_run(&first)
+        )],
     );
     let listed = notes(&fleet, "task");
     assert_eq!(listed.len(), 1, "{listed:#?}");
@@ -181,22 +185,19 @@ fn a_station_handover_clears_leftovers_fast_forwards_and_briefs_a_new_conversati
         "task",
     ));
     let second = fleet.wait_for_state(&second.id, RunState::Succeeded);
-    let prepare = &second.attempts[0].prepare;
-    for step in [
-        "cleared 1 file laid by station implement, an outcome file left by an earlier agent"
-            .to_owned(),
-        format!(
-            "app: fast-forwarded main 1 commit ({}..{})",
-            &agents_commit[..7],
-            &fix[..7]
-        ),
-        format!("laid 1 file for station review: {REVIEW_SKILL}"),
-    ] {
-        assert!(
-            prepare.contains(&step),
-            "no {step:?} in the prepare step: {prepare:?}"
-        );
-    }
+    assert_prepared(
+        &second,
+        &[
+            "cleared 1 file laid by station implement, an outcome file left by an earlier agent"
+                .to_owned(),
+            format!(
+                "app: fast-forwarded main 1 commit ({}..{})",
+                &agents_commit[..7],
+                &fix[..7]
+            ),
+            format!("laid 1 file for station review: {REVIEW_SKILL}"),
+        ],
+    );
     assert_ne!(
         second.harness_session_id, first.harness_session_id,
         "a new station opens a new conversation"
@@ -270,17 +271,14 @@ fn a_station_handover_clears_leftovers_fast_forwards_and_briefs_a_new_conversati
         "task",
     ));
     let third = fleet.wait_for_state(&third.id, RunState::Succeeded);
-    let prepare = &third.attempts[0].prepare;
-    for step in [
-        "cleared 1 file laid by station review".to_owned(),
-        "app: left as it is: main has diverged from origin/main (1 local, 1 remote commits)"
-            .to_owned(),
-    ] {
-        assert!(
-            prepare.contains(&step),
-            "no {step:?} in the prepare step: {prepare:?}"
-        );
-    }
+    assert_prepared(
+        &third,
+        &[
+            "cleared 1 file laid by station review".to_owned(),
+            "app: left as it is: main has diverged from origin/main (1 local, 1 remote commits)"
+                .to_owned(),
+        ],
+    );
     let turn = only_turn(&fleet, &third);
     assert_eq!(
         head_of(&turn.workspace.join("app")),

@@ -230,13 +230,9 @@ impl Fleet {
         })
     }
 
-    fn block<F: std::future::Future>(&self, future: F) -> F::Output {
-        self.runtime.block_on(future)
-    }
-
-    /// Runs `future` (a gRPC call of a test) on the fleet's runtime.
+    /// Runs `future` (a gRPC call) on the fleet's runtime.
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
-        self.block(future)
+        self.runtime.block_on(future)
     }
 
     // -- the recorded agent -------------------------------------------------
@@ -326,14 +322,14 @@ exec '{agent}' "$@"
 
     pub fn create_run(&self, request: pb::CreateRunRequest) -> pb::Run {
         let mut runs = self.runs.clone();
-        self.block(runs.create_run(request))
+        self.block_on(runs.create_run(request))
             .unwrap_or_else(|s| panic!("CreateRun failed: {s}"))
             .into_inner()
     }
 
     pub fn get_run(&self, run_id: &str) -> pb::Run {
         let mut runs = self.runs.clone();
-        self.block(runs.get_run(pb::GetRunRequest {
+        self.block_on(runs.get_run(pb::GetRunRequest {
             run_id: run_id.to_owned(),
         }))
         .unwrap_or_else(|s| panic!("GetRun {run_id} failed: {s}"))
@@ -343,7 +339,7 @@ exec '{agent}' "$@"
     /// The run's events so far, oldest first.
     pub fn events(&self, run_id: &str) -> Vec<pb::RunEvent> {
         let mut runs = self.runs.clone();
-        self.block(async {
+        self.block_on(async {
             let mut stream = runs
                 .watch_run_events(pb::WatchRunEventsRequest {
                     run_id: run_id.to_owned(),
@@ -367,7 +363,7 @@ exec '{agent}' "$@"
 
     pub fn answer(&self, run_id: &str, text: &str) -> Result<pb::Run, tonic::Status> {
         let mut runs = self.runs.clone();
-        self.block(runs.answer_run(pb::AnswerRunRequest {
+        self.block_on(runs.answer_run(pb::AnswerRunRequest {
             run_id: run_id.to_owned(),
             text: text.to_owned(),
         }))
@@ -376,7 +372,7 @@ exec '{agent}' "$@"
 
     pub fn cancel(&self, run_id: &str) -> pb::Run {
         let mut runs = self.runs.clone();
-        self.block(runs.cancel_run(pb::CancelRunRequest {
+        self.block_on(runs.cancel_run(pb::CancelRunRequest {
             run_id: run_id.to_owned(),
             reason: "the test is done with it".into(),
         }))
@@ -493,7 +489,7 @@ exec '{agent}' "$@"
 
     pub fn list_hosts(&self) -> Vec<pb::Host> {
         let mut admin = self.admin.clone();
-        self.block(admin.list_hosts(pb::ListHostsRequest {}))
+        self.block_on(admin.list_hosts(pb::ListHostsRequest {}))
             .unwrap_or_else(|s| panic!("ListHosts failed: {s}"))
             .into_inner()
             .hosts
@@ -526,21 +522,21 @@ exec '{agent}' "$@"
 
     pub fn cordon(&self, name: &str) -> pb::Host {
         let mut admin = self.admin.clone();
-        self.block(admin.cordon_host(pb::HostRequest { host: name.into() }))
+        self.block_on(admin.cordon_host(pb::HostRequest { host: name.into() }))
             .unwrap_or_else(|s| panic!("CordonHost {name} failed: {s}"))
             .into_inner()
     }
 
     pub fn uncordon(&self, name: &str) -> pb::Host {
         let mut admin = self.admin.clone();
-        self.block(admin.uncordon_host(pb::HostRequest { host: name.into() }))
+        self.block_on(admin.uncordon_host(pb::HostRequest { host: name.into() }))
             .unwrap_or_else(|s| panic!("UncordonHost {name} failed: {s}"))
             .into_inner()
     }
 
     pub fn drain(&self, name: &str) -> pb::Host {
         let mut admin = self.admin.clone();
-        self.block(admin.drain_host(pb::HostRequest { host: name.into() }))
+        self.block_on(admin.drain_host(pb::HostRequest { host: name.into() }))
             .unwrap_or_else(|s| panic!("DrainHost {name} failed: {s}"))
             .into_inner()
     }
@@ -548,7 +544,7 @@ exec '{agent}' "$@"
     /// A new token of `scope` ("client" or "host").
     pub fn create_token(&self, scope: &str) -> String {
         let mut admin = self.admin.clone();
-        self.block(admin.create_token(pb::CreateTokenRequest {
+        self.block_on(admin.create_token(pb::CreateTokenRequest {
             scope: scope.into(),
             description: "cairn-e2e".into(),
         }))
@@ -603,6 +599,14 @@ impl Drop for Fleet {
         // Hosts before the coordinator (fields drop in order, but say it).
         self.hosts.clear();
     }
+}
+
+/// `request` aimed at the existing workspace `workspace` (id or name).
+pub fn on_workspace(mut request: pb::CreateRunRequest, workspace: &str) -> pb::CreateRunRequest {
+    request.target = Some(pb::create_run_request::Target::Workspace(
+        workspace.to_owned(),
+    ));
+    request
 }
 
 /// The run's state, if it is a known one.

@@ -328,14 +328,15 @@ fn note_text(n: &pb::HandoffNote) -> String {
         output::when(time_of!(n.created_at)),
         n.harness
     );
-    for (label, field, value) in [
-        ("summary", "", &text.summary),
-        ("changed", "changed", &text.changed),
-        ("checked", "checked", &text.checked),
-        ("uncertain", "uncertain", &text.uncertain),
-        ("next", "next", &text.next),
+    for (label, value) in [
+        ("summary", &text.summary),
+        ("changed", &text.changed),
+        ("checked", &text.checked),
+        ("uncertain", &text.uncertain),
+        ("next", &text.next),
     ] {
-        let by_runner = !field.is_empty() && text.composed.iter().any(|c| c == field);
+        // `composed` names the fields the runner filled in (never the summary).
+        let by_runner = text.composed.iter().any(|c| c == label);
         let mut lines = value.lines();
         out.push_str(&format!(
             "  {:<10} {}{}\n",

@@ -9,13 +9,16 @@
 use std::time::SystemTime;
 
 use cairn_proto::ids::{RunId, TenantId, WorkspaceId};
-use cairn_proto::runs::RunState;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-use super::runs::{EventDraft, Run, add_event, event_reason, load_run, next_input_id, transition};
+use super::runs::{
+    EventDraft, InputNews, Run, add_event, add_input, event_reason, hand_on_input, load_run,
+};
 use super::workspaces::ensure_active_workspace;
-use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, unsigned};
+use super::{
+    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
+};
 
 /// The kind of the inputs chat messages become (`RunInput.kind`).
 pub const MESSAGE_INPUT: &str = "message";
@@ -57,9 +60,7 @@ fn message_from_row(row: &SqliteRow) -> Result<Message, DbError> {
     let state = match run {
         None => MessageState::Pending,
         Some(run) => {
-            let run = run
-                .parse::<RunId>()
-                .map_err(|e| DbError::Corrupt(format!("message run id {run:?}: {e}")))?;
+            let run: RunId = parse_column(&run, "message run id")?;
             if consumed.is_some() {
                 MessageState::Heard(run)
             } else {
@@ -70,9 +71,7 @@ fn message_from_row(row: &SqliteRow) -> Result<Message, DbError> {
     let workspace: String = row.try_get("workspace_id").map_err(read)?;
     Ok(Message {
         id: unsigned(row.try_get("id").map_err(read)?, "message id")?,
-        workspace_id: workspace
-            .parse()
-            .map_err(|e| DbError::Corrupt(format!("message workspace id {workspace:?}: {e}")))?,
+        workspace_id: parse_column(&workspace, "message workspace id")?,
         station: row.try_get("station").map_err(read)?,
         text: row.try_get("text").map_err(read)?,
         created_at: from_millis(row.try_get("created_at").map_err(read)?),
@@ -94,24 +93,18 @@ async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
     message_from_row(&row)
 }
 
-/// Makes message `message` an input of `run`.
-async fn deliver(tx: &mut WriteTx, run: &Run, message: i64, now: i64) -> Result<(), DbError> {
-    let next = next_input_id(tx, &run.id).await?;
-    sqlx::query(
-        "INSERT INTO run_inputs (run_id, id, kind, text, created_at)
-         SELECT $1, $2, $3, text, $4 FROM workspace_messages WHERE id = $5",
-    )
-    .bind(run.id.as_str())
-    .bind(next)
-    .bind(MESSAGE_INPUT)
-    .bind(now)
-    .bind(message)
-    .execute(tx.conn())
-    .await
-    .map_err(query_error("insert message input"))?;
+/// Makes message `message` (saying `text`) an input of `run`.
+async fn deliver(
+    tx: &mut WriteTx,
+    run: &Run,
+    message: i64,
+    text: &str,
+    now: i64,
+) -> Result<(), DbError> {
+    let input = add_input(tx, &run.id, MESSAGE_INPUT, text, now).await?;
     sqlx::query("UPDATE workspace_messages SET run_id = $1, input_id = $2 WHERE id = $3")
         .bind(run.id.as_str())
-        .bind(next)
+        .bind(input)
         .bind(message)
         .execute(tx.conn())
         .await
@@ -126,8 +119,8 @@ pub(super) async fn attach_pending_messages(
     run: &Run,
     now: i64,
 ) -> Result<(), DbError> {
-    let pending: Vec<i64> = sqlx::query_scalar(
-        "SELECT id FROM workspace_messages
+    let pending: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT id, text FROM workspace_messages
          WHERE workspace_id = $1 AND station = $2 AND run_id IS NULL ORDER BY id",
     )
     .bind(run.workspace_id.as_str())
@@ -138,8 +131,8 @@ pub(super) async fn attach_pending_messages(
     if pending.is_empty() {
         return Ok(());
     }
-    for id in &pending {
-        deliver(tx, run, *id, now).await?;
+    for (id, text) in &pending {
+        deliver(tx, run, *id, text, now).await?;
     }
     let detail = format!(
         "{} pending message{} of the workspace",
@@ -192,6 +185,9 @@ pub(super) async fn note_unheard_messages(
     number: u32,
     now: i64,
 ) -> Result<(), DbError> {
+    if run.state.is_terminal() {
+        return Ok(());
+    }
     let unheard: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM run_inputs WHERE run_id = $1 AND kind = $2 AND consumed_at IS NULL",
     )
@@ -200,7 +196,7 @@ pub(super) async fn note_unheard_messages(
     .fetch_one(tx.conn())
     .await
     .map_err(query_error("count unheard messages"))?;
-    if unheard == 0 || run.state.is_terminal() {
+    if unheard == 0 {
         return Ok(());
     }
     let mut event = EventDraft::new(
@@ -253,51 +249,23 @@ impl MetadataStore {
         .await
         .map_err(query_error("find unfinished run"))?;
         if let Some(run_id) = run {
-            let run_id = run_id
-                .parse::<RunId>()
-                .map_err(|e| DbError::Corrupt(format!("run id {run_id:?}: {e}")))?;
+            let run_id: RunId = parse_column(&run_id, "run id")?;
             let mut run = load_run(tx.conn(), &run_id)
                 .await?
                 .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished")))?;
-            deliver(&mut tx, &run, id, now).await?;
-            match (run.state, run.active_attempt().cloned()) {
-                (RunState::Waiting, Some(attempt)) => {
-                    let detail = if attempt.destroy_reason.is_some() {
-                        "the held sandbox is being released; the message goes to the next attempt"
-                    } else {
-                        "delivered to the held sandbox"
-                    };
-                    add_event(
-                        &mut tx,
-                        &run,
-                        EventDraft::new(event_reason::MESSAGE, detail).of(&attempt),
-                        now,
-                    )
-                    .await?;
-                }
-                (RunState::Waiting | RunState::Suspended, _) => {
-                    transition(
-                        &mut tx,
-                        &mut run,
-                        RunState::Queued,
-                        "a message arrived; waiting for a host",
-                        EventDraft::new(event_reason::MESSAGE, "the next attempt takes it"),
-                        now,
-                    )
-                    .await?;
-                }
-                _ => {
-                    add_event(
-                        &mut tx,
-                        &run,
-                        EventDraft::new(
-                            event_reason::MESSAGE,
-                            "the next turn or attempt picks it up",
-                        ),
-                        now,
-                    )
-                    .await?;
-                }
+            deliver(&mut tx, &run, id, text, now).await?;
+            let news = InputNews {
+                reason: event_reason::MESSAGE,
+                noun: "message",
+                queued: "a message arrived; waiting for a host",
+                next_attempt: "the next attempt takes it",
+            };
+            if !hand_on_input(&mut tx, &mut run, news, now).await? {
+                let event = EventDraft::new(
+                    event_reason::MESSAGE,
+                    "the next turn or attempt picks it up",
+                );
+                add_event(&mut tx, &run, event, now).await?;
             }
         }
         let message = load_message(&mut tx, id).await?;

@@ -16,7 +16,7 @@ use super::runs::{
     StartedAttempt, add_event, event_reason, load_run, mark_attempt_ended, pending_inputs,
     set_attempt_state, transition,
 };
-use super::stations::{NOTES_PER_ATTEMPT, laid_files, recent_notes, record_note};
+use super::stations::{NOTES_PER_ATTEMPT, laid_files, record_note, workspace_notes};
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
 use sqlx::SqliteConnection;
 
@@ -177,17 +177,16 @@ impl MetadataStore {
         .fetch_optional(tx.conn())
         .await
         .map_err(query_error("station session"))?;
-        // A conversation is resumed only by the harness that holds it.
-        let station_session_harness = session
-            .as_ref()
-            .filter(|(harness, _, _)| *harness != run.harness.name)
-            .map(|(harness, _, _)| harness.clone())
-            .unwrap_or_default();
-        let (resume_session_id, fork_session) = session
-            .filter(|(harness, _, _)| *harness == run.harness.name)
-            .map(|(_, id, fork_pending)| (id, fork_pending != 0))
-            .unwrap_or_default();
-        let notes = recent_notes(tx.conn(), &run.workspace_id, NOTES_PER_ATTEMPT).await?;
+        // A conversation is resumed only by the harness that holds it; one
+        // of another harness is named.
+        let (resume_session_id, fork_session, station_session_harness) = match session {
+            Some((harness, id, fork_pending)) if harness == run.harness.name => {
+                (id, fork_pending != 0, String::new())
+            }
+            Some((harness, _, _)) => (String::new(), false, harness),
+            None => Default::default(),
+        };
+        let notes = workspace_notes(tx.conn(), &run.workspace_id, Some(NOTES_PER_ATTEMPT)).await?;
         let lay = laid_files(tx.conn(), run_id).await?;
         let prompt_delivered: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)",

@@ -900,13 +900,76 @@ pub(super) async fn release_sandbox(
     order_destroy(tx, run, attempt.number, order, now).await
 }
 
-/// The id the run's next input gets.
-pub(super) async fn next_input_id(tx: &mut WriteTx, run: &RunId) -> Result<i64, DbError> {
-    sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
-        .bind(run.as_str())
-        .fetch_one(tx.conn())
-        .await
-        .map_err(query_error("next input id"))
+/// Adds input `text` of `kind` to the run; returns its id.
+pub(super) async fn add_input(
+    tx: &mut WriteTx,
+    run: &RunId,
+    kind: &str,
+    text: &str,
+    now: i64,
+) -> Result<i64, DbError> {
+    let id: i64 =
+        sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
+            .bind(run.as_str())
+            .fetch_one(tx.conn())
+            .await
+            .map_err(query_error("next input id"))?;
+    sqlx::query(
+        "INSERT INTO run_inputs (run_id, id, kind, text, created_at) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(run.as_str())
+    .bind(id)
+    .bind(kind)
+    .bind(text)
+    .bind(now)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert input"))?;
+    Ok(id)
+}
+
+/// How the history tells of an input a person sent (an answer, a message).
+pub(super) struct InputNews {
+    /// The events' reason.
+    pub reason: &'static str,
+    /// What the input is called: "the {noun} goes to the next attempt".
+    pub noun: &'static str,
+    /// The state reason of a run queued for it.
+    pub queued: &'static str,
+    /// The event's detail then.
+    pub next_attempt: &'static str,
+}
+
+/// Hands a new input of a waiting or suspended run on: the held sandbox of a
+/// waiting run gets it at once (or, while it is being released, the next
+/// attempt); a run without one is queued for its next attempt. Returns
+/// whether the run was waiting or suspended (nothing is done otherwise).
+pub(super) async fn hand_on_input(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    news: InputNews,
+    now: i64,
+) -> Result<bool, DbError> {
+    match (run.state, run.active_attempt().cloned()) {
+        (RunState::Waiting, Some(attempt)) => {
+            let detail = if attempt.destroy_reason.is_some() {
+                format!(
+                    "the held sandbox is being released; the {} goes to the next attempt",
+                    news.noun
+                )
+            } else {
+                "delivered to the held sandbox".to_owned()
+            };
+            let event = EventDraft::new(news.reason, detail).of(&attempt);
+            add_event(tx, run, event, now).await?;
+        }
+        (RunState::Waiting | RunState::Suspended, _) => {
+            let event = EventDraft::new(news.reason, news.next_attempt);
+            transition(tx, run, RunState::Queued, news.queued, event, now).await?;
+        }
+        _ => return Ok(false),
+    }
+    Ok(true)
 }
 
 impl MetadataStore {
@@ -1098,45 +1161,14 @@ impl MetadataStore {
                 run.state
             )));
         }
-        let next = next_input_id(&mut tx, id).await?;
-        sqlx::query(
-            "INSERT INTO run_inputs (run_id, id, kind, text, created_at) VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(id.as_str())
-        .bind(next)
-        .bind(ANSWER_INPUT)
-        .bind(text)
-        .bind(now)
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert input"))?;
-        match (run.state, run.active_attempt().cloned()) {
-            (RunState::Waiting, Some(attempt)) => {
-                let detail = if attempt.destroy_reason.is_some() {
-                    "the held sandbox is being released; the answer goes to the next attempt"
-                } else {
-                    "delivered to the held sandbox"
-                };
-                add_event(
-                    &mut tx,
-                    &run,
-                    EventDraft::new(event_reason::ANSWERED, detail).of(&attempt),
-                    now,
-                )
-                .await?;
-            }
-            _ => {
-                transition(
-                    &mut tx,
-                    &mut run,
-                    RunState::Queued,
-                    "answered; waiting for a host",
-                    EventDraft::new(event_reason::ANSWERED, "the next attempt resumes the run"),
-                    now,
-                )
-                .await?;
-            }
-        }
+        add_input(&mut tx, id, ANSWER_INPUT, text, now).await?;
+        let news = InputNews {
+            reason: event_reason::ANSWERED,
+            noun: "answer",
+            queued: "answered; waiting for a host",
+            next_attempt: "the next attempt resumes the run",
+        };
+        hand_on_input(&mut tx, &mut run, news, now).await?;
         self.commit(tx).await?;
         Ok(run)
     }

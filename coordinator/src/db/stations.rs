@@ -16,11 +16,13 @@ use cairn_proto::ids::{RunId, WorkspaceId};
 use cairn_proto::runs::Outcome;
 use cairn_proto::stations::{HandoffText, LaidFiles, NoteField};
 use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
+use sqlx::{Row, SqliteConnection, SqliteExecutor};
 
 use super::runs::Run;
-use super::{Checkpoint, DbError, MetadataStore, WriteTx, from_millis, parse_column, query_error};
-use super::{signed, unsigned};
+use super::{
+    Checkpoint, DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error,
+    signed, unsigned,
+};
 
 /// How many notes (the newest) an attempt is given.
 pub const NOTES_PER_ATTEMPT: u32 = 10;
@@ -119,26 +121,22 @@ pub(super) async fn record_note(
     Ok(())
 }
 
-/// The newest `limit` notes of `workspace`, oldest first.
-pub(super) async fn recent_notes(
-    conn: &mut SqliteConnection,
+/// The notes of `workspace`, oldest first: all of them, or the `newest`.
+pub(super) async fn workspace_notes(
+    conn: impl SqliteExecutor<'_>,
     workspace: &WorkspaceId,
-    limit: u32,
+    newest: Option<u32>,
 ) -> Result<Vec<HandoffNote>, DbError> {
     let rows = sqlx::query(&format!(
         "SELECT {NOTE_COLUMNS} FROM handoff_notes WHERE workspace_id = $1 ORDER BY id DESC LIMIT $2"
     ))
     .bind(workspace.as_str())
-    .bind(i64::from(limit))
+    // SQLite reads a negative limit as none.
+    .bind(newest.map_or(-1, i64::from))
     .fetch_all(conn)
     .await
-    .map_err(query_error("recent handoff notes"))?;
-    let mut notes = rows
-        .iter()
-        .map(note_from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    notes.reverse();
-    Ok(notes)
+    .map_err(query_error("handoff notes"))?;
+    rows.iter().rev().map(note_from_row).collect()
 }
 
 /// Gives the fork `fork` copies of the notes of `source` up to checkpoint
@@ -164,7 +162,7 @@ pub(super) async fn copy_notes_for_fork(
     .bind(fork.as_str())
     .bind(source.as_str())
     .bind(signed(from.sequence, "checkpoint sequence")?)
-    .bind(super::millis(from.created_at))
+    .bind(millis(from.created_at))
     .execute(tx.conn())
     .await
     .map_err(query_error("copy handoff notes"))?;
@@ -209,13 +207,6 @@ impl MetadataStore {
         &self,
         workspace: &WorkspaceId,
     ) -> Result<Vec<HandoffNote>, DbError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {NOTE_COLUMNS} FROM handoff_notes WHERE workspace_id = $1 ORDER BY id"
-        ))
-        .bind(workspace.as_str())
-        .fetch_all(&self.pool)
-        .await
-        .map_err(query_error("list handoff notes"))?;
-        rows.iter().map(note_from_row).collect()
+        workspace_notes(&self.pool, workspace, None).await
     }
 }

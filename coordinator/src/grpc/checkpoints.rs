@@ -10,7 +10,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::SystemTime;
 
 use cairn_proto::domain::{CommitCheckpoint, PackKind, to_timestamp};
-use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId};
 use cairn_proto::pb;
 use cairn_proto::pb::checkpoint_service_server::CheckpointService;
 use futures::{StreamExt, TryStreamExt};
@@ -21,7 +21,7 @@ use super::{
     page_size,
 };
 use crate::auth::principal;
-use crate::db::{Checkpoint, DbError, NewCheckpoint, Workspace, generation_message};
+use crate::db::{Checkpoint, DbError, NewCheckpoint, generation_message};
 use crate::store::ObjectKey;
 use crate::tokens::{Action, Principal};
 
@@ -41,20 +41,6 @@ pub struct CheckpointApi {
 impl CheckpointApi {
     pub fn new(shared: Shared) -> Self {
         Self { shared }
-    }
-
-    /// The workspace a checkpoint request is about, after the scope check.
-    async fn workspace_for(
-        &self,
-        principal: &Principal,
-        reference: &str,
-        action: for<'a> fn(&'a WorkspaceId) -> Action<'a>,
-    ) -> Result<Workspace, ServiceError> {
-        let workspace = self.shared.workspace(principal, reference).await?;
-        principal
-            .authorize(action(&workspace.id))
-            .map_err(ServiceError::Denied)?;
-        Ok(workspace)
     }
 
     /// The generation of the attempt a run token speaks for (`None` for
@@ -303,7 +289,8 @@ impl CheckpointApi {
         req: pb::GetRestoreManifestRequest,
     ) -> Result<pb::RestoreManifest, ServiceError> {
         let workspace = self
-            .workspace_for(principal, &req.workspace, |id| Action::ReadCheckpoints(id))
+            .shared
+            .authorized_workspace(principal, &req.workspace, |id| Action::ReadCheckpoints(id))
             .await?;
         let db = &self.shared.db;
         let tenant = &principal.tenant;
@@ -435,7 +422,8 @@ impl CheckpointService for CheckpointApi {
         let principal = principal(&request)?.clone();
         let req = request.into_inner();
         let workspace = self
-            .workspace_for(&principal, &req.workspace, |id| {
+            .shared
+            .authorized_workspace(&principal, &req.workspace, |id| {
                 Action::WriteCheckpoints(id)
             })
             .await?;
@@ -492,10 +480,11 @@ impl CheckpointService for CheckpointApi {
     ) -> Result<Response<pb::FindMissingBlobsResponse>, Status> {
         let principal = principal(&request)?.clone();
         let req = request.into_inner();
-        self.workspace_for(&principal, &req.workspace, |id| {
-            Action::WriteCheckpoints(id)
-        })
-        .await?;
+        self.shared
+            .authorized_workspace(&principal, &req.workspace, |id| {
+                Action::WriteCheckpoints(id)
+            })
+            .await?;
         let max = self.shared.limits.max_find_batch as usize;
         if req.blob_ids.len() > max {
             return Err(ServiceError::InvalidArgument(format!(
@@ -545,7 +534,8 @@ impl CheckpointService for CheckpointApi {
         let principal = principal(&request)?.clone();
         let req = request.into_inner();
         let workspace = self
-            .workspace_for(&principal, &req.workspace, |id| {
+            .shared
+            .authorized_workspace(&principal, &req.workspace, |id| {
                 Action::WriteCheckpoints(id)
             })
             .await?;
@@ -605,7 +595,8 @@ impl CheckpointService for CheckpointApi {
         let principal = principal(&request)?.clone();
         let req = request.into_inner();
         let workspace = self
-            .workspace_for(&principal, &req.workspace, |id| Action::ReadCheckpoints(id))
+            .shared
+            .authorized_workspace(&principal, &req.workspace, |id| Action::ReadCheckpoints(id))
             .await?;
         let before = match decode_page_token(&req.page_token, PAGE_KIND)? {
             Some(position) => Some(position.parse::<u64>().map_err(|_| {

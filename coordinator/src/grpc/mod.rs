@@ -25,6 +25,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use cairn_proto::ValidationError;
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState, to_timestamp};
+use cairn_proto::ids::WorkspaceId;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_server::AdminServiceServer;
 use cairn_proto::pb::checkpoint_service_server::CheckpointServiceServer;
@@ -44,7 +45,7 @@ use crate::db::{
 };
 use crate::scheduler::SchedulerHandle;
 use crate::store::{ObjectStore, StoreError};
-use crate::tokens::{Principal, RunTokenKey};
+use crate::tokens::{Action, Principal, RunTokenKey};
 
 pub use admin::AdminApi;
 pub use checkpoints::CheckpointApi;
@@ -195,6 +196,21 @@ impl Shared {
     ) -> Result<Workspace, ServiceError> {
         let parsed: WorkspaceRef = reference.parse()?;
         self.workspace_by_ref(principal, &parsed).await
+    }
+
+    /// Looks a workspace up like [`Shared::workspace`], then checks that the
+    /// caller may do `action` with it.
+    async fn authorized_workspace(
+        &self,
+        principal: &Principal,
+        reference: &str,
+        action: for<'a> fn(&'a WorkspaceId) -> Action<'a>,
+    ) -> Result<Workspace, ServiceError> {
+        let workspace = self.workspace(principal, reference).await?;
+        principal
+            .authorize(action(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        Ok(workspace)
     }
 
     async fn workspace_by_ref(

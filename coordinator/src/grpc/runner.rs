@@ -127,7 +127,7 @@ impl RunnerService for RunnerApi {
             harness: Some(run.harness.clone()),
             prompt: run.prompt.clone(),
             inputs: started.inputs.iter().map(input_to_pb).collect(),
-            resume_session_id: started.resume_session_id.clone(),
+            resume_session_id: started.resume_session_id,
             hold: Some(to_proto_duration(run.hold)),
             checkpoint_interval: Some(to_proto_duration(run.checkpoint_interval)),
             repos: run.repos.clone(),
@@ -135,8 +135,8 @@ impl RunnerService for RunnerApi {
             prompt_delivered: started.prompt_delivered,
             fork_session: started.fork_session,
             notes: started.notes.iter().map(handoff_note_to_pb).collect(),
-            lay: started.lay.clone().into_iter().collect(),
-            station_session_harness: started.station_session_harness.clone(),
+            lay: started.lay.into_iter().collect(),
+            station_session_harness: started.station_session_harness,
         }))
     }
 

@@ -152,10 +152,10 @@ impl RunApi {
             .map_err(ServiceError::Denied)?;
         let target = match req.target {
             Some(pb::create_run_request::Target::Workspace(reference)) => {
-                let workspace = self.shared.workspace(principal, &reference).await?;
-                principal
-                    .authorize(Action::WriteCheckpoints(&workspace.id))
-                    .map_err(ServiceError::Denied)?;
+                let workspace = self
+                    .shared
+                    .authorized_workspace(principal, &reference, |id| Action::WriteCheckpoints(id))
+                    .await?;
                 ensure_active(&workspace)?;
                 NewRunTarget::Workspace(workspace.id)
             }

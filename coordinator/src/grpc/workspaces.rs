@@ -151,10 +151,12 @@ impl WorkspaceService for WorkspaceApi {
     ) -> Result<Response<pb::SendMessageResponse>, Status> {
         let principal = principal(&request)?.clone();
         let new = NewMessage::try_from(request.into_inner())?;
-        let workspace = self.shared.workspace(&principal, &new.workspace).await?;
+        let workspace = self
+            .shared
+            .authorized_workspace(&principal, &new.workspace, |id| Action::ReadWorkspace(id))
+            .await?;
         principal
-            .authorize(Action::ReadWorkspace(&workspace.id))
-            .and_then(|()| principal.authorize(Action::CreateRun))
+            .authorize(Action::CreateRun)
             .map_err(ServiceError::Denied)?;
         ensure_active(&workspace)?;
         let message = self
@@ -183,11 +185,10 @@ impl WorkspaceService for WorkspaceApi {
         let principal = principal(&request)?.clone();
         let workspace = self
             .shared
-            .workspace(&principal, &request.get_ref().workspace)
+            .authorized_workspace(&principal, &request.get_ref().workspace, |id| {
+                Action::ReadWorkspace(id)
+            })
             .await?;
-        principal
-            .authorize(Action::ReadWorkspace(&workspace.id))
-            .map_err(ServiceError::Denied)?;
         let messages = self
             .shared
             .db
@@ -206,11 +207,10 @@ impl WorkspaceService for WorkspaceApi {
         let principal = principal(&request)?.clone();
         let workspace = self
             .shared
-            .workspace(&principal, &request.get_ref().workspace)
+            .authorized_workspace(&principal, &request.get_ref().workspace, |id| {
+                Action::ReadWorkspace(id)
+            })
             .await?;
-        principal
-            .authorize(Action::ReadWorkspace(&workspace.id))
-            .map_err(ServiceError::Denied)?;
         let notes = self
             .shared
             .db
@@ -243,10 +243,10 @@ impl WorkspaceService for WorkspaceApi {
             "" => None,
             id => Some(id.parse::<CheckpointId>().map_err(ServiceError::from)?),
         };
-        let source = self.shared.workspace(&principal, &req.workspace).await?;
-        principal
-            .authorize(Action::ReadWorkspace(&source.id))
-            .map_err(ServiceError::Denied)?;
+        let source = self
+            .shared
+            .authorized_workspace(&principal, &req.workspace, |id| Action::ReadWorkspace(id))
+            .await?;
         ensure_active(&source)?;
         let names = fork_names(&req.name_prefix, source.name.as_deref(), req.count)?;
         let forked = self
@@ -294,11 +294,10 @@ impl WorkspaceService for WorkspaceApi {
         let principal = principal(&request)?.clone();
         let workspace = self
             .shared
-            .workspace(&principal, &request.get_ref().workspace)
+            .authorized_workspace(&principal, &request.get_ref().workspace, |id| {
+                Action::ReadWorkspace(id)
+            })
             .await?;
-        principal
-            .authorize(Action::ReadWorkspace(&workspace.id))
-            .map_err(ServiceError::Denied)?;
         Ok(Response::new(workspace_to_pb(&workspace)))
     }
 

@@ -8,11 +8,7 @@ use cairn_runner::client::AuthChannel;
 use tonic::Code;
 
 use crate::fleet::{FakeRunner, patient_fleet, reasons, run_on, start_patient, wait_for_input};
-use crate::harness::{TestServer, data_dir};
-
-async fn workspaces(server: &TestServer) -> WorkspaceServiceClient<AuthChannel> {
-    WorkspaceServiceClient::new(server.channel(&server.admin_token).await)
-}
+use crate::harness::data_dir;
 
 async fn send(
     client: &mut WorkspaceServiceClient<AuthChannel>,
@@ -67,7 +63,7 @@ fn message_texts(inputs: &[pb::RunInput]) -> Vec<(&str, &str)> {
 #[tokio::test]
 async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_attempt() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let run = clients.create_run(&[]).await;
     let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.start().await;
@@ -81,6 +77,12 @@ async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_att
         (pb::MessageState::Delivered, run.id.as_str())
     );
     assert_eq!(sent.station, "default");
+    let events = clients.events(&run.id).await;
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.reason.as_str(), last.detail.as_str()),
+        ("message", "delivered to the held sandbox")
+    );
     // The held sandbox gets it like an answer.
     let delivered = wait_for_input(&mut runner.runner).await;
     assert_eq!(
@@ -101,7 +103,7 @@ async fn chat_message_to_a_waiting_run_reaches_the_held_sandbox_and_the_next_att
 #[tokio::test]
 async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_heard_once() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let run = clients.create_run(&[]).await;
     let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.claim().await;
@@ -114,6 +116,12 @@ async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_
     assert_eq!(
         state_of(&sent),
         (pb::MessageState::Delivered, run.id.as_str())
+    );
+    let events = clients.events(&run.id).await;
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.reason.as_str(), last.detail.as_str()),
+        ("message", "the next turn or attempt picks it up")
     );
     host.sandbox_gone(&first.sandbox_id, pb::SandboxState::Failed, 1);
     host.beat().await;
@@ -156,7 +164,7 @@ async fn chat_message_is_given_back_by_an_attempt_without_a_harness_session_and_
 #[tokio::test]
 async fn chat_message_of_a_run_that_failed_unheard_goes_with_the_next_run() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let run = clients.create_with_max_attempts(1).await;
     let (first, mut runner) = host.launch(&server, &run.id).await;
     runner.claim().await;
@@ -188,7 +196,7 @@ async fn chat_message_of_a_run_that_failed_unheard_goes_with_the_next_run() {
 #[tokio::test]
 async fn chat_message_without_an_unfinished_run_waits_for_the_next_run() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let workspace = ws
         .create_workspace(pb::CreateWorkspaceRequest {
             name: "chat".into(),
@@ -234,7 +242,7 @@ async fn chat_message_without_an_unfinished_run_waits_for_the_next_run() {
 async fn chat_message_errors_are_precise() {
     let dir = data_dir();
     let server = start_patient(dir.path()).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     ws.create_workspace(pb::CreateWorkspaceRequest {
         name: "chat".into(),
     })

@@ -272,6 +272,12 @@ async fn an_answer_within_the_hold_reaches_the_same_attempt() {
     let pending = tokio::spawn(async move { wait_for_input(&mut waiter).await });
     let answered = clients.answer(&run.id, "sqlite").await.unwrap();
     assert_eq!(answered.state, pb::RunState::Waiting as i32);
+    let events = clients.events(&run.id).await;
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.reason.as_str(), last.detail.as_str()),
+        ("answered", "delivered to the held sandbox")
+    );
     let delivered = pending.await.unwrap();
     assert_eq!(delivered.inputs.len(), 1);
     let input = &delivered.inputs[0];
@@ -343,6 +349,7 @@ async fn an_answer_to_a_suspended_run_starts_the_next_attempt_resuming_the_conve
 
     let queued = clients.answer(&run.id, "port 8080").await.unwrap();
     assert_eq!(queued.state, pb::RunState::Queued as i32);
+    assert_eq!(queued.state_reason, "answered; waiting for a host");
     let second = host.beat_until_assigned(&run.id).await;
     assert_eq!(second.attempt, 2);
     assert!(second.generation > first.generation);

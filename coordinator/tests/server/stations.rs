@@ -12,10 +12,6 @@ use tonic::Code;
 use crate::fleet::{Clients, FakeHost, FakeRunner, patient_fleet, run_on, run_request};
 use crate::harness::{TestServer, checkpoint};
 
-async fn workspaces(server: &TestServer) -> WorkspaceServiceClient<AuthChannel> {
-    WorkspaceServiceClient::new(server.channel(&server.admin_token).await)
-}
-
 async fn notes(
     client: &mut WorkspaceServiceClient<AuthChannel>,
     workspace: &str,
@@ -99,28 +95,20 @@ async fn run_to_end(
 #[tokio::test]
 async fn handoff_notes_are_stored_per_run_listed_and_handed_to_the_next_station() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
-    let first = clients
-        .create(pb::CreateRunRequest {
+    let mut ws = server.client().await.workspaces;
+    let (first, spec, one) = run_to_end(
+        &server,
+        &mut clients,
+        &mut host,
+        pb::CreateRunRequest {
             station: "implement".into(),
             ..run_request(&[])
-        })
-        .await;
-    let workspace = first.workspace_id.clone();
-    let (assignment, mut runner) = host.launch(&server, &first.id).await;
-    let spec = runner.start().await;
-    assert!(spec.notes.is_empty(), "a new workspace has no notes");
-    let one = checkpoint(&mut runner.coordinator, &workspace, b"one").await;
-    end_with_note(
-        &mut runner,
-        pb::Outcome::Succeeded,
-        &one.id,
+        },
         handoff("Added the form.", "review it"),
     )
-    .await
-    .unwrap();
-    host.sandbox_gone(&assignment.sandbox_id, pb::SandboxState::Exited, 0);
-    host.beat().await;
+    .await;
+    assert!(spec.notes.is_empty(), "a new workspace has no notes");
+    let workspace = first.workspace_id.clone();
 
     let listed = notes(&mut ws, &workspace).await;
     assert_eq!(listed.len(), 1, "{listed:#?}");
@@ -175,7 +163,7 @@ async fn handoff_notes_are_stored_per_run_listed_and_handed_to_the_next_station(
 #[tokio::test]
 async fn a_later_attempt_replaces_its_runs_note_and_attempts_get_the_newest_ten() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let first = clients.create_run(&[]).await;
     let workspace = first.workspace_id.clone();
 
@@ -271,7 +259,7 @@ async fn notes_are_validated_on_receipt() {
     )
     .await
     .unwrap();
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     assert_eq!(notes(&mut ws, &run.workspace_id).await.len(), 1);
 }
 
@@ -359,7 +347,7 @@ async fn laid_files_travel_with_the_run_and_bad_paths_are_refused() {
 #[tokio::test]
 async fn a_fork_keeps_the_notes_of_the_work_it_was_forked_from() {
     let (server, mut clients, mut host) = patient_fleet("h", 1).await;
-    let mut ws = workspaces(&server).await;
+    let mut ws = server.client().await.workspaces;
     let (first, _, one) = run_to_end(
         &server,
         &mut clients,

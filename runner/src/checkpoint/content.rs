@@ -471,18 +471,18 @@ fn read_once(
         held: Vec::new(),
         cancelled: false,
     };
-    let granularity = chunker::Granularity::for_path(&job.rel);
-    let mut git_level = None;
     let read = if gitobj::is_candidate(&job.rel, before.size) {
-        read_loose_object(&file, before.size, &mut hasher, &mut git_level)
+        read_loose_object(&file, before.size, &mut hasher)
     } else {
+        let granularity = chunker::Granularity::for_path(&job.rel);
         chunker::for_each_chunk(granularity, &file, before.size, |data| hasher.push(data))
+            .map(|size| (size, None))
     }
-    .and_then(|size| hasher.flush().map(|()| size));
+    .and_then(|read| hasher.flush().map(|()| read));
     if hasher.cancelled {
         return Err(ReadError::Cancelled);
     }
-    let size = read.map_err(ReadError::Io)?;
+    let (size, git_level) = read.map_err(ReadError::Io)?;
     let after_meta = file.metadata().map_err(ReadError::Io)?;
     let after = Fingerprint::of(&after_meta);
     let read = ReadFile {
@@ -499,30 +499,25 @@ fn read_once(
 /// Reads what may be a git loose blob: its content is chunked like a
 /// workspace file (so it dedupes with the working-tree copy) when this
 /// runner re-creates the stored bytes exactly, else the bytes as they are.
-/// Returns the size on disk.
+/// Returns the size on disk and, for a blob stored by content, its level.
 fn read_loose_object(
     mut file: &File,
     size_hint: u64,
     hasher: &mut Hasher<'_>,
-    git_level: &mut Option<u8>,
-) -> io::Result<u64> {
+) -> io::Result<(u64, Option<u8>)> {
     use std::io::Read as _;
     let mut stored = Vec::with_capacity(size_hint as usize);
     file.read_to_end(&mut stored)?;
     let size = stored.len() as u64;
-    let standard = chunker::Granularity::Standard;
-    match gitobj::unpack(&stored) {
-        Some((level, content)) => {
-            *git_level = Some(level);
-            chunker::for_each_chunk(standard, &content[..], content.len() as u64, |data| {
-                hasher.push(data)
-            })?;
-        }
-        None => {
-            chunker::for_each_chunk(standard, &stored[..], size, |data| hasher.push(data))?;
-        }
-    }
-    Ok(size)
+    let (level, chunked) = match gitobj::unpack(&stored) {
+        Some((level, content)) => (Some(level), content),
+        None => (None, stored),
+    };
+    let len = chunked.len() as u64;
+    chunker::for_each_chunk(chunker::Granularity::Standard, &chunked[..], len, |data| {
+        hasher.push(data)
+    })?;
+    Ok((size, level))
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@ use self::content::{Cancelled, Content, FileContent};
 use self::remote::Session;
 use self::upload::{Packer, Spool, SpooledPack, Uploader};
 use crate::cache::Cache;
-use crate::cli::{CheckpointArgs, OutputFormat};
+use crate::cli::{CheckpointArgs, OutputFormat, WorkspaceArgs};
 use crate::client::{ConnectError, Coordinator};
 use crate::failpoint::{self, FailpointError};
 use crate::format::{FORMAT_VERSION, seal};
@@ -87,6 +87,37 @@ pub struct CheckpointOptions {
     /// Watches the root between checkpoints, so that only what changed is
     /// listed (None: every checkpoint walks the whole workspace).
     pub tracker: Option<Arc<ChangeTracker>>,
+}
+
+impl CheckpointOptions {
+    /// The options of `cairn-runner checkpoint` and `watch`: at the
+    /// workspace's current generation, outside any run.
+    pub fn from_args(args: WorkspaceArgs, reason: CheckpointReason) -> Self {
+        Self {
+            cache_dir: args.cache_dir(),
+            coordinator: args.coordinator.coordinator,
+            token: args.coordinator.token,
+            workspace: args.workspace,
+            root: args.root,
+            reason,
+            skip_ignored: args.skip_ignored,
+            excludes: args.excludes,
+            generation: 0,
+            harness: None,
+            tracker: None,
+        }
+    }
+
+    /// The walk of `root` (resolved) that these options ask for, leaving
+    /// out the cache directory `cache_dir` (canonical) if it lies inside.
+    pub fn scan_options(&self, root: &Path, cache_dir: &Path) -> ScanOptions {
+        ScanOptions {
+            root: root.to_path_buf(),
+            skip_ignored: self.skip_ignored,
+            excludes: self.excludes.clone(),
+            exclude_paths: vec![cache_dir.to_path_buf()],
+        }
+    }
 }
 
 /// Sizes and counts of one checkpoint (the `stats` of the JSON output).
@@ -323,12 +354,7 @@ async fn run(
     let cache = Arc::new(cache);
     let keys = session.keys.clone();
 
-    let scan_options = ScanOptions {
-        root: root.to_path_buf(),
-        skip_ignored: opts.skip_ignored,
-        excludes: opts.excludes.clone(),
-        exclude_paths: vec![cache_dir.clone()],
-    };
+    let scan_options = opts.scan_options(root, &cache_dir);
     let tracker = opts.tracker.clone();
     let (scanned, inspector) = blocking(move || {
         let inspector = git::Inspector::start();
@@ -339,14 +365,13 @@ async fn run(
                 let kind = ScanKind::Full {
                     reason: "no change tracker".into(),
                 };
-                (scan, kind)
+                (Arc::new(scan), kind)
             }),
         };
         (scanned, inspector)
     })
     .await?;
-    let (scanned, scan_kind) = scanned?;
-    let scan = Arc::new(scanned);
+    let (scan, scan_kind) = scanned?;
     tracing::debug!(
         files = scan.file_count(),
         directories = scan.dirs.len(),
@@ -692,19 +717,7 @@ pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
         );
         tracing::debug!(socket = %socket.display(), "a stale control socket; checkpointing here");
     }
-    let opts = CheckpointOptions {
-        coordinator: args.coordinator.coordinator,
-        token: args.coordinator.token,
-        workspace: args.workspace,
-        root: args.root,
-        reason,
-        cache_dir: args.cache_dir.unwrap_or_else(crate::cli::default_cache_dir),
-        skip_ignored: args.skip_ignored,
-        excludes: args.excludes,
-        generation: 0,
-        harness: None,
-        tracker: None,
-    };
+    let opts = CheckpointOptions::from_args(args.target, reason);
     let report = checkpoint(opts)
         .await
         .map_err(|e| anyhow::anyhow!(one_line(&e)))?;
@@ -735,7 +748,8 @@ pub fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-fn plural(n: u64, one: &str, many: &str) -> String {
+/// `1 file`, `2 files`.
+pub(crate) fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 

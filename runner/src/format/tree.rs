@@ -233,11 +233,7 @@ impl Tree {
             match &e.kind {
                 EntryKind::File { size, chunks } => {
                     put_u64(&mut out, *size);
-                    put_u64(&mut out, chunks.len() as u64);
-                    for c in chunks {
-                        out.extend_from_slice(c.id.as_bytes());
-                        put_u64(&mut out, u64::from(c.len));
-                    }
+                    put_chunks(&mut out, chunks);
                 }
                 EntryKind::GitBlob {
                     size,
@@ -246,11 +242,7 @@ impl Tree {
                 } => {
                     put_u64(&mut out, *size);
                     out.push(*level);
-                    put_u64(&mut out, chunks.len() as u64);
-                    for c in chunks {
-                        out.extend_from_slice(c.id.as_bytes());
-                        put_u64(&mut out, u64::from(c.len));
-                    }
+                    put_chunks(&mut out, chunks);
                 }
                 EntryKind::Dir { tree } => out.extend_from_slice(tree.as_bytes()),
                 EntryKind::Symlink { target } => put_bytes(&mut out, target),
@@ -396,7 +388,16 @@ impl Tree {
     }
 }
 
-/// A file's chunk list: count, then (id, length) pairs.
+/// Writes a file's chunk list: count, then (id, length) pairs.
+fn put_chunks(out: &mut Vec<u8>, chunks: &[ChunkRef]) {
+    put_u64(out, chunks.len() as u64);
+    for c in chunks {
+        out.extend_from_slice(c.id.as_bytes());
+        put_u64(out, u64::from(c.len));
+    }
+}
+
+/// Reads a file's chunk list, as [`put_chunks`] wrote it.
 fn read_chunks(bytes: &[u8], r: &mut Reader<'_>) -> Result<Vec<ChunkRef>, FormatError> {
     let n = r.u64()?;
     // Every chunk takes at least 33 bytes: a cheap bound before allocating.

@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::{
-    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, new_session_id,
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, TurnRequest, message_option, new_session_id,
 };
 
 const CLI: CliSpec = CliSpec {
@@ -41,13 +41,13 @@ const CLI: CliSpec = CliSpec {
     settings: cairn_proto::runs::AIDER_SETTINGS,
     state_dir: ".cairn/state/aider",
     // Aider is pointed at its files by flags.
-    state_env: "",
+    state_env: None,
     credentials_subdir: None,
     credential_files: &[".env"],
     more_excludes: &[],
     home_credentials: ".aider",
-    // Unused: Aider has no ids, so no conversation of its can be lost.
-    session_lost: "",
+    // Aider has no ids, so no conversation of its can be lost.
+    session_lost: None,
     can_fork: false,
 };
 
@@ -66,8 +66,11 @@ impl Aider {
     }
 }
 
+/// Aider prints only text for people: the runner keeps the last line of
+/// stdout as the summary and the exit status says how it went, so it reads
+/// nothing in the output (no JSON events, no `session_lost` text).
 impl CliTurns for Aider {
-    fn base(&self) -> &Cli {
+    fn cli(&self) -> &Cli {
         &self.0
     }
 
@@ -88,23 +91,12 @@ impl CliTurns for Aider {
             "--yes-always".into(),
         ];
         args.extend(self.0.options());
-        let message = turn.message();
-        if message.starts_with('-') {
-            // Otherwise the message would be read as an option.
-            args.push(format!("--message={message}"));
-        } else {
-            args.extend(["--message".into(), message.to_owned()]);
-        }
+        args.extend(message_option("--message", "--message=", turn.message()));
         Invocation {
             args,
             env: Vec::new(),
             session_at_start: Some(new_session_id()),
         }
-    }
-
-    fn observe_line(&self, _stream: Stream, _line: &str, _observed: &mut Observed) {
-        // Aider prints only text for people; the runner keeps the last line
-        // of stdout as the summary and the exit status says how it went.
     }
 }
 
@@ -112,7 +104,7 @@ impl CliTurns for Aider {
 mod tests {
     use std::fs;
 
-    use super::super::{Harness, is_uuid, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn aider(config: &[(&str, &str)], root: &Path) -> Aider {
@@ -164,42 +156,30 @@ mod tests {
     #[test]
     fn aider_says_nothing_the_runner_reads() {
         let a = aider(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in ["Aider v0.86.0", "Applied edit to notes.md", "{\"x\":1}"] {
-            a.observe(Stream::Stdout, line, &mut seen);
-        }
-        assert_eq!(seen, Observed::default());
+        let lines = ["Aider v0.86.0", "Applied edit to notes.md", "{\"x\":1}"];
+        assert_eq!(
+            observe_lines(&a, Stream::Stdout, &lines),
+            Observed::default()
+        );
     }
 
     #[test]
     fn the_keys_file_is_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join(".env"), "ANTHROPIC_API_KEY=k\n").unwrap();
-        let a = aider(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        a.prepare().unwrap();
+        let (root, a) = prepared(Aider::new, &[(".env", "ANTHROPIC_API_KEY=k\n")]);
         let copied = root.path().join(".cairn/state/aider/.env");
         assert_eq!(
             fs::read_to_string(&copied).unwrap(),
             "ANTHROPIC_API_KEY=k\n"
         );
-        let matcher = crate::scan::exclude_matcher(root.path(), &a.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/aider/.env", true),
-            (".cairn/state/aider/.aider.chat.history.md", false),
-            (".cairn/state/aider/.aider.input.history", false),
-            ("app/.env", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &a,
+            root.path(),
+            &[
+                (".cairn/state/aider/.env", true),
+                (".cairn/state/aider/.aider.chat.history.md", false),
+                (".cairn/state/aider/.aider.input.history", false),
+                ("app/.env", false),
+            ],
+        );
     }
 }

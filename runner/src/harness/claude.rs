@@ -28,14 +28,15 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::{
-    Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, new_session_id, non_empty,
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, TurnRequest, new_session_id,
+    non_empty,
 };
 
 const CLI: CliSpec = CliSpec {
     name: "claude",
     settings: cairn_proto::runs::CLAUDE_SETTINGS,
     state_dir: ".cairn/state/claude",
-    state_env: "CLAUDE_CONFIG_DIR",
+    state_env: Some("CLAUDE_CONFIG_DIR"),
     credentials_subdir: None,
     credential_files: &[".credentials.json", ".claude.json"],
     // Claude Code keeps copies of .claude.json next to it and in backups/.
@@ -43,7 +44,7 @@ const CLI: CliSpec = CliSpec {
     home_credentials: ".claude",
     // What Claude Code prints when `--resume` names no transcript under the
     // cwd's slug.
-    session_lost: "No conversation found with session ID:",
+    session_lost: Some("No conversation found with session ID:"),
     can_fork: true,
 };
 
@@ -57,12 +58,12 @@ impl Claude {
     }
 }
 
-impl CliAdapter for Claude {
+impl CliTurns for Claude {
     fn cli(&self) -> &Cli {
         &self.0
     }
 
-    fn args(&self, turn: &TurnRequest) -> Vec<String> {
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
         let mut args: Vec<String> = ["-p", "--output-format", "stream-json", "--verbose"]
             .map(String::from)
             .into();
@@ -84,7 +85,7 @@ impl CliAdapter for Claude {
             args.push("--".into());
         }
         args.push(message.to_owned());
-        args
+        args.into()
     }
 
     fn observe_event(&self, event: &Value, observed: &mut Observed) {
@@ -117,7 +118,7 @@ mod tests {
     use std::fs;
     use std::os::unix::fs::PermissionsExt as _;
 
-    use super::super::{Harness, Stream, is_uuid, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn claude(config: &[(&str, &str)]) -> Claude {
@@ -183,19 +184,16 @@ mod tests {
     #[test]
     fn the_stream_gives_session_summary_and_errors() {
         let c = claude(&[]);
-        let mut seen = Observed::default();
-        c.observe(
+        let seen = observe_lines(
+            &c,
             Stream::Stdout,
-            r#"{"type":"system","subtype":"init","session_id":"abc","tools":[]}"#,
-            &mut seen,
+            &[
+                r#"{"type":"system","subtype":"init","session_id":"abc","tools":[]}"#,
+                r#"{"type":"assistant","message":{"content":[]}}"#,
+                "not json",
+                r#"{"type":"result","subtype":"success","is_error":false,"result":"did it","session_id":"abc"}"#,
+            ],
         );
-        c.observe(
-            Stream::Stdout,
-            r#"{"type":"assistant","message":{"content":[]}}"#,
-            &mut seen,
-        );
-        c.observe(Stream::Stdout, "not json", &mut seen);
-        c.observe(Stream::Stdout, r#"{"type":"result","subtype":"success","is_error":false,"result":"did it","session_id":"abc"}"#, &mut seen);
         assert_eq!(
             seen,
             Observed {
@@ -205,34 +203,27 @@ mod tests {
             }
         );
 
-        let mut failed = Observed::default();
-        c.observe(
+        let failed = observe_lines(
+            &c,
             Stream::Stdout,
-            r#"{"type":"result","subtype":"error_max_turns","is_error":true}"#,
-            &mut failed,
+            &[r#"{"type":"result","subtype":"error_max_turns","is_error":true}"#],
         );
         assert_eq!(
             failed.error.as_deref(),
             Some("claude reported error_max_turns")
         );
 
-        let mut lost = Observed::default();
-        c.observe(
+        let lost = observe_lines(
+            &c,
             Stream::Stderr,
-            "No conversation found with session ID: 1234",
-            &mut lost,
+            &["No conversation found with session ID: 1234"],
         );
         assert!(lost.session_lost);
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join(".credentials.json"), "{\"token\":1}").unwrap();
-        let config = settings(&[("credentials_dir", &home.path().to_string_lossy())]);
-        let c = Claude::new(&config, root.path()).unwrap();
-        c.prepare().unwrap();
+        let (root, c) = prepared(Claude::new, &[(".credentials.json", "{\"token\":1}")]);
         let copied = root.path().join(".cairn/state/claude/.credentials.json");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "{\"token\":1}");
         assert_eq!(
@@ -249,21 +240,16 @@ mod tests {
         let excludes = c.excludes();
         assert!(excludes.contains(&"/.cairn/state/claude/.credentials.json".to_owned()));
         assert!(excludes.contains(&"/.cairn/state/claude/.claude.json".to_owned()));
-        let matcher = crate::scan::exclude_matcher(root.path(), &excludes)
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/claude/.credentials.json", true),
-            (".cairn/state/claude/.claude.json", true),
-            (".cairn/state/claude/.claude.json.backup.1700000000", true),
-            (".cairn/state/claude/projects/-workspace/abc.jsonl", false),
-            ("app/.claude.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &c,
+            root.path(),
+            &[
+                (".cairn/state/claude/.credentials.json", true),
+                (".cairn/state/claude/.claude.json", true),
+                (".cairn/state/claude/.claude.json.backup.1700000000", true),
+                (".cairn/state/claude/projects/-workspace/abc.jsonl", false),
+                ("app/.claude.json", false),
+            ],
+        );
     }
 }

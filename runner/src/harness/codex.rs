@@ -27,19 +27,19 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::{Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, non_empty};
+use super::{Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, TurnRequest, non_empty};
 
 const CLI: CliSpec = CliSpec {
     name: "codex",
     settings: cairn_proto::runs::CODEX_SETTINGS,
     state_dir: ".cairn/state/codex",
-    state_env: "CODEX_HOME",
+    state_env: Some("CODEX_HOME"),
     credentials_subdir: None,
     credential_files: &["auth.json"],
     more_excludes: &[],
     home_credentials: ".codex",
     // What `codex exec resume` prints when no rollout has the id.
-    session_lost: "no rollout found for thread id",
+    session_lost: Some("no rollout found for thread id"),
     // Codex cannot fork non-interactively.
     can_fork: false,
 };
@@ -54,12 +54,12 @@ impl Codex {
     }
 }
 
-impl CliAdapter for Codex {
+impl CliTurns for Codex {
     fn cli(&self) -> &Cli {
         &self.0
     }
 
-    fn args(&self, turn: &TurnRequest) -> Vec<String> {
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
         let message = turn.message().to_owned();
         let options = std::iter::once("--json".to_owned()).chain(self.0.options());
         let (mut args, positionals) = match turn {
@@ -78,7 +78,7 @@ impl CliAdapter for Codex {
             args.extend(positionals);
             args.extend(options);
         }
-        args
+        args.into()
     }
 
     fn observe_event(&self, event: &Value, observed: &mut Observed) {
@@ -108,7 +108,7 @@ mod tests {
     use std::fs;
     use std::os::unix::fs::PermissionsExt as _;
 
-    use super::super::{Harness, Stream, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn codex(config: &[(&str, &str)], root: &Path) -> Codex {
@@ -160,18 +160,19 @@ mod tests {
     #[test]
     fn the_stream_gives_session_summary_and_errors() {
         let c = codex(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"type":"thread.started","thread_id":"0199a213-81c0-7800-8aa1-bbab2a035a53"}"#,
-            r#"{"type":"turn.started"}"#,
-            r#"{"type":"item.completed","item":{"id":"item_0","type":"reasoning","text":"hmm"}}"#,
-            r#"{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"first"}}"#,
-            r#"{"type":"item.completed","item":{"id":"item_2","type":"agent_message","text":"did it"}}"#,
-            r#"{"type":"turn.completed","usage":{"input_tokens":1}}"#,
-            "not json",
-        ] {
-            c.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &c,
+            Stream::Stdout,
+            &[
+                r#"{"type":"thread.started","thread_id":"0199a213-81c0-7800-8aa1-bbab2a035a53"}"#,
+                r#"{"type":"turn.started"}"#,
+                r#"{"type":"item.completed","item":{"id":"item_0","type":"reasoning","text":"hmm"}}"#,
+                r#"{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"first"}}"#,
+                r#"{"type":"item.completed","item":{"id":"item_2","type":"agent_message","text":"did it"}}"#,
+                r#"{"type":"turn.completed","usage":{"input_tokens":1}}"#,
+                "not json",
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -180,32 +181,23 @@ mod tests {
                 ..Observed::default()
             }
         );
-        let mut failed = Observed::default();
-        c.observe(
+        let failed = observe_lines(
+            &c,
             Stream::Stdout,
-            r#"{"type":"turn.failed","error":{"message":"quota exceeded"}}"#,
-            &mut failed,
+            &[r#"{"type":"turn.failed","error":{"message":"quota exceeded"}}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("quota exceeded"));
-        let mut lost = Observed::default();
-        c.observe(
+        let lost = observe_lines(
+            &c,
             Stream::Stderr,
-            "Error: thread/resume failed: no rollout found for thread id 1234",
-            &mut lost,
+            &["Error: thread/resume failed: no rollout found for thread id 1234"],
         );
         assert!(lost.session_lost);
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("auth.json"), "{\"token\":1}").unwrap();
-        let c = codex(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        c.prepare().unwrap();
+        let (root, c) = prepared(Codex::new, &[("auth.json", "{\"token\":1}")]);
         let home = root.path().join(".cairn/state/codex");
         assert!(home.is_dir(), "CODEX_HOME exists before the first turn");
         let copied = home.join("auth.json");
@@ -214,22 +206,17 @@ mod tests {
             fs::metadata(&copied).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        let matcher = crate::scan::exclude_matcher(root.path(), &c.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/codex/auth.json", true),
-            (
-                ".cairn/state/codex/sessions/2026/01/01/rollout-x.jsonl",
-                false,
-            ),
-            ("app/auth.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &c,
+            root.path(),
+            &[
+                (".cairn/state/codex/auth.json", true),
+                (
+                    ".cairn/state/codex/sessions/2026/01/01/rollout-x.jsonl",
+                    false,
+                ),
+                ("app/auth.json", false),
+            ],
+        );
     }
 }

@@ -194,7 +194,7 @@ impl Harness for CommandHarness {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn harness(config: &[(&str, &str)]) -> Result<CommandHarness, HarnessError> {

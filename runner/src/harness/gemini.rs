@@ -33,14 +33,15 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::{
-    Cli, CliAdapter, CliSpec, HarnessError, Observed, TurnRequest, new_session_id, non_empty,
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, TurnRequest, message_option,
+    new_session_id, non_empty,
 };
 
 const CLI: CliSpec = CliSpec {
     name: "gemini",
     settings: cairn_proto::runs::GEMINI_SETTINGS,
     state_dir: ".cairn/state/gemini",
-    state_env: "GEMINI_CLI_HOME",
+    state_env: Some("GEMINI_CLI_HOME"),
     // Where Gemini CLI keeps its files under `GEMINI_CLI_HOME`.
     credentials_subdir: Some(".gemini"),
     credential_files: &[
@@ -53,7 +54,7 @@ const CLI: CliSpec = CliSpec {
     more_excludes: &[],
     home_credentials: ".gemini",
     // What `gemini --resume` prints (exit 42) when no chat has the id.
-    session_lost: "Error resuming session: Invalid session identifier",
+    session_lost: Some("Error resuming session: Invalid session identifier"),
     can_fork: false,
 };
 
@@ -67,19 +68,13 @@ impl Gemini {
     }
 }
 
-impl CliAdapter for Gemini {
+impl CliTurns for Gemini {
     fn cli(&self) -> &Cli {
         &self.0
     }
 
-    fn args(&self, turn: &TurnRequest) -> Vec<String> {
-        let message = turn.message();
-        let mut args = if message.starts_with('-') {
-            // Otherwise the message would be read as an option.
-            vec![format!("--prompt={message}")]
-        } else {
-            vec!["-p".to_owned(), message.to_owned()]
-        };
+    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
+        let mut args = message_option("-p", "--prompt=", turn.message());
         args.extend(["--output-format".into(), "stream-json".into()]);
         match turn {
             TurnRequest::Start { .. } => args.extend(["--session-id".into(), new_session_id()]),
@@ -88,7 +83,7 @@ impl CliAdapter for Gemini {
             }
         }
         args.extend(self.0.options());
-        args
+        args.into()
     }
 
     fn observe_event(&self, event: &Value, observed: &mut Observed) {
@@ -117,7 +112,7 @@ impl CliAdapter for Gemini {
 mod tests {
     use std::fs;
 
-    use super::super::{Harness, Stream, is_uuid, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn gemini(config: &[(&str, &str)], root: &Path) -> Gemini {
@@ -171,14 +166,15 @@ mod tests {
     #[test]
     fn the_stream_gives_session_summary_and_errors() {
         let g = gemini(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"type":"init","timestamp":"t","session_id":"abc","model":"m"}"#,
-            r#"{"type":"message","role":"assistant","content":"did","delta":true}"#,
-            r#"{"type":"result","status":"success","response":"did it","stats":{}}"#,
-        ] {
-            g.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &g,
+            Stream::Stdout,
+            &[
+                r#"{"type":"init","timestamp":"t","session_id":"abc","model":"m"}"#,
+                r#"{"type":"message","role":"assistant","content":"did","delta":true}"#,
+                r#"{"type":"result","status":"success","response":"did it","stats":{}}"#,
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -187,54 +183,40 @@ mod tests {
                 ..Observed::default()
             }
         );
-        let mut failed = Observed::default();
-        g.observe(
+        let failed = observe_lines(
+            &g,
             Stream::Stdout,
-            r#"{"type":"result","status":"error","error":{"type":"x","message":"quota"}}"#,
-            &mut failed,
+            &[r#"{"type":"result","status":"error","error":{"type":"x","message":"quota"}}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("quota"));
-        let mut lost = Observed::default();
-        g.observe(
+        let lost = observe_lines(
+            &g,
             Stream::Stderr,
-            r#"Error resuming session: Invalid session identifier "1234". Use --list-sessions"#,
-            &mut lost,
+            &[r#"Error resuming session: Invalid session identifier "1234". Use --list-sessions"#],
         );
         assert!(lost.session_lost);
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("oauth_creds.json"), "{\"token\":1}").unwrap();
-        let g = gemini(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        g.prepare().unwrap();
+        let (root, g) = prepared(Gemini::new, &[("oauth_creds.json", "{\"token\":1}")]);
         let dot_gemini = root.path().join(".cairn/state/gemini/.gemini");
         let copied = dot_gemini.join("oauth_creds.json");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "{\"token\":1}");
         assert!(!dot_gemini.join("google_accounts.json").exists());
-        let matcher = crate::scan::exclude_matcher(root.path(), &g.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/gemini/.gemini/oauth_creds.json", true),
-            (".cairn/state/gemini/.gemini/gemini-credentials.json", true),
-            (".cairn/state/gemini/.gemini/projects.json", false),
-            (
-                ".cairn/state/gemini/.gemini/tmp/app/chats/session-x.jsonl",
-                false,
-            ),
-            ("app/oauth_creds.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &g,
+            root.path(),
+            &[
+                (".cairn/state/gemini/.gemini/oauth_creds.json", true),
+                (".cairn/state/gemini/.gemini/gemini-credentials.json", true),
+                (".cairn/state/gemini/.gemini/projects.json", false),
+                (
+                    ".cairn/state/gemini/.gemini/tmp/app/chats/session-x.jsonl",
+                    false,
+                ),
+                ("app/oauth_creds.json", false),
+            ],
+        );
     }
 }

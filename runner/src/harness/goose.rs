@@ -19,8 +19,8 @@
 //!   events (the first one seen); the summary is the text of the last
 //!   `{"type":"message"}` event whose message is the assistant's;
 //!   `{"type":"error","error":…}` marks a failed turn. A line that is not
-//!   an event and says the session was not found (`Session '<id>' not
-//!   found`) means the conversation is gone.
+//!   an event, or an error event, that says the session was not found
+//!   (`Session '<id>' not found`) means the conversation is gone.
 //! - No fork: goose forks only in an interactive `goose session`, so a
 //!   forked workspace's first turn gets the handoff briefing.
 //!
@@ -36,27 +36,27 @@ use serde_json::Value;
 
 use super::{
     Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, json_event,
-    non_empty,
+    message_option, non_empty, text_items,
 };
 
 const CLI: CliSpec = CliSpec {
     name: "goose",
     settings: cairn_proto::runs::GOOSE_SETTINGS,
     state_dir: ".cairn/state/goose",
-    state_env: "GOOSE_PATH_ROOT",
+    state_env: Some("GOOSE_PATH_ROOT"),
     // Where goose keeps its configuration under `GOOSE_PATH_ROOT`.
     credentials_subdir: Some("config"),
     credential_files: &["secrets.yaml"],
     more_excludes: &[],
     home_credentials: ".config/goose",
-    // Unverified: what `goose run --resume --session-id` prints for an
-    // unknown id (see LOST, which is what is matched).
-    session_lost: "not found",
+    // Unverified, and a pattern: see LOST.
+    session_lost: None,
     // goose forks only in an interactive session.
     can_fork: false,
 };
 
-/// Unverified: goose's answer to an unknown session id.
+/// Unverified: what `goose run --resume --session-id` prints for an
+/// unknown id.
 static LOST: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"(?i)\bsession\b.*\bnot found\b").expect("a valid regular expression")
 });
@@ -72,7 +72,7 @@ impl Goose {
 }
 
 impl CliTurns for Goose {
-    fn base(&self) -> &Cli {
+    fn cli(&self) -> &Cli {
         &self.0
     }
 
@@ -81,13 +81,7 @@ impl CliTurns for Goose {
         if let TurnRequest::Resume { session_id, .. } = turn {
             args.extend(["--resume".into(), "--session-id".into(), session_id.clone()]);
         }
-        let message = turn.message();
-        if message.starts_with('-') {
-            // Otherwise the message would be read as an option.
-            args.push(format!("--text={message}"));
-        } else {
-            args.extend(["-t".into(), message.to_owned()]);
-        }
+        args.extend(message_option("-t", "--text=", turn.message()));
         args.extend(["--output-format".into(), "stream-json".into()]);
         args.extend(self.0.options());
         Invocation {
@@ -98,18 +92,21 @@ impl CliTurns for Goose {
     }
 
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        let Some(event) = json_event(stream, line) else {
-            if LOST.is_match(line) {
-                observed.session_lost = true;
-            }
-            return;
-        };
+        // A line that is not an event is goose's own output.
+        if let Some(event) = json_event(stream, line) {
+            self.observe_event(&event, observed);
+        } else if LOST.is_match(line) {
+            observed.session_lost = true;
+        }
+    }
+
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         if let Some(id) = non_empty(&event["session_id"]) {
             observed.session_id.get_or_insert_with(|| id.to_owned());
         }
         match event["type"].as_str() {
             Some("message") if event["message"]["role"] == "assistant" => {
-                if let Some(text) = text_of(&event["message"]["content"]) {
+                if let Some(text) = text_items(&event["message"]["content"]) {
                     observed.summary = Some(text);
                 }
             }
@@ -127,23 +124,11 @@ impl CliTurns for Goose {
     }
 }
 
-/// The text items of a goose message's content, joined; `None` when there
-/// is no text.
-fn text_of(content: &Value) -> Option<String> {
-    let texts: Vec<&str> = content
-        .as_array()?
-        .iter()
-        .filter(|item| item["type"] == "text")
-        .filter_map(|item| item["text"].as_str())
-        .collect();
-    (!texts.is_empty()).then(|| texts.join("\n"))
-}
-
 #[cfg(test)]
 mod tests {
     use std::fs;
 
-    use super::super::{Harness, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn goose(config: &[(&str, &str)], root: &Path) -> Goose {
@@ -211,14 +196,15 @@ mod tests {
     #[test]
     fn the_stream_gives_session_summary_and_errors() {
         let g = goose(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"type":"message","session_id":"20260101_1","message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
-            r#"{"type":"message","session_id":"20260101_1","message":{"role":"assistant","content":[{"type":"text","text":"did it"}]}}"#,
-            r#"{"type":"complete","session_id":"20260101_1","total_tokens":12}"#,
-        ] {
-            g.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &g,
+            Stream::Stdout,
+            &[
+                r#"{"type":"message","session_id":"20260101_1","message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
+                r#"{"type":"message","session_id":"20260101_1","message":{"role":"assistant","content":[{"type":"text","text":"did it"}]}}"#,
+                r#"{"type":"complete","session_id":"20260101_1","total_tokens":12}"#,
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -227,56 +213,43 @@ mod tests {
                 ..Observed::default()
             }
         );
-        let mut failed = Observed::default();
-        g.observe(
+        let failed = observe_lines(
+            &g,
             Stream::Stdout,
-            r#"{"type":"error","error":"provider refused"}"#,
-            &mut failed,
+            &[r#"{"type":"error","error":"provider refused"}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("provider refused"));
-        let mut lost = Observed::default();
-        g.observe(
+        let lost = observe_lines(
+            &g,
             Stream::Stderr,
-            "Error: Session '20260101_9' not found",
-            &mut lost,
+            &["Error: Session '20260101_9' not found"],
         );
         assert!(lost.session_lost);
-        let mut said = Observed::default();
-        g.observe(
+        let said = observe_lines(
+            &g,
             Stream::Stdout,
-            r#"{"type":"message","message":{"role":"assistant","content":[{"type":"text","text":"session not found"}]}}"#,
-            &mut said,
+            &[
+                r#"{"type":"message","message":{"role":"assistant","content":[{"type":"text","text":"session not found"}]}}"#,
+            ],
         );
         assert!(!said.session_lost, "the agent's words are not goose's");
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("secrets.yaml"), "OPENAI_API_KEY: k\n").unwrap();
-        let g = goose(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        g.prepare().unwrap();
+        let (root, g) = prepared(Goose::new, &[("secrets.yaml", "OPENAI_API_KEY: k\n")]);
         let copied = root.path().join(".cairn/state/goose/config/secrets.yaml");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "OPENAI_API_KEY: k\n");
-        let matcher = crate::scan::exclude_matcher(root.path(), &g.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/goose/config/secrets.yaml", true),
-            (".cairn/state/goose/config/config.yaml", false),
-            (".cairn/state/goose/data/sessions/sessions.db", false),
-            (".cairn/state/goose/data/sessions/sessions.db-wal", false),
-            ("app/secrets.yaml", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &g,
+            root.path(),
+            &[
+                (".cairn/state/goose/config/secrets.yaml", true),
+                (".cairn/state/goose/config/config.yaml", false),
+                (".cairn/state/goose/data/sessions/sessions.db", false),
+                (".cairn/state/goose/data/sessions/sessions.db-wal", false),
+                ("app/secrets.yaml", false),
+            ],
+        );
     }
 }

@@ -31,11 +31,8 @@
 //!   Aider restores its own chat history file.
 //!
 //!   These share `Cli`: a state directory in the workspace, fresh
-//!   credentials, the same settings. Each describes itself in a `CliSpec`.
-//!   Claude Code, Codex and Gemini CLI also share the shape of their turns
-//!   (flags that do not depend on the working directory, JSON-lines output)
-//!   and add only their flags and event shapes (`CliAdapter`); the others
-//!   build whole invocations and read every output line themselves
+//!   credentials, the same settings. Each describes itself in a `CliSpec`
+//!   and adds only its turns' invocations and what it reads in its output
 //!   (`CliTurns`).
 //! - [`command`] — any CLI, described by `start` / `resume` templates and a
 //!   `session_regex`.
@@ -275,8 +272,7 @@ fn cwd_setting(
 }
 
 /// What sets an agent CLI that keeps its state in the workspace (all but
-/// `command`) apart from the others; [`Cli`] and [`CliAdapter`] (or
-/// [`CliTurns`]) do the rest.
+/// `command`) apart from the others; [`Cli`] and [`CliTurns`] do the rest.
 #[derive(Debug)]
 struct CliSpec {
     /// The adapter's name, as in `HarnessSpec.name`, and the default `binary`.
@@ -287,8 +283,8 @@ struct CliSpec {
     /// conversations live in the workspace and travel with its checkpoints.
     state_dir: &'static str,
     /// The environment variable that points the CLI at its state directory
-    /// (empty: the CLI is pointed there by flags, as Aider is).
-    state_env: &'static str,
+    /// (none: the CLI is pointed there by flags, as Aider is).
+    state_env: Option<&'static str>,
     /// Where the credential files are, inside the state directory.
     credentials_subdir: Option<&'static str>,
     /// The files there that hold credentials (paths relative to it): never
@@ -300,10 +296,10 @@ struct CliSpec {
     more_excludes: &'static [&'static str],
     /// The default `credentials_dir`, relative to `$HOME`.
     home_credentials: &'static str,
-    /// What the CLI prints when the conversation to resume is gone (read by
-    /// [`CliAdapter`] adapters; a [`CliTurns`] adapter reads its output
-    /// itself).
-    session_lost: &'static str,
+    /// What the CLI prints when the conversation to resume is gone (looked
+    /// for in every output line unless the adapter reads its output in its
+    /// own way, see [`CliTurns::observe_line`]).
+    session_lost: Option<&'static str>,
     /// Whether the CLI can fork a conversation.
     can_fork: bool,
 }
@@ -351,13 +347,8 @@ impl Cli {
 
     /// The variable pointing the CLI at its state directory, if it has one.
     fn state_env(&self) -> Option<(String, String)> {
-        let name = self.spec.state_env;
-        (!name.is_empty()).then(|| {
-            (
-                name.to_owned(),
-                self.state_dir.to_string_lossy().into_owned(),
-            )
-        })
+        let dir = || self.state_dir.to_string_lossy().into_owned();
+        self.spec.state_env.map(|name| (name.to_owned(), dir()))
     }
 
     /// `--model <model>` when the setting names one, then the `args` setting.
@@ -367,6 +358,14 @@ impl Cli {
             .iter()
             .flat_map(|m| ["--model".to_owned(), m.clone()]);
         model.chain(self.extra_args.iter().cloned())
+    }
+
+    /// Whether `text` holds what the CLI says when the conversation to
+    /// resume is gone.
+    fn says_lost(&self, text: &str) -> bool {
+        self.spec
+            .session_lost
+            .is_some_and(|lost| text.contains(lost))
     }
 
     fn excludes(&self) -> Vec<String> {
@@ -395,15 +394,16 @@ impl Cli {
             let path = path.to_path_buf();
             move |source| HarnessError::Prepare { path, source }
         };
+        let private_dir = |dir: &Path| {
+            fs::create_dir_all(dir).map_err(prepare_error(dir))?;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(prepare_error(dir))
+        };
         let target_dir = match self.spec.credentials_subdir {
             Some(subdir) => self.state_dir.join(subdir),
             None => self.state_dir.clone(),
         };
-        for dir in [&self.state_dir, &target_dir] {
-            fs::create_dir_all(dir).map_err(prepare_error(dir))?;
-            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-                .map_err(prepare_error(dir))?;
-        }
+        private_dir(&self.state_dir)?;
+        private_dir(&target_dir)?;
         let Some(source_dir) = &self.credentials_dir else {
             return Ok(());
         };
@@ -414,9 +414,7 @@ impl Cli {
             }
             let to = target_dir.join(file);
             if let Some(parent) = to.parent().filter(|p| !p.exists()) {
-                fs::create_dir_all(parent).map_err(prepare_error(parent))?;
-                fs::set_permissions(parent, fs::Permissions::from_mode(0o700))
-                    .map_err(prepare_error(parent))?;
+                private_dir(parent)?;
             }
             fs::copy(&from, &to).map_err(prepare_error(&to))?;
             fs::set_permissions(&to, fs::Permissions::from_mode(0o600))
@@ -425,17 +423,6 @@ impl Cli {
         }
         Ok(())
     }
-}
-
-/// An adapter built on [`Cli`] whose arguments do not depend on the working
-/// directory and whose stdout is JSON lines: only its command line and the
-/// JSON events are its own. Every such adapter is a [`CliTurns`].
-trait CliAdapter: Send + Sync + fmt::Debug {
-    fn cli(&self) -> &Cli;
-    /// The arguments of one turn (a fork only if the CLI can fork).
-    fn args(&self, turn: &TurnRequest) -> Vec<String>;
-    /// Reads one JSON event of stdout into `observed`.
-    fn observe_event(&self, event: &Value, observed: &mut Observed);
 }
 
 /// How one turn of a [`CliTurns`] adapter is started.
@@ -448,11 +435,20 @@ struct Invocation {
     session_at_start: Option<String>,
 }
 
-/// An adapter built on [`Cli`] that builds each turn's invocation itself
-/// (from the turn and the working directory) and reads every output line
-/// itself. Every such adapter is a [`Harness`].
+impl From<Vec<String>> for Invocation {
+    /// Only these arguments.
+    fn from(args: Vec<String>) -> Self {
+        Self {
+            args,
+            ..Self::default()
+        }
+    }
+}
+
+/// An adapter built on [`Cli`]: only each turn's invocation and what it
+/// reads in the output are its own. Every such adapter is a [`Harness`].
 trait CliTurns: Send + Sync + fmt::Debug {
-    fn base(&self) -> &Cli;
+    fn cli(&self) -> &Cli;
     /// Whether a conversation can be continued by its id.
     fn resumes(&self) -> bool {
         true
@@ -460,35 +456,24 @@ trait CliTurns: Send + Sync + fmt::Debug {
     /// One turn, run in `cwd` (a resume only if it can resume, a fork only
     /// if it can fork).
     fn invocation(&self, turn: &TurnRequest, cwd: &Path) -> Invocation;
-    /// Reads one line of output into `observed`.
-    fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed);
-}
-
-impl<T: CliAdapter> CliTurns for T {
-    fn base(&self) -> &Cli {
-        self.cli()
-    }
-
-    fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
-        Invocation {
-            args: self.args(turn),
-            ..Invocation::default()
-        }
-    }
-
+    /// Reads one line of output into `observed`: by default, any line that
+    /// holds the spec's `session_lost` text says the conversation is gone,
+    /// and each JSON event on stdout goes to [`Self::observe_event`].
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if line.contains(self.cli().spec.session_lost) {
+        if self.cli().says_lost(line) {
             observed.session_lost = true;
         }
         if let Some(event) = json_event(stream, line) {
             self.observe_event(&event, observed);
         }
     }
+    /// Reads one JSON event of stdout into `observed`.
+    fn observe_event(&self, _event: &Value, _observed: &mut Observed) {}
 }
 
 impl<T: CliTurns> Harness for T {
     fn name(&self) -> &str {
-        self.base().spec.name
+        self.cli().spec.name
     }
 
     fn can_resume(&self) -> bool {
@@ -496,23 +481,23 @@ impl<T: CliTurns> Harness for T {
     }
 
     fn can_fork(&self) -> bool {
-        self.base().spec.can_fork
+        self.cli().spec.can_fork
     }
 
     fn excludes(&self) -> Vec<String> {
-        self.base().excludes()
+        self.cli().excludes()
     }
 
     fn prepare(&self) -> Result<(), HarnessError> {
-        self.base().prepare()
+        self.cli().prepare()
     }
 
     fn configured_cwd(&self) -> Option<PathBuf> {
-        self.base().cwd.clone()
+        self.cli().cwd.clone()
     }
 
     fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError> {
-        let cli = self.base();
+        let cli = self.cli();
         let name = cli.spec.name;
         // The runner never asks for these (can_resume / can_fork say no),
         // and doing something else instead would be wrong.
@@ -566,6 +551,29 @@ fn message_word(message: &str) -> String {
     }
 }
 
+/// A message as the value of option `flag` (`-p <message>`), or, when it
+/// starts with `-` and so would be read as an option, as one argument
+/// `<joined><message>` (`--prompt=<message>`).
+fn message_option(flag: &str, joined: &str, message: &str) -> Vec<String> {
+    if message.starts_with('-') {
+        vec![format!("{joined}{message}")]
+    } else {
+        vec![flag.to_owned(), message.to_owned()]
+    }
+}
+
+/// The `text` of the `{"type":"text"}` items of a message's content, joined
+/// by newlines; `None` when there is none.
+fn text_items(content: &Value) -> Option<String> {
+    let texts: Vec<&str> = content
+        .as_array()?
+        .iter()
+        .filter(|item| item["type"] == "text")
+        .filter_map(|item| item["text"].as_str())
+        .collect();
+    (!texts.is_empty()).then(|| texts.join("\n"))
+}
+
 /// The string `value` holds, unless it is empty (or not a string).
 fn non_empty(value: &Value) -> Option<&str> {
     value.as_str().filter(|s| !s.is_empty())
@@ -588,41 +596,6 @@ fn home_subdir(name: &str) -> Option<PathBuf> {
     std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
         .map(|h| PathBuf::from(h).join(name))
-}
-
-/// A configuration of these settings.
-#[cfg(test)]
-fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-/// The command of a turn that opens a conversation with `message`, in `cwd`.
-#[cfg(test)]
-fn start_turn(harness: &dyn Harness, message: &str, cwd: &str) -> HarnessCommand {
-    let turn = TurnRequest::Start {
-        message: message.into(),
-    };
-    harness.command(&turn, Path::new(cwd)).unwrap()
-}
-
-/// The command of a turn that continues (or forks) conversation
-/// `session_id` with `message`, in `/w`.
-#[cfg(test)]
-fn resume_turn(
-    harness: &dyn Harness,
-    session_id: &str,
-    message: &str,
-    fork: bool,
-) -> Result<HarnessCommand, HarnessError> {
-    let turn = TurnRequest::Resume {
-        session_id: session_id.into(),
-        message: message.into(),
-        fork,
-    };
-    harness.command(&turn, Path::new("/w"))
 }
 
 /// The working directory of a new conversation when the configuration names
@@ -669,8 +642,95 @@ pub fn is_uuid(s: &str) -> bool {
             .all(|(g, len)| g.len() == len && g.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
+/// What the adapters' unit tests share.
+#[cfg(test)]
+mod testing {
+    use std::collections::BTreeMap;
+    use std::fs;
+    use std::path::Path;
+
+    pub(super) use super::{Harness, Observed, Stream, is_uuid};
+    use super::{HarnessCommand, HarnessError, TurnRequest};
+
+    /// A configuration of these settings.
+    pub(super) fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// The command of a turn that opens a conversation with `message`, in `cwd`.
+    pub(super) fn start_turn(harness: &dyn Harness, message: &str, cwd: &str) -> HarnessCommand {
+        let turn = TurnRequest::Start {
+            message: message.into(),
+        };
+        harness.command(&turn, Path::new(cwd)).unwrap()
+    }
+
+    /// The command of a turn that continues (or forks) conversation
+    /// `session_id` with `message`, in `/w`.
+    pub(super) fn resume_turn(
+        harness: &dyn Harness,
+        session_id: &str,
+        message: &str,
+        fork: bool,
+    ) -> Result<HarnessCommand, HarnessError> {
+        let turn = TurnRequest::Resume {
+            session_id: session_id.into(),
+            message: message.into(),
+            fork,
+        };
+        harness.command(&turn, Path::new("/w"))
+    }
+
+    /// What `harness` observes in these lines of `stream`.
+    pub(super) fn observe_lines(harness: &dyn Harness, stream: Stream, lines: &[&str]) -> Observed {
+        let mut observed = Observed::default();
+        for line in lines {
+            harness.observe(stream, line, &mut observed);
+        }
+        observed
+    }
+
+    /// The adapter `new` makes, configured with a `credentials_dir` that holds
+    /// `files` (path, content) and prepared in a new root, which it returns.
+    pub(super) fn prepared<H: Harness>(
+        new: impl Fn(&BTreeMap<String, String>, &Path) -> Result<H, HarnessError>,
+        files: &[(&str, &str)],
+    ) -> (tempfile::TempDir, H) {
+        let root = tempfile::tempdir().unwrap();
+        let home = tempfile::tempdir().unwrap();
+        for (file, content) in files {
+            let path = home.path().join(file);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, content).unwrap();
+        }
+        let config = settings(&[("credentials_dir", &home.path().to_string_lossy())]);
+        let harness = new(&config, root.path()).unwrap();
+        harness.prepare().unwrap();
+        (root, harness)
+    }
+
+    /// Asserts which of these paths (relative to `root`) `harness` keeps out of
+    /// every checkpoint.
+    pub(super) fn assert_excluded(harness: &dyn Harness, root: &Path, cases: &[(&str, bool)]) {
+        let matcher = crate::scan::exclude_matcher(root, &harness.excludes())
+            .unwrap()
+            .unwrap();
+        for (path, excluded) in cases {
+            assert_eq!(
+                matcher.matched(root.join(path), false).is_ignore(),
+                *excluded,
+                "{path}"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::settings;
     use super::*;
 
     #[test]

@@ -28,51 +28,45 @@
 //! `credentials_dir`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use serde_json::Value;
 
 use super::{
     Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, json_event,
     message_word, non_empty,
 };
 
-/// opencode's home in the workspace: the three XDG directories are in it.
-const HOME: &str = ".cairn/state/opencode";
-
 const CLI: CliSpec = CliSpec {
     name: "opencode",
     settings: cairn_proto::runs::OPENCODE_SETTINGS,
+    // `XDG_DATA_HOME`; `XDG_CONFIG_HOME` and `XDG_STATE_HOME` are its
+    // siblings `config` and `state`.
     state_dir: ".cairn/state/opencode/data",
-    state_env: "XDG_DATA_HOME",
+    state_env: Some("XDG_DATA_HOME"),
     // Where opencode keeps its data under `XDG_DATA_HOME`.
     credentials_subdir: Some("opencode"),
     credential_files: &["auth.json", "mcp-auth.json"],
     more_excludes: &[],
     home_credentials: ".local/share/opencode",
     // What `opencode run -s` prints (exit 1) when no session has the id.
-    session_lost: "Session not found",
+    session_lost: Some("Session not found"),
     can_fork: true,
 };
 
 /// opencode, configured for one run.
 #[derive(Debug, Clone)]
-pub struct Opencode {
-    cli: Cli,
-    /// `<root>/.cairn/state/opencode`.
-    home: PathBuf,
-}
+pub struct Opencode(Cli);
 
 impl Opencode {
     pub fn new(config: &BTreeMap<String, String>, root: &Path) -> Result<Self, HarnessError> {
-        Ok(Self {
-            cli: Cli::new(&CLI, config, root)?,
-            home: root.join(HOME),
-        })
+        Cli::new(&CLI, config, root).map(Self)
     }
 }
 
 impl CliTurns for Opencode {
-    fn base(&self) -> &Cli {
-        &self.cli
+    fn cli(&self) -> &Cli {
+        &self.0
     }
 
     fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
@@ -88,13 +82,11 @@ impl CliTurns for Opencode {
         }
         args.push(message_word(turn.message()));
         args.extend(["--format".into(), "json".into()]);
-        args.extend(self.cli.options());
+        args.extend(self.0.options());
         let env = [("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")]
             .map(|(name, dir)| {
-                (
-                    name.to_owned(),
-                    self.home.join(dir).to_string_lossy().into_owned(),
-                )
+                let path = self.0.state_dir.with_file_name(dir);
+                (name.to_owned(), path.to_string_lossy().into_owned())
             })
             .into();
         Invocation {
@@ -105,13 +97,15 @@ impl CliTurns for Opencode {
     }
 
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        let Some(event) = json_event(stream, line) else {
-            // Not an event: opencode's own error output.
-            if line.contains(CLI.session_lost) {
-                observed.session_lost = true;
-            }
-            return;
-        };
+        // A line that is not an event is opencode's own output.
+        if let Some(event) = json_event(stream, line) {
+            self.observe_event(&event, observed);
+        } else if self.0.says_lost(line) {
+            observed.session_lost = true;
+        }
+    }
+
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         if let Some(id) = non_empty(&event["sessionID"]) {
             observed.session_id.get_or_insert_with(|| id.to_owned());
         }
@@ -127,7 +121,7 @@ impl CliTurns for Opencode {
                     .or_else(|| non_empty(&error["message"]))
                     .or_else(|| non_empty(&error["name"]))
                     .unwrap_or("opencode reported an error");
-                if why.contains(CLI.session_lost) {
+                if self.0.says_lost(why) {
                     observed.session_lost = true;
                 }
                 observed.error = Some(why.to_owned());
@@ -141,7 +135,7 @@ impl CliTurns for Opencode {
 mod tests {
     use std::fs;
 
-    use super::super::{Harness, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn opencode(config: &[(&str, &str)], root: &Path) -> Opencode {
@@ -214,16 +208,17 @@ mod tests {
     #[test]
     fn every_line_carries_the_session() {
         let o = opencode(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"type":"step_start","timestamp":1,"sessionID":"ses_abc","part":{"type":"step-start"}}"#,
-            r#"{"type":"text","timestamp":2,"sessionID":"ses_abc","part":{"type":"text","text":"first"}}"#,
-            r#"{"type":"tool_use","timestamp":3,"sessionID":"ses_abc","part":{"type":"tool","tool":"bash"}}"#,
-            r#"{"type":"text","timestamp":4,"sessionID":"ses_abc","part":{"type":"text","text":"did it"}}"#,
-            r#"{"type":"step_finish","timestamp":5,"sessionID":"ses_abc","part":{"type":"step-finish"}}"#,
-        ] {
-            o.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &o,
+            Stream::Stdout,
+            &[
+                r#"{"type":"step_start","timestamp":1,"sessionID":"ses_abc","part":{"type":"step-start"}}"#,
+                r#"{"type":"text","timestamp":2,"sessionID":"ses_abc","part":{"type":"text","text":"first"}}"#,
+                r#"{"type":"tool_use","timestamp":3,"sessionID":"ses_abc","part":{"type":"tool","tool":"bash"}}"#,
+                r#"{"type":"text","timestamp":4,"sessionID":"ses_abc","part":{"type":"text","text":"did it"}}"#,
+                r#"{"type":"step_finish","timestamp":5,"sessionID":"ses_abc","part":{"type":"step-finish"}}"#,
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -232,59 +227,48 @@ mod tests {
                 ..Observed::default()
             }
         );
-        let mut failed = Observed::default();
-        o.observe(
+        let failed = observe_lines(
+            &o,
             Stream::Stdout,
-            r#"{"type":"error","sessionID":"ses_abc","error":{"name":"APIError","data":{"message":"rate limited"}}}"#,
-            &mut failed,
+            &[
+                r#"{"type":"error","sessionID":"ses_abc","error":{"name":"APIError","data":{"message":"rate limited"}}}"#,
+            ],
         );
         assert_eq!(failed.error.as_deref(), Some("rate limited"));
         assert!(!failed.session_lost);
 
-        let mut lost = Observed::default();
-        o.observe(Stream::Stderr, "Error: Session not found", &mut lost);
+        let lost = observe_lines(&o, Stream::Stderr, &["Error: Session not found"]);
         assert!(lost.session_lost);
-        let mut said = Observed::default();
-        o.observe(
+        let said = observe_lines(
+            &o,
             Stream::Stdout,
-            r#"{"type":"text","sessionID":"ses_abc","part":{"type":"text","text":"Session not found is an error"}}"#,
-            &mut said,
+            &[
+                r#"{"type":"text","sessionID":"ses_abc","part":{"type":"text","text":"Session not found is an error"}}"#,
+            ],
         );
         assert!(!said.session_lost, "the agent's words are not opencode's");
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("auth.json"), "{\"anthropic\":1}").unwrap();
-        let o = opencode(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        o.prepare().unwrap();
+        let (root, o) = prepared(Opencode::new, &[("auth.json", "{\"anthropic\":1}")]);
         let data = root.path().join(".cairn/state/opencode/data/opencode");
         assert_eq!(
             fs::read_to_string(data.join("auth.json")).unwrap(),
             "{\"anthropic\":1}"
         );
         assert!(!data.join("mcp-auth.json").exists());
-        let matcher = crate::scan::exclude_matcher(root.path(), &o.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/opencode/data/opencode/auth.json", true),
-            (".cairn/state/opencode/data/opencode/mcp-auth.json", true),
-            (".cairn/state/opencode/data/opencode/opencode.db", false),
-            (".cairn/state/opencode/data/opencode/opencode.db-wal", false),
-            (".cairn/state/opencode/config/opencode/opencode.json", false),
-            ("app/auth.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &o,
+            root.path(),
+            &[
+                (".cairn/state/opencode/data/opencode/auth.json", true),
+                (".cairn/state/opencode/data/opencode/mcp-auth.json", true),
+                (".cairn/state/opencode/data/opencode/opencode.db", false),
+                (".cairn/state/opencode/data/opencode/opencode.db-wal", false),
+                (".cairn/state/opencode/config/opencode/opencode.json", false),
+                ("app/auth.json", false),
+            ],
+        );
     }
 }

@@ -37,21 +37,20 @@ use serde_json::Value;
 
 use super::{
     Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, json_event,
-    non_empty,
+    message_option, non_empty, text_items,
 };
 
 const CLI: CliSpec = CliSpec {
     name: "openhands",
     settings: cairn_proto::runs::OPENHANDS_SETTINGS,
     state_dir: ".cairn/state/openhands",
-    state_env: "OPENHANDS_PERSISTENCE_DIR",
+    state_env: Some("OPENHANDS_PERSISTENCE_DIR"),
     credentials_subdir: None,
     credential_files: &["agent_settings.json", "cloud/api_key.txt"],
     more_excludes: &[],
     home_credentials: ".openhands",
-    // Unverified: what `openhands --resume <id>` prints for an unknown id
-    // (see LOST, which is what is matched).
-    session_lost: "not found",
+    // Unverified, and a pattern: see LOST.
+    session_lost: None,
     can_fork: false,
 };
 
@@ -61,7 +60,7 @@ static CONVERSATION_ID: LazyLock<Regex> = LazyLock::new(|| {
         .expect("a valid regular expression")
 });
 
-/// Unverified: OpenHands' answer to an unknown conversation id.
+/// Unverified: what `openhands --resume <id>` prints for an unknown id.
 static LOST: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"(?i)\bconversation\b.*\bnot found\b").expect("a valid regular expression")
 });
@@ -77,40 +76,35 @@ impl OpenHands {
 }
 
 impl CliTurns for OpenHands {
-    fn base(&self) -> &Cli {
+    fn cli(&self) -> &Cli {
         &self.0
     }
 
     fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
         let mut args: Vec<String> = ["--headless", "--json"].map(String::from).into();
-        let message = turn.message();
-        if message.starts_with('-') {
-            // Attached, so that it cannot be read as an option.
-            args.push(format!("-t{message}"));
-        } else {
-            args.extend(["-t".into(), message.to_owned()]);
-        }
+        // A message starting with `-` is attached: `-t-v please`.
+        args.extend(message_option("-t", "-t", turn.message()));
         if let TurnRequest::Resume { session_id, .. } = turn {
             args.extend(["--resume".into(), session_id.clone()]);
         }
         args.extend(self.0.options());
-        Invocation {
-            args,
-            ..Invocation::default()
-        }
+        args.into()
     }
 
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        let Some(event) = json_event(stream, line) else {
-            if let Some(id) = CONVERSATION_ID.captures(line).and_then(|c| c.get(1)) {
-                observed
-                    .session_id
-                    .get_or_insert_with(|| id.as_str().to_owned());
-            } else if LOST.is_match(line) {
-                observed.session_lost = true;
-            }
-            return;
-        };
+        // A line that is not an event is OpenHands' own output.
+        if let Some(event) = json_event(stream, line) {
+            self.observe_event(&event, observed);
+        } else if let Some(id) = CONVERSATION_ID.captures(line).and_then(|c| c.get(1)) {
+            observed
+                .session_id
+                .get_or_insert_with(|| id.as_str().to_owned());
+        } else if LOST.is_match(line) {
+            observed.session_lost = true;
+        }
+    }
+
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         match event["kind"].as_str() {
             Some("ActionEvent") if event["action"]["kind"] == "FinishAction" => {
                 if let Some(text) = event["action"]["message"].as_str() {
@@ -118,7 +112,7 @@ impl CliTurns for OpenHands {
                 }
             }
             Some("MessageEvent") if event["source"] == "agent" => {
-                if let Some(text) = text_of(&event["llm_message"]["content"]) {
+                if let Some(text) = text_items(&event["llm_message"]["content"]) {
                     observed.summary = Some(text);
                 }
             }
@@ -135,23 +129,11 @@ impl CliTurns for OpenHands {
     }
 }
 
-/// The text items of an LLM message's content, joined; `None` when there
-/// is no text.
-fn text_of(content: &Value) -> Option<String> {
-    let texts: Vec<&str> = content
-        .as_array()?
-        .iter()
-        .filter(|item| item["type"] == "text")
-        .filter_map(|item| item["text"].as_str())
-        .collect();
-    (!texts.is_empty()).then(|| texts.join("\n"))
-}
-
 #[cfg(test)]
 mod tests {
     use std::fs;
 
-    use super::super::{Harness, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn openhands(config: &[(&str, &str)], root: &Path) -> OpenHands {
@@ -197,16 +179,17 @@ mod tests {
     #[test]
     fn the_id_comes_at_exit_and_the_events_give_summary_and_errors() {
         let o = openhands(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"kind":"MessageEvent","source":"user","llm_message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
-            r#"{"kind":"MessageEvent","source":"agent","llm_message":{"role":"assistant","content":[{"type":"text","text":"working"}]}}"#,
-            r#"{"kind":"ActionEvent","source":"agent","action":{"kind":"FinishAction","message":"did it"}}"#,
-            "Goodbye!",
-            "Conversation ID: 4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e",
-        ] {
-            o.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &o,
+            Stream::Stdout,
+            &[
+                r#"{"kind":"MessageEvent","source":"user","llm_message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
+                r#"{"kind":"MessageEvent","source":"agent","llm_message":{"role":"assistant","content":[{"type":"text","text":"working"}]}}"#,
+                r#"{"kind":"ActionEvent","source":"agent","action":{"kind":"FinishAction","message":"did it"}}"#,
+                "Goodbye!",
+                "Conversation ID: 4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e",
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -215,18 +198,16 @@ mod tests {
                 ..Observed::default()
             }
         );
-        let mut failed = Observed::default();
-        o.observe(
+        let failed = observe_lines(
+            &o,
             Stream::Stdout,
-            r#"{"kind":"ConversationErrorEvent","code":"LLMError","detail":"no API key"}"#,
-            &mut failed,
+            &[r#"{"kind":"ConversationErrorEvent","code":"LLMError","detail":"no API key"}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("no API key"));
-        let mut lost = Observed::default();
-        o.observe(
+        let lost = observe_lines(
+            &o,
             Stream::Stderr,
-            "Error: Conversation 4f1c2d3e not found",
-            &mut lost,
+            &["Error: Conversation 4f1c2d3e not found"],
         );
         assert!(lost.session_lost);
         assert_eq!(lost.session_id, None);
@@ -234,16 +215,13 @@ mod tests {
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("agent_settings.json"), "{\"llm\":1}").unwrap();
-        fs::create_dir_all(home.path().join("cloud")).unwrap();
-        fs::write(home.path().join("cloud/api_key.txt"), "key").unwrap();
-        let o = openhands(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
+        let (root, o) = prepared(
+            OpenHands::new,
+            &[
+                ("agent_settings.json", "{\"llm\":1}"),
+                ("cloud/api_key.txt", "key"),
+            ],
         );
-        o.prepare().unwrap();
         let state = root.path().join(".cairn/state/openhands");
         assert_eq!(
             fs::read_to_string(state.join("agent_settings.json")).unwrap(),
@@ -253,23 +231,18 @@ mod tests {
             fs::read_to_string(state.join("cloud/api_key.txt")).unwrap(),
             "key"
         );
-        let matcher = crate::scan::exclude_matcher(root.path(), &o.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/openhands/agent_settings.json", true),
-            (".cairn/state/openhands/cloud/api_key.txt", true),
-            (
-                ".cairn/state/openhands/conversations/abc/base_state.json",
-                false,
-            ),
-            ("app/agent_settings.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &o,
+            root.path(),
+            &[
+                (".cairn/state/openhands/agent_settings.json", true),
+                (".cairn/state/openhands/cloud/api_key.txt", true),
+                (
+                    ".cairn/state/openhands/conversations/abc/base_state.json",
+                    false,
+                ),
+                ("app/agent_settings.json", false),
+            ],
+        );
     }
 }

@@ -43,20 +43,20 @@ use serde_json::Value;
 
 use super::{
     Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest, json_event,
-    message_word, new_session_id, non_empty,
+    message_word, new_session_id, non_empty, text_items,
 };
 
 const CLI: CliSpec = CliSpec {
     name: "pi",
     settings: cairn_proto::runs::PI_SETTINGS,
     state_dir: ".cairn/state/pi",
-    state_env: "PI_CODING_AGENT_DIR",
+    state_env: Some("PI_CODING_AGENT_DIR"),
     credentials_subdir: None,
     credential_files: &["auth.json"],
     more_excludes: &[],
     home_credentials: ".pi/agent",
     // What `pi --session <id>` prints (exit 1) when no session has the id.
-    session_lost: "No session found matching '",
+    session_lost: Some("No session found matching '"),
     // pi forks only in its interactive session picker.
     can_fork: false,
 };
@@ -79,16 +79,7 @@ impl Pi {
     fn project_dir(&self, cwd: &Path) -> PathBuf {
         let cwd = cwd.to_string_lossy();
         let trimmed = cwd.strip_prefix(['/', '\\']).unwrap_or(&cwd);
-        let safe: String = trimmed
-            .chars()
-            .map(|c| {
-                if matches!(c, '/' | '\\' | ':') {
-                    '-'
-                } else {
-                    c
-                }
-            })
-            .collect();
+        let safe = trimmed.replace(['/', '\\', ':'], "-");
         self.sessions_dir().join(format!("--{safe}--"))
     }
 
@@ -123,7 +114,7 @@ impl Pi {
 }
 
 impl CliTurns for Pi {
-    fn base(&self) -> &Cli {
+    fn cli(&self) -> &Cli {
         &self.0
     }
 
@@ -151,12 +142,16 @@ impl CliTurns for Pi {
     }
 
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
-        if stream == Stream::Stderr && line.contains(CLI.session_lost) {
+        // pi says so on stderr; its events may quote anything.
+        if stream == Stream::Stderr && self.0.says_lost(line) {
             observed.session_lost = true;
         }
-        let Some(event) = json_event(stream, line) else {
-            return;
-        };
+        if let Some(event) = json_event(stream, line) {
+            self.observe_event(&event, observed);
+        }
+    }
+
+    fn observe_event(&self, event: &Value, observed: &mut Observed) {
         match event["type"].as_str() {
             Some("session") => {
                 if let Some(id) = non_empty(&event["id"]) {
@@ -180,21 +175,15 @@ impl CliTurns for Pi {
 /// The text blocks of a pi message's content, joined (or the content, when
 /// it is a plain string); `None` when there is no text.
 fn text_of(content: &Value) -> Option<String> {
-    if let Some(text) = content.as_str() {
-        return Some(text.to_owned());
+    match content.as_str() {
+        Some(text) => Some(text.to_owned()),
+        None => text_items(content),
     }
-    let texts: Vec<&str> = content
-        .as_array()?
-        .iter()
-        .filter(|block| block["type"] == "text")
-        .filter_map(|block| block["text"].as_str())
-        .collect();
-    (!texts.is_empty()).then(|| texts.join("\n"))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Harness, is_uuid, resume_turn, settings, start_turn};
+    use super::super::testing::*;
     use super::*;
 
     fn pi(config: &[(&str, &str)], root: &Path) -> Pi {
@@ -278,16 +267,17 @@ mod tests {
     #[test]
     fn the_events_give_session_summary_and_errors() {
         let p = pi(&[], Path::new("/workspace"));
-        let mut seen = Observed::default();
-        for line in [
-            r#"{"type":"session","version":3,"id":"abc","timestamp":"t","cwd":"/workspace/app"}"#,
-            r#"{"type":"agent_start"}"#,
-            r#"{"type":"message_end","message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
-            r#"{"type":"message_end","message":{"role":"assistant","content":[{"type":"thinking","thinking":"hmm"},{"type":"text","text":"did it"}],"stopReason":"stop"}}"#,
-            r#"{"type":"agent_end","messages":[]}"#,
-        ] {
-            p.observe(Stream::Stdout, line, &mut seen);
-        }
+        let seen = observe_lines(
+            &p,
+            Stream::Stdout,
+            &[
+                r#"{"type":"session","version":3,"id":"abc","timestamp":"t","cwd":"/workspace/app"}"#,
+                r#"{"type":"agent_start"}"#,
+                r#"{"type":"message_end","message":{"role":"user","content":[{"type":"text","text":"hi"}]}}"#,
+                r#"{"type":"message_end","message":{"role":"assistant","content":[{"type":"thinking","thinking":"hmm"},{"type":"text","text":"did it"}],"stopReason":"stop"}}"#,
+                r#"{"type":"agent_end","messages":[]}"#,
+            ],
+        );
         assert_eq!(
             seen,
             Observed {
@@ -311,49 +301,37 @@ mod tests {
             "the runner's id holds"
         );
 
-        let mut failed = Observed::default();
-        p.observe(
+        let failed = observe_lines(
+            &p,
             Stream::Stdout,
-            r#"{"type":"message_end","message":{"role":"assistant","content":[],"stopReason":"error","errorMessage":"401 unauthorized"}}"#,
-            &mut failed,
+            &[
+                r#"{"type":"message_end","message":{"role":"assistant","content":[],"stopReason":"error","errorMessage":"401 unauthorized"}}"#,
+            ],
         );
         assert_eq!(failed.error.as_deref(), Some("401 unauthorized"));
-        let mut lost = Observed::default();
-        p.observe(
+        let lost = observe_lines(
+            &p,
             Stream::Stderr,
-            "No session found matching '0199a213-81c0'",
-            &mut lost,
+            &["No session found matching '0199a213-81c0'"],
         );
         assert!(lost.session_lost);
     }
 
     #[test]
     fn credentials_are_excluded_and_copied_in_fresh() {
-        let root = tempfile::tempdir().unwrap();
-        let home = tempfile::tempdir().unwrap();
-        fs::write(home.path().join("auth.json"), "{\"anthropic\":1}").unwrap();
-        let p = pi(
-            &[("credentials_dir", &home.path().to_string_lossy())],
-            root.path(),
-        );
-        p.prepare().unwrap();
+        let (root, p) = prepared(Pi::new, &[("auth.json", "{\"anthropic\":1}")]);
         let copied = root.path().join(".cairn/state/pi/auth.json");
         assert_eq!(fs::read_to_string(&copied).unwrap(), "{\"anthropic\":1}");
         assert_eq!(p.excludes(), ["/.cairn/state/pi/auth.json"]);
-        let matcher = crate::scan::exclude_matcher(root.path(), &p.excludes())
-            .unwrap()
-            .unwrap();
-        for (path, excluded) in [
-            (".cairn/state/pi/auth.json", true),
-            (".cairn/state/pi/sessions/--w--/t_x.jsonl", false),
-            (".cairn/state/pi/settings.json", false),
-            ("app/auth.json", false),
-        ] {
-            assert_eq!(
-                matcher.matched(root.path().join(path), false).is_ignore(),
-                excluded,
-                "{path}"
-            );
-        }
+        assert_excluded(
+            &p,
+            root.path(),
+            &[
+                (".cairn/state/pi/auth.json", true),
+                (".cairn/state/pi/sessions/--w--/t_x.jsonl", false),
+                (".cairn/state/pi/settings.json", false),
+                ("app/auth.json", false),
+            ],
+        );
     }
 }

@@ -250,32 +250,32 @@ fn reusable(
         return Some(fingerprint);
     }
     let mut file = fsops::open_for_read(path).ok()?;
-    let holds_chunks = |mut content: &[u8]| {
-        want.chunks.iter().all(|chunk| {
-            let len = chunk.len as usize;
-            let ok = content.len() >= len && target.keys.verify_blob_id(&chunk.id, &content[..len]);
-            content = content.get(len..).unwrap_or_default();
-            ok
-        }) && content.is_empty()
-    };
     let matches = match want.git_level {
         Some(level) => {
             let mut stored = Vec::with_capacity(want.size as usize);
             file.read_to_end(&mut stored).ok()?;
-            gitobj::unpack(&stored)
-                .is_some_and(|(found, content)| found == level && holds_chunks(&content))
-        }
-        None => {
-            let mut buf = Vec::new();
-            want.chunks.iter().all(|chunk| {
-                buf.resize(chunk.len as usize, 0);
-                file.read_exact(&mut buf).is_ok() && target.keys.verify_blob_id(&chunk.id, &buf)
+            gitobj::unpack(&stored).is_some_and(|(found, content)| {
+                let content_len: u64 = want.chunks.iter().map(|c| u64::from(c.len)).sum();
+                found == level
+                    && content.len() as u64 == content_len
+                    && holds_chunks(&target.keys, want.chunks, &content[..])
             })
         }
+        // The size check above makes the chunks cover the whole file.
+        None => holds_chunks(&target.keys, want.chunks, &mut file),
     };
     // The file must not have changed while it was read.
     let after = Fingerprint::of(&file.metadata().ok()?);
     (matches && after == fingerprint).then_some(fingerprint)
+}
+
+/// Whether `source` starts with exactly the chunks `chunks`, in order.
+fn holds_chunks(keys: &TenantKeys, chunks: &[ChunkRef], mut source: impl Read) -> bool {
+    let mut buf = Vec::new();
+    chunks.iter().all(|chunk| {
+        buf.resize(chunk.len as usize, 0);
+        source.read_exact(&mut buf).is_ok() && keys.verify_blob_id(&chunk.id, &buf)
+    })
 }
 
 /// A file the download writes.
@@ -491,7 +491,7 @@ pub(crate) fn write_span(
                 match job.git_level {
                     Some(level) => file.write_all(
                         &gitobj::pack(level, &plain)
-                            .map_err(|e| local("compressing the git object", &job.path)(e))?,
+                            .map_err(local("compressing the git object", &job.path))?,
                     ),
                     None => file.write_all(&plain),
                 }

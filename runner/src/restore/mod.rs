@@ -803,10 +803,9 @@ async fn download(
     let mut needed: HashMap<BlobId, NeededBlob> = HashMap::new();
     let mut bytes_to_write = 0;
     for (job_index, job) in jobs.iter().enumerate() {
-        let plan::PlanKind::File { chunks, size, .. } = &plan.entries[job.plan_index].kind else {
+        let plan::PlanKind::File { chunks, .. } = &plan.entries[job.plan_index].kind else {
             unreachable!("jobs are made for files only")
         };
-        bytes_to_write += size;
         let mut offset = 0u64;
         for chunk in chunks {
             needed
@@ -820,6 +819,8 @@ async fn download(
                 .push((job_index, offset));
             offset += u64::from(chunk.len);
         }
+        // What the writes put on disk: a git blob's content, before it is deflated.
+        bytes_to_write += offset;
     }
     let mut per_pack: HashMap<usize, Vec<(u64, u64, NeededBlob)>> = HashMap::new();
     for blob in needed.into_values() {

@@ -26,10 +26,16 @@ const POLL_SLACK: Duration = Duration::from_secs(15);
 pub const MAX_TEXT: usize = 32 << 10;
 
 /// `text`, cut at a character boundary to at most [`MAX_TEXT`] bytes.
-pub fn clip(mut text: String) -> String {
+pub fn clip(text: String) -> String {
+    clip_to(text, MAX_TEXT)
+}
+
+/// `text`, cut at a character boundary to at most `max` bytes, the cut
+/// marked.
+pub fn clip_to(mut text: String, max: usize) -> String {
     const MARK: &str = " … (cut)";
-    if text.len() > MAX_TEXT {
-        let mut end = MAX_TEXT - MARK.len();
+    if text.len() > max {
+        let mut end = max - MARK.len();
         while !text.is_char_boundary(end) {
             end -= 1;
         }

@@ -15,7 +15,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::gitcli::{GitCliError, GitOutput, git, short};
+use super::gitcli::{GitOutput, git, short};
+use super::listed;
+use crate::checkpoint::plural;
 
 /// How long a fetch may take.
 pub const FETCH_LIMIT: Duration = Duration::from_secs(120);
@@ -23,8 +25,6 @@ pub const FETCH_LIMIT: Duration = Duration::from_secs(120);
 pub const LOCAL_LIMIT: Duration = Duration::from_secs(60);
 /// How deep under the root checkouts are looked for.
 const MAX_DEPTH: usize = 3;
-/// Paths named in a "would be overwritten" report.
-const PATHS_SHOWN: usize = 5;
 
 /// A git checkout in the workspace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,8 +129,8 @@ impl FastForward {
                 upstream,
                 ahead,
             } => format!(
-                "{name}: up to date with {upstream} ({branch} has {ahead} commit{} not pushed)",
-                plural(*ahead)
+                "{name}: up to date with {upstream} ({branch} has {} not pushed)",
+                plural(u64::from(*ahead), "commit", "commits")
             ),
             Self::FastForwarded {
                 branch,
@@ -138,8 +138,8 @@ impl FastForward {
                 from,
                 to,
             } => format!(
-                "{name}: fast-forwarded {branch} {commits} commit{} ({}..{})",
-                plural(*commits),
+                "{name}: fast-forwarded {branch} {} ({}..{})",
+                plural(u64::from(*commits), "commit", "commits"),
                 short(from),
                 short(to)
             ),
@@ -151,20 +151,10 @@ impl FastForward {
             } => format!(
                 "{name}: left as it is: {branch} has diverged from {upstream} ({local} local, {remote} remote commits)"
             ),
-            Self::InTheWay { paths } => {
-                let mut listed = paths
-                    .iter()
-                    .take(PATHS_SHOWN)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                if paths.len() > PATHS_SHOWN {
-                    listed.push_str(&format!(" and {} more", paths.len() - PATHS_SHOWN));
-                }
-                format!(
-                    "{name}: left as it is: uncommitted changes to {listed} would be overwritten"
-                )
-            }
+            Self::InTheWay { paths } => format!(
+                "{name}: left as it is: uncommitted changes to {} would be overwritten",
+                listed(paths)
+            ),
             Self::FetchFailed { remote, error } => {
                 format!("{name}: cannot fetch {remote}: {error}")
             }
@@ -173,20 +163,27 @@ impl FastForward {
     }
 }
 
-fn plural(n: u32) -> &'static str {
-    if n == 1 { "" } else { "s" }
-}
-
-/// A git step that did not run to its end, as the reason to leave the
+/// A git step; one that did not run to its end is the reason to leave the
 /// checkout alone.
-fn could_not(e: GitCliError) -> FastForward {
-    FastForward::LeftAsIs {
-        reason: e.to_string(),
-    }
+async fn git_step(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput, FastForward> {
+    git(dir, args, limit)
+        .await
+        .map_err(|e| FastForward::LeftAsIs {
+            reason: e.to_string(),
+        })
 }
 
-async fn git_step(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput, FastForward> {
-    git(dir, args, limit).await.map_err(could_not)
+/// A git step that must succeed: git's own account of a failure is the
+/// reason to leave the checkout alone.
+async fn git_ok(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput, FastForward> {
+    let out = git_step(dir, args, limit).await?;
+    if out.success() {
+        Ok(out)
+    } else {
+        Err(FastForward::LeftAsIs {
+            reason: out.message(),
+        })
+    }
 }
 
 /// Fetches the upstream of the checkout in `dir` and fast-forwards its
@@ -217,14 +214,11 @@ async fn try_fast_forward(dir: &Path) -> Result<FastForward, FastForward> {
     let remote = git_step(dir, &["config", "--get", &key], LOCAL_LIMIT).await?;
     let remote = remote.text().to_owned();
     if !remote.is_empty() && remote != "." {
-        let fetched = git_step(dir, &["fetch", "--quiet", "--", &remote], FETCH_LIMIT)
+        let fetched = git(dir, &["fetch", "--quiet", "--", &remote], FETCH_LIMIT)
             .await
-            .map_err(|left| match left {
-                FastForward::LeftAsIs { reason } => FastForward::FetchFailed {
-                    remote: remote.clone(),
-                    error: reason,
-                },
-                other => other,
+            .map_err(|e| FastForward::FetchFailed {
+                remote: remote.clone(),
+                error: e.to_string(),
             })?;
         if !fetched.success() {
             return Ok(FastForward::FetchFailed {
@@ -233,17 +227,12 @@ async fn try_fast_forward(dir: &Path) -> Result<FastForward, FastForward> {
             });
         }
     }
-    let counts = git_step(
+    let counts = git_ok(
         dir,
         &["rev-list", "--left-right", "--count", "HEAD...@{u}"],
         LOCAL_LIMIT,
     )
     .await?;
-    if !counts.success() {
-        return Ok(FastForward::LeftAsIs {
-            reason: counts.message(),
-        });
-    }
     let (ahead, behind) = parse_counts(counts.text()).ok_or_else(|| FastForward::LeftAsIs {
         reason: format!("git rev-list answered {:?}", counts.text()),
     })?;
@@ -300,32 +289,22 @@ fn parse_counts(text: &str) -> Option<(u32, u32)> {
 /// Paths with uncommitted changes (staged, unstaged or untracked) that the
 /// update from HEAD to the upstream would touch.
 async fn uncommitted_in_the_way(dir: &Path) -> Result<Vec<String>, FastForward> {
-    let status = git_step(
+    let status = git_ok(
         dir,
         &["status", "--porcelain=v1", "-z", "--untracked-files=all"],
         LOCAL_LIMIT,
     )
     .await?;
-    if !status.success() {
-        return Err(FastForward::LeftAsIs {
-            reason: status.message(),
-        });
-    }
     let dirty = dirty_paths(&status.stdout);
     if dirty.is_empty() {
         return Ok(Vec::new());
     }
-    let changed = git_step(
+    let changed = git_ok(
         dir,
         &["diff", "--name-only", "-z", "--no-renames", "HEAD", "@{u}"],
         LOCAL_LIMIT,
     )
     .await?;
-    if !changed.success() {
-        return Err(FastForward::LeftAsIs {
-            reason: changed.message(),
-        });
-    }
     let incoming: BTreeSet<&str> = changed
         .stdout
         .split('\0')
@@ -372,12 +351,12 @@ fn overwritten_paths(stderr: &str) -> Vec<String> {
         .collect()
 }
 
-/// Fast-forwards every checkout under `root` except those named in `skip`
-/// (just cloned: nothing can be newer); returns a line per checkout that had
-/// an upstream.
-pub async fn fast_forward_all(root: &Path, skip: &BTreeSet<String>) -> Vec<String> {
+/// Fast-forwards every checkout (of [`find_checkouts`]) except those named
+/// in `skip` (just cloned: nothing can be newer); returns a line per checkout
+/// that had an upstream.
+pub async fn fast_forward_all(checkouts: &[Checkout], skip: &BTreeSet<String>) -> Vec<String> {
     let mut lines = Vec::new();
-    for checkout in find_checkouts(root) {
+    for checkout in checkouts {
         if skip.contains(&checkout.name) {
             continue;
         }
@@ -397,37 +376,11 @@ pub async fn fast_forward_all(root: &Path, skip: &BTreeSet<String>) -> Vec<Strin
 
 #[cfg(test)]
 mod tests {
-    use std::process::Command;
-
     use super::*;
-
-    fn sh_git(dir: &Path, args: &[&str]) -> String {
-        let out = Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@example.com",
-                "-c",
-                "init.defaultBranch=main",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "git {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    }
+    use crate::git::testing::git as sh_git;
 
     fn commit(dir: &Path, file: &str, content: &str) -> String {
-        fs::write(dir.join(file), content).unwrap();
-        sh_git(dir, &["add", file]);
-        sh_git(dir, &["commit", "-qm", &format!("change {file}")]);
-        sh_git(dir, &["rev-parse", "HEAD"])
+        crate::git::testing::commit(dir, file, content, &format!("change {file}"))
     }
 
     /// A bare remote with one commit, the workspace's clone `app`, and a
@@ -596,7 +549,11 @@ mod tests {
             .map(|c| c.name)
             .collect();
         assert_eq!(names, ["app", "lonely"]);
-        let lines = fast_forward_all(&r.root, &BTreeSet::from(["app".to_owned()])).await;
+        let lines = fast_forward_all(
+            &find_checkouts(&r.root),
+            &BTreeSet::from(["app".to_owned()]),
+        )
+        .await;
         assert!(lines.is_empty(), "{lines:?}");
     }
 
@@ -613,5 +570,23 @@ mod tests {
         assert!(overwritten_paths("fatal: something else\n").is_empty());
         assert_eq!(parse_counts("2\t1"), Some((2, 1)));
         assert_eq!(parse_counts("x"), None);
+    }
+
+    #[test]
+    fn lines_count_and_list_in_words() {
+        let ahead = FastForward::UpToDate {
+            branch: "main".into(),
+            upstream: "origin/main".into(),
+            ahead: 1,
+        };
+        assert_eq!(
+            ahead.describe("app").unwrap(),
+            "app: up to date with origin/main (main has 1 commit not pushed)"
+        );
+        let paths = (1..=7).map(|i| format!("f{i}")).collect();
+        assert_eq!(
+            FastForward::InTheWay { paths }.describe("app").unwrap(),
+            "app: left as it is: uncommitted changes to f1, f2, f3, f4, f5 and 2 more would be overwritten"
+        );
     }
 }

@@ -26,8 +26,11 @@ use cairn_proto::pb;
 use cairn_proto::stations::{MAX_NOTE_FIELD_BYTES, NOT_STATED, NoteField};
 use serde::Deserialize;
 
-use super::fastforward::find_checkouts;
+use super::control::clip_to;
+use super::fastforward::{Checkout, find_checkouts};
 use super::gitcli::git;
+use crate::checkpoint::plural;
+use crate::git::RepoState;
 
 /// How long each git command of a note may take.
 const GIT_LIMIT: Duration = Duration::from_secs(10);
@@ -123,17 +126,8 @@ pub enum Ending {
 }
 
 /// `text`, cut at a character boundary to fit a note field.
-fn fit(mut text: String) -> String {
-    const MARK: &str = " … (cut)";
-    if text.len() > MAX_NOTE_FIELD_BYTES {
-        let mut end = MAX_NOTE_FIELD_BYTES - MARK.len();
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-        text.push_str(MARK);
-    }
-    text
+fn fit(text: String) -> String {
+    clip_to(text, MAX_NOTE_FIELD_BYTES)
 }
 
 /// The note: the agent's words where it gave them, else `facts_changed`
@@ -185,10 +179,10 @@ pub fn compose(
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Heads(BTreeMap<String, Option<String>>);
 
-/// The HEAD of every checkout under `root`.
-pub async fn heads(root: &Path) -> Heads {
+/// The HEAD of every checkout (of [`find_checkouts`]).
+pub async fn heads(checkouts: &[Checkout]) -> Heads {
     let mut heads = BTreeMap::new();
-    for checkout in find_checkouts(root) {
+    for checkout in checkouts {
         let head = git(
             &checkout.dir,
             &["rev-parse", "--verify", "-q", "HEAD"],
@@ -198,17 +192,9 @@ pub async fn heads(root: &Path) -> Heads {
         .ok()
         .filter(|out| out.success())
         .map(|out| out.text().to_owned());
-        heads.insert(checkout.name, head);
+        heads.insert(checkout.name.clone(), head);
     }
     Heads(heads)
-}
-
-fn counted(n: u32, one: &str, many: &str) -> String {
-    if n == 1 {
-        format!("1 {one}")
-    } else {
-        format!("{n} {many}")
-    }
 }
 
 /// What git says changed since `start`, one line per checkout.
@@ -219,11 +205,10 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
     }
     let mut lines = Vec::new();
     for checkout in checkouts {
-        let existed = start.0.contains_key(&checkout.name);
-        let since = start.0.get(&checkout.name).cloned().flatten();
-        let range = match &since {
-            Some(head) => format!("{head}..HEAD"),
-            None => "HEAD".to_owned(),
+        let since = start.0.get(&checkout.name);
+        let range = match since {
+            Some(Some(head)) => format!("{head}..HEAD"),
+            _ => "HEAD".to_owned(),
         };
         let limit = format!("-{}", COMMITS_SHOWN + 1);
         let log = git(
@@ -239,22 +224,26 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
             GIT_LIMIT,
         )
         .await;
-        let count = git(
-            &checkout.dir,
-            &["rev-list", "--count", &range, "--"],
-            GIT_LIMIT,
-        )
-        .await;
-        let commits: Vec<String> = match &log {
-            Ok(out) if out.success() => out.stdout.lines().map(str::to_owned).collect(),
-            _ => Vec::new(),
+        let commits: Option<Vec<String>> = match &log {
+            Ok(out) if out.success() => Some(out.stdout.lines().map(str::to_owned).collect()),
+            _ => None,
         };
-        let total = match &count {
-            Ok(out) if out.success() => out.text().parse().unwrap_or(commits.len() as u32),
-            _ => commits.len() as u32,
-        };
+        let mut total = commits.as_ref().map_or(0, Vec::len) as u32;
+        // Unless the log listed every commit there is, count them.
+        if commits.as_ref().is_none_or(|c| c.len() > COMMITS_SHOWN)
+            && let Ok(count) = git(
+                &checkout.dir,
+                &["rev-list", "--count", &range, "--"],
+                GIT_LIMIT,
+            )
+            .await
+            && count.success()
+        {
+            total = count.text().parse().unwrap_or(total);
+        }
+        let commits = commits.unwrap_or_default();
         let mut line = format!("{}: ", checkout.name);
-        if !existed {
+        if since.is_none() {
             line.push_str("a repository new to this run, ");
         }
         if total == 0 {
@@ -266,39 +255,15 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
             }
             line.push_str(&format!(
                 "{} ({})",
-                counted(total, "new commit", "new commits"),
+                plural(u64::from(total), "new commit", "new commits"),
                 shown.join("; ")
             ));
         }
-        let dir = checkout.dir.clone();
-        let name = checkout.name.clone();
-        let state = tokio::task::spawn_blocking(move || crate::git::inspect(&dir, &name)).await;
+        let state =
+            tokio::task::spawn_blocking(move || crate::git::inspect(&checkout.dir, &checkout.name))
+                .await;
         match state {
-            Ok(Ok(state)) => {
-                let mut uncommitted = Vec::new();
-                if state.staged > 0 {
-                    uncommitted.push(counted(state.staged, "staged change", "staged changes"));
-                }
-                if state.unstaged > 0 {
-                    uncommitted.push(counted(
-                        state.unstaged,
-                        "unstaged change",
-                        "unstaged changes",
-                    ));
-                }
-                if state.untracked > 0 {
-                    uncommitted.push(counted(
-                        state.untracked,
-                        "untracked file",
-                        "untracked files",
-                    ));
-                }
-                if uncommitted.is_empty() {
-                    line.push_str("; nothing uncommitted");
-                } else {
-                    line.push_str(&format!("; uncommitted: {}", uncommitted.join(", ")));
-                }
-            }
+            Ok(Ok(state)) => line.push_str(&uncommitted(&state)),
             Ok(Err(e)) => line.push_str(&format!("; {e}")),
             Err(e) => line.push_str(&format!("; git state unavailable: {e}")),
         }
@@ -307,35 +272,33 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
     lines.join("\n")
 }
 
+/// `; uncommitted: 1 staged change, 2 untracked files`, or `; nothing uncommitted`.
+fn uncommitted(state: &RepoState) -> String {
+    let uncommitted: Vec<String> = [
+        (state.staged, "staged change", "staged changes"),
+        (state.unstaged, "unstaged change", "unstaged changes"),
+        (state.untracked, "untracked file", "untracked files"),
+    ]
+    .into_iter()
+    .filter(|(n, _, _)| *n > 0)
+    .map(|(n, one, many)| plural(u64::from(n), one, many))
+    .collect();
+    if uncommitted.is_empty() {
+        "; nothing uncommitted".to_owned()
+    } else {
+        format!("; uncommitted: {}", uncommitted.join(", "))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::fs;
-    use std::process::Command;
 
     use super::*;
-
-    fn sh_git(dir: &Path, args: &[&str]) -> String {
-        let out = Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@example.com",
-                "-c",
-                "init.defaultBranch=main",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "git {args:?}");
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    }
+    use crate::git::testing::git as sh_git;
 
     fn commit(dir: &Path, file: &str, subject: &str) {
-        fs::write(dir.join(file), subject).unwrap();
-        sh_git(dir, &["add", file]);
-        sh_git(dir, &["commit", "-qm", subject]);
+        crate::git::testing::commit(dir, file, subject, subject);
     }
 
     #[test]
@@ -414,7 +377,7 @@ mod tests {
         fs::create_dir(&app).unwrap();
         sh_git(&app, &["init", "-q"]);
         commit(&app, "a.txt", "before the run");
-        let start = heads(root).await;
+        let start = heads(&find_checkouts(root)).await;
         commit(&app, "b.txt", "add b");
         commit(&app, "c.txt", "add c");
         fs::write(app.join("a.txt"), "edited").unwrap();
@@ -439,6 +402,19 @@ mod tests {
         assert!(
             lines[1].starts_with("lib: a repository new to this run, 1 new commit (")
                 && lines[1].ends_with("start lib); nothing uncommitted"),
+            "{text}"
+        );
+
+        // More commits than a note lists: the rest are counted.
+        for i in 0..12 {
+            commit(&lib, "l.txt", &format!("lib {i}"));
+        }
+        let text = changes(root, &start).await;
+        let lib_line = text.lines().nth(1).unwrap();
+        assert!(
+            lib_line.starts_with("lib: a repository new to this run, 13 new commits (")
+                && lib_line.contains("lib 11; ")
+                && lib_line.ends_with(" lib 2; and 3 more); nothing uncommitted"),
             "{text}"
         );
 

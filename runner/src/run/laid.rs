@@ -10,13 +10,13 @@
 //! ```
 //!
 //! The record is checkpointed with the workspace, so whichever host runs
-//! next knows what to take away. Before every harness start the runner
-//! clears what earlier runs laid (a file whose content changed since it was
-//! laid is left, and said so) and any outcome file an earlier agent left,
-//! then lays its own run's files. The record is written by the runner but
-//! lives in the agent's workspace, so every path in it is checked again: a
-//! path that leaves the workspace, is absolute, goes into `.git`, or passes
-//! through a symlink is refused (never removed), with the reason.
+//! next knows what to take away. Before an attempt starts its harness the
+//! runner clears what earlier runs laid (a file whose content changed since
+//! it was laid is left, and said so) and any outcome file an earlier agent
+//! left, then lays its own run's files. The record is written by the runner
+//! but lives in the agent's workspace, so every path in it is checked again:
+//! a path that leaves the workspace, is absolute, goes into `.git`, or
+//! passes through a symlink is refused (never removed), with the reason.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -28,15 +28,14 @@ use cairn_proto::stations::{LaidFiles, validate_lay_path};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::outcome;
+use super::{listed, outcome};
+use crate::checkpoint::plural;
 use crate::harness::OUTCOME_FILE;
 
 /// The record of laid files, relative to the root.
 pub const LAID_FILE: &str = ".cairn/laid.json";
 /// Larger records are not read.
 const MAX_RECORD_BYTES: u64 = 1 << 20;
-/// Paths named in a prepare line.
-const PATHS_SHOWN: usize = 5;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct LaidRecord {
@@ -146,33 +145,15 @@ impl Cleared {
     }
 }
 
+/// `1 file`, `2 files`.
 fn files(n: usize) -> String {
-    if n == 1 {
-        "1 file".to_owned()
-    } else {
-        format!("{n} files")
-    }
-}
-
-fn listed(paths: &[String]) -> String {
-    let mut text = paths
-        .iter()
-        .take(PATHS_SHOWN)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(", ");
-    if paths.len() > PATHS_SHOWN {
-        text.push_str(&format!(" and {} more", paths.len() - PATHS_SHOWN));
-    }
-    text
+    plural(n as u64, "file", "files")
 }
 
 fn read_record(root: &Path) -> Result<Option<LaidRecord>, String> {
-    let path = root.join(LAID_FILE);
-    match place(root, LAID_FILE)? {
-        Place::Missing => return Ok(None),
-        Place::At(_) => {}
-    }
+    let Place::At(path) = place(root, LAID_FILE)? else {
+        return Ok(None);
+    };
     let meta = match fs::symlink_metadata(&path) {
         Ok(meta) => meta,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -338,7 +319,9 @@ fn make_parents(root: &Path, rel: &str) -> Result<PathBuf, LayError> {
 /// Lays `files` for `station` and records them in `.cairn/laid.json`.
 /// A path already taken by something no station laid is refused, except the
 /// paths in `replaceable` (laid earlier and changed since). Returns the
-/// prepare step's line (`None` when there is nothing to lay).
+/// prepare step's line (`None` when there is nothing to lay). The paths'
+/// syntax was checked when `files` was made; what is on the disk is checked
+/// here.
 pub fn lay(
     root: &Path,
     station: &str,
@@ -355,7 +338,6 @@ pub fn lay(
             path: rel.clone(),
             reason: reason.to_owned(),
         };
-        validate_lay_path(rel).map_err(|e| refused(&e.reason))?;
         let path = make_parents(root, rel)?;
         match fs::symlink_metadata(&path) {
             Ok(meta) if meta.file_type().is_symlink() => return Err(refused("it is a symlink")),
@@ -417,8 +399,8 @@ pub fn lay(
 
 /// The files of `lay` as validated paths (the coordinator checked them
 /// already; a runner checks what it receives).
-pub fn received(lay: &HashMap<String, Vec<u8>>) -> Result<LaidFiles, String> {
-    LaidFiles::new(lay.iter().map(|(k, v)| (k.clone(), v.clone())))
+pub fn received(lay: HashMap<String, Vec<u8>>) -> Result<LaidFiles, String> {
+    LaidFiles::try_from(lay)
         .map_err(|e| format!("the run's files to lay are not valid: {}", e.reason))
 }
 

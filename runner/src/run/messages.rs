@@ -3,8 +3,9 @@
 //! handover at a new station, a lossy handoff when a conversation cannot be
 //! continued — built from the task and the workspace's handoff notes.
 
+use cairn_proto::domain::from_timestamp;
 use cairn_proto::pb;
-use cairn_proto::stations::NOT_STATED;
+use cairn_proto::stations::{NOT_STATED, NoteField};
 
 use crate::harness::TurnRequest;
 
@@ -174,12 +175,7 @@ impl<'a> Briefing<'a> {
         match self.answers {
             [] => out.push_str("\nCarry on with the task from where the work stands.\n"),
             [answer] => out.push_str(&format!("\nThe answer:\n{}\n", answer.trim())),
-            answers => {
-                out.push_str("\nThe answers, oldest first:\n");
-                for answer in answers {
-                    out.push_str(&format!("- {}\n", answer.trim()));
-                }
-            }
+            answers => push_list(&mut out, "The answers, oldest first:", answers),
         }
         out
     }
@@ -199,10 +195,11 @@ impl<'a> Briefing<'a> {
         );
         self.push_notes(&mut out);
         if !self.answers.is_empty() {
-            out.push_str("\nMessages for this station, oldest first:\n");
-            for answer in self.answers {
-                out.push_str(&format!("- {}\n", answer.trim()));
-            }
+            push_list(
+                &mut out,
+                "Messages for this station, oldest first:",
+                self.answers,
+            );
         }
         out
     }
@@ -215,6 +212,14 @@ impl<'a> Briefing<'a> {
     }
 }
 
+/// `heading` after a blank line, then each item (trimmed) as `- item`.
+fn push_list(out: &mut String, heading: &str, items: &[String]) {
+    out.push_str(&format!("\n{heading}\n"));
+    for item in items {
+        out.push_str(&format!("- {}\n", item.trim()));
+    }
+}
+
 /// Notes as a briefing shows them.
 pub fn render_notes(notes: &[pb::HandoffNote]) -> String {
     notes.iter().map(render_note).collect::<Vec<_>>().join("\n")
@@ -224,19 +229,20 @@ fn render_note(note: &pb::HandoffNote) -> String {
     let when = note
         .created_at
         .as_ref()
-        .and_then(|t| {
-            let t =
-                std::time::UNIX_EPOCH + std::time::Duration::new(u64::try_from(t.seconds).ok()?, 0);
-            Some(format!(", {}", humantime::format_rfc3339_seconds(t)))
-        })
+        .filter(|t| t.seconds >= 0)
+        .map(|t| format!(", {}", humantime::format_rfc3339_seconds(from_timestamp(t))))
         .unwrap_or_default();
     let mut out = format!(
         "Run {} at station {} (attempt {}, {}{when}):\n",
         note.run_id, note.station, note.attempt, note.outcome
     );
-    let text = note.text.clone().unwrap_or_default();
-    let composed = |field: &str| text.composed.iter().any(|c| c == field);
-    let changed_label = if composed("changed") {
+    let none = pb::HandoffText::default();
+    let text = note.text.as_ref().unwrap_or(&none);
+    let changed_label = if text
+        .composed
+        .iter()
+        .any(|c| c == NoteField::Changed.as_str())
+    {
         "changed (from git)"
     } else {
         "changed"
@@ -273,6 +279,14 @@ mod tests {
             text: text.into(),
             created_at: None,
         }
+    }
+
+    /// The message of `spec`'s opening turn.
+    fn opening_message(spec: &pb::AttemptSpec, can_resume: bool, can_fork: bool) -> String {
+        opening_turn(spec, can_resume, can_fork)
+            .request
+            .message()
+            .to_owned()
     }
 
     /// Continuing conversation `s-1` with `message`.
@@ -393,14 +407,14 @@ mod tests {
              conversation s-1). This is a new conversation; the workspace holds the work done so far.\n\n\
              The task:\nBuild the thing.\n\nThe question you asked:\nWhich colour?\n\nThe answer:\nBlue.\n"
         );
-        let turn = opening_turn(
+        let message = opening_message(
             &spec(vec![input(4, "answer", "Blue.")], "", "Which colour?"),
             true,
             true,
-        )
-        .request;
+        );
         assert!(
-            turn.message().starts_with(LOSSY_HANDOFF) && turn.message().contains("never reported")
+            message.starts_with(LOSSY_HANDOFF) && message.contains("never reported"),
+            "{message}"
         );
     }
 
@@ -478,10 +492,7 @@ mod tests {
             inputs: vec![input(2, "message", "Look at the tests first.")],
             ..s.clone()
         };
-        let message = opening_turn(&with_message, true, true)
-            .request
-            .message()
-            .to_owned();
+        let message = opening_message(&with_message, true, true);
         assert!(
             message.ends_with(
                 "\nMessages for this station, oldest first:\n- Look at the tests first.\n"
@@ -502,7 +513,7 @@ mod tests {
             notes: notes.clone(),
             ..spec(vec![], "", "")
         };
-        let message = opening_turn(&s, true, true).request.message().to_owned();
+        let message = opening_message(&s, true, true);
         assert!(
             message.starts_with(&format!(
                 "{LOSSY_HANDOFF} (no conversation of station implement was recorded to resume)"
@@ -522,10 +533,7 @@ mod tests {
             }),
             ..s.clone()
         };
-        let message = opening_turn(&switched, true, true)
-            .request
-            .message()
-            .to_owned();
+        let message = opening_message(&switched, true, true);
         assert!(
             message.starts_with(&format!(
                 "{LOSSY_HANDOFF} (station implement's conversation belongs to harness codex, and this \
@@ -539,10 +547,7 @@ mod tests {
             notes: notes.clone(),
             ..spec(vec![input(4, "answer", "Blue.")], "s-1", "Which colour?")
         };
-        let message = opening_turn(&unresumable, false, false)
-            .request
-            .message()
-            .to_owned();
+        let message = opening_message(&unresumable, false, false);
         assert!(message.starts_with(LOSSY_HANDOFF), "{message}");
         let notes_at = message.find("Handoff notes of earlier runs").unwrap();
         let question_at = message.find("The question you asked").unwrap();

@@ -355,7 +355,8 @@ impl Attempt {
     /// lay this run's files, and note where every checkout stands.
     async fn prepare_station(&mut self) -> Result<Prepared, RunError> {
         let root = self.options.root.clone();
-        let files = match laid::received(&self.spec.lay) {
+        // Laid once per attempt: the spec's copy is not needed again.
+        let files = match laid::received(std::mem::take(&mut self.spec.lay)) {
             Ok(files) => files,
             Err(error) => return Ok(Prepared::Failed(error)),
         };
@@ -374,9 +375,12 @@ impl Attempt {
                 .progress(AttemptPhase::Preparing, line, "")
                 .await?;
         }
+        // Laying creates no checkout (no laid path is in a `.git`): one look
+        // serves the fast-forward and the HEADs the handoff note starts from.
+        let checkouts = fastforward::find_checkouts(&root);
         let shutdown = self.shutdown.clone();
         let lines = tokio::select! {
-            lines = fastforward::fast_forward_all(&root, &self.cloned) => lines,
+            lines = fastforward::fast_forward_all(&checkouts, &self.cloned) => lines,
             _ = shutdown.cancelled() => return Ok(Prepared::Interrupted),
         };
         for line in lines {
@@ -405,7 +409,7 @@ impl Attempt {
                 )));
             }
         }
-        self.start_heads = handoff::heads(&self.options.root).await;
+        self.start_heads = handoff::heads(&checkouts).await;
         Ok(Prepared::Ready)
     }
 
@@ -714,17 +718,16 @@ impl Attempt {
         {
             return TurnEnd::SessionLost(session_id.clone());
         }
-        let taken = outcome::take_with_handoff(&outcome::path_in(&self.options.root));
-        let taken = match taken {
-            Ok(Some((outcome, handoff))) => {
-                if handoff.is_some() {
-                    self.agent_handoff = handoff;
-                }
-                Ok(Some(outcome))
-            }
-            Ok(None) => Ok(None),
-            Err(e) => Err(e),
-        };
+        let taken =
+            outcome::take_with_handoff(&outcome::path_in(&self.options.root)).map(|taken| {
+                taken.map(|(outcome, handoff)| {
+                    // A turn that wrote no handoff keeps an earlier turn's.
+                    if handoff.is_some() {
+                        self.agent_handoff = handoff;
+                    }
+                    outcome
+                })
+            });
         match taken {
             Ok(Some(OutcomeFile::NeedsInput { question })) => TurnEnd::Asked(question),
             Ok(Some(OutcomeFile::Done { summary })) => TurnEnd::Done(
@@ -923,6 +926,19 @@ impl Attempt {
             .await?;
         Ok(())
     }
+}
+
+/// How many paths a line of the prepare step names before it says how many
+/// more.
+const PATHS_SHOWN: usize = 5;
+
+/// The first [`PATHS_SHOWN`] of `paths`, and how many more: `a, b and 3 more`.
+fn listed(paths: &[String]) -> String {
+    let mut text = paths[..paths.len().min(PATHS_SHOWN)].join(", ");
+    if paths.len() > PATHS_SHOWN {
+        text.push_str(&format!(" and {} more", paths.len() - PATHS_SHOWN));
+    }
+    text
 }
 
 async fn tick(ticker: &mut Option<tokio::time::Interval>) {

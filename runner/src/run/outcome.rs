@@ -91,14 +91,9 @@ pub fn path_from_env() -> PathBuf {
     }
 }
 
-/// Reads the outcome file and deletes it; `None` when there is none.
-pub fn take(path: &Path) -> Result<Option<Outcome>, OutcomeError> {
-    take_with_handoff(path).map(|taken| taken.map(|(outcome, _)| outcome))
-}
-
-/// Reads the outcome file and deletes it, with the agent's handoff note if
-/// it wrote one (a handoff that cannot be read is logged and left out: the
-/// runner composes the note then).
+/// Reads the outcome file and deletes it (`None` when there is none), with
+/// the agent's handoff note if it wrote one (a handoff that cannot be read
+/// is logged and left out: the runner composes the note then).
 pub fn take_with_handoff(
     path: &Path,
 ) -> Result<Option<(Outcome, Option<AgentHandoff>)>, OutcomeError> {
@@ -222,6 +217,11 @@ pub fn ask_main(args: AskArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The outcome alone.
+    fn take(path: &Path) -> Result<Option<Outcome>, OutcomeError> {
+        take_with_handoff(path).map(|taken| taken.map(|(outcome, _)| outcome))
+    }
 
     #[test]
     fn an_outcome_is_read_once() {

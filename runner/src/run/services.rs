@@ -463,7 +463,7 @@ command = "sleep 600"
             "the web service is stopped"
         );
         for pid in pids {
-            let alive = crate::host::process::read_stat(pid).is_some_and(|s| s.state != 'Z');
+            let alive = crate::host::process::read_stat(pid).is_some_and(|s| !s.is_zombie());
             assert!(!alive, "process {pid} outlived stop()");
         }
     }

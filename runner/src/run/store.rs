@@ -139,16 +139,14 @@ impl RemoteStore {
             .get_or_init(|| async move {
                 let started = tokio::task::spawn_blocking(move || {
                     ChangeTracker::start(&root, DEFAULT_FULL_SCAN_INTERVAL)
+                        .map_err(|e| e.to_string())
                 })
-                .await;
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
                 match started {
-                    Ok(Ok(tracker)) => Some(Arc::new(tracker)),
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "change tracking is off; every checkpoint walks the whole workspace");
-                        None
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "starting change tracking failed; every checkpoint walks the whole workspace");
+                    Ok(tracker) => Some(Arc::new(tracker)),
+                    Err(error) => {
+                        tracing::warn!(%error, "change tracking is off; every checkpoint walks the whole workspace");
                         None
                     }
                 }

@@ -88,6 +88,12 @@ impl FakeRunnerService {
         Ok(())
     }
 
+    /// Records `call` and acknowledges it (a report with nothing to answer).
+    fn ack<T>(&self, request: &Request<T>, call: Call) -> Result<Response<pb::ReportAck>, Status> {
+        self.check(request, call)?;
+        Ok(Response::new(pb::ReportAck {}))
+    }
+
     pub fn calls(&self) -> Vec<Call> {
         self.0.lock().unwrap().calls.clone()
     }
@@ -161,14 +167,12 @@ impl RunnerService for FakeRunnerService {
         request: Request<pb::ReportProgressRequest>,
     ) -> Result<Response<pb::ReportAck>, Status> {
         let r = request.get_ref();
-        let phase = AttemptPhase::try_from(r.phase).unwrap();
         let call = Call::Progress {
-            phase,
+            phase: AttemptPhase::try_from(r.phase).unwrap(),
             detail: r.detail.clone(),
             checkpoint: r.checkpoint_id.clone(),
         };
-        self.check(&request, call)?;
-        Ok(Response::new(pb::ReportAck {}))
+        self.ack(&request, call)
     }
 
     async fn report_harness_session(
@@ -176,14 +180,11 @@ impl RunnerService for FakeRunnerService {
         request: Request<pb::ReportHarnessSessionRequest>,
     ) -> Result<Response<pb::ReportAck>, Status> {
         let r = request.get_ref();
-        self.check(
-            &request,
-            Call::Session {
-                harness: r.harness.clone(),
-                id: r.session_id.clone(),
-            },
-        )?;
-        Ok(Response::new(pb::ReportAck {}))
+        let call = Call::Session {
+            harness: r.harness.clone(),
+            id: r.session_id.clone(),
+        };
+        self.ack(&request, call)
     }
 
     async fn report_waiting(
@@ -229,8 +230,7 @@ impl RunnerService for FakeRunnerService {
         request: Request<pb::ReportOutcomeRequest>,
     ) -> Result<Response<pb::ReportAck>, Status> {
         let call = Call::Outcome(request.get_ref().clone());
-        self.check(&request, call)?;
-        Ok(Response::new(pb::ReportAck {}))
+        self.ack(&request, call)
     }
 }
 
