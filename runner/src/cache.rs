@@ -18,9 +18,10 @@
 //! │ pack count varint │ pack digest[32]*
 //! │ blob count varint │ (blob id[32] │ pack ordinal varint)*
 //! │ file count varint │ (path bytes │ dev │ ino │ size │ mtime_s │ mtime_ns │ ctime_s
-//! │                      │ ctime_ns │ mode │ git level u8 │ chunk count │ (blob id[32] │ len)*)*
-//! git level: 0 for a plain file; 1 + the zlib level for a git loose blob
-//! whose chunks hold its content (see crate::gitobj)
+//! │                      │ ctime_ns │ mode │ git u8 │ [base id[20]] │ chunk count │ (blob id[32] │ len)*)*
+//! git: 0 for a plain file; 1 + the zlib level for a git loose blob whose
+//! chunks hold its content; 11 + the zlib level, then the base tree's id, for
+//! a git loose tree whose chunks hold a delta (see crate::gitobj)
 //! ```
 
 use std::collections::HashMap;
@@ -33,9 +34,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 
 use crate::format::ChunkRef;
+use crate::gitobj::GitStored;
 
 const MAGIC: &[u8; 4] = b"CFPC";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 
 /// A fast checksum of the cache's bytes (it is written without fsync, so a
 /// crash can leave blocks of another file's data or zeros in it). Not a
@@ -100,9 +102,8 @@ impl Fingerprint {
 pub struct CachedFile {
     pub fingerprint: Fingerprint,
     pub chunks: Vec<ChunkRef>,
-    /// Set for a git loose blob stored by its content: the zlib level that
-    /// re-creates the file from `chunks`.
-    pub git_level: Option<u8>,
+    /// Set for a git loose object stored by what it holds.
+    pub git: Option<GitStored>,
 }
 
 /// The per-workspace fingerprint cache.
@@ -151,6 +152,11 @@ impl Cache {
                 Self::empty(path, key_id)
             }
         }
+    }
+
+    /// Where this cache is saved.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     pub fn key_id(&self) -> &str {
@@ -282,7 +288,14 @@ impl Cache {
             put_i64(&mut out, fp.ctime_sec);
             put_i64(&mut out, fp.ctime_nsec);
             put_u64(&mut out, u64::from(fp.mode));
-            out.push(file.git_level.map_or(0, |level| level + 1));
+            match file.git {
+                None => out.push(0),
+                Some(GitStored::Blob { level }) => out.push(1 + level),
+                Some(GitStored::TreeDelta { level, base }) => {
+                    out.push(11 + level);
+                    out.extend_from_slice(&base);
+                }
+            }
             put_u64(&mut out, file.chunks.len() as u64);
             for c in &file.chunks {
                 out.extend_from_slice(c.id.as_bytes());
@@ -354,9 +367,13 @@ impl Cache {
                 ctime_nsec: r.i64().map_err(e)?,
                 mode: r.u32().map_err(e)?,
             };
-            let git_level = match r.u8().map_err(e)? {
+            let git = match r.u8().map_err(e)? {
                 0 => None,
-                stored @ 1..=10 => Some(stored - 1),
+                stored @ 1..=10 => Some(GitStored::Blob { level: stored - 1 }),
+                stored @ 11..=20 => Some(GitStored::TreeDelta {
+                    level: stored - 11,
+                    base: r.take(20).map_err(e)?.try_into().expect("20 bytes"),
+                }),
                 _ => return Err("git level is out of range".into()),
             };
             let n = r.u64().map_err(e)?;
@@ -374,7 +391,7 @@ impl Cache {
                 CachedFile {
                     fingerprint,
                     chunks,
-                    git_level,
+                    git,
                 },
             );
         }
@@ -418,14 +435,23 @@ mod tests {
             CachedFile {
                 fingerprint: fp(42),
                 chunks: vec![chunk],
-                git_level: None,
+                git: None,
             },
         );
         let loose = CachedFile {
             fingerprint: fp(44),
             chunks: vec![chunk],
-            git_level: Some(1),
+            git: Some(GitStored::Blob { level: 1 }),
         };
+        let loose_tree = CachedFile {
+            fingerprint: fp(45),
+            chunks: vec![chunk],
+            git: Some(GitStored::TreeDelta {
+                level: 6,
+                base: [9; 20],
+            }),
+        };
+        cache.insert_file(b".git/objects/ef/01".to_vec(), loose_tree.clone());
         cache.insert_file(b".git/objects/ab/cd".to_vec(), loose.clone());
         cache.save().unwrap();
 
@@ -435,6 +461,10 @@ mod tests {
             Some(&[chunk][..])
         );
         assert_eq!(loaded.lookup(b".git/objects/ab/cd", &fp(44)), Some(&loose));
+        assert_eq!(
+            loaded.lookup(b".git/objects/ef/01", &fp(45)),
+            Some(&loose_tree)
+        );
         assert_eq!(
             loaded.lookup(b"src/a.rs", &fp(43)),
             None,
@@ -468,7 +498,7 @@ mod tests {
                         id: BlobId([i; 32]),
                         len: 10,
                     }],
-                    git_level: None,
+                    git: None,
                 },
             );
         }

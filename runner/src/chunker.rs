@@ -32,9 +32,15 @@ pub enum Granularity {
     /// Whole up to 128 KiB, else FastCDC 16/64/256 KiB.
     Standard,
     /// Whole up to 16 KiB, else FastCDC 2/8/32 KiB: for files rewritten in
-    /// place with a few scattered changes (a git index, SQLite pages), where
-    /// standard chunks would re-send 64 KiB around every changed record.
+    /// place with a few scattered changes (SQLite pages), where standard
+    /// chunks would re-send 64 KiB around every changed record.
     Fine,
+    /// Whole up to 4 KiB, else FastCDC 1/2/8 KiB: a git index, whose
+    /// ~90-byte entries (mostly hashes and times, which do not compress)
+    /// change a few dozen at a time, scattered over the whole file. Smaller
+    /// chunks mean longer chunk lists (32 bytes of id per chunk in the
+    /// directory's tree), which 2 KiB still repays several times.
+    GitIndex,
 }
 
 impl Granularity {
@@ -56,7 +62,9 @@ impl Granularity {
         ]
         .iter()
         .any(|ext| name.ends_with(ext));
-        if (in_git_dir && name == b"index") || sqlite {
+        if in_git_dir && name == b"index" {
+            Self::GitIndex
+        } else if sqlite {
             Self::Fine
         } else {
             Self::Standard
@@ -68,6 +76,7 @@ impl Granularity {
         match self {
             Self::Standard => (WHOLE_FILE_MAX, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK),
             Self::Fine => (16 << 10, 2 << 10, 8 << 10, 32 << 10),
+            Self::GitIndex => (4 << 10, 1 << 10, 2 << 10, 8 << 10),
         }
     }
 }
@@ -140,12 +149,10 @@ mod tests {
 
     #[test]
     fn git_indexes_and_sqlite_files_are_cut_finely() {
-        for fine in [
-            &b".git/index"[..],
-            b"app/.git/index",
-            b"state/x/history.db",
-            b"s.sqlite3-wal",
-        ] {
+        for index in [&b".git/index"[..], b"app/.git/index"] {
+            assert_eq!(Granularity::for_path(index), Granularity::GitIndex);
+        }
+        for fine in [&b"state/x/history.db"[..], b"s.sqlite3-wal"] {
             assert_eq!(Granularity::for_path(fine), Granularity::Fine, "{fine:?}");
         }
         for standard in [
@@ -174,6 +181,21 @@ mod tests {
             .map(|(_, len)| len)
             .sum();
         assert!(new_bytes <= 3 * (32 << 10), "{new_bytes} new bytes");
+
+        // A git index: thirty scattered entries re-send about thirty 2 KiB chunks.
+        let mut index = random_bytes(2 << 20, 10);
+        let before = chunk_digests_with(Granularity::GitIndex, &index);
+        assert!(before.iter().all(|(_, len)| *len <= 8 << 10));
+        for entry in 0..30 {
+            index[entry * 69_000 + 500] ^= 0xff;
+        }
+        let after = chunk_digests_with(Granularity::GitIndex, &index);
+        let new_bytes: usize = after
+            .iter()
+            .filter(|c| !before.contains(c))
+            .map(|(_, len)| len)
+            .sum();
+        assert!(new_bytes <= 30 * (6 << 10), "{new_bytes} new bytes");
     }
 
     #[test]

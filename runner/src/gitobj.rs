@@ -47,42 +47,96 @@ pub fn is_loose_object_path(rel: &[u8]) -> bool {
         && hex(name)
 }
 
+/// Whether `rel` names a git pack (`…/objects/pack/pack-<hex>.pack`).
+///
+/// Git never rewrites a pack in place (a new pack is written under a
+/// temporary name and renamed), and every pack ends with a checksum of all
+/// the bytes before it. Git does move a pack's mtime, though, whenever it
+/// "freshens" an object it would otherwise write again (a commit whose
+/// unchanged trees are already packed does), so a 70 MiB pack looks
+/// changed after every commit. A pack whose inode and size are unchanged
+/// and whose last bytes (the checksum) are too holds the same content.
+pub fn is_pack_path(rel: &[u8]) -> bool {
+    let mut parts = rel.rsplit(|b| *b == b'/');
+    let (Some(name), Some(pack), Some(objects)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    objects == b"objects"
+        && pack == b"pack"
+        && name.starts_with(b"pack-")
+        && name.ends_with(b".pack")
+}
+
+/// The trailing checksum of a pack is at most this long (SHA-256).
+pub const PACK_CHECKSUM_LEN: u64 = 32;
+
 /// Whether a file of `size` bytes at `rel` may be a loose blob worth opening.
 pub fn is_candidate(rel: &[u8], size: u64) -> bool {
     size > 0 && size <= MAX_STORED && is_loose_object_path(rel)
+}
+
+/// How a loose object is stored by what it holds rather than as its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GitStored {
+    /// The chunks are the blob's content (format v3); the file is
+    /// zlib(level, `blob <len>\0` ‖ content).
+    Blob { level: u8 },
+    /// The chunks are a [`tree_delta`] against the tree `base`, an object
+    /// the repository's packs hold (format v4); the file is zlib(level,
+    /// `tree <len>\0` ‖ the tree the delta gives).
+    TreeDelta { level: u8, base: [u8; 20] },
+}
+
+impl GitStored {
+    pub fn level(&self) -> u8 {
+        match self {
+            Self::Blob { level } | Self::TreeDelta { level, .. } => *level,
+        }
+    }
 }
 
 /// The content of the loose blob `stored` and the zlib level that
 /// re-creates `stored` from it exactly; None when `stored` is not such a
 /// blob.
 pub fn unpack(stored: &[u8]) -> Option<(u8, Vec<u8>)> {
+    unpack_object("blob", stored)
+}
+
+/// [`unpack`] for a loose tree.
+pub fn unpack_tree(stored: &[u8]) -> Option<(u8, Vec<u8>)> {
+    unpack_object("tree", stored)
+}
+
+fn unpack_object(kind: &str, stored: &[u8]) -> Option<(u8, Vec<u8>)> {
     let mut inflater = ZlibDecoder::new(stored).take(MAX_CONTENT + 64);
     let mut inflated = Vec::with_capacity(stored.len() * 3);
-    // Trees and commits (most loose objects) are told apart by their
-    // header, before anything else is inflated.
+    // Objects of other kinds are told apart by their header, before
+    // anything else is inflated.
     (&mut inflater).take(5).read_to_end(&mut inflated).ok()?;
-    if inflated != b"blob " {
+    if inflated.strip_suffix(b" ") != Some(kind.as_bytes()) {
         return None;
     }
     inflater.read_to_end(&mut inflated).ok()?;
     let nul = inflated.iter().position(|b| *b == 0)?;
-    let declared: usize = std::str::from_utf8(inflated[..nul].strip_prefix(b"blob ")?)
-        .ok()?
-        .parse()
-        .ok()?;
+    let declared: usize = std::str::from_utf8(&inflated[5..nul]).ok()?.parse().ok()?;
     let content = inflated.split_off(nul + 1);
     if declared != content.len() {
         return None;
     }
     let level = LEVELS
         .into_iter()
-        .find(|&level| pack(level, &content).is_ok_and(|again| again == stored))?;
+        .find(|&level| pack_object(kind, level, &content).is_ok_and(|again| again == stored))?;
     Some((level, content))
 }
 
 /// The loose object file of a blob with `content`, deflated at `level`.
 pub fn pack(level: u8, content: &[u8]) -> io::Result<Vec<u8>> {
-    let header = format!("blob {}\0", content.len());
+    pack_object("blob", level, content)
+}
+
+/// The loose object file of a `kind` object with `content`.
+pub fn pack_object(kind: &str, level: u8, content: &[u8]) -> io::Result<Vec<u8>> {
+    let header = format!("{kind} {}\0", content.len());
     let mut encoder = ZlibEncoder::new(
         Vec::with_capacity(content.len() / 2 + 64),
         Compression::new(u32::from(level.min(9))),
@@ -90,6 +144,150 @@ pub fn pack(level: u8, content: &[u8]) -> io::Result<Vec<u8>> {
     encoder.write_all(header.as_bytes())?;
     encoder.write_all(content)?;
     encoder.finish()
+}
+
+/// The SHA-1 object id of a tree with `content`.
+pub fn tree_id(content: &[u8]) -> Option<[u8; 20]> {
+    let id = git2::Oid::hash_object(git2::ObjectType::Tree, content).ok()?;
+    id.as_bytes().try_into().ok()
+}
+
+/// The object id a SHA-1 loose object path names (`…/ab/cdef…`).
+pub fn loose_object_id(rel: &[u8]) -> Option<[u8; 20]> {
+    if !is_loose_object_path(rel) {
+        return None;
+    }
+    let mut parts = rel.rsplit(|b| *b == b'/');
+    let (name, fanout) = (parts.next()?, parts.next()?);
+    let hex: Vec<u8> = fanout.iter().chain(name).copied().collect();
+    let mut id = [0u8; 20];
+    hex::decode_to_slice(&hex, &mut id).ok()?;
+    Some(id)
+}
+
+/// The entries of a SHA-1 tree: `<mode> <name>\0<20-byte id>` each.
+fn tree_entries(tree: &[u8]) -> Option<Vec<&[u8]>> {
+    let mut entries = Vec::new();
+    let mut rest = tree;
+    while !rest.is_empty() {
+        let nul = rest.iter().position(|b| *b == 0)?;
+        let end = nul + 1 + 20;
+        if end > rest.len() {
+            return None;
+        }
+        let (entry, after) = rest.split_at(end);
+        entries.push(entry);
+        rest = after;
+    }
+    Some(entries)
+}
+
+const COPY: u8 = 0;
+const INSERT: u8 = 1;
+
+/// `tree` as edits of `base`, both SHA-1 tree contents: entries `base`
+/// has are copied from it, the others inserted. A commit changes a few
+/// entries of each tree on its paths, so this is tens of bytes where the
+/// tree is kilobytes of incompressible ids.
+///
+/// ```text
+/// delta = op*
+/// op    = 0 │ offset varint │ length varint     copy from the base
+///       │ 1 │ length varint │ bytes             insert
+/// ```
+pub fn tree_delta(base: &[u8], tree: &[u8]) -> Option<Vec<u8>> {
+    use crate::format::varint_pub::put_u64;
+    let mut at = std::collections::HashMap::new();
+    let mut offset = 0;
+    for entry in tree_entries(base)? {
+        at.entry(entry).or_insert(offset);
+        offset += entry.len();
+    }
+    enum Op<'a> {
+        Copy(usize, usize),
+        Insert(Vec<&'a [u8]>),
+    }
+    let mut ops: Vec<Op<'_>> = Vec::new();
+    for entry in tree_entries(tree)? {
+        match (at.get(entry), ops.last_mut()) {
+            (Some(&from), Some(Op::Copy(start, len))) if *start + *len == from => {
+                *len += entry.len();
+            }
+            (Some(&from), _) => ops.push(Op::Copy(from, entry.len())),
+            (None, Some(Op::Insert(entries))) => entries.push(entry),
+            (None, _) => ops.push(Op::Insert(vec![entry])),
+        }
+    }
+    let mut delta = Vec::new();
+    for op in ops {
+        match op {
+            Op::Copy(from, len) => {
+                delta.push(COPY);
+                put_u64(&mut delta, from as u64);
+                put_u64(&mut delta, len as u64);
+            }
+            Op::Insert(entries) => {
+                delta.push(INSERT);
+                put_u64(&mut delta, entries.iter().map(|e| e.len() as u64).sum());
+                for entry in entries {
+                    delta.extend_from_slice(entry);
+                }
+            }
+        }
+    }
+    Some(delta)
+}
+
+/// Why a tree delta could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum DeltaError {
+    #[error("the tree delta is malformed: {0}")]
+    Malformed(String),
+    #[error("the tree delta copies beyond its base ({base_len} bytes)")]
+    OutOfBase { base_len: usize },
+    #[error("the tree delta gives more than {0} bytes")]
+    TooLarge(usize),
+}
+
+/// The tree [`tree_delta`] made `delta` from, given its `base`; at most
+/// `max_len` bytes.
+pub fn apply_delta(base: &[u8], delta: &[u8], max_len: usize) -> Result<Vec<u8>, DeltaError> {
+    use crate::format::varint_pub::Reader;
+    let malformed = |e: crate::format::FormatError| DeltaError::Malformed(e.to_string());
+    let mut reader = Reader::new(delta);
+    let mut tree = Vec::new();
+    while !reader.is_empty() {
+        let op = reader.u8().map_err(malformed)?;
+        let grows_to = |len: u64| {
+            usize::try_from(len)
+                .ok()
+                .and_then(|len| tree.len().checked_add(len))
+                .filter(|total| *total <= max_len)
+                .ok_or(DeltaError::TooLarge(max_len))
+        };
+        match op {
+            COPY => {
+                let from = reader.u64().map_err(malformed)?;
+                let len = reader.u64().map_err(malformed)?;
+                grows_to(len)?;
+                let range = usize::try_from(from)
+                    .ok()
+                    .and_then(|from| Some(from..from.checked_add(len as usize)?))
+                    .filter(|r| r.end <= base.len())
+                    .ok_or(DeltaError::OutOfBase {
+                        base_len: base.len(),
+                    })?;
+                tree.extend_from_slice(&base[range]);
+            }
+            INSERT => {
+                let len = reader.u64().map_err(malformed)?;
+                grows_to(len)?;
+                tree.extend_from_slice(reader.take(len as usize).map_err(malformed)?);
+            }
+            other => return Err(DeltaError::Malformed(format!("unknown operation {other}"))),
+        }
+    }
+    Ok(tree)
 }
 
 #[cfg(test)]
@@ -117,6 +315,10 @@ mod tests {
             format!("app/.git/other/ab/{sha1}").as_bytes()
         ));
         assert!(!is_loose_object_path(b"objects/ab/short"));
+        assert!(is_pack_path(b"app/.git/objects/pack/pack-1a2b.pack"));
+        assert!(!is_pack_path(b"app/.git/objects/pack/pack-1a2b.idx"));
+        assert!(!is_pack_path(b"app/.git/objects/pack/other.pack"));
+        assert!(!is_pack_path(b"app/pack/pack-1a2b.pack"));
         assert!(!is_candidate(
             format!("objects/ab/{sha1}").as_bytes(),
             MAX_STORED + 1
@@ -181,5 +383,69 @@ mod tests {
         odd.flush().unwrap();
         odd.write_all(b"abc").unwrap();
         assert_eq!(unpack(&odd.finish().unwrap()), None);
+    }
+
+    /// A real repository's tree before and after a commit that changed one
+    /// file of a large directory: the delta is tens of bytes, rebuilds the
+    /// new tree exactly, and git's loose tree file is re-created from it.
+    #[test]
+    fn a_tree_delta_rebuilds_the_next_tree_from_a_few_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let repo = tmp.path();
+        git(repo, &["init", "-q"]);
+        git(repo, &["config", "user.email", "t@example.com"]);
+        git(repo, &["config", "user.name", "t"]);
+        for i in 0..300 {
+            std::fs::write(
+                repo.join(format!("f{i:03}.rs")),
+                format!("fn f{i}() {{}}\n"),
+            )
+            .unwrap();
+        }
+        git(repo, &["add", "."]);
+        git(repo, &["commit", "-qm", "one"]);
+        git(repo, &["gc", "-q"]);
+        let old_id = git(repo, &["rev-parse", "HEAD^{tree}"]).trim().to_owned();
+        std::fs::write(repo.join("f150.rs"), "fn changed() {}\n").unwrap();
+        std::fs::write(repo.join("f299.rs"), "fn changed_too() {}\n").unwrap();
+        git(repo, &["commit", "-qam", "two"]);
+        let new_id = git(repo, &["rev-parse", "HEAD^{tree}"]).trim().to_owned();
+        let raw = |id: &str| {
+            let out = Command::new("git")
+                .args(["cat-file", "tree", id])
+                .current_dir(repo)
+                .output()
+                .unwrap();
+            out.stdout
+        };
+        let (base, tree) = (raw(&old_id), raw(&new_id));
+        assert!(tree.len() > 10_000, "{}", tree.len());
+
+        let delta = tree_delta(&base, &tree).expect("both are trees");
+        assert!(delta.len() < 200, "the delta is {} bytes", delta.len());
+        assert_eq!(apply_delta(&base, &delta, tree.len()).unwrap(), tree);
+        let id = tree_id(&tree).unwrap();
+        assert_eq!(hex::encode(id), new_id);
+        let path = format!(".git/objects/{}/{}", &new_id[..2], &new_id[2..]);
+        assert_eq!(loose_object_id(path.as_bytes()), Some(id));
+        let stored = std::fs::read(repo.join(&path)).expect("the new tree is loose");
+        let (level, unpacked) = unpack_tree(&stored).expect("git's loose tree is recognised");
+        assert_eq!(unpacked, tree);
+        assert_eq!(pack_object("tree", level, &unpacked).unwrap(), stored);
+
+        // What a hostile or damaged delta gets.
+        assert!(matches!(
+            apply_delta(&base, &[COPY, 0x80, 0x80, 0x04, 10], usize::MAX),
+            Err(DeltaError::OutOfBase { .. })
+        ));
+        assert!(matches!(
+            apply_delta(&base, &delta, tree.len() - 1),
+            Err(DeltaError::TooLarge(_))
+        ));
+        assert!(matches!(
+            apply_delta(&base, &[7], usize::MAX),
+            Err(DeltaError::Malformed(_))
+        ));
+        assert_eq!(tree_delta(&base, b"not a tree"), None);
     }
 }

@@ -35,7 +35,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex;
 
-use crate::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport};
+use crate::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport, Resident};
 use crate::cli::{CheckpointArgs, OutputFormat, WatchArgs};
 use crate::client::Coordinator;
 use crate::scan;
@@ -226,7 +226,8 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     })
     .await
     .context("starting the change tracker")??;
-    options.tracker = Some(Arc::new(tracker));
+    let resident = Arc::new(Resident::new(Some(tracker)));
+    options.resident = Some(resident.clone());
     let baseline = newest_checkpoint(&options).await?;
     let listener = bind(&socket)?;
     let checkpointer = Arc::new(Checkpointer::new(options, baseline));
@@ -238,6 +239,7 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     );
     serve(listener, checkpointer, args.interval, shutdown_signal()).await;
     let _ = std::fs::remove_file(&socket);
+    resident.flush().await;
     tracing::info!("watcher stopped");
     Ok(())
 }

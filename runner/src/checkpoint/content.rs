@@ -31,7 +31,9 @@ use rayon::prelude::*;
 use crate::cache::{Cache, CachedFile, Fingerprint};
 use crate::chunker;
 use crate::format::{ChunkRef, TenantKeys};
-use crate::gitobj;
+use crate::gitobj::{self, GitStored};
+
+use super::treebases::{Base, TreeBases};
 use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel};
 
 /// Plaintext gathered before the store is asked which blobs it lacks.
@@ -62,9 +64,8 @@ pub struct FileContent {
     /// The fingerprint under which the cache may remember `chunks` (None
     /// when the file changed too recently, or while it was read).
     pub cacheable: Option<Fingerprint>,
-    /// A git loose blob stored by its content ([`crate::gitobj`]): the zlib
-    /// level that re-creates the file from `chunks`.
-    pub git_level: Option<u8>,
+    /// A git loose object stored by what it holds ([`crate::gitobj`]).
+    pub git: Option<GitStored>,
 }
 
 impl FileContent {
@@ -73,7 +74,7 @@ impl FileContent {
         self.cacheable.map(|fingerprint| CachedFile {
             fingerprint,
             chunks: self.chunks.clone(),
-            git_level: self.git_level,
+            git: self.git,
         })
     }
 }
@@ -97,6 +98,7 @@ pub struct Cancelled;
 pub fn read_all(
     scan: &Scan,
     cache: &Cache,
+    bases: &TreeBases,
     keys: &TenantKeys,
     batches: tokio::sync::mpsc::Sender<Batch>,
 ) -> Result<Content, Cancelled> {
@@ -117,25 +119,49 @@ pub fn read_all(
                 continue;
             };
             let rel = join_rel(&dir.path, &node.name);
-            let reusable = cache
-                .lookup(&rel, fingerprint)
-                .filter(|known| known.chunks.iter().all(|c| cache.knows_blob(&c.id)));
+            let abs = || scan.root.join(OsStr::from_bytes(&rel));
+            // A delta is only as good as its base, found again each time.
+            let committed = |known: &&CachedFile| {
+                known.chunks.iter().all(|c| cache.knows_blob(&c.id))
+                    && match known.git {
+                        Some(GitStored::TreeDelta { base, .. }) => {
+                            bases.get(&rel).is_some_and(|found| found.id == base)
+                        }
+                        _ => true,
+                    }
+            };
+            // (what the cache knows, the fingerprint to remember it under)
+            let reusable = match cache.lookup(&rel, fingerprint).filter(committed) {
+                Some(known) => Some((known, Some(*fingerprint))),
+                None => cache
+                    .file(&rel)
+                    .filter(committed)
+                    .filter(|known| gitobj::is_pack_path(&rel) && known.git.is_none())
+                    .and_then(|known| {
+                        let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
+                        content.bytes_read += tail;
+                        // Known by its bytes, not its times: remembered
+                        // again once the new times are old enough.
+                        let stable = fingerprint.is_stable(scan.started);
+                        unchanged.then_some((known, stable.then_some(*fingerprint)))
+                    }),
+            };
             match reusable {
-                Some(known) => {
+                Some((known, cacheable)) => {
                     content.files[d][n] = Some(FileContent {
                         chunks: known.chunks.clone(),
                         size: fingerprint.size,
                         meta: node.meta,
-                        cacheable: Some(*fingerprint),
-                        git_level: known.git_level,
+                        cacheable,
+                        git: known.git,
                     });
                 }
                 None => {
-                    let abs = scan.root.join(OsStr::from_bytes(&rel));
                     to_read.push(Job {
                         dir: d,
                         node: n,
-                        abs,
+                        abs: abs(),
+                        tree_base: bases.get(&rel).cloned(),
                         rel,
                         size: fingerprint.size,
                     });
@@ -191,6 +217,65 @@ struct Job {
     abs: PathBuf,
     rel: Vec<u8>,
     size: u64,
+    /// For a loose git tree: the packed tree to store it against.
+    tree_base: Option<Base>,
+}
+
+/// Whether the git pack at `abs` still holds what `known` recorded: same
+/// device, inode, size and mode, and its last chunks (which hold the pack's
+/// trailing checksum, see [`gitobj::is_pack_path`]) hash to the same ids.
+/// Also returns how many bytes it read.
+fn pack_unchanged(
+    abs: &std::path::Path,
+    now: &Fingerprint,
+    known: &CachedFile,
+    keys: &TenantKeys,
+) -> (bool, u64) {
+    use std::os::unix::fs::FileExt as _;
+    let was = &known.fingerprint;
+    let recorded: u64 = known.chunks.iter().map(|c| u64::from(c.len)).sum();
+    if (was.dev, was.ino, was.size, was.mode) != (now.dev, now.ino, now.size, now.mode)
+        || recorded != now.size
+    {
+        return (false, 0);
+    }
+    let mut tail = Vec::new();
+    let mut offset = now.size;
+    for chunk in known.chunks.iter().rev() {
+        let Some(start) = offset.checked_sub(u64::from(chunk.len)) else {
+            return (false, 0);
+        };
+        offset = start;
+        tail.push((start, chunk));
+        if now.size - offset >= gitobj::PACK_CHECKSUM_LEN {
+            break;
+        }
+    }
+    if now.size - offset < gitobj::PACK_CHECKSUM_LEN.min(now.size) {
+        return (false, 0);
+    }
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(abs)
+    else {
+        return (false, 0);
+    };
+    if file.metadata().map(|m| Fingerprint::of(&m)).ok().as_ref() != Some(now) {
+        return (false, 0);
+    }
+    let mut read = 0;
+    for (start, chunk) in tail {
+        let mut data = vec![0; chunk.len as usize];
+        if file.read_exact_at(&mut data, start).is_err() {
+            return (false, read);
+        }
+        read += data.len() as u64;
+        if keys.blob_id(&data) != chunk.id {
+            return (false, read);
+        }
+    }
+    (true, read)
 }
 
 /// Splits small files into groups that are read in parallel.
@@ -243,7 +328,7 @@ fn record(
                 chunks: read.chunks,
                 size: read.size,
                 meta: read.meta,
-                git_level: read.git_level,
+                git: read.git,
             });
         }
         ReadResult::Gone => {}
@@ -328,7 +413,7 @@ struct ReadFile {
     /// The fingerprint matching what was read (taken after reading).
     after: Fingerprint,
     changed: bool,
-    git_level: Option<u8>,
+    git: Option<GitStored>,
 }
 
 enum ReadResult {
@@ -472,7 +557,7 @@ fn read_once(
         cancelled: false,
     };
     let read = if gitobj::is_candidate(&job.rel, before.size) {
-        read_loose_object(&file, before.size, &mut hasher)
+        read_loose_object(&file, before.size, job.tree_base.as_ref(), &mut hasher)
     } else {
         let granularity = chunker::Granularity::for_path(&job.rel);
         chunker::for_each_chunk(granularity, &file, before.size, |data| hasher.push(data))
@@ -482,7 +567,7 @@ fn read_once(
     if hasher.cancelled {
         return Err(ReadError::Cancelled);
     }
-    let (size, git_level) = read.map_err(ReadError::Io)?;
+    let (size, git) = read.map_err(ReadError::Io)?;
     let after_meta = file.metadata().map_err(ReadError::Io)?;
     let after = Fingerprint::of(&after_meta);
     let read = ReadFile {
@@ -491,33 +576,51 @@ fn read_once(
         meta: Meta::of(&after_meta),
         after,
         changed: before != after || size != after.size,
-        git_level,
+        git,
     };
     Ok((read, hasher.held))
 }
 
-/// Reads what may be a git loose blob: its content is chunked like a
-/// workspace file (so it dedupes with the working-tree copy) when this
-/// runner re-creates the stored bytes exactly, else the bytes as they are.
-/// Returns the size on disk and, for a blob stored by content, its level.
+/// Reads a git loose object. A blob's content is chunked like a workspace
+/// file (so it dedupes with the working-tree copy), a tree with a `base` is
+/// stored as its delta against that base — each only when this runner
+/// re-creates the stored bytes exactly; anything else as the bytes it is.
+/// Returns the size on disk and how the object is stored.
 fn read_loose_object(
     mut file: &File,
     size_hint: u64,
+    base: Option<&Base>,
     hasher: &mut Hasher<'_>,
-) -> io::Result<(u64, Option<u8>)> {
+) -> io::Result<(u64, Option<GitStored>)> {
     use std::io::Read as _;
     let mut stored = Vec::with_capacity(size_hint as usize);
     file.read_to_end(&mut stored)?;
     let size = stored.len() as u64;
-    let (level, chunked) = match gitobj::unpack(&stored) {
-        Some((level, content)) => (Some(level), content),
-        None => (None, stored),
+    let as_delta = |base: &Base| {
+        let (level, tree) = gitobj::unpack_tree(&stored)?;
+        let delta = gitobj::tree_delta(&base.content, &tree)?;
+        // The restore must get these very bytes back.
+        let again = gitobj::apply_delta(&base.content, &delta, tree.len()).ok()?;
+        (again == tree).then_some((
+            GitStored::TreeDelta {
+                level,
+                base: base.id,
+            },
+            delta,
+        ))
+    };
+    let (git, chunked) = match base.filter(|b| !b.content.is_empty()).and_then(as_delta) {
+        Some((git, delta)) => (Some(git), delta),
+        None => match gitobj::unpack(&stored) {
+            Some((level, content)) => (Some(GitStored::Blob { level }), content),
+            None => (None, stored),
+        },
     };
     let len = chunked.len() as u64;
     chunker::for_each_chunk(chunker::Granularity::Standard, &chunked[..], len, |data| {
         hasher.push(data)
     })?;
-    Ok((size, level))
+    Ok((size, git))
 }
 
 #[cfg(test)]
@@ -547,7 +650,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let keys = keys();
         std::thread::scope(|s| {
-            let reader = s.spawn(|| read_all(scan, cache, &keys, tx));
+            let reader = s.spawn(|| read_all(scan, cache, &TreeBases::default(), &keys, tx));
             let mut blobs = Vec::new();
             while let Some(batch) = rx.blocking_recv() {
                 blobs.extend(batch.blobs);
@@ -653,6 +756,111 @@ mod tests {
         assert_eq!(third.files_read, 2);
     }
 
+    /// A cache that knows everything `content` holds, as a committed checkpoint leaves it.
+    fn cache_of(scan: &Scan, content: &Content, dir: &std::path::Path) -> Cache {
+        let mut cache = Cache::empty(dir.join("unused"), "k");
+        let pack = "ab".repeat(32).parse().unwrap();
+        for (d, files) in content.files.iter().enumerate() {
+            for (n, file) in files.iter().enumerate() {
+                let Some(entry) = file.as_ref().and_then(FileContent::cache_entry) else {
+                    continue;
+                };
+                for chunk in &entry.chunks {
+                    cache.insert_blob(chunk.id, &pack);
+                }
+                cache.insert_file(
+                    join_rel(&scan.dirs[d].path, &scan.dirs[d].nodes[n].name),
+                    entry,
+                );
+            }
+        }
+        cache
+    }
+
+    fn pack_of(scan: &Scan, content: &Content) -> (Vec<u8>, FileContent) {
+        for (d, dir) in scan.dirs.iter().enumerate() {
+            for (n, node) in dir.nodes.iter().enumerate() {
+                let rel = join_rel(&dir.path, &node.name);
+                if gitobj::is_pack_path(&rel) {
+                    return (rel, content.files[d][n].clone().unwrap());
+                }
+            }
+        }
+        panic!("no pack in the scan");
+    }
+
+    #[test]
+    fn a_git_pack_whose_times_moved_is_not_read_again_unless_its_checksum_changed() {
+        use crate::git::testing::git;
+        use std::os::unix::fs::{FileExt as _, PermissionsExt as _};
+
+        let tmp = tempfile::tempdir().unwrap();
+        let repo = tmp.path().join("repo");
+        fs::create_dir(&repo).unwrap();
+        git(&repo, &["init", "-q"]);
+        // Incompressible content, so the pack spans several chunks.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let noise: Vec<u8> = (0..(1 << 20))
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        fs::write(repo.join("noise.bin"), &noise).unwrap();
+        git(&repo, &["add", "noise.bin"]);
+        git(&repo, &["commit", "-qm", "noise"]);
+        git(&repo, &["gc", "-q"]);
+        let later = SystemTime::now() + Duration::from_secs(60);
+        let mut scan = scan_of(tmp.path());
+        scan.started = later;
+        let (first, _) = read(&scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        let (pack_rel, packed) = pack_of(&scan, &first);
+        assert!(packed.chunks.len() > 1, "{:?}", packed.chunks);
+        let cache = cache_of(&scan, &first, tmp.path());
+
+        // Adding content that a pack already holds makes git freshen that
+        // pack instead of writing the object: new times, same bytes.
+        let pack_path = tmp.path().join(OsStr::from_bytes(&pack_rel));
+        let before = fs::metadata(&pack_path).unwrap().modified().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        fs::write(repo.join("copy.bin"), &noise).unwrap();
+        git(&repo, &["add", "copy.bin"]);
+        let after = fs::metadata(&pack_path).unwrap().modified().unwrap();
+        assert_ne!(before, after, "git freshened the pack");
+        let mut scan = scan_of(tmp.path());
+        scan.started = later;
+        let (second, _) = read(&scan, &cache);
+        let (_, repacked) = pack_of(&scan, &second);
+        assert_eq!(repacked.chunks, packed.chunks);
+        // copy.bin is new and read whole; of the pack, only its tail.
+        assert!(
+            second.bytes_read < noise.len() as u64 + packed.size / 2,
+            "only the pack's tail was read: {} with a pack of {}",
+            second.bytes_read,
+            packed.size
+        );
+
+        // A pack whose checksum changed in place is read again.
+        let mode = fs::metadata(&pack_path).unwrap().permissions();
+        fs::set_permissions(&pack_path, fs::Permissions::from_mode(0o644)).unwrap();
+        let file = fs::File::options().write(true).open(&pack_path).unwrap();
+        let mut last = [0u8];
+        fs::File::open(&pack_path)
+            .unwrap()
+            .read_exact_at(&mut last, packed.size - 1)
+            .unwrap();
+        file.write_all_at(&[last[0] ^ 1], packed.size - 1).unwrap();
+        fs::set_permissions(&pack_path, mode).unwrap();
+        let mut scan = scan_of(tmp.path());
+        scan.started = later;
+        let (third, _) = read(&scan, &cache);
+        let (_, changed) = pack_of(&scan, &third);
+        assert_ne!(changed.chunks, packed.chunks);
+        assert!(third.bytes_read >= packed.size);
+    }
+
     #[test]
     fn an_unreadable_file_is_left_out_with_a_warning() {
         let tmp = tempfile::tempdir().unwrap();
@@ -680,6 +888,7 @@ mod tests {
             abs: tmp.path().join("locked"),
             rel: b"locked".to_vec(),
             size: 6,
+            tree_base: None,
         };
         let denied = io::Error::from(io::ErrorKind::PermissionDenied);
         record(
@@ -733,6 +942,7 @@ mod tests {
             abs: path.clone(),
             rel: b"log".to_vec(),
             size: 11,
+            tree_base: None,
         };
         let keys = keys();
 

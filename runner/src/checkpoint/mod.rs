@@ -31,6 +31,8 @@
 
 mod content;
 mod remote;
+mod resident;
+mod treebases;
 mod trees;
 mod upload;
 
@@ -50,6 +52,7 @@ use tonic::Code;
 
 use self::content::{Cancelled, Content, FileContent};
 use self::remote::Session;
+use self::treebases::TreeBases;
 use self::upload::{Packer, Spool, SpooledPack, Uploader};
 use crate::cache::Cache;
 use crate::cli::{CheckpointArgs, OutputFormat, WorkspaceArgs};
@@ -58,7 +61,9 @@ use crate::failpoint::{self, FailpointError};
 use crate::format::{FORMAT_VERSION, seal};
 use crate::git::{self, RepoState};
 use crate::scan::{self, Scan, ScanError, ScanOptions, join_rel};
-use crate::tracker::{ChangeTracker, ScanKind};
+use crate::tracker::ScanKind;
+
+pub use self::resident::Resident;
 use crate::transfer::TransferError;
 
 /// At most this many warnings are recorded on a checkpoint; the rest are counted.
@@ -84,9 +89,9 @@ pub struct CheckpointOptions {
     pub generation: u64,
     /// The harness session the checkpoint belongs to, if any.
     pub harness: Option<pb::HarnessSession>,
-    /// Watches the root between checkpoints, so that only what changed is
-    /// listed (None: every checkpoint walks the whole workspace).
-    pub tracker: Option<Arc<ChangeTracker>>,
+    /// What a resident runner keeps between checkpoints (None: every
+    /// checkpoint walks the whole workspace and loads the cache from disk).
+    pub resident: Option<Arc<Resident>>,
 }
 
 impl CheckpointOptions {
@@ -104,7 +109,7 @@ impl CheckpointOptions {
             excludes: args.excludes,
             generation: 0,
             harness: None,
-            tracker: None,
+            resident: None,
         }
     }
 
@@ -340,7 +345,14 @@ async fn run(
     let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
     let ms = || started.elapsed().as_millis() as u64;
     tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
-    let mut cache = Cache::load(&cache_dir, &session.workspace_id, session.keys.key_id());
+    let mut cache = match &opts.resident {
+        Some(resident) => {
+            resident
+                .take_cache(&cache_dir, &session.workspace_id, session.keys.key_id())
+                .await
+        }
+        None => Cache::load(&cache_dir, &session.workspace_id, session.keys.key_id()),
+    };
     if forget_blobs {
         // Which of the remembered blobs sat in a lost pack is not known.
         cache.forget_blobs();
@@ -355,11 +367,11 @@ async fn run(
     let keys = session.keys.clone();
 
     let scan_options = opts.scan_options(root, &cache_dir);
-    let tracker = opts.tracker.clone();
+    let resident = opts.resident.clone();
     let (scanned, inspector) = blocking(move || {
         let inspector = git::Inspector::start();
         let on_repo = |found| inspector.submit(found);
-        let scanned = match &tracker {
+        let scanned = match resident.as_ref().and_then(|r| r.tracker()) {
             Some(tracker) => tracker.scan(&scan_options, &on_repo),
             None => scan::scan(&scan_options, &on_repo).map(|scan| {
                 let kind = ScanKind::Full {
@@ -386,7 +398,10 @@ async fn run(
     let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
     let reader = {
         let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
-        tokio::task::spawn_blocking(move || content::read_all(&scan, &cache, &keys, batches))
+        tokio::task::spawn_blocking(move || {
+            let bases = TreeBases::find(&scan, &cache);
+            content::read_all(&scan, &cache, &bases, &keys, batches)
+        })
     };
     let mut stored = Ok(());
     while let Some(batch) = incoming.recv().await {
@@ -487,15 +502,14 @@ async fn run(
     let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
     let saving = {
         let scan = scan.clone();
-        blocking(move || save_cache(cache, &scan, &content, reachable))
+        tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable))
     };
-    let (committed, saved) = tokio::join!(remote::commit(&session.client, request), saving);
-    saved?;
-    let committed = match committed {
+    let committed = match remote::commit(&session.client, request).await {
         Ok(committed) => committed,
         Err(e) => {
             // The saved cache places blobs in packs no checkpoint holds;
             // start the next checkpoint from nothing rather than be refused.
+            let _ = saving.await;
             if let Err(remove) = fs::remove_file(&cache_path)
                 && remove.kind() != io::ErrorKind::NotFound
             {
@@ -504,7 +518,16 @@ async fn run(
             return Err(e);
         }
     };
-    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed, fingerprint cache saved");
+    match &opts.resident {
+        // The next checkpoint waits for the cache, not this one.
+        Some(resident) => resident.keep(saving).await,
+        None => {
+            saving
+                .await
+                .map_err(|e| CheckpointError::Task(format!("a checkpoint worker failed: {e}")))?;
+        }
+    }
+    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
     drop(spool);
     Ok(Some(CheckpointReport {
         checkpoint_id: committed.id,
@@ -558,16 +581,17 @@ fn capped_warnings(mut warnings: Vec<String>) -> Vec<String> {
 
 /// Teaches the cache what this committed checkpoint holds and saves it. A
 /// cache that cannot be saved only makes the next checkpoint slower.
+/// Returns the cache, for a resident runner to keep.
 fn save_cache(
     cache: Arc<Cache>,
     scan: &Scan,
-    content: &Content,
+    content: Content,
     reachable: HashMap<BlobId, PackId>,
-) {
+) -> Option<Cache> {
     let started = Instant::now();
     let Ok(mut cache) = Arc::try_unwrap(cache) else {
         tracing::warn!("the fingerprint cache is still in use; not updating it");
-        return;
+        return None;
     };
     let mut files = HashMap::new();
     for (dir, results) in scan.dirs.iter().zip(&content.files) {
@@ -589,6 +613,9 @@ fn save_cache(
         elapsed_ms = started.elapsed().as_millis() as u64,
         "fingerprint cache written"
     );
+    // What the checkpoint read is dropped here too, off its path.
+    drop(content);
+    Some(cache)
 }
 
 /// Stores new blobs: asks which the store lacks, seals and packs those, and

@@ -62,10 +62,10 @@ pub fn build(
                         counts.total_bytes += file.size;
                         entries.push(Entry {
                             name: node.name.clone(),
-                            kind: match file.git_level {
-                                Some(level) => EntryKind::GitBlob {
+                            kind: match file.git {
+                                Some(stored) => EntryKind::Git {
                                     size: file.size,
-                                    level,
+                                    stored,
                                     chunks: file.chunks.clone(),
                                 },
                                 None => EntryKind::File {
@@ -181,7 +181,7 @@ mod tests {
                             size: data.len() as u64,
                             meta: node.meta,
                             cacheable: None,
-                            git_level: None,
+                            git: None,
                         })
                     })
                     .collect()

@@ -1,7 +1,7 @@
 //! Tree objects: one per directory, split into pages when it is large.
 //!
 //! ```text
-//! v2+: "CTRE" │ version u8 (2 or 3) │ layout u8 │ body
+//! v2+: "CTRE" │ version u8 (2, 3 or 4) │ layout u8 │ body
 //!        layout 0 (entries): count varint │ entry*
 //!        layout 1 (pages):   page count varint │ page blob id[32]*
 //!                            each page is a layout-0 tree object; the
@@ -17,6 +17,12 @@
 //!                  the chunks hold the *content* of a git loose blob; the
 //!                  file is zlib(level, "blob <content len>\0" ‖ content),
 //!                  `size` bytes long (see crate::gitobj)
+//!         git tree delta (v4): size varint │ zlib level u8 │ base tree id[20]
+//!                  │ chunk count varint │ (blob id[32] │ len varint)*
+//!                  the chunks hold a delta (crate::gitobj::tree_delta)
+//!                  against the SHA-1 tree `base`, which a pack of the same
+//!                  repository holds; the file is zlib(level, "tree <len>\0"
+//!                  ‖ the tree), `size` bytes long
 //!         fifo/char/block/socket: empty (never written by cairn; readers refuse them)
 //! bytes = len varint │ raw
 //! ```
@@ -33,6 +39,7 @@ use cairn_proto::ids::BlobId;
 
 use super::varint::{Reader, put_bytes, put_i64, put_u64};
 use super::{FORMAT_VERSION, FormatError, MAX_CHUNK_LEN};
+use crate::gitobj::GitStored;
 
 const MAGIC: &[u8; 4] = b"CTRE";
 const LAYOUT_ENTRIES: u8 = 0;
@@ -65,12 +72,12 @@ pub enum EntryKind {
         size: u64,
         chunks: Vec<ChunkRef>,
     },
-    /// A git loose blob stored by its content (format v3, [`crate::gitobj`]):
-    /// the file is `size` bytes of zlib at `level` over a header and the
-    /// content the chunks hold.
-    GitBlob {
+    /// A git loose object stored by what it holds ([`crate::gitobj`]): a
+    /// blob's content (format v3) or a tree's delta against a packed tree
+    /// (format v4). The file is `size` bytes of zlib over the object.
+    Git {
         size: u64,
-        level: u8,
+        stored: GitStored,
         chunks: Vec<ChunkRef>,
     },
     Dir {
@@ -95,14 +102,21 @@ impl EntryKind {
             Self::CharDevice => 5,
             Self::BlockDevice => 6,
             Self::Socket => 7,
-            Self::GitBlob { .. } => 8,
+            Self::Git {
+                stored: GitStored::Blob { .. },
+                ..
+            } => 8,
+            Self::Git {
+                stored: GitStored::TreeDelta { .. },
+                ..
+            } => 9,
         }
     }
 
     /// A word for messages.
     pub fn describe(&self) -> &'static str {
         match self {
-            Self::File { .. } | Self::GitBlob { .. } => "file",
+            Self::File { .. } | Self::Git { .. } => "file",
             Self::Dir { .. } => "directory",
             Self::Symlink { .. } => "symlink",
             Self::Fifo => "fifo",
@@ -235,13 +249,16 @@ impl Tree {
                     put_u64(&mut out, *size);
                     put_chunks(&mut out, chunks);
                 }
-                EntryKind::GitBlob {
+                EntryKind::Git {
                     size,
-                    level,
+                    stored,
                     chunks,
                 } => {
                     put_u64(&mut out, *size);
-                    out.push(*level);
+                    out.push(stored.level());
+                    if let GitStored::TreeDelta { base, .. } = stored {
+                        out.extend_from_slice(base);
+                    }
                     put_chunks(&mut out, chunks);
                 }
                 EntryKind::Dir { tree } => out.extend_from_slice(tree.as_bytes()),
@@ -295,18 +312,25 @@ impl Tree {
                     }
                     EntryKind::File { size, chunks }
                 }
-                8 if version >= 3 => {
+                // git blobs from version 3, tree deltas from version 4
+                code @ (8 | 9) if version >= u32::from(code == 9) + 3 => {
                     let size = r.u64()?;
                     let level = r.u8()?;
                     if level > 9 {
                         return Err(FormatError::MalformedTree(format!(
-                            "git blob with zlib level {level}"
+                            "git object with zlib level {level}"
                         )));
                     }
+                    let stored = if code == 8 {
+                        GitStored::Blob { level }
+                    } else {
+                        let base = r.take(20)?.try_into().expect("20 bytes");
+                        GitStored::TreeDelta { level, base }
+                    };
                     let chunks = read_chunks(bytes, &mut r)?;
-                    EntryKind::GitBlob {
+                    EntryKind::Git {
                         size,
-                        level,
+                        stored,
                         chunks,
                     }
                 }
@@ -502,10 +526,21 @@ mod tests {
                 ),
                 entry(
                     "loose",
-                    EntryKind::GitBlob {
+                    EntryKind::Git {
                         size: 5,
-                        level: 1,
+                        stored: GitStored::Blob { level: 1 },
                         chunks: vec![ChunkRef { id, len: 7 }],
+                    },
+                ),
+                entry(
+                    "loose-tree",
+                    EntryKind::Git {
+                        size: 40,
+                        stored: GitStored::TreeDelta {
+                            level: 6,
+                            base: [7; 20],
+                        },
+                        chunks: vec![ChunkRef { id, len: 9 }],
                     },
                 ),
                 entry("ünïcode", EntryKind::Fifo),
@@ -517,27 +552,38 @@ mod tests {
     }
 
     #[test]
-    fn git_blobs_exist_only_from_version_3() {
-        let tree = Tree {
-            entries: vec![entry(
-                "loose",
-                EntryKind::GitBlob {
-                    size: 5,
-                    level: 1,
-                    chunks: vec![],
-                },
-            )],
-        };
-        let mut bytes = tree.encode();
-        assert_eq!(bytes[4], 3);
-        bytes[4] = 2;
-        let err = Tree::decode(&bytes).unwrap_err();
-        assert!(err.to_string().contains("unknown entry kind 8"), "{err}");
-        let mut bad_level = tree.clone();
-        bad_level.entries[0].kind = EntryKind::GitBlob {
+    fn git_blobs_exist_from_version_3_and_tree_deltas_from_version_4() {
+        let blob = |level| EntryKind::Git {
             size: 5,
-            level: 12,
+            stored: GitStored::Blob { level },
             chunks: vec![],
+        };
+        let delta = EntryKind::Git {
+            size: 5,
+            stored: GitStored::TreeDelta {
+                level: 1,
+                base: [3; 20],
+            },
+            chunks: vec![],
+        };
+        for (kind, code, first_version) in [(blob(1), 8, 3), (delta, 9, 4)] {
+            let tree = Tree {
+                entries: vec![entry("loose", kind)],
+            };
+            let mut bytes = tree.encode();
+            assert_eq!(bytes[4], 4);
+            bytes[4] = first_version;
+            assert_eq!(Tree::decode(&bytes).unwrap(), tree);
+            bytes[4] = first_version - 1;
+            let err = Tree::decode(&bytes).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains(&format!("unknown entry kind {code}")),
+                "{err}"
+            );
+        }
+        let bad_level = Tree {
+            entries: vec![entry("loose", blob(12))],
         };
         let err = Tree::decode(&bad_level.encode()).unwrap_err();
         assert!(err.to_string().contains("zlib level 12"), "{err}");

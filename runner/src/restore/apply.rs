@@ -35,7 +35,7 @@ use rayon::prelude::*;
 
 use crate::cache::{Cache, Fingerprint};
 use crate::format::{self, ChunkRef, FormatError, TenantKeys};
-use crate::gitobj;
+use crate::gitobj::{self, GitStored};
 
 use super::fsops::{self, EntryMeta};
 use super::plan::{Plan, PlanKind};
@@ -168,12 +168,7 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
         .into_par_iter()
         .map(|i| {
             let entry = &plan.entries[i];
-            let PlanKind::File {
-                size,
-                chunks,
-                git_level,
-            } = &entry.kind
-            else {
+            let PlanKind::File { size, chunks, git } = &entry.kind else {
                 return Ok(None);
             };
             if !entry.parent.map_or(root_exists, |p| usable[p]) {
@@ -199,7 +194,7 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
             let on_disk = OnDisk {
                 size: *size,
                 chunks,
-                git_level: *git_level,
+                git: *git,
             };
             if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
                 let meta_ok = entry.meta.matches(&meta, target.set_owner);
@@ -225,7 +220,7 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
 struct OnDisk<'a> {
     size: u64,
     chunks: &'a [ChunkRef],
-    git_level: Option<u8>,
+    git: Option<GitStored>,
 }
 
 /// The fingerprint of the file at `path` if it already holds what `want` says.
@@ -245,13 +240,15 @@ fn reusable(
     if let Some(cache) = &target.cache
         && cache
             .lookup(rel, &fingerprint)
-            .is_some_and(|known| known.chunks == want.chunks && known.git_level == want.git_level)
+            .is_some_and(|known| known.chunks == want.chunks && known.git == want.git)
     {
         return Some(fingerprint);
     }
     let mut file = fsops::open_for_read(path).ok()?;
-    let matches = match want.git_level {
-        Some(level) => {
+    let matches = match want.git {
+        // Small, and rebuilt from a base: always written again.
+        Some(GitStored::TreeDelta { .. }) => false,
+        Some(GitStored::Blob { level }) => {
             let mut stored = Vec::with_capacity(want.size as usize);
             file.read_to_end(&mut stored).ok()?;
             gitobj::unpack(&stored).is_some_and(|(found, content)| {
@@ -288,9 +285,10 @@ pub(crate) struct FileJob {
     remaining: AtomicU32,
     /// A single-chunk file: created by its one write instead of in advance.
     create_on_write: bool,
-    /// A git loose blob: the chunks are its content, deflated at this level
-    /// once all are written ([`crate::gitobj`]).
-    git_level: Option<u8>,
+    /// A git loose object stored by what it holds ([`crate::gitobj`]): a
+    /// blob's content is deflated once all chunks are written; a tree delta
+    /// waits for [`rebuild_git_trees`], when the packs it needs are written.
+    git: Option<GitStored>,
     /// The bytes the chunks hold.
     content_len: u64,
     pub fingerprint: OnceLock<Fingerprint>,
@@ -319,15 +317,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     }
     let mut prepared = Prepared::default();
     for (i, (entry, state)) in plan.entries.iter().zip(survey.files).enumerate() {
-        let (
-            PlanKind::File {
-                size,
-                chunks,
-                git_level,
-            },
-            Some(state),
-        ) = (&entry.kind, state)
-        else {
+        let (PlanKind::File { size, chunks, git }, Some(state)) = (&entry.kind, state) else {
             continue;
         };
         let path = target.path(&entry.path);
@@ -374,7 +364,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
             meta: entry.meta,
             remaining: AtomicU32::new(chunks.len() as u32),
             create_on_write,
-            git_level: *git_level,
+            git: *git,
             content_len,
             fingerprint: OnceLock::new(),
         });
@@ -488,17 +478,19 @@ pub(crate) fn write_span(
             if job.create_on_write {
                 let mut file =
                     fsops::create_new(&job.path).map_err(local("creating", &job.path))?;
-                match job.git_level {
-                    Some(level) => file.write_all(
+                match job.git {
+                    Some(GitStored::Blob { level }) => file.write_all(
                         &gitobj::pack(level, &plain)
                             .map_err(local("compressing the git object", &job.path))?,
                     ),
-                    None => file.write_all(&plain),
+                    Some(GitStored::TreeDelta { .. }) | None => file.write_all(&plain),
                 }
                 .map_err(local("writing", &job.path))?;
-                let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
-                let _ = job.fingerprint.set(fingerprint);
-                done.files += 1;
+                if !job.waits_for_base() {
+                    let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
+                    let _ = job.fingerprint.set(fingerprint);
+                    done.files += 1;
+                }
             } else {
                 let file = match open_files.entry(job_index) {
                     std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -508,8 +500,8 @@ pub(crate) fn write_span(
                 };
                 file.write_all_at(&plain, file_offset)
                     .map_err(local("writing", &job.path))?;
-                if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    if let Some(level) = job.git_level {
+                if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 && !job.waits_for_base() {
+                    if let Some(GitStored::Blob { level }) = job.git {
                         deflate_in_place(file, &job.path, level, job.content_len)?;
                     }
                     let fingerprint = finish_file(file, &job.path, &job.meta, writers.set_owner)?;
@@ -521,6 +513,98 @@ pub(crate) fn write_span(
         }
     }
     Ok(done)
+}
+
+impl FileJob {
+    fn waits_for_base(&self) -> bool {
+        matches!(self.git, Some(GitStored::TreeDelta { .. }))
+    }
+}
+
+/// Why a git tree stored as a delta could not be rebuilt: the checkpoint's
+/// fault (its base is not in the restored packs, or the result is not the
+/// tree the file is named after).
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: cannot rebuild the git tree: {reason}")]
+pub struct GitTreeError {
+    pub path: String,
+    pub reason: String,
+}
+
+/// Why rebuilding git trees stopped.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RebuildError {
+    #[error(transparent)]
+    Tree(#[from] GitTreeError),
+    #[error(transparent)]
+    Local(#[from] LocalError),
+}
+
+/// Rebuilds every loose git tree stored as a delta, now that the packs
+/// holding their bases are written: base from the restored repository,
+/// delta applied, id checked against the file's name, deflated, finished.
+/// Returns how many files it finished.
+pub(crate) fn rebuild_git_trees(writers: &Writers) -> Result<u64, RebuildError> {
+    let mut odbs: HashMap<PathBuf, git2::Odb<'static>> = HashMap::new();
+    let mut finished = 0;
+    for job in writers.jobs.iter().filter(|job| job.waits_for_base()) {
+        let Some(GitStored::TreeDelta { level, base }) = job.git else {
+            continue;
+        };
+        let fail = |reason: String| GitTreeError {
+            path: job.path.display().to_string(),
+            reason,
+        };
+        let objects = job
+            .path
+            .parent()
+            .and_then(Path::parent)
+            .ok_or_else(|| fail("not inside an objects directory".into()))?;
+        let odb = match odbs.entry(objects.to_path_buf()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                // Objects are read from this repository's own packs only.
+                if objects.join("info/alternates").exists() {
+                    return Err(
+                        fail("the repository borrows objects (info/alternates)".into()).into(),
+                    );
+                }
+                let odb = git2::Odb::new().map_err(|e| fail(e.to_string()))?;
+                odb.add_disk_alternate(&objects.to_string_lossy())
+                    .map_err(|e| fail(e.to_string()))?;
+                e.insert(odb)
+            }
+        };
+        let base_id = git2::Oid::from_bytes(&base).map_err(|e| fail(e.to_string()))?;
+        let base_tree = odb.read(base_id).map_err(|e| {
+            fail(format!(
+                "its base tree {base_id} is not in the restored repository: {e}"
+            ))
+        })?;
+        let file = fsops::open_for_write(&job.path).map_err(local("opening", &job.path))?;
+        let mut delta = vec![0; job.content_len as usize];
+        file.read_exact_at(&mut delta, 0)
+            .map_err(local("reading back", &job.path))?;
+        let tree = gitobj::apply_delta(base_tree.data(), &delta, gitobj::MAX_CONTENT as usize)
+            .map_err(|e| fail(e.to_string()))?;
+        let rel = job.path.as_os_str().as_bytes();
+        if gitobj::tree_id(&tree) != gitobj::loose_object_id(rel) {
+            return Err(fail(
+                "the rebuilt tree does not have the id the file is named after".into(),
+            )
+            .into());
+        }
+        let stored = gitobj::pack_object("tree", level, &tree)
+            .map_err(local("compressing the git object", &job.path))?;
+        file.write_all_at(&stored, 0)
+            .map_err(local("writing", &job.path))?;
+        file.set_len(stored.len() as u64)
+            .map_err(local("sizing", &job.path))?;
+        let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
+        let _ = job.fingerprint.set(fingerprint);
+        finished += 1;
+    }
+    Ok(finished)
 }
 
 /// Turns a file holding a git blob's content into its loose object.

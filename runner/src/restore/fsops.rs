@@ -65,7 +65,10 @@ pub(crate) fn create_new(path: &Path) -> io::Result<File> {
 
 /// Opens an existing regular file that the writer created, for writing.
 pub(crate) fn open_for_write(path: &Path) -> io::Result<File> {
+    // Readable too: a git object written as its content is read back to be
+    // deflated in place.
     OpenOptions::new()
+        .read(true)
         .write(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)

@@ -47,6 +47,7 @@ use crate::client::{ConnectError, Coordinator};
 use crate::format::{IndexEntry, PackIndex};
 use crate::transfer::BlobTransfer;
 
+pub use apply::GitTreeError;
 use apply::{LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
 use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetcher, coalesce};
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
@@ -357,6 +358,8 @@ pub enum CandidateError {
         pack: PackId,
         source: crate::format::FormatError,
     },
+    #[error(transparent)]
+    GitTree(#[from] apply::GitTreeError),
 }
 
 /// A failed attempt: the candidate's fault (try the next) or not (stop).
@@ -581,6 +584,15 @@ async fn attempt(
         download(ctx, candidate, &plan, prepared.jobs, files_reused, &located).await?;
     tracing::debug!(bytes_written, elapsed = ?phase.elapsed(), "downloaded and written");
 
+    let rebuilding = writers.clone();
+    let rebuilt = blocking(move || apply::rebuild_git_trees(&rebuilding))
+        .await
+        .map_err(|e| match e {
+            apply::RebuildError::Tree(tree) => AttemptError::Candidate(tree.into()),
+            apply::RebuildError::Local(local) => AttemptError::local(local),
+        })?;
+    ctx.progress.written(0, rebuilt);
+
     let phase = Instant::now();
     let entries_removed = blocking(move || apply::finish(&target))
         .await
@@ -603,14 +615,12 @@ async fn attempt(
         .filter_map(|(i, fingerprint)| {
             let entry = &plan.entries[i];
             match &entry.kind {
-                plan::PlanKind::File {
-                    chunks, git_level, ..
-                } => Some((
+                plan::PlanKind::File { chunks, git, .. } => Some((
                     entry.path.clone(),
                     CachedFile {
                         fingerprint,
                         chunks: chunks.clone(),
-                        git_level: *git_level,
+                        git: *git,
                     },
                 )),
                 _ => None,

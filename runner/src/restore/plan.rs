@@ -15,6 +15,7 @@
 //! counted every time they appear, so a small hostile tree cannot expand into
 //! billions of entries).
 
+use crate::gitobj::GitStored;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -107,12 +108,12 @@ pub enum PlanKind {
         tree: BlobId,
         children: Range<usize>,
     },
-    /// `size` is the file's length on disk; with `git_level` it is a git
-    /// loose blob whose content the chunks hold ([`crate::gitobj`]).
+    /// `size` is the file's length on disk; with `git` it is a git loose
+    /// object stored by what it holds ([`crate::gitobj`]).
     File {
         size: u64,
         chunks: Vec<ChunkRef>,
-        git_level: Option<u8>,
+        git: Option<GitStored>,
     },
     Symlink {
         target: Vec<u8>,
@@ -267,14 +268,21 @@ pub fn build_plan(
                     PlanKind::File {
                         size: *size,
                         chunks: chunks.clone(),
-                        git_level: None,
+                        git: None,
                     }
                 }
-                EntryKind::GitBlob {
+                EntryKind::Git {
                     size,
-                    level,
+                    stored,
                     chunks,
                 } => {
+                    if matches!(stored, GitStored::TreeDelta { .. })
+                        && crate::gitobj::loose_object_id(&path).is_none()
+                    {
+                        return Err(unsafe_entry(
+                            "a git tree delta that is not a SHA-1 loose object file".into(),
+                        ));
+                    }
                     let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
                     if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED {
                         return Err(unsafe_entry(format!(
@@ -287,7 +295,7 @@ pub fn build_plan(
                     PlanKind::File {
                         size: *size,
                         chunks: chunks.clone(),
-                        git_level: Some(*level),
+                        git: Some(*stored),
                     }
                 }
                 EntryKind::Dir { tree } => {

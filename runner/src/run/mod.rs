@@ -994,6 +994,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
     let control = Control::new(coordinator.auth_channel());
     let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
     let root = args.root;
+    let resident: Arc<tokio::sync::OnceCell<_>> = Default::default();
     let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
         Arc::new(RemoteStore {
             coordinator: args.coordinator.clone(),
@@ -1001,10 +1002,14 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
             root: root.clone(),
             cache_dir: cache_dir.clone(),
             target,
-            tracker: Default::default(),
+            resident: resident.clone(),
         })
     };
-    let finished = run(control, &stores, RunOptions::new(root.clone()), shutdown).await?;
+    let finished = run(control, &stores, RunOptions::new(root.clone()), shutdown).await;
+    if let Some(resident) = resident.get() {
+        resident.flush().await;
+    }
+    let finished = finished?;
     tracing::info!(?finished, "runner done");
     Ok(())
 }

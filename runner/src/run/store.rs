@@ -14,7 +14,9 @@ use cairn_proto::pb;
 use futures::future::BoxFuture;
 use tonic::Code;
 
-use crate::checkpoint::{self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport};
+use crate::checkpoint::{
+    self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
+};
 use crate::client::Coordinator;
 use crate::restore::{self, NoProgress, RestoreError, RestoreOptions, human_bytes};
 use crate::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
@@ -127,15 +129,15 @@ pub struct RemoteStore {
     pub root: PathBuf,
     pub cache_dir: PathBuf,
     pub target: StoreTarget,
-    /// Started by the first checkpoint (after the restore, whose writes it
-    /// need not see), so later ones list only what changed.
-    pub tracker: Arc<tokio::sync::OnceCell<Option<Arc<ChangeTracker>>>>,
+    /// Made by the first checkpoint (after the restore, whose writes the
+    /// change tracker need not see) and kept for the later ones.
+    pub resident: Arc<tokio::sync::OnceCell<Arc<Resident>>>,
 }
 
 impl RemoteStore {
-    async fn tracker(&self) -> Option<Arc<ChangeTracker>> {
+    async fn resident(&self) -> Arc<Resident> {
         let root = self.root.clone();
-        self.tracker
+        self.resident
             .get_or_init(|| async move {
                 let started = tokio::task::spawn_blocking(move || {
                     ChangeTracker::start(&root, DEFAULT_FULL_SCAN_INTERVAL)
@@ -143,13 +145,12 @@ impl RemoteStore {
                 })
                 .await
                 .unwrap_or_else(|e| Err(e.to_string()));
-                match started {
-                    Ok(tracker) => Some(Arc::new(tracker)),
-                    Err(error) => {
+                let tracker = started
+                    .inspect_err(|error| {
                         tracing::warn!(%error, "change tracking is off; every checkpoint walks the whole workspace");
-                        None
-                    }
-                }
+                    })
+                    .ok();
+                Arc::new(Resident::new(tracker))
             })
             .await
             .clone()
@@ -204,7 +205,7 @@ impl WorkspaceStore for RemoteStore {
                 excludes: self.target.excludes.clone(),
                 generation: self.target.generation,
                 harness: request.harness,
-                tracker: self.tracker().await,
+                resident: Some(self.resident().await),
             };
             let report = match &request.unless_unchanged {
                 Some(baseline) => checkpoint::checkpoint_if_changed(opts, baseline).await?,
