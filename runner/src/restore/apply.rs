@@ -455,10 +455,21 @@ pub(crate) struct Writers {
 }
 
 /// What one range's writes achieved.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 pub(crate) struct SpanDone {
     pub bytes: u64,
     pub files: u64,
+    /// Blobs that did not verify and were not written ([`BadBlob::Collect`]).
+    pub bad: Vec<(u64, u64, NeededBlob)>,
+}
+
+/// What a blob that does not verify means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BadBlob {
+    /// The checkpoint is broken (bytes from the store): fail.
+    Fail,
+    /// The bytes came from the pack cache: note the blob for the store.
+    Collect,
 }
 
 /// Opens every blob of one downloaded range and writes it to its files.
@@ -469,6 +480,7 @@ pub(crate) fn write_span(
     start: u64,
     bytes: &[u8],
     items: &[(u64, u64, NeededBlob)],
+    on_bad: BadBlob,
 ) -> Result<SpanDone, SpanError> {
     let mut done = SpanDone::default();
     let mut open_files: HashMap<usize, fs::File> = HashMap::new();
@@ -478,11 +490,20 @@ pub(crate) fn write_span(
         }
         let at = (offset - start) as usize;
         let sealed = &bytes[at..at + *sealed_len as usize];
-        let plain = format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize)
-            .map_err(|source| SpanError::Blob {
-                pack: pack.clone(),
-                source,
-            })?;
+        let plain = match format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize) {
+            Ok(plain) => plain,
+            Err(_) if on_bad == BadBlob::Collect => {
+                // Nothing of it was written; the store's copy will be.
+                done.bad.push((*offset, *sealed_len, blob.clone()));
+                continue;
+            }
+            Err(source) => {
+                return Err(SpanError::Blob {
+                    pack: pack.clone(),
+                    source,
+                });
+            }
+        };
         for &(job_index, file_offset) in &blob.targets {
             let job = &writers.jobs[job_index];
             if job.create_on_write {

@@ -993,6 +993,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
     let coordinator = connect(&args.coordinator, &token).await?;
     let control = Control::new(coordinator.auth_channel());
     let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
+    let pack_cache = args.pack_cache.config();
     let root = args.root;
     let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
         Arc::new(RemoteStore {
@@ -1000,6 +1001,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
             token: token.clone(),
             root: root.clone(),
             cache_dir: cache_dir.clone(),
+            pack_cache: pack_cache.clone(),
             target,
             tracker: Default::default(),
         })
