@@ -164,12 +164,12 @@ impl PackCacheArgs {
     /// The cache to use, if any (a size of 0 turns it off).
     pub fn config(&self) -> Option<crate::restore::PackCacheConfig> {
         let dir = self.pack_cache.clone()?;
-        (self.pack_cache_size > 0 && !dir.as_os_str().is_empty()).then(|| {
+        (self.pack_cache_size > 0 && !dir.as_os_str().is_empty()).then_some(
             crate::restore::PackCacheConfig {
                 dir,
                 max_bytes: self.pack_cache_size,
-            }
-        })
+            },
+        )
     }
 }
 

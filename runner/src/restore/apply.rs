@@ -164,61 +164,87 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
             };
         }
     }
-    let files = (0..plan.entries.len())
-        .into_par_iter()
-        .map(|i| {
-            let entry = &plan.entries[i];
-            let PlanKind::File {
-                size,
-                chunks,
-                git_level,
-            } = &entry.kind
-            else {
-                return Ok(None);
-            };
-            if !entry.parent.map_or(root_exists, |p| usable[p]) {
-                return Ok(Some(FileState::Write {
-                    existing: Existing::Nothing,
-                }));
-            }
-            let path = target.path(&entry.path);
-            let meta = match fs::symlink_metadata(&path) {
-                Ok(meta) => meta,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+    let inspect = || {
+        (0..plan.entries.len())
+            .into_par_iter()
+            .map(|i| {
+                let entry = &plan.entries[i];
+                let PlanKind::File {
+                    size,
+                    chunks,
+                    git_level,
+                } = &entry.kind
+                else {
+                    return Ok(None);
+                };
+                if !entry.parent.map_or(root_exists, |p| usable[p]) {
                     return Ok(Some(FileState::Write {
                         existing: Existing::Nothing,
                     }));
                 }
-                Err(e) => return Err(local("inspecting", &path)(e)),
-            };
-            if meta.file_type().is_dir() {
-                return Ok(Some(FileState::Write {
-                    existing: Existing::Dir,
-                }));
-            }
-            let on_disk = OnDisk {
-                size: *size,
-                chunks,
-                git_level: *git_level,
-            };
-            if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
-                let meta_ok = entry.meta.matches(&meta, target.set_owner);
-                return Ok(Some(FileState::Reuse {
-                    meta_ok,
-                    fingerprint,
-                }));
-            }
-            let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
-                meta.len()
-            } else {
-                0
-            };
-            Ok(Some(FileState::Write {
-                existing: Existing::Other { bytes },
-            }))
-        })
-        .collect::<Result<Vec<_>, LocalError>>()?;
+                let path = target.path(&entry.path);
+                let meta = match fs::symlink_metadata(&path) {
+                    Ok(meta) => meta,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        return Ok(Some(FileState::Write {
+                            existing: Existing::Nothing,
+                        }));
+                    }
+                    Err(e) => return Err(local("inspecting", &path)(e)),
+                };
+                if meta.file_type().is_dir() {
+                    return Ok(Some(FileState::Write {
+                        existing: Existing::Dir,
+                    }));
+                }
+                let on_disk = OnDisk {
+                    size: *size,
+                    chunks,
+                    git_level: *git_level,
+                };
+                if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
+                    let meta_ok = entry.meta.matches(&meta, target.set_owner);
+                    return Ok(Some(FileState::Reuse {
+                        meta_ok,
+                        fingerprint,
+                    }));
+                }
+                let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
+                    meta.len()
+                } else {
+                    0
+                };
+                Ok(Some(FileState::Write {
+                    existing: Existing::Other { bytes },
+                }))
+            })
+            .collect::<Result<Vec<_>, LocalError>>()
+    };
+    let files = match survey_pool() {
+        Some(pool) => pool.install(inspect),
+        None => inspect(),
+    }?;
     Ok(Survey { root_exists, files })
+}
+
+/// Files the survey reads at once. More than the cores: an older copy baked
+/// into an image is often not in the page cache, and then the survey waits
+/// on the disk rather than on hashing.
+const SURVEY_THREADS: usize = 8;
+
+/// The survey's thread pool (`None` if it cannot be made: rayon's global
+/// pool does the work then).
+fn survey_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = SURVEY_THREADS.max(rayon::current_num_threads());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cairn-survey-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
 }
 
 /// What a file of the plan must be on disk.

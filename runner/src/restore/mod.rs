@@ -965,16 +965,19 @@ fn plan_spans(
     spans
 }
 
-/// A blob to fetch again from the store: pack, (offset, sealed length,
-/// blob), and the damaged piece it was read from, if it was dropped.
-type Refetch = (usize, (u64, u64, NeededBlob), Option<packcache::Piece>);
+/// A blob of a pack: (offset, sealed length, blob).
+type PackItem = (u64, u64, NeededBlob);
+
+/// A blob to fetch again from the store: pack, the blob, and the damaged
+/// piece it was read from, if it was dropped.
+type Refetch = (usize, PackItem, Option<packcache::Piece>);
 
 /// Reads for blobs the cache could not give. A dropped piece is fetched
 /// whole (it was one read of the store before), so that the cache gets all
 /// of it back, not only the blobs that failed; a piece is only trusted that
 /// far if it is no larger than one read and lies before the pack's index.
 fn refetch_spans(located: &Located, refetch: Vec<Refetch>) -> Vec<PlannedSpan> {
-    let mut whole: HashMap<(usize, packcache::Piece), Vec<(u64, u64, NeededBlob)>> = HashMap::new();
+    let mut whole: HashMap<(usize, packcache::Piece), Vec<PackItem>> = HashMap::new();
     let mut per_pack: HashMap<usize, Vec<(u64, u64, NeededBlob)>> = HashMap::new();
     for (pack, item, dropped) in refetch {
         let data_end = located.packs[pack].index_offset;
