@@ -9,6 +9,15 @@ one run, side by side, for each method:
   full         checkpoint of the whole workspace into an empty store
   incremental  checkpoint after one simulated agent turn (make_workspace.py --turn)
   restore      the incremental checkpoint into an empty directory
+  restore-baked
+               the same onto a baked older copy: the target is first filled
+               with `cp -a` of the workspace as it was before the agent turn
+               (cairn with a fresh runner cache; tar-gz untars over it; restic
+               restores over it; neither of those removes stale entries)
+  restore-cold-cache, restore-warm-cache
+               cairn only: two restores into empty directories sharing one
+               host pack cache (--pack-cache), each with a fresh runner cache,
+               as two sandboxes of one host; the peers have no such cache
 
 Methods: cairn (release cairn-coordinator on ephemeral ports, cairn-runner
 checkpoint / restore with a fresh runner cache for the restore, as on a new
@@ -29,6 +38,9 @@ status is 1 when a target is missed:
   full checkpoint         cairn wall <= 0.5 x tar-gz wall
   incremental checkpoint  cairn wall <= 0.1 x restic incremental wall, and <= 300 KB uploaded
   restore                 cairn wall <= 0.5 x tar-gz restore wall
+and from issue 5:
+  restore onto baked copy cairn restore-baked wall <= 0.2 x cairn restore wall
+  warm host cache         cairn restore-warm-cache wall <= 0.3 x restore-cold-cache wall
 """
 import argparse
 import json
@@ -49,6 +61,8 @@ RACY_GUARD_S = 3.1
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
 STEPS = ["full", "incremental", "restore"]
+RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache"]
+STEPS += RESTORE_SPEED_STEPS
 
 
 class BenchError(Exception):
@@ -248,6 +262,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
         # In a sandbox the runner is resident and watches the workspace; so here.
         socket = os.path.join(rep, "watch.sock")
         watcher = Watcher(bins, coordinator, workspace_root, "bench", cache, socket, os.path.join(rep, "watch.log"))
+        baked = bake_before_turn(workspace_root, rep)
         log(f"repeat {turn}/{args.repeat}: agent turn {turn}, incremental checkpoints")
         run([sys.executable, MAKE_WORKSPACE, workspace_root, "--turn", str(turn)])
         before = tree_bytes(coordinator.blobs_dir)
@@ -295,10 +310,105 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
             check_restored("restic", os.path.join(target, workspace_root.lstrip("/")), expected_files)
             results.add("restore", "restic", seconds, None)
             shutil.rmtree(target)
+
+        restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
+                           have_restic, expected_files)
     finally:
         coordinator.stop()
     if not args.keep:
         shutil.rmtree(rep, ignore_errors=True)
+
+
+def bake_before_turn(workspace_root, rep):
+    """The workspace before the agent turn, as an image would have baked it."""
+    baked = os.path.join(rep, "baked")
+    run(["cp", "-a", workspace_root, baked])
+    return baked
+
+
+def prefill(baked, target):
+    """Fills target (made anew) with a copy of the baked workspace."""
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    run(["cp", "-a", baked, target])
+
+
+def stale_note(target, expected_files):
+    files, _ = count_entries(target)
+    return f"keeps {files - expected_files} stale files" if files > expected_files else ""
+
+
+def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
+                       have_restic, expected_files):
+    """Issue 5: restore onto a baked older copy, and a second restore with a warm host cache."""
+    log("restores onto a baked older copy")
+    target = os.path.join(rep, "baked-cairn")
+    prefill(baked, target)
+    seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
+                        "--output", "json"], env=coordinator.env(os.path.join(rep, "baked-cache")))
+    report = json.loads(out)
+    check_restored("cairn", target, expected_files)
+    results.add("restore-baked", "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
+                note=f"{report.get('files_reused')} files reused, {human_bytes(report.get('bytes_written'))} written, "
+                     f"{report.get('entries_removed')} stale entries removed")
+    shutil.rmtree(target)
+
+    target = os.path.join(rep, "baked-tar-gz")
+    prefill(baked, target)
+    seconds, _ = run(["tar", "-C", target, "-xzf", os.path.join(tgz_incr, "workspace.tgz")])
+    results.add("restore-baked", "tar-gz", seconds, None, bytes_downloaded=tree_bytes(tgz_incr),
+                note="untars every file over the copy; " + (stale_note(target, expected_files) or "no stale files"))
+    shutil.rmtree(target)
+    results.na("restore-baked", "parts", "parts has no restore")
+    if have_restic:
+        target = os.path.join(rep, "baked-restic")
+        # restic recreates the absolute source path under the target.
+        inner = os.path.join(target, workspace_root.lstrip("/"))
+        prefill(baked, inner)
+        try:
+            seconds, _ = run(["restic", "restore", "latest", "--quiet", "--repo", restic_repo, "--target", target],
+                             env=dict(os.environ, RESTIC_PASSWORD="bench"))
+            results.add("restore-baked", "restic", seconds, None,
+                        note="rewrites every file over the copy; " + (stale_note(inner, expected_files) or "no stale files"))
+        except BenchError as e:
+            # restic 0.14 cannot replace an existing symlink ("file exists") and exits 1.
+            last = [line for line in str(e).splitlines() if line.strip()][-2:]
+            results.na("restore-baked", "restic", "restic cannot restore over a pre-filled directory: " + " ".join(last)[:200])
+        shutil.rmtree(target)
+
+    log("two restores sharing a host pack cache")
+    pack_cache = os.path.join(rep, "host-pack-cache")
+    for step, name in [("restore-cold-cache", "first"), ("restore-warm-cache", "second")]:
+        target = os.path.join(rep, f"cached-{name}")
+        seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
+                            "--pack-cache", pack_cache, "--output", "json"],
+                           env=coordinator.env(os.path.join(rep, f"cached-{name}-cache")))
+        report = json.loads(out)
+        check_restored("cairn", target, expected_files)
+        results.add(step, "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
+                    note=f"{human_bytes(report.get('bytes_from_cache', 0))} from the host cache")
+        shutil.rmtree(target)
+    shutil.rmtree(pack_cache, ignore_errors=True)
+    for step in ["restore-cold-cache", "restore-warm-cache"]:
+        for method in ["tar-gz", "parts", "restic"]:
+            results.na(step, method, "no host-level cache: every restore is a cold one")
+
+
+def restore_speed_targets(results):
+    out = []
+    for name, step, baseline_step, limit in [
+            ("restore onto a baked copy vs restore into empty", "restore-baked", "restore", 0.2),
+            ("second restore with a warm host cache vs the first", "restore-warm-cache", "restore-cold-cache", 0.3)]:
+        mine, theirs = results.median(step, "cairn"), results.median(baseline_step, "cairn")
+        if mine is None or not theirs:
+            out.append({"target": name, "limit": f"<= {limit} x", "value": None, "pass": None,
+                        "note": "not measured"})
+            continue
+        value = mine / theirs
+        out.append({"target": name, "limit": f"<= {limit} x", "value": round(value, 4), "pass": value <= limit,
+                    "note": f"cairn {mine:.2f} s vs cairn {baseline_step} {theirs:.2f} s"})
+    return out
 
 
 def check_restored(method, target, expected_files):
@@ -338,6 +448,9 @@ def table(results):
             down = [d["bytes_downloaded"] for d in cell["detail"] if d.get("bytes_downloaded") is not None]
             if down:
                 notes.append(f"{human_bytes(statistics.median(down))} read from the store")
+            extra = [d["note"] for d in cell["detail"] if d.get("note")]
+            if extra:
+                notes.append(extra[-1])
             lines.append(f"| {step} | {method} | {fmt_seconds(cell['wall_s'])} | {shown} | {'; '.join(notes)} |")
     return "\n".join(lines)
 
@@ -362,6 +475,7 @@ def targets(results):
                 "value": worst, "pass": None if worst is None else worst <= INCREMENTAL_BYTES_TARGET,
                 "note": "worst repeat"})
     ratio("restore wall vs tar-gz restore", "restore", "restore", "tar-gz", 0.5)
+    out.extend(restore_speed_targets(results))
     return out
 
 

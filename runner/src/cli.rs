@@ -137,6 +137,42 @@ pub struct WatchArgs {
     pub socket: Option<PathBuf>,
 }
 
+/// The host's pack cache, shared by the restores of one machine.
+#[derive(Debug, Clone, Args)]
+pub struct PackCacheArgs {
+    /// Keep downloaded pack bytes in DIR, shared by every restore on this
+    /// host (cairn-host passes its own), so a later restore of the same
+    /// workspace, or of another one of the same tenant holding the same
+    /// repository, reads them from disk. Everything read from it is verified
+    /// like bytes from the store. Default: no pack cache.
+    #[arg(long, env = "CAIRN_PACK_CACHE", value_name = "DIR")]
+    pub pack_cache: Option<PathBuf>,
+
+    /// Bound of the pack cache; the least recently used pieces are evicted
+    /// (e.g. 10GiB, 512MiB, 2GB).
+    #[arg(
+        long,
+        env = "CAIRN_PACK_CACHE_SIZE",
+        value_name = "SIZE",
+        default_value = "10GiB",
+        value_parser = crate::restore::parse_size
+    )]
+    pub pack_cache_size: u64,
+}
+
+impl PackCacheArgs {
+    /// The cache to use, if any (a size of 0 turns it off).
+    pub fn config(&self) -> Option<crate::restore::PackCacheConfig> {
+        let dir = self.pack_cache.clone()?;
+        (self.pack_cache_size > 0 && !dir.as_os_str().is_empty()).then_some(
+            crate::restore::PackCacheConfig {
+                dir,
+                max_bytes: self.pack_cache_size,
+            },
+        )
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct RestoreArgs {
     #[command(flatten)]
@@ -157,6 +193,9 @@ pub struct RestoreArgs {
     /// Where the fingerprint cache lives (outside the workspace).
     #[arg(long, env = "CAIRN_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub pack_cache: PackCacheArgs,
 
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
@@ -179,6 +218,9 @@ pub struct RunArgs {
     /// Where the fingerprint cache lives (outside the workspace).
     #[arg(long, env = "CAIRN_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub pack_cache: PackCacheArgs,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -118,6 +118,16 @@ async fn check_isolation<D: Driver>(driver: &D, scratch: &Scratch, destroyed_exi
             env.contains(&format!("CAIRN_CACHE_DIR={}\n", spec.paths.cache.display())),
             "{env}"
         );
+        // The host's pack cache, shared by all sandboxes, as a host path.
+        let pack_cache = scratch.pack_cache();
+        assert!(
+            env.contains(&format!("CAIRN_PACK_CACHE={}\n", pack_cache.dir.display())),
+            "{env}"
+        );
+        assert!(
+            env.contains(&format!("CAIRN_PACK_CACHE_SIZE={}\n", pack_cache.max_bytes)),
+            "{env}"
+        );
     }
     assert!(
         !Path::new("/workspace/x").exists(),
@@ -268,6 +278,7 @@ fn exec_driver(scratch: &Scratch, templates: ExecTemplates) -> ExecDriver {
         &templates,
         &scratch.standin.display().to_string(),
         scratch.layout.root(),
+        None,
         Duration::from_secs(30),
     )
     .unwrap()
@@ -327,6 +338,7 @@ async fn exec_driver_with_a_bubblewrap_template() {
         },
         &scratch.standin.display().to_string(),
         scratch.layout.root(),
+        None,
         Duration::from_millis(300),
     )
     .unwrap();
@@ -426,6 +438,7 @@ async fn exec_templates_are_checked_at_startup_and_at_start() {
             &templates,
             &runner,
             scratch.layout.root(),
+            None,
             Duration::from_secs(30),
         )
         .map(|_| ())
@@ -460,6 +473,7 @@ async fn exec_templates_are_checked_at_startup_and_at_start() {
         &templates,
         &runner,
         scratch.layout.root(),
+        None,
         Duration::from_secs(30),
     )
     .unwrap();

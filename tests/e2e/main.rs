@@ -9,7 +9,9 @@
 //! SIGTERM and cancel, placement), ctl_runs (cairnctl runs/hosts/tokens),
 //! demo (`cairnctl demo`). Issue 4: fork (`cairnctl workspace fork`, the
 //! conversation forked), chats, stations (handover between stations: notes,
-//! briefing, leftovers cleared, fast-forward). The issue-3 and -4 tests need root or user namespaces
+//! briefing, leftovers cleared, fast-forward). Issue 5: restore_speed (the
+//! host's pack cache, warm and tampered; restore onto a baked older copy).
+//! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
 //! Run with `cargo build --bins && cargo nextest run -p cairn-e2e`
@@ -27,6 +29,7 @@ mod hostile;
 mod hosts;
 mod incremental;
 mod partial;
+mod restore_speed;
 mod runs;
 mod signed_urls;
 mod stations;

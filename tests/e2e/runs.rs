@@ -166,6 +166,13 @@ fn hold_expiry_suspends_and_the_answer_resumes_the_conversation_on_another_host(
         second.restored_checkpoint_id, newest_before_answer.id,
         "attempt 2 restored the newest checkpoint"
     );
+    // cairn-host gave its runner the host's pack cache (DATA_DIR/pack-cache
+    // by default), and the restore filled it for the host's next sandboxes.
+    let cached = cairn_e2e::dir_names(&fleet.host("b").data_dir().join("pack-cache"));
+    assert!(
+        cached.iter().any(|name| name.starts_with("p1-")),
+        "host b's pack cache holds no pieces after a restore there: {cached:?}"
+    );
     assert!(
         done.summary.contains(&word),
         "the resumed agent did not recall the codeword {word} from the first turn: summary {:?}",

@@ -3,7 +3,9 @@
 //!
 //! The bar is hidden when stderr is not a terminal or the output is JSON, so
 //! scripts see only the report. The runner's fingerprint cache is left
-//! alone: it belongs to the workspace's sandbox, not to this directory.
+//! alone: it belongs to the workspace's sandbox, not to this directory. A
+//! host's pack cache (`--pack-cache DIR`) is used and filled like a runner
+//! does, every byte from it verified.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -13,7 +15,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use cairn_proto::ids::CheckpointId;
 use cairn_runner::client::Coordinator;
-use cairn_runner::restore::{self, PlannedWork, RestoreOptions, RestoreProgress};
+use cairn_runner::restore::{self, PackCacheConfig, PlannedWork, RestoreOptions, RestoreProgress};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{Output, emit, print_json};
@@ -62,6 +64,7 @@ pub async fn run(
     workspace: &str,
     dest: PathBuf,
     checkpoint: Option<&str>,
+    pack_cache: Option<PackCacheConfig>,
     out: Output,
 ) -> anyhow::Result<ExitCode> {
     let checkpoint = checkpoint
@@ -70,6 +73,7 @@ pub async fn run(
         .context("--checkpoint")?;
     let opts = RestoreOptions {
         checkpoint,
+        pack_cache,
         ..RestoreOptions::new(&dest, workspace)
     };
     let bar = Bar(progress_bar(out));

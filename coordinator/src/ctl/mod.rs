@@ -103,6 +103,8 @@ pub enum Command {
         /// Restore exactly this checkpoint (no fallback to older ones).
         #[arg(long)]
         checkpoint: Option<String>,
+        #[command(flatten)]
+        pack_cache: cairn_runner::cli::PackCacheArgs,
     },
     /// Check that every pack each checkpoint references is in the store.
     Verify {
@@ -369,12 +371,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workspace,
             dest,
             checkpoint,
+            pack_cache,
         } => {
             checkout::run(
                 &coordinator,
                 &workspace,
                 dest,
                 checkpoint.as_deref(),
+                pack_cache.config(),
                 output,
             )
             .await

@@ -468,7 +468,14 @@ impl<D: Driver> Agent<D> {
             run_id: record.run_id.clone(),
             attempt: record.attempt,
             image: record.image.clone(),
-            env: sandbox::sandbox_env(coordinator, run_token, &id, &paths, &self.config.env),
+            env: sandbox::sandbox_env(
+                coordinator,
+                run_token,
+                &id,
+                &paths,
+                self.config.pack_cache.as_ref(),
+                &self.config.env,
+            ),
             log_file: self.layout.log_file(&id),
             paths,
         };
@@ -681,7 +688,14 @@ impl<D: Driver> Agent<D> {
                 .sandbox_coordinator
                 .as_deref()
                 .unwrap_or(&self.config.coordinator);
-            let mut env = sandbox::sandbox_env(coordinator, "", &id, &paths, &self.config.env);
+            let mut env = sandbox::sandbox_env(
+                coordinator,
+                "",
+                &id,
+                &paths,
+                self.config.pack_cache.as_ref(),
+                &self.config.env,
+            );
             env.retain(|v| v.name != super::exec::RUN_TOKEN_VAR);
             let spec = SandboxSpec {
                 sandbox_id: id.clone(),

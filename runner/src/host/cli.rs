@@ -58,7 +58,7 @@ pub struct HostArgs {
 
     /// exec driver: command that starts a sandbox. Split like shell words;
     /// placeholders {sandbox_id} {sandbox_dir} {workspace_dir} {home_dir}
-    /// {cache_dir} {image} {runner} {run_id} {attempt} {grace_secs}
+    /// {cache_dir} {pack_cache} {image} {runner} {run_id} {attempt} {grace_secs}
     /// {env_args}; e.g. 'bwrap --dev-bind / / --bind {workspace_dir} /workspace
     /// {runner} run'. Without --exec-destroy this command is
     /// the sandbox (destroy = SIGTERM/grace/SIGKILL to it).
@@ -89,6 +89,18 @@ pub struct HostArgs {
     #[arg(long, value_name = "URL")]
     pub sandbox_coordinator: Option<String>,
 
+    /// The pack cache shared by every sandbox of this host (passed to each
+    /// runner as CAIRN_PACK_CACHE; {pack_cache} in exec templates): a second
+    /// restore of a workspace, or of another one of the same tenant holding
+    /// the same repository, downloads almost nothing. Default: DATA_DIR/pack-cache.
+    #[arg(long, value_name = "DIR")]
+    pub pack_cache: Option<PathBuf>,
+
+    /// Bound of the pack cache (least recently used pieces are evicted), e.g.
+    /// 10GiB, 512MiB; 0 turns the cache off.
+    #[arg(long, value_name = "SIZE", default_value = "10GiB", value_parser = crate::restore::parse_size)]
+    pub pack_cache_size: u64,
+
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -118,6 +130,25 @@ impl HostArgs {
                 wait: self.exec_wait,
             }),
         };
+        let pack_cache = if self.pack_cache_size > 0 {
+            let dir = self
+                .pack_cache
+                .unwrap_or_else(|| self.data_dir.join("pack-cache"));
+            // Runners start elsewhere (the local driver's in /workspace).
+            let dir = if dir.is_absolute() {
+                dir
+            } else {
+                std::env::current_dir()
+                    .context("cannot resolve --pack-cache")?
+                    .join(dir)
+            };
+            Some(crate::restore::PackCacheConfig {
+                dir,
+                max_bytes: self.pack_cache_size,
+            })
+        } else {
+            None
+        };
         let name = match self.name {
             Some(name) => name,
             None => hostname().context("cannot read the hostname; pass --name")?,
@@ -135,6 +166,7 @@ impl HostArgs {
             env: self.env,
             sandbox_coordinator: self.sandbox_coordinator,
             default_image: self.default_image,
+            pack_cache,
         })
     }
 }
@@ -251,6 +283,31 @@ mod tests {
         assert_eq!(config.labels.to_string(), "gpu=a100,zone=eu");
         assert_eq!((config.slots, config.grace), (3, Duration::from_secs(5)));
         assert!(matches!(config.driver, DriverConfig::Local));
+        let cache = config.pack_cache.expect("the pack cache is on by default");
+        assert_eq!(cache.dir, PathBuf::from("/tmp/d/pack-cache"));
+        assert_eq!(cache.max_bytes, 10 << 30);
+        let config = parse(&[
+            "--pack-cache",
+            "/var/cache/packs",
+            "--pack-cache-size",
+            "2GiB",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        assert_eq!(
+            config.pack_cache,
+            Some(crate::restore::PackCacheConfig {
+                dir: "/var/cache/packs".into(),
+                max_bytes: 2 << 30
+            })
+        );
+        let off = parse(&["--pack-cache-size", "0"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!(off.pack_cache, None);
+        assert!(parse(&["--pack-cache-size", "lots"]).is_err());
 
         let err = parse(&["--exec-create", "x"])
             .unwrap()

@@ -11,6 +11,8 @@
 //!
 //! Placeholders: `{sandbox_id}` `{sandbox_dir}` `{workspace_dir}`
 //! `{home_dir}` `{cache_dir}` (the sandbox's directories on this host),
+//! `{pack_cache}` (the host's pack cache directory, shared by all its
+//! sandboxes, `--pack-cache`; refused at startup when the cache is off),
 //! `{image}` (the run's image, else `--default-image`; a template that uses it
 //! fails the sandbox with a clear message when neither is set), `{runner}`
 //! (`--runner-bin`), `{run_id}` `{attempt}`, `{grace_secs}` (`--grace` in whole
@@ -44,17 +46,20 @@
 //! host's own token), plus the sandbox's variables: `CAIRN_COORDINATOR`
 //! (`--sandbox-coordinator`, else `--coordinator`), `CAIRN_RUN_TOKEN`,
 //! `CAIRN_SANDBOX_ID`, `CAIRN_CACHE_DIR` (= `{cache_dir}`), `HOME`
-//! (= `{home_dir}`) and every `--env`. So a runner started directly (bwrap,
+//! (= `{home_dir}`), `CAIRN_PACK_CACHE` (= `{pack_cache}`) and
+//! `CAIRN_PACK_CACHE_SIZE` (when the pack cache is on) and every `--env`. So a runner started directly (bwrap,
 //! unshare) has what it needs. `HOME` pointing at the sandbox also applies to
 //! the docker/kubectl CLIs the template calls: set `DOCKER_CONFIG` /
 //! `KUBECONFIG` in the host agent's environment if they need their own config.
 //!
 //! `{env_args}` (a word of its own) becomes `-e NAME` for `CAIRN_COORDINATOR`,
-//! `CAIRN_RUN_TOKEN`, `CAIRN_SANDBOX_ID` and every `--env` — the variables
+//! `CAIRN_RUN_TOKEN`, `CAIRN_SANDBOX_ID`, `CAIRN_PACK_CACHE_SIZE` and every
+//! `--env` — the variables
 //! that mean the same inside a container. Only names are on the command
 //! line; docker and podman read the values from their own environment, so the
-//! run token does not show in `ps`. Host paths (`HOME`, `CAIRN_CACHE_DIR`) are
-//! left out: the template mounts them where it likes and sets them itself.
+//! run token does not show in `ps`. Host paths (`HOME`, `CAIRN_CACHE_DIR`,
+//! `CAIRN_PACK_CACHE`) are left out: the template mounts them where it likes
+//! and sets them itself.
 //! The destroy and wait commands get the same environment without
 //! `CAIRN_RUN_TOKEN`.
 //!
@@ -71,6 +76,7 @@
 //! ```text
 //! --exec-create  'docker run -d --init --name cairn-{sandbox_id}
 //!                 -v {workspace_dir}:/workspace -v {cache_dir}:/cache
+//!                 -v {pack_cache}:/pack-cache -e CAIRN_PACK_CACHE=/pack-cache
 //!                 -e CAIRN_CACHE_DIR=/cache {env_args} {image} cairn-runner run'
 //! --exec-wait    'docker wait cairn-{sandbox_id}'
 //! --exec-destroy 'sh -c "docker stop --time {grace_secs} cairn-{sandbox_id}; docker rm -f cairn-{sandbox_id}"'
@@ -169,6 +175,10 @@ pub enum ExecDriverError {
         punct = super::template::SAFE_PUNCTUATION
     )]
     UnsafePath { what: &'static str, value: String },
+    #[error(
+        "a template uses {{pack_cache}}, but the host's pack cache is off (--pack-cache-size 0)"
+    )]
+    NoPackCache,
 }
 
 #[derive(Debug)]
@@ -177,6 +187,8 @@ struct Templates {
     /// Set in detached mode, with the wait template.
     detached: Option<(Template, Template)>,
     runner: String,
+    /// The host's pack cache directory (empty when it is off).
+    pack_cache: String,
     grace: Duration,
 }
 
@@ -188,11 +200,13 @@ pub struct ExecDriver {
 
 impl ExecDriver {
     /// Parses and checks the templates. `data_dir` is where sandbox
-    /// directories live; `runner` is what `{runner}` stands for.
+    /// directories live; `runner` is what `{runner}` stands for; `pack_cache`
+    /// is the host's pack cache directory, if it has one (`{pack_cache}`).
     pub fn new(
         templates: &ExecTemplates,
         runner: &str,
         data_dir: &Path,
+        pack_cache: Option<&Path>,
         grace: Duration,
     ) -> Result<Self, ExecDriverError> {
         let create = Template::parse("--exec-create", &templates.create)?;
@@ -235,11 +249,25 @@ impl ExecDriver {
                 value: runner.to_owned(),
             });
         }
+        let pack_cache = pack_cache.map(|p| p.display().to_string());
+        if uses(Placeholder::PackCache) {
+            match &pack_cache {
+                None => return Err(ExecDriverError::NoPackCache),
+                Some(dir) if !is_shell_safe(dir) => {
+                    return Err(ExecDriverError::UnsafePath {
+                        what: "--pack-cache",
+                        value: dir.clone(),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
         Ok(Self {
             templates: Arc::new(Templates {
                 create,
                 detached,
                 runner: runner.to_owned(),
+                pack_cache: pack_cache.unwrap_or_default(),
                 grace,
             }),
         })
@@ -260,6 +288,7 @@ impl Templates {
             workspace_dir: path(&spec.paths.workspace),
             home_dir: path(&spec.paths.home),
             cache_dir: path(&spec.paths.cache),
+            pack_cache: self.pack_cache.clone(),
             image: spec.image.clone(),
             runner: self.runner.clone(),
             run_id: spec.run_id.clone(),

@@ -11,6 +11,8 @@
 //!
 //!   assignment ─► DIR/sandboxes/<id>/{workspace,home,cache} ─► driver.start
 //!                  (local: mount namespace, workspace at /workspace; exec: templates)
+//!                  every runner gets the host's pack cache (CAIRN_PACK_CACHE,
+//!                  default DIR/pack-cache), shared by all the host's restores
 //!   runner exits by itself ──────────────┐
 //!   destroy order / host stop ─► SIGTERM ─► grace ─► SIGKILL ─► remove dir ─► report
 //! ```
@@ -55,6 +57,8 @@ use std::time::Duration;
 
 use cairn_proto::runs::Labels;
 
+use crate::restore::PackCacheConfig;
+
 pub use self::exec::{ExecDriver, ExecDriverError, ExecTemplates};
 pub use self::local::{LocalDriver, LocalDriverError, NamespaceMode};
 
@@ -92,6 +96,9 @@ pub struct HostConfig {
     pub sandbox_coordinator: Option<String>,
     /// The image for runs that name none (exec templates' `{image}`).
     pub default_image: Option<String>,
+    /// The pack cache every runner of this host restores through
+    /// (`CAIRN_PACK_CACHE`); `None` turns it off.
+    pub pack_cache: Option<PackCacheConfig>,
 }
 
 /// Why the host agent stopped with an error.
@@ -109,6 +116,11 @@ pub enum HostError {
     Refused {
         address: String,
         status: tonic::Status,
+    },
+    #[error("cannot create the pack cache directory {}: {source}", path.display())]
+    PackCache {
+        path: PathBuf,
+        source: std::io::Error,
     },
 }
 
@@ -131,6 +143,16 @@ impl HostConfig {
                     "coordinator address {address:?} is not a URL (expected e.g. http://127.0.0.1:7400)"
                 ));
             }
+        }
+        if let (DriverConfig::Local, Some(cache)) = (&self.driver, &self.pack_cache)
+            && cache.dir.starts_with(local::MOUNT_POINT)
+        {
+            return bad(format!(
+                "--pack-cache {} lies under {}, which the local driver covers with each \
+                 sandbox's own workspace",
+                cache.dir.display(),
+                local::MOUNT_POINT
+            ));
         }
         for (name, _) in &self.env {
             if sandbox::RESERVED_ENV.contains(&name.as_str()) {
@@ -171,6 +193,7 @@ pub async fn run(
 ) -> Result<(), HostError> {
     config.validate()?;
     let layout = layout::Layout::open(&config.data_dir)?;
+    create_pack_cache(&config)?;
     match &config.driver {
         DriverConfig::Local => {
             let driver = LocalDriver::new(&config.runner_bin, layout.root())?;
@@ -180,7 +203,9 @@ pub async fn run(
         }
         DriverConfig::Exec(templates) => {
             let runner = config.runner_bin.display().to_string();
-            let driver = ExecDriver::new(templates, &runner, layout.root(), config.grace)?;
+            let pack_cache = config.pack_cache.as_ref().map(|c| c.dir.as_path());
+            let driver =
+                ExecDriver::new(templates, &runner, layout.root(), pack_cache, config.grace)?;
             agent::Agent::new(config, driver, layout)?
                 .run(shutdown)
                 .await
@@ -196,9 +221,27 @@ pub async fn run_with_driver<D: driver::Driver>(
 ) -> Result<(), HostError> {
     config.validate()?;
     let layout = layout::Layout::open(&config.data_dir)?;
+    create_pack_cache(&config)?;
     agent::Agent::new(config, driver, layout)?
         .run(shutdown)
         .await
+}
+
+/// Creates the pack cache directory (mode 0700) before any sandbox starts,
+/// so that an exec template can mount it. The runners fill and evict it.
+fn create_pack_cache(config: &HostConfig) -> Result<(), HostError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let Some(cache) = &config.pack_cache else {
+        return Ok(());
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cache.dir)
+        .map_err(|source| HostError::PackCache {
+            path: cache.dir.clone(),
+            source,
+        })
 }
 
 #[cfg(test)]
@@ -219,6 +262,7 @@ mod tests {
             env: vec![],
             sandbox_coordinator: None,
             default_image: None,
+            pack_cache: None,
         }
     }
 

@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
 use super::layout::{SandboxPaths, remove_tree};
 use super::process::{ExitCode, describe_exit};
+use crate::restore::PackCacheConfig;
 
 /// Names the host sets in every sandbox; `--env` may not set them.
 pub const RESERVED_ENV: &[&str] = &[
@@ -23,6 +24,8 @@ pub const RESERVED_ENV: &[&str] = &[
     "CAIRN_RUN_TOKEN",
     "CAIRN_SANDBOX_ID",
     "CAIRN_CACHE_DIR",
+    "CAIRN_PACK_CACHE",
+    "CAIRN_PACK_CACHE_SIZE",
     "HOME",
 ];
 
@@ -38,6 +41,7 @@ pub fn sandbox_env(
     run_token: &str,
     sandbox_id: &str,
     paths: &SandboxPaths,
+    pack_cache: Option<&PackCacheConfig>,
     extras: &[(String, String)],
 ) -> Vec<EnvVar> {
     let var = |name: &str, value: &str, portable| EnvVar {
@@ -52,6 +56,20 @@ pub fn sandbox_env(
         var("CAIRN_CACHE_DIR", &paths.cache.display().to_string(), false),
         var("HOME", &paths.home.display().to_string(), false),
     ];
+    if let Some(cache) = pack_cache {
+        // A host path: the local driver's sandboxes see the host's file
+        // system apart from /workspace; exec templates mount {pack_cache}.
+        env.push(var(
+            "CAIRN_PACK_CACHE",
+            &cache.dir.display().to_string(),
+            false,
+        ));
+        env.push(var(
+            "CAIRN_PACK_CACHE_SIZE",
+            &cache.max_bytes.to_string(),
+            true,
+        ));
+    }
     env.extend(extras.iter().map(|(k, v)| var(k, v, true)));
     env
 }

@@ -164,56 +164,82 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
             };
         }
     }
-    let files = (0..plan.entries.len())
-        .into_par_iter()
-        .map(|i| {
-            let entry = &plan.entries[i];
-            let PlanKind::File { size, chunks, git } = &entry.kind else {
-                return Ok(None);
-            };
-            if !entry.parent.map_or(root_exists, |p| usable[p]) {
-                return Ok(Some(FileState::Write {
-                    existing: Existing::Nothing,
-                }));
-            }
-            let path = target.path(&entry.path);
-            let meta = match fs::symlink_metadata(&path) {
-                Ok(meta) => meta,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+    let inspect = || {
+        (0..plan.entries.len())
+            .into_par_iter()
+            .map(|i| {
+                let entry = &plan.entries[i];
+                let PlanKind::File { size, chunks, git } = &entry.kind else {
+                    return Ok(None);
+                };
+                if !entry.parent.map_or(root_exists, |p| usable[p]) {
                     return Ok(Some(FileState::Write {
                         existing: Existing::Nothing,
                     }));
                 }
-                Err(e) => return Err(local("inspecting", &path)(e)),
-            };
-            if meta.file_type().is_dir() {
-                return Ok(Some(FileState::Write {
-                    existing: Existing::Dir,
-                }));
-            }
-            let on_disk = OnDisk {
-                size: *size,
-                chunks,
-                git: *git,
-            };
-            if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
-                let meta_ok = entry.meta.matches(&meta, target.set_owner);
-                return Ok(Some(FileState::Reuse {
-                    meta_ok,
-                    fingerprint,
-                }));
-            }
-            let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
-                meta.len()
-            } else {
-                0
-            };
-            Ok(Some(FileState::Write {
-                existing: Existing::Other { bytes },
-            }))
-        })
-        .collect::<Result<Vec<_>, LocalError>>()?;
+                let path = target.path(&entry.path);
+                let meta = match fs::symlink_metadata(&path) {
+                    Ok(meta) => meta,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        return Ok(Some(FileState::Write {
+                            existing: Existing::Nothing,
+                        }));
+                    }
+                    Err(e) => return Err(local("inspecting", &path)(e)),
+                };
+                if meta.file_type().is_dir() {
+                    return Ok(Some(FileState::Write {
+                        existing: Existing::Dir,
+                    }));
+                }
+                let on_disk = OnDisk {
+                    size: *size,
+                    chunks,
+                    git: *git,
+                };
+                if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
+                    let meta_ok = entry.meta.matches(&meta, target.set_owner);
+                    return Ok(Some(FileState::Reuse {
+                        meta_ok,
+                        fingerprint,
+                    }));
+                }
+                let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
+                    meta.len()
+                } else {
+                    0
+                };
+                Ok(Some(FileState::Write {
+                    existing: Existing::Other { bytes },
+                }))
+            })
+            .collect::<Result<Vec<_>, LocalError>>()
+    };
+    let files = match survey_pool() {
+        Some(pool) => pool.install(inspect),
+        None => inspect(),
+    }?;
     Ok(Survey { root_exists, files })
+}
+
+/// Files the survey reads at once. More than the cores: an older copy baked
+/// into an image is often not in the page cache, and then the survey waits
+/// on the disk rather than on hashing.
+const SURVEY_THREADS: usize = 8;
+
+/// The survey's thread pool (`None` if it cannot be made: rayon's global
+/// pool does the work then).
+fn survey_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = SURVEY_THREADS.max(rayon::current_num_threads());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cairn-survey-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
 }
 
 /// What a file of the plan must be on disk.
@@ -445,10 +471,21 @@ pub(crate) struct Writers {
 }
 
 /// What one range's writes achieved.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 pub(crate) struct SpanDone {
     pub bytes: u64,
     pub files: u64,
+    /// Blobs that did not verify and were not written ([`BadBlob::Collect`]).
+    pub bad: Vec<(u64, u64, NeededBlob)>,
+}
+
+/// What a blob that does not verify means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BadBlob {
+    /// The checkpoint is broken (bytes from the store): fail.
+    Fail,
+    /// The bytes came from the pack cache: note the blob for the store.
+    Collect,
 }
 
 /// Opens every blob of one downloaded range and writes it to its files.
@@ -459,6 +496,7 @@ pub(crate) fn write_span(
     start: u64,
     bytes: &[u8],
     items: &[(u64, u64, NeededBlob)],
+    on_bad: BadBlob,
 ) -> Result<SpanDone, SpanError> {
     let mut done = SpanDone::default();
     let mut open_files: HashMap<usize, fs::File> = HashMap::new();
@@ -468,11 +506,20 @@ pub(crate) fn write_span(
         }
         let at = (offset - start) as usize;
         let sealed = &bytes[at..at + *sealed_len as usize];
-        let plain = format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize)
-            .map_err(|source| SpanError::Blob {
-                pack: pack.clone(),
-                source,
-            })?;
+        let plain = match format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize) {
+            Ok(plain) => plain,
+            Err(_) if on_bad == BadBlob::Collect => {
+                // Nothing of it was written; the store's copy will be.
+                done.bad.push((*offset, *sealed_len, blob.clone()));
+                continue;
+            }
+            Err(source) => {
+                return Err(SpanError::Blob {
+                    pack: pack.clone(),
+                    source,
+                });
+            }
+        };
         for &(job_index, file_offset) in &blob.targets {
             let job = &writers.jobs[job_index];
             if job.create_on_write {

@@ -7,13 +7,17 @@
 //!   (with the trailer right behind it) come by ranged GETs, and then only
 //!   the byte ranges of the blobs a restore needs, coalesced into few
 //!   requests ([`coalesce`]).
+//! - With a host pack cache ([`super::packcache`]) a META pack or a DATA
+//!   index is taken from the cache when a piece holds it and it passes the
+//!   same checks; a piece that fails them is dropped and the bytes come from
+//!   the store, which then go into the cache.
 //! - A URL can expire during a long restore. A 403 makes the fetcher ask the
 //!   coordinator for a fresh manifest and retry with the new URL; that is
 //!   bounded so that a store that refuses everything fails quickly.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
 use cairn_proto::ids::PackId;
@@ -25,7 +29,9 @@ use crate::format::{
 };
 use crate::transfer::{BlobTransfer, TransferError};
 
+use super::blocking;
 use super::manifest::{ManifestSource, PackInfo};
+use super::packcache::PackCache;
 
 /// How many times one restore may ask for fresh URLs after a 403.
 pub(crate) const MAX_URL_REFRESHES: u32 = 3;
@@ -59,6 +65,8 @@ pub struct PackFetcher<'a> {
     source: &'a dyn ManifestSource,
     request: pb::GetRestoreManifestRequest,
     downloaded: AtomicU64,
+    cache: Option<Arc<PackCache>>,
+    from_cache: AtomicU64,
 }
 
 impl std::fmt::Debug for PackFetcher<'_> {
@@ -82,12 +90,34 @@ impl<'a> PackFetcher<'a> {
             source,
             request,
             downloaded: AtomicU64::new(0),
+            cache: None,
+            from_cache: AtomicU64::new(0),
         }
+    }
+
+    /// Reads through the host's pack cache (and fills it).
+    pub fn with_pack_cache(mut self, cache: Option<Arc<PackCache>>) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    pub fn pack_cache(&self) -> Option<&Arc<PackCache>> {
+        self.cache.as_ref()
     }
 
     /// Bytes received from the store so far.
     pub fn downloaded_bytes(&self) -> u64 {
         self.downloaded.load(Ordering::Relaxed)
+    }
+
+    /// Bytes taken from the pack cache (and verified) so far.
+    pub fn cached_bytes(&self) -> u64 {
+        self.from_cache.load(Ordering::Relaxed)
+    }
+
+    /// Counts bytes a caller took from the pack cache and verified.
+    pub fn note_cached(&self, bytes: u64) {
+        self.from_cache.fetch_add(bytes, Ordering::Relaxed);
     }
 
     fn url(&self, pack: &PackId) -> Option<String> {
@@ -180,6 +210,46 @@ impl<'a> PackFetcher<'a> {
         }
         Ok(urls.get(pack).is_some_and(|current| current != used))
     }
+}
+
+/// A whole META pack, checked ([`open_whole_pack`]), with its index: from
+/// the pack cache when a piece holds it and passes the checks, else from the
+/// store (and then put into the cache).
+pub async fn fetch_whole_pack(
+    fetcher: &PackFetcher<'_>,
+    info: &PackInfo,
+    keys: &Arc<TenantKeys>,
+) -> Result<(Bytes, PackIndex), IndexError> {
+    if let Some(cache) = fetcher.pack_cache() {
+        let (cache, info, keys) = (cache.clone(), info.clone(), keys.clone());
+        let hit = blocking(move || {
+            let (piece, bytes) = cache.get(&info.id, 0, info.size)?;
+            match open_whole_pack(&info, &bytes, &keys) {
+                Ok(index) => Some((Bytes::from(bytes), index)),
+                Err(e) => {
+                    cache.discard(&info.id, piece, &e.reason);
+                    None
+                }
+            }
+        })
+        .await;
+        if let Some((bytes, index)) = hit {
+            fetcher.note_cached(bytes.len() as u64);
+            return Ok((bytes, index));
+        }
+    }
+    let bytes = fetcher.get(&info.id).await?;
+    let cache = fetcher.pack_cache().cloned();
+    let (info, keys) = (info.clone(), keys.clone());
+    let opened = blocking(move || {
+        let index = open_whole_pack(&info, &bytes, &keys)?;
+        if let Some(cache) = cache {
+            cache.insert(&info.id, 0, &bytes);
+        }
+        Ok::<_, CorruptPack>((bytes, index))
+    })
+    .await?;
+    Ok(opened)
 }
 
 /// Checks a whole downloaded pack against its manifest entry and opens its index.
@@ -301,7 +371,7 @@ pub enum IndexError {
 pub async fn fetch_index(
     fetcher: &PackFetcher<'_>,
     info: &PackInfo,
-    keys: &TenantKeys,
+    keys: &Arc<TenantKeys>,
 ) -> Result<PackIndex, IndexError> {
     let corrupt = |reason: String| CorruptPack {
         pack: info.id.clone(),
@@ -327,23 +397,76 @@ pub async fn fetch_index(
         ))
         .into());
     }
+    if info.index_length != 0
+        && let Some(index) = cached_index(fetcher, info, keys).await
+    {
+        return Ok(index);
+    }
     let (header, index_and_tail) = futures::try_join!(
         fetcher.get_range(&info.id, 0, PACK_HEADER_LEN as u64),
         fetcher.get_range(&info.id, index_offset, info.size - index_offset),
     )?;
     check_header(info, &header)?;
-    let split = index_and_tail.len() - PACK_TRAILER_LEN;
-    let (offset, length) = check_trailer(info, &index_and_tail[split..])?;
-    if offset != index_offset {
-        return Err(
-            corrupt("its trailer disagrees with the manifest about the index".into()).into(),
-        );
+    let index = open_index_and_tail(info, keys, index_offset, &index_and_tail)?;
+    if let Some(cache) = fetcher.pack_cache() {
+        let (cache, pack) = (cache.clone(), info.id.clone());
+        blocking(move || cache.insert(&pack, index_offset, &index_and_tail)).await;
     }
-    debug_assert_eq!(split, length as usize);
-    Ok(
-        PackIndex::open(keys, &info.id, info.kind, offset, &index_and_tail[..split])
-            .map_err(|e| corrupt(e.to_string()))?,
-    )
+    Ok(index)
+}
+
+/// A DATA pack's index from the pack cache, if a piece holds the index and
+/// trailer at the manifest's offset and the index authenticates. The header
+/// is not needed: the index's AEAD binds the pack kind, and a blob's own
+/// checks do the rest.
+async fn cached_index(
+    fetcher: &PackFetcher<'_>,
+    info: &PackInfo,
+    keys: &Arc<TenantKeys>,
+) -> Option<PackIndex> {
+    let cache = fetcher.pack_cache()?.clone();
+    let (info, keys) = (info.clone(), keys.clone());
+    let index = blocking(move || {
+        let (piece, bytes) = cache.get(&info.id, info.index_offset, info.size)?;
+        match open_index_and_tail(&info, &keys, info.index_offset, &bytes) {
+            Ok(index) => Some((index, bytes.len() as u64)),
+            Err(e) => {
+                cache.discard(&info.id, piece, &e.reason);
+                None
+            }
+        }
+    })
+    .await;
+    index.map(|(index, len)| {
+        fetcher.note_cached(len);
+        index
+    })
+}
+
+/// Opens a pack's index from the bytes `[index_offset, size)`: the sealed
+/// index, then the trailer, which must agree with the manifest.
+fn open_index_and_tail(
+    info: &PackInfo,
+    keys: &TenantKeys,
+    index_offset: u64,
+    index_and_tail: &[u8],
+) -> Result<PackIndex, CorruptPack> {
+    let corrupt = |reason: String| CorruptPack {
+        pack: info.id.clone(),
+        reason,
+    };
+    let split = index_and_tail
+        .len()
+        .checked_sub(PACK_TRAILER_LEN)
+        .ok_or_else(|| corrupt("its index and trailer are too short".into()))?;
+    let (offset, length) = check_trailer(info, &index_and_tail[split..])?;
+    if offset != index_offset || split != length as usize {
+        return Err(corrupt(
+            "its trailer disagrees with the manifest about the index".into(),
+        ));
+    }
+    PackIndex::open(keys, &info.id, info.kind, offset, &index_and_tail[..split])
+        .map_err(|e| corrupt(e.to_string()))
 }
 
 /// Requests closer than this are merged (reading a gap beats a round trip).

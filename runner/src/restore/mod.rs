@@ -8,6 +8,9 @@
 //!     DATA pack indexes (ranged GETs) ─► every chunk located
 //!     ── nothing has been written up to here ──
 //!     survey, prepare, download + write, finish        (apply.rs)
+//!   (with a host pack cache, packcache.rs, every read above tries the cache
+//!    first; cached bytes pass the same checks, and what fails them is
+//!    dropped and fetched from the store)
 //!   a failure of the checkpoint's own (corrupt or missing pack, bad tree,
 //!   blob that does not verify) is recorded and the next candidate restores
 //!   over what the failed one left; a local failure (disk full, permission)
@@ -24,6 +27,7 @@ mod apply;
 pub mod fetch;
 mod fsops;
 pub mod manifest;
+pub mod packcache;
 pub mod plan;
 #[cfg(test)]
 mod tests;
@@ -48,9 +52,10 @@ use crate::format::{IndexEntry, PackIndex};
 use crate::transfer::BlobTransfer;
 
 pub use apply::GitTreeError;
-use apply::{LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
+use apply::{BadBlob, LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
 use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetcher, coalesce};
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
+pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig, parse_size};
 pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
 
 /// Ranged GETs in flight at once.
@@ -71,6 +76,8 @@ pub struct RestoreOptions {
     /// How many candidates to ask for (0: the coordinator's default).
     pub max_candidates: u32,
     pub limits: Limits,
+    /// The host's pack cache, shared with other restores; `None`: none.
+    pub pack_cache: Option<PackCacheConfig>,
 }
 
 impl RestoreOptions {
@@ -82,6 +89,7 @@ impl RestoreOptions {
             cache_dir: None,
             max_candidates: 0,
             limits: Limits::default(),
+            pack_cache: None,
         }
     }
 }
@@ -111,6 +119,8 @@ pub struct RestoreReport {
     pub bytes_written: u64,
     /// Bytes received from the store, over every candidate tried.
     pub bytes_downloaded: u64,
+    /// Pack bytes taken from the host's pack cache (and verified) instead.
+    pub bytes_from_cache: u64,
     pub files_reused: u64,
     /// Entries on disk the checkpoint does not have, removed.
     pub entries_removed: u64,
@@ -127,7 +137,9 @@ struct ReportJson<'a> {
     symlinks: u64,
     bytes_written: u64,
     bytes_downloaded: u64,
+    bytes_from_cache: u64,
     files_reused: u64,
+    entries_removed: u64,
     duration_ms: u64,
 }
 
@@ -143,7 +155,9 @@ impl RestoreReport {
             symlinks: self.symlinks,
             bytes_written: self.bytes_written,
             bytes_downloaded: self.bytes_downloaded,
+            bytes_from_cache: self.bytes_from_cache,
             files_reused: self.files_reused,
+            entries_removed: self.entries_removed,
             duration_ms: self.duration_ms,
         })
         .expect("the report serialises")
@@ -153,7 +167,7 @@ impl RestoreReport {
     pub fn summary(&self, root: &Path) -> String {
         let mut out = format!(
             "restored checkpoint {} (#{}, {}{}) of workspace {} into {}\n  {} files ({}), {} directories, {} symlinks; \
-             wrote {}, reused {} files, removed {} stale entries; downloaded {} in {} ms",
+             wrote {}, reused {} files, removed {} stale entries; downloaded {}{} in {} ms",
             self.checkpoint_id,
             self.checkpoint.sequence,
             cairn_proto::domain::CheckpointReason::try_from(self.checkpoint.reason)
@@ -174,6 +188,14 @@ impl RestoreReport {
             self.files_reused,
             self.entries_removed,
             human_bytes(self.bytes_downloaded),
+            if self.bytes_from_cache > 0 {
+                format!(
+                    " (and {} from the host's pack cache)",
+                    human_bytes(self.bytes_from_cache)
+                )
+            } else {
+                String::new()
+            },
             self.duration_ms,
         );
         for skipped in &self.fell_back_from {
@@ -232,7 +254,10 @@ pub struct PlannedWork {
     pub files_to_write: u64,
     pub files_reused: u64,
     pub bytes_to_write: u64,
+    /// Bytes of the ranged reads from the store.
     pub bytes_to_download: u64,
+    /// Bytes of the reads from the host's pack cache.
+    pub bytes_from_cache: u64,
 }
 
 /// Reports nothing.
@@ -411,7 +436,7 @@ impl AttemptError {
 }
 
 /// Runs a blocking closure on tokio's blocking pool, passing panics on.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     match tokio::task::spawn_blocking(f).await {
         Ok(value) => value,
         Err(e) => std::panic::resume_unwind(e.into_panic()),
@@ -457,12 +482,24 @@ pub async fn restore(
         });
     }
 
+    let pack_cache = match opts.pack_cache.clone() {
+        Some(config) => match blocking(move || PackCache::open(&config)).await {
+            Ok(cache) => Some(Arc::new(cache)),
+            Err(e) => {
+                // The cache only saves downloads; the store has every byte.
+                tracing::warn!(error = %e, "restoring without the host's pack cache");
+                None
+            }
+        },
+        None => None,
+    };
     let fetcher = PackFetcher::new(
         BlobTransfer::default(),
         source,
         request,
         manifest.urls.clone(),
-    );
+    )
+    .with_pack_cache(pack_cache);
     let protected = match &opts.cache_dir {
         Some(dir) => apply::protected_paths(&opts.root, dir),
         None => Vec::new(),
@@ -509,6 +546,7 @@ pub async fn restore(
                     total_bytes: outcome.plan_bytes,
                     bytes_written: outcome.bytes_written,
                     bytes_downloaded: fetcher.downloaded_bytes(),
+                    bytes_from_cache: fetcher.cached_bytes(),
                     files_reused: outcome.files_reused,
                     entries_removed: outcome.entries_removed,
                     duration_ms: started.elapsed().as_millis() as u64,
@@ -656,14 +694,12 @@ async fn read_plan(
         .cloned();
     let opened: Vec<(PackInfo, Bytes, PackIndex)> = stream::iter(meta_infos)
         .map(|info| {
-            let keys = candidate.keys.clone();
+            let keys = &candidate.keys;
             async move {
-                let bytes = fetcher.get(&info.id).await.map_err(AttemptError::fetch)?;
-                let opened = blocking(move || {
-                    fetch::open_whole_pack(&info, &bytes, &keys).map(|index| (info, bytes, index))
-                })
-                .await?;
-                Ok::<_, AttemptError>(opened)
+                let (bytes, index) = fetch::fetch_whole_pack(fetcher, &info, keys)
+                    .await
+                    .map_err(AttemptError::index)?;
+                Ok::<_, AttemptError>((info, bytes, index))
             }
         })
         .buffer_unordered(PARALLEL_REQUESTS)
@@ -840,20 +876,21 @@ async fn download(
             .or_default()
             .push((entry.offset, u64::from(entry.sealed_len), blob));
     }
-    let spans: Vec<(usize, fetch::Span<NeededBlob>)> = per_pack
-        .into_iter()
-        .flat_map(|(pack, items)| {
-            coalesce(items, MAX_GAP, MAX_REQUEST)
-                .into_iter()
-                .map(move |s| (pack, s))
-        })
-        .collect();
+    let spans = plan_spans(ctx.fetcher.pack_cache(), located, per_pack);
+    let span_bytes = |store: bool| -> u64 {
+        spans
+            .iter()
+            .filter(|s| matches!(s.source, Source::Store) == store)
+            .map(|s| s.span.end - s.span.start)
+            .sum()
+    };
     ctx.progress.planned(&PlannedWork {
         files: plan.files,
         files_to_write: jobs.len() as u64,
         files_reused,
         bytes_to_write,
-        bytes_to_download: spans.iter().map(|(_, s)| s.end - s.start).sum(),
+        bytes_to_download: span_bytes(true),
+        bytes_from_cache: span_bytes(false),
     });
 
     let writers = Arc::new(Writers {
@@ -862,37 +899,220 @@ async fn download(
         set_owner: ctx.set_owner,
         cancelled: AtomicBool::new(false),
     });
-    let mut downloads = stream::iter(spans)
-        .map(|(pack, span)| {
+    let (mut bytes_written, refetch) = write_spans(ctx, located, &writers, spans).await?;
+    if !refetch.is_empty() {
+        // Blobs of cache pieces that were gone or failed their checks: from
+        // the store, like any blob the cache did not hold.
+        let spans = refetch_spans(located, refetch);
+        let (written, left) = write_spans(ctx, located, &writers, spans).await?;
+        debug_assert!(left.is_empty(), "store spans are never handed back");
+        bytes_written += written;
+    }
+    Ok((writers, bytes_written))
+}
+
+/// Where the bytes of a span come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Store,
+    /// This piece of the host's pack cache holds the whole span.
+    Cache(packcache::Piece),
+}
+
+/// One read of blob bytes: which pack, from where, which blobs.
+struct PlannedSpan {
+    pack: usize,
+    source: Source,
+    span: fetch::Span<NeededBlob>,
+}
+
+/// Coalesces each pack's blobs into reads. With a pack cache, a blob lying
+/// entirely inside a cached piece is read from that piece (spans never cross
+/// pieces); the rest come from the store.
+fn plan_spans(
+    cache: Option<&Arc<PackCache>>,
+    located: &Located,
+    per_pack: HashMap<usize, Vec<(u64, u64, NeededBlob)>>,
+) -> Vec<PlannedSpan> {
+    let mut spans = Vec::new();
+    for (pack, items) in per_pack {
+        let pieces = cache.map(|c| c.pieces(&located.packs[pack].id));
+        let mut remote = Vec::new();
+        let mut cached: HashMap<packcache::Piece, Vec<(u64, u64, NeededBlob)>> = HashMap::new();
+        for item in items {
+            let holder = pieces.as_deref().and_then(|pieces| {
+                pieces
+                    .iter()
+                    .filter(|p| p.covers(item.0, item.0 + item.1))
+                    .max_by_key(|p| p.len())
+            });
+            match holder {
+                Some(piece) => cached.entry(*piece).or_default().push(item),
+                None => remote.push(item),
+            }
+        }
+        for (piece, items) in cached {
+            spans.extend(
+                coalesce(items, MAX_GAP, MAX_REQUEST)
+                    .into_iter()
+                    .map(|span| PlannedSpan {
+                        pack,
+                        source: Source::Cache(piece),
+                        span,
+                    }),
+            );
+        }
+        spans.extend(
+            coalesce(remote, MAX_GAP, MAX_REQUEST)
+                .into_iter()
+                .map(|span| PlannedSpan {
+                    pack,
+                    source: Source::Store,
+                    span,
+                }),
+        );
+    }
+    spans
+}
+
+/// A blob of a pack: (offset, sealed length, blob).
+type PackItem = (u64, u64, NeededBlob);
+
+/// A blob to fetch again from the store: pack, the blob, and the damaged
+/// piece it was read from, if it was dropped.
+type Refetch = (usize, PackItem, Option<packcache::Piece>);
+
+/// Reads for blobs the cache could not give. A dropped piece is fetched
+/// whole (it was one read of the store before), so that the cache gets all
+/// of it back, not only the blobs that failed; a piece is only trusted that
+/// far if it is no larger than one read and lies before the pack's index.
+fn refetch_spans(located: &Located, refetch: Vec<Refetch>) -> Vec<PlannedSpan> {
+    let mut whole: HashMap<(usize, packcache::Piece), Vec<PackItem>> = HashMap::new();
+    let mut per_pack: HashMap<usize, Vec<(u64, u64, NeededBlob)>> = HashMap::new();
+    for (pack, item, dropped) in refetch {
+        let data_end = located.packs[pack].index_offset;
+        match dropped {
+            Some(piece) if piece.len() <= MAX_REQUEST && piece.end <= data_end => {
+                whole.entry((pack, piece)).or_default().push(item);
+            }
+            _ => per_pack.entry(pack).or_default().push(item),
+        }
+    }
+    let mut spans = plan_spans(None, located, per_pack);
+    spans.extend(whole.into_iter().map(|((pack, piece), mut items)| {
+        items.sort_by_key(|(offset, _, _)| *offset);
+        PlannedSpan {
+            pack,
+            source: Source::Store,
+            span: fetch::Span {
+                start: piece.start,
+                end: piece.end,
+                items,
+            },
+        }
+    }));
+    spans
+}
+
+/// Reads the spans (store spans in parallel ranged GETs, cache spans from
+/// disk), verifies and writes every blob. Store bytes go into the pack cache
+/// once they verified. Returns the bytes written and the blobs of cache
+/// pieces that were gone or failed a check, for the store.
+async fn write_spans(
+    ctx: &AttemptContext<'_>,
+    located: &Located,
+    writers: &Arc<Writers>,
+    spans: Vec<PlannedSpan>,
+) -> Result<(u64, Vec<Refetch>), AttemptError> {
+    let cache = ctx.fetcher.pack_cache();
+    let mut reads = stream::iter(spans)
+        .map(|planned| {
             let writers = writers.clone();
-            let pack = located.packs[pack].id.clone();
+            let pack_index = planned.pack;
+            let pack = located.packs[pack_index].id.clone();
+            let cache = cache.cloned();
             async move {
                 if writers.cancelled.load(Ordering::Relaxed) {
-                    return Ok(SpanDone::default());
+                    return Ok((SpanDone::default(), Vec::new()));
                 }
-                let bytes = ctx
-                    .fetcher
-                    .get_range(&pack, span.start, span.end - span.start)
-                    .await
-                    .map_err(AttemptError::fetch)?;
-                ctx.progress.downloaded(bytes.len() as u64);
-                blocking(move || {
-                    apply::write_span(&writers, &pack, span.start, &bytes, &span.items)
+                let span = planned.span;
+                let result = match planned.source {
+                    Source::Store => {
+                        let bytes = ctx
+                            .fetcher
+                            .get_range(&pack, span.start, span.end - span.start)
+                            .await
+                            .map_err(AttemptError::fetch)?;
+                        ctx.progress.downloaded(bytes.len() as u64);
+                        blocking(move || {
+                            let done = apply::write_span(
+                                &writers,
+                                &pack,
+                                span.start,
+                                &bytes,
+                                &span.items,
+                                BadBlob::Fail,
+                            )?;
+                            if let Some(cache) = cache {
+                                cache.insert(&pack, span.start, &bytes);
+                            }
+                            Ok::<_, SpanError>((done, Vec::new(), None))
+                        })
+                        .await
+                        .map_err(AttemptError::span)
+                    }
+                    Source::Cache(piece) => {
+                        let cache = cache.expect("cache spans are planned only with a cache");
+                        let (done, bad, from_cache, dropped) = blocking(move || {
+                            let Some(bytes) = cache.read(&pack, piece, span.start, span.end) else {
+                                let all = span.items;
+                                return Ok::<_, SpanError>((SpanDone::default(), all, 0, None));
+                            };
+                            let mut done = apply::write_span(
+                                &writers,
+                                &pack,
+                                span.start,
+                                &bytes,
+                                &span.items,
+                                BadBlob::Collect,
+                            )?;
+                            let bad = std::mem::take(&mut done.bad);
+                            Ok(match bad.first() {
+                                Some((_, _, blob)) => {
+                                    let reason = format!("blob {} in it does not verify", blob.id);
+                                    cache.discard(&pack, piece, &reason);
+                                    (done, bad, 0, Some(piece))
+                                }
+                                None => (done, bad, bytes.len() as u64, None),
+                            })
+                        })
+                        .await
+                        .map_err(AttemptError::span)?;
+                        ctx.fetcher.note_cached(from_cache);
+                        Ok((done, bad, dropped))
+                    }
+                };
+                result.map(|(done, refetch, dropped)| {
+                    let refetch = refetch
+                        .into_iter()
+                        .map(|item| (pack_index, item, dropped))
+                        .collect::<Vec<Refetch>>();
+                    (done, refetch)
                 })
-                .await
-                .map_err(AttemptError::span)
             }
         })
         .buffer_unordered(PARALLEL_REQUESTS);
     let mut bytes_written = 0;
+    let mut refetch = Vec::new();
     let mut failure = None;
-    // Drain every download even after a failure: the blocking writers of
-    // this candidate must be done before the next candidate starts writing.
-    while let Some(result) = downloads.next().await {
+    // Drain every read even after a failure: the blocking writers of this
+    // candidate must be done before the next candidate starts writing.
+    while let Some(result) = reads.next().await {
         match result {
-            Ok(done) => {
+            Ok((done, again)) => {
                 bytes_written += done.bytes;
                 ctx.progress.written(done.bytes, done.files);
+                refetch.extend(again);
             }
             Err(e) => {
                 writers.cancelled.store(true, Ordering::Relaxed);
@@ -900,10 +1120,10 @@ async fn download(
             }
         }
     }
-    drop(downloads);
+    drop(reads);
     match failure {
         Some(e) => Err(e),
-        None => Ok((writers, bytes_written)),
+        None => Ok((bytes_written, refetch)),
     }
 }
 
@@ -959,6 +1179,7 @@ pub async fn cli_main(args: RestoreArgs) -> anyhow::Result<()> {
     let opts = RestoreOptions {
         checkpoint,
         cache_dir: Some(args.cache_dir.unwrap_or_else(default_cache_dir)),
+        pack_cache: args.pack_cache.config(),
         ..RestoreOptions::new(args.root, args.workspace)
     };
     let report = restore(&coordinator, &opts, &NoProgress).await?;

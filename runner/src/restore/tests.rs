@@ -27,6 +27,8 @@ const MTIME: i64 = 1_600_000_000;
 struct TestStore {
     objects: Mutex<HashMap<String, Vec<u8>>>,
     ranged_gets: Mutex<Vec<String>>,
+    /// Every request answered, whole or ranged.
+    requests: AtomicUsize,
 }
 
 impl TestStore {
@@ -57,6 +59,7 @@ impl TestStore {
             head.push(byte[0]);
         }
         let head = String::from_utf8_lossy(&head).into_owned();
+        self.requests.fetch_add(1, Ordering::SeqCst);
         let target = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
         let range = head.lines().find_map(|l| {
@@ -1001,4 +1004,208 @@ fn statuses_read_as_words() {
     assert_eq!(describe_status(&status), "permission denied: unknown token");
     assert_eq!(human_bytes(1536), "1.5 KiB");
     assert_eq!(human_bytes(12), "12 B");
+}
+
+// ---------------------------------------------------------------------------
+// The host's pack cache
+
+fn with_pack_cache(opts: RestoreOptions, dir: &Path, max_bytes: u64) -> RestoreOptions {
+    RestoreOptions {
+        pack_cache: Some(PackCacheConfig {
+            dir: dir.to_owned(),
+            max_bytes,
+        }),
+        ..opts
+    }
+}
+
+/// Piece files of a pack cache directory.
+fn pieces(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("p1-"))
+        .collect();
+    found.sort();
+    found
+}
+
+#[tokio::test]
+async fn a_second_restore_with_a_warm_pack_cache_asks_the_store_for_nothing() {
+    let fixture = Fixture::new().await;
+    sample(&fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let packs = tmp.path().join("pack-cache");
+
+    let first = restore(
+        &fixture,
+        &with_pack_cache(fixture.options(&tmp.path().join("one")), &packs, 1 << 30),
+        &NoProgress,
+    )
+    .await
+    .unwrap();
+    assert_eq!(first.bytes_from_cache, 0);
+    assert!(first.bytes_downloaded > 0);
+    assert!(
+        !pieces(&packs).is_empty(),
+        "the first restore filled the cache"
+    );
+
+    let requests = fixture.store.requests.load(Ordering::SeqCst);
+    let root = tmp.path().join("two");
+    let second = restore(
+        &fixture,
+        &with_pack_cache(fixture.options(&root), &packs, 1 << 30),
+        &NoProgress,
+    )
+    .await
+    .unwrap();
+    assert_sample(&root);
+    assert_eq!(
+        fixture.store.requests.load(Ordering::SeqCst),
+        requests,
+        "the store was not asked for anything"
+    );
+    assert_eq!(second.bytes_downloaded, 0);
+    assert!(
+        second.bytes_from_cache >= first.bytes_downloaded - 16 * 3,
+        "all but the headers came from the cache: {} of {}",
+        second.bytes_from_cache,
+        first.bytes_downloaded
+    );
+    let json = second.to_json();
+    assert_eq!(json["bytes_downloaded"], 0);
+    assert_eq!(json["bytes_from_cache"], second.bytes_from_cache);
+    assert!(second.summary(&root).contains("from the host's pack cache"));
+}
+
+#[tokio::test]
+async fn tampered_pieces_are_dropped_and_fetched_from_the_store() {
+    let fixture = Fixture::new().await;
+    sample(&fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let packs = tmp.path().join("pack-cache");
+    let opts =
+        |name: &str| with_pack_cache(fixture.options(&tmp.path().join(name)), &packs, 1 << 30);
+    restore(&fixture, &opts("one"), &NoProgress).await.unwrap();
+
+    // A hostile neighbour flips a byte in the middle of every piece: META
+    // packs, indexes and blob ranges alike.
+    let tampered = pieces(&packs);
+    assert!(tampered.len() >= 5, "{tampered:?}");
+    for path in &tampered {
+        let mut bytes = fs::read(path).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x55;
+        fs::write(path, bytes).unwrap();
+    }
+    let requests = fixture.store.requests.load(Ordering::SeqCst);
+    let report = restore(&fixture, &opts("two"), &NoProgress).await.unwrap();
+    assert_sample(&tmp.path().join("two"));
+    assert!(
+        report.fell_back_from.is_empty(),
+        "{:?}",
+        report.fell_back_from
+    );
+    assert!(report.bytes_downloaded > 0);
+    assert!(fixture.store.requests.load(Ordering::SeqCst) > requests);
+
+    // The damaged pieces were replaced by the store's bytes: a third restore
+    // needs the store no more.
+    let requests = fixture.store.requests.load(Ordering::SeqCst);
+    let report = restore(&fixture, &opts("three"), &NoProgress)
+        .await
+        .unwrap();
+    assert_sample(&tmp.path().join("three"));
+    assert_eq!(report.bytes_downloaded, 0);
+    assert_eq!(fixture.store.requests.load(Ordering::SeqCst), requests);
+}
+
+#[tokio::test]
+async fn a_piece_that_vanished_is_a_miss_not_a_failure() {
+    let fixture = Fixture::new().await;
+    let published = sample(&fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let packs = tmp.path().join("pack-cache");
+    let opts =
+        |name: &str| with_pack_cache(fixture.options(&tmp.path().join(name)), &packs, 1 << 30);
+    restore(&fixture, &opts("one"), &NoProgress).await.unwrap();
+    // Everything of the first DATA pack is evicted by someone else.
+    let gone = published.data_packs[0].to_string();
+    for path in pieces(&packs) {
+        if path.to_string_lossy().contains(&gone) {
+            fs::remove_file(path).unwrap();
+        }
+    }
+    let report = restore(&fixture, &opts("two"), &NoProgress).await.unwrap();
+    assert_sample(&tmp.path().join("two"));
+    assert!(report.bytes_downloaded > 0 && report.bytes_from_cache > 0);
+}
+
+#[tokio::test]
+async fn two_restores_at_once_share_one_pack_cache() {
+    let fixture = Fixture::new().await;
+    sample(&fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let packs = tmp.path().join("pack-cache");
+    let opts =
+        |name: &str| with_pack_cache(fixture.options(&tmp.path().join(name)), &packs, 1 << 30);
+    let (opts_a, opts_b) = (opts("a"), opts("b"));
+    let (a, b) = tokio::join!(
+        restore(&fixture, &opts_a, &NoProgress),
+        restore(&fixture, &opts_b, &NoProgress)
+    );
+    a.unwrap();
+    b.unwrap();
+    assert_sample(&tmp.path().join("a"));
+    assert_sample(&tmp.path().join("b"));
+    let leftovers: Vec<_> = fs::read_dir(&packs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // Whatever they left is whole: a third restore takes it all from there.
+    let requests = fixture.store.requests.load(Ordering::SeqCst);
+    let report = restore(&fixture, &opts("c"), &NoProgress).await.unwrap();
+    assert_sample(&tmp.path().join("c"));
+    assert_eq!(report.bytes_downloaded, 0);
+    assert_eq!(fixture.store.requests.load(Ordering::SeqCst), requests);
+}
+
+#[tokio::test]
+async fn a_small_pack_cache_stays_within_its_bound() {
+    let fixture = Fixture::new().await;
+    sample(&fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let roomy = tmp.path().join("roomy");
+    restore(
+        &fixture,
+        &with_pack_cache(fixture.options(&tmp.path().join("zero")), &roomy, 1 << 30),
+        &NoProgress,
+    )
+    .await
+    .unwrap();
+    let everything: u64 = pieces(&roomy)
+        .iter()
+        .map(|p| fs::metadata(p).unwrap().len())
+        .sum();
+    let packs = tmp.path().join("pack-cache");
+    let bound = everything * 2 / 3;
+    for name in ["one", "two"] {
+        let root = tmp.path().join(name);
+        restore(
+            &fixture,
+            &with_pack_cache(fixture.options(&root), &packs, bound),
+            &NoProgress,
+        )
+        .await
+        .unwrap();
+        assert_sample(&root);
+        let held: u64 = pieces(&packs)
+            .iter()
+            .map(|p| fs::metadata(p).unwrap().len())
+            .sum();
+        assert!(held <= bound, "{held} bytes held, bound {bound}");
+    }
 }

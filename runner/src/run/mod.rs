@@ -993,6 +993,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
     let coordinator = connect(&args.coordinator, &token).await?;
     let control = Control::new(coordinator.auth_channel());
     let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
+    let pack_cache = args.pack_cache.config();
     let root = args.root;
     let resident: Arc<tokio::sync::OnceCell<_>> = Default::default();
     let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
@@ -1001,6 +1002,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
             token: token.clone(),
             root: root.clone(),
             cache_dir: cache_dir.clone(),
+            pack_cache: pack_cache.clone(),
             target,
             resident: resident.clone(),
         })

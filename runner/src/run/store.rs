@@ -128,6 +128,8 @@ pub struct RemoteStore {
     pub token: String,
     pub root: PathBuf,
     pub cache_dir: PathBuf,
+    /// The host's pack cache, for the restore.
+    pub pack_cache: Option<restore::PackCacheConfig>,
     pub target: StoreTarget,
     /// Made by the first checkpoint (after the restore, whose writes the
     /// change tracker need not see) and kept for the later ones.
@@ -163,6 +165,7 @@ impl WorkspaceStore for RemoteStore {
         let root = self.root.clone();
         let opts = RestoreOptions {
             cache_dir: Some(self.cache_dir.clone()),
+            pack_cache: self.pack_cache.clone(),
             ..RestoreOptions::new(self.root.clone(), self.target.workspace_id.clone())
         };
         Box::pin(async move {

@@ -82,6 +82,14 @@ impl Scratch {
         }
     }
 
+    /// The host's pack cache the specs name.
+    pub fn pack_cache(&self) -> cairn_runner::restore::PackCacheConfig {
+        cairn_runner::restore::PackCacheConfig {
+            dir: self.layout.root().join("pack-cache"),
+            max_bytes: 1 << 30,
+        }
+    }
+
     /// A spec for sandbox `id` with fresh directories and the stand-in's settings.
     pub fn spec(&self, id: &str, mode: &str, extra: &[(&str, &str)]) -> SandboxSpec {
         let paths = self.layout.create_sandbox_dirs(id).unwrap();
@@ -95,6 +103,7 @@ impl Scratch {
             &format!("token-of-{id}"),
             id,
             &paths,
+            Some(&self.pack_cache()),
             &extras,
         );
         SandboxSpec {
