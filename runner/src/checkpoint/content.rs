@@ -19,10 +19,9 @@
 
 use std::collections::HashSet;
 use std::ffi::OsStr;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use cairn_proto::ids::BlobId;
@@ -32,6 +31,7 @@ use crate::cache::{Cache, CachedFile, Fingerprint};
 use crate::chunker;
 use crate::format::{ChunkRef, TenantKeys};
 use crate::gitobj::{self, GitStored};
+use crate::restore::fsops::open_for_read;
 
 use super::treebases::{Base, TreeBases};
 use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel};
@@ -254,11 +254,7 @@ fn pack_unchanged(
     if now.size - offset < gitobj::PACK_CHECKSUM_LEN.min(now.size) {
         return (false, 0);
     }
-    let Ok(file) = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(abs)
-    else {
+    let Ok(file) = open_for_read(abs) else {
         return (false, 0);
     };
     if file.metadata().map(|m| Fingerprint::of(&m)).ok().as_ref() != Some(now) {
@@ -468,16 +464,12 @@ fn read_with_retry(
 }
 
 fn open_regular(job: &Job) -> Result<(File, std::fs::Metadata), ReadError> {
-    // O_NOFOLLOW: a path that became a symlink is not followed out of the
-    // workspace. O_NONBLOCK: a path that became a fifo does not hang the read.
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(&job.abs)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) | Some(libc::ELOOP) | Some(libc::ENOTDIR) => ReadError::Gone,
-            _ => ReadError::Io(e),
-        })?;
+    // A path that became a symlink is not followed out of the workspace; a
+    // path that became a fifo does not hang the read.
+    let file = open_for_read(&job.abs).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) | Some(libc::ELOOP) | Some(libc::ENOTDIR) => ReadError::Gone,
+        _ => ReadError::Io(e),
+    })?;
     let meta = file.metadata().map_err(ReadError::Io)?;
     if !meta.is_file() {
         return Err(ReadError::Gone);

@@ -54,15 +54,7 @@ impl Resident {
         workspace: &WorkspaceId,
         key_id: &str,
     ) -> Cache {
-        let kept = std::mem::take(&mut *self.cache.lock().await);
-        let kept = match kept {
-            Kept::Nothing => None,
-            Kept::Ready(cache) => Some(cache),
-            Kept::Saving(saving) => saving.await.unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "writing the fingerprint cache failed");
-                None
-            }),
-        };
+        let kept = std::mem::take(&mut *self.cache.lock().await).settle().await;
         match kept {
             Some(cache)
                 if cache.path() == Cache::path_for(cache_dir, workspace)
@@ -82,12 +74,22 @@ impl Resident {
     /// Waits until the cache is on disk (before the runner exits).
     pub async fn flush(&self) {
         let mut kept = self.cache.lock().await;
-        if let Kept::Saving(saving) = std::mem::take(&mut *kept) {
-            match saving.await {
-                Ok(Some(cache)) => *kept = Kept::Ready(cache),
-                Ok(None) => {}
-                Err(e) => tracing::warn!(error = %e, "writing the fingerprint cache failed"),
-            }
+        if let Some(cache) = std::mem::take(&mut *kept).settle().await {
+            *kept = Kept::Ready(cache);
+        }
+    }
+}
+
+impl Kept {
+    /// The cache, once any write of it has finished.
+    async fn settle(self) -> Option<Cache> {
+        match self {
+            Self::Nothing => None,
+            Self::Ready(cache) => Some(cache),
+            Self::Saving(saving) => saving.await.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "writing the fingerprint cache failed");
+                None
+            }),
         }
     }
 }

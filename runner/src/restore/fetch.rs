@@ -220,23 +220,15 @@ pub async fn fetch_whole_pack(
     info: &PackInfo,
     keys: &Arc<TenantKeys>,
 ) -> Result<(Bytes, PackIndex), IndexError> {
-    if let Some(cache) = fetcher.pack_cache() {
-        let (cache, info, keys) = (cache.clone(), info.clone(), keys.clone());
-        let hit = blocking(move || {
-            let (piece, bytes) = cache.get(&info.id, 0, info.size)?;
-            match open_whole_pack(&info, &bytes, &keys) {
-                Ok(index) => Some((Bytes::from(bytes), index)),
-                Err(e) => {
-                    cache.discard(&info.id, piece, &e.reason);
-                    None
-                }
-            }
+    let opened = {
+        let (owned, keys) = (info.clone(), keys.clone());
+        from_cache(fetcher, &info.id, 0, info.size, move |bytes| {
+            open_whole_pack(&owned, bytes, &keys)
         })
-        .await;
-        if let Some((bytes, index)) = hit {
-            fetcher.note_cached(bytes.len() as u64);
-            return Ok((bytes, index));
-        }
+        .await
+    };
+    if let Some((index, bytes)) = opened {
+        return Ok((Bytes::from(bytes), index));
     }
     let bytes = fetcher.get(&info.id).await?;
     let cache = fetcher.pack_cache().cloned();
@@ -424,23 +416,45 @@ async fn cached_index(
     info: &PackInfo,
     keys: &Arc<TenantKeys>,
 ) -> Option<PackIndex> {
+    let (owned, keys) = (info.clone(), keys.clone());
+    from_cache(
+        fetcher,
+        &info.id,
+        info.index_offset,
+        info.size,
+        move |bytes| open_index_and_tail(&owned, &keys, owned.index_offset, bytes),
+    )
+    .await
+    .map(|(index, _)| index)
+}
+
+/// `open` applied to the cached piece that holds `[start, end)` of `pack`,
+/// with the piece's bytes; None when no piece holds the range or the bytes
+/// fail `open` (then the piece is dropped, and the caller goes to the store).
+async fn from_cache<T: Send + 'static>(
+    fetcher: &PackFetcher<'_>,
+    pack: &PackId,
+    start: u64,
+    end: u64,
+    open: impl FnOnce(&[u8]) -> Result<T, CorruptPack> + Send + 'static,
+) -> Option<(T, Vec<u8>)> {
     let cache = fetcher.pack_cache()?.clone();
-    let (info, keys) = (info.clone(), keys.clone());
-    let index = blocking(move || {
-        let (piece, bytes) = cache.get(&info.id, info.index_offset, info.size)?;
-        match open_index_and_tail(&info, &keys, info.index_offset, &bytes) {
-            Ok(index) => Some((index, bytes.len() as u64)),
+    let pack = pack.clone();
+    let opened = blocking(move || {
+        let (piece, bytes) = cache.get(&pack, start, end)?;
+        match open(&bytes) {
+            Ok(opened) => Some((opened, bytes)),
             Err(e) => {
-                cache.discard(&info.id, piece, &e.reason);
+                cache.discard(&pack, piece, &e.reason);
                 None
             }
         }
     })
     .await;
-    index.map(|(index, len)| {
-        fetcher.note_cached(len);
-        index
-    })
+    if let Some((_, bytes)) = &opened {
+        fetcher.note_cached(bytes.len() as u64);
+    }
+    opened
 }
 
 /// Opens a pack's index from the bytes `[index_offset, size)`: the sealed

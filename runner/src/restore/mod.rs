@@ -25,7 +25,7 @@
 
 mod apply;
 pub mod fetch;
-mod fsops;
+pub(crate) mod fsops;
 pub mod manifest;
 pub mod packcache;
 pub mod plan;
