@@ -2,12 +2,18 @@
 """Benchmark cairn against the peers' ways of checkpointing a workspace.
 
     cargo build --release --bins && python3 bench/run.py [--files N --ignored N] [--repeat 3] [--json out.json]
+        [--large-files N --large-ignored N --large-repeat N | --no-large]
 
 Builds a workspace with ../shared/bench/make_workspace.py, then measures in
 one run, side by side, for each method:
 
   full         checkpoint of the whole workspace into an empty store
   incremental  checkpoint after one simulated agent turn (make_workspace.py --turn)
+  unchanged    cairn only: right after the incremental one, the watcher still
+               running, `cairn-runner checkpoint --if-changed`, which cuts no
+               checkpoint when the workspace equals its newest one (it prints
+               {"unchanged_since": ID, "duration_ms": N}); the peers have no
+               such check (n/a). n/a too while the runner has no --if-changed
   restore      the incremental checkpoint into an empty directory
   restore-baked
                the same onto a baked older copy: the target is first filled
@@ -18,6 +24,16 @@ one run, side by side, for each method:
                cairn only: two restores into empty directories sharing one
                host pack cache (--pack-cache), each with a fresh runner cache,
                as two sandboxes of one host; the peers have no such cache
+  full-4x, incremental-4x
+               after the repeats above, on a second workspace with 4x the
+               files (--large-files 80000 --large-ignored 120000, 4x
+               make_workspace.py's defaults, the same --transcript-mb;
+               --no-large skips it): the full checkpoint (cairn, tar-gz,
+               restic), then one agent turn and the incremental one (cairn
+               through a resident watcher, restic; tar-gz would archive it all
+               again: n/a; parts n/a), --large-repeat times (default
+               --repeat). The 4x workspace (~1.3 GB) and each repeat's stores
+               are removed as soon as done, unless --keep
 
 Methods: cairn (release cairn-coordinator on ephemeral ports, cairn-runner
 checkpoint / restore with a fresh runner cache for the restore, as on a new
@@ -31,7 +47,10 @@ workspace; dirty pages are flushed before every timed step) and the table
 shows min / median / max wall time. Bytes are what
 each method wrote to its store: cairn's uploaded_bytes (from the runner's JSON)
 and the growth of the coordinator's blob directory, the archive sizes of
-tar-gz and parts, the growth of restic's repository.
+tar-gz and parts, the growth of restic's repository. cairn's notes also show
+the checkpoint's upload wait (stats.upload_wait_ms: what waiting for uploads
+added to its wall) and, for full checkpoints, the runner's peak resident
+memory (ru_maxrss of the child, from os.wait4).
 
 Targets from issue 2, checked on medians (bytes on the worst repeat); the exit
 status is 1 when a target is missed:
@@ -41,6 +60,16 @@ status is 1 when a target is missed:
 and from issue 5:
   restore onto baked copy cairn restore-baked wall <= 0.2 x cairn restore wall
   warm host cache         cairn restore-warm-cache wall <= 0.3 x restore-cold-cache wall
+  unchanged workspace     cairn unchanged wall <= 20 ms, and nothing uploaded (blob dir
+                          growth 0 and unchanged_since reported, every repeat)
+  incremental excluding upload
+                          median of (cairn incremental wall - upload_wait_ms) <= 100 ms
+                          (SKIP when the runner does not report upload_wait_ms)
+  peak runner memory      full checkpoint's ru_maxrss <= 200 MiB (worst repeat)
+  4x workspace            cairn incremental-4x excluding upload < 2 x the same on the
+                          default workspace (the note gives restic's incremental
+                          4x/1x ratio: restic grows with the tree), and <= 300 KB
+                          uploaded (worst repeat)
 """
 import argparse
 import json
@@ -57,12 +86,21 @@ SHARED_BENCH = os.path.normpath(os.path.join(REPO, "..", "shared", "bench"))
 MAKE_WORKSPACE = os.path.join(SHARED_BENCH, "make_workspace.py")
 BASELINES = os.path.join(SHARED_BENCH, "baselines.sh")
 INCREMENTAL_BYTES_TARGET = 300_000
+UNCHANGED_WALL_TARGET_S = 0.020
+INCREMENTAL_EXCLUDING_UPLOAD_TARGET_S = 0.100
+FULL_PEAK_RSS_TARGET = 200 << 20
+LARGE_INCREMENTAL_FACTOR = 2.0
 RACY_GUARD_S = 3.1
+# make_workspace.py's defaults are 20000 tracked and 30000 ignored files.
+LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
-STEPS = ["full", "incremental", "restore"]
+STEPS = ["full", "incremental", "unchanged", "restore"]
 RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache"]
 STEPS += RESTORE_SPEED_STEPS
+LARGE_STEPS = ["full-4x", "incremental-4x"]
+STEPS += LARGE_STEPS
+NO_IF_CHANGED = "runner has no --if-changed"
 
 
 class BenchError(Exception):
@@ -75,15 +113,36 @@ def log(msg):
 
 def run(cmd, env=None, cwd=None):
     """Runs cmd, returns (seconds, stdout); raises BenchError with stderr on failure."""
+    seconds, out, _ = run_child(cmd, env=env, cwd=cwd)
+    return seconds, out
+
+
+def run_child(cmd, env=None, cwd=None):
+    """Runs cmd like run(), and also returns the child's peak resident memory in KiB
+    (ru_maxrss from os.wait4): (seconds, stdout, maxrss_kib)."""
     # Flush what earlier steps left dirty, so that no step pays for another's
     # writeback (the page cache itself cannot be dropped here).
     os.sync()
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
-    elapsed = time.monotonic() - start
-    if proc.returncode != 0:
-        raise BenchError(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr.strip()[-2000:]}")
-    return elapsed, proc.stdout
+    # Files rather than pipes: the child is reaped with os.wait4 (for its
+    # rusage), so nothing may be left for Popen.communicate to read.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        elapsed = time.monotonic() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        stdout = out.read().decode(errors="replace")
+        if proc.returncode != 0:
+            err.seek(0)
+            stderr = err.read().decode(errors="replace")
+            raise BenchError(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{stderr.strip()[-2000:]}")
+    return elapsed, stdout, usage.ru_maxrss
 
 
 def tree_bytes(path):
@@ -173,8 +232,9 @@ class Coordinator:
 
 
 class Results:
-    def __init__(self):
-        self.data = {step: {m: {"wall_s": [], "bytes": [], "detail": []} for m in METHODS} for step in STEPS}
+    def __init__(self, steps):
+        self.steps = steps
+        self.data = {step: {m: {"wall_s": [], "bytes": [], "detail": []} for m in METHODS} for step in steps}
         self.not_applicable = {}
 
     def add(self, step, method, seconds, stored=None, **detail):
@@ -187,20 +247,40 @@ class Results:
         self.not_applicable[(step, method)] = why
 
     def median(self, step, method):
+        if step not in self.data:
+            return None
         walls = self.data[step][method]["wall_s"]
         return statistics.median(walls) if walls else None
 
     def worst_bytes(self, step, method):
+        if step not in self.data:
+            return None
         values = [b for b in self.data[step][method]["bytes"] if b is not None]
         return max(values) if values else None
 
+    def details(self, step, method, key):
+        """The detail key of every repeat (None where a repeat lacks it)."""
+        if step not in self.data:
+            return []
+        return [d.get(key) for d in self.data[step][method]["detail"]]
 
-def cairn_checkpoint(bins, coordinator, root, workspace, cache_dir, socket=None):
+
+def cairn_checkpoint(bins, coordinator, root, workspace, cache_dir, socket=None, if_changed=False):
+    """`cairn-runner checkpoint`: (seconds, JSON report, the runner's peak RSS in KiB).
+    Through socket the resident watcher does the work, so the peak RSS is then the client's."""
     via = ["--socket", socket] if socket else []
-    seconds, out = run([bins["cairn-runner"], "checkpoint", "--root", root, "--workspace", workspace,
-                        "--output", "json"] + via, env=coordinator.env(cache_dir))
+    if if_changed:
+        via.append("--if-changed")
+    seconds, out, maxrss_kib = run_child([bins["cairn-runner"], "checkpoint", "--root", root, "--workspace",
+                                          workspace, "--output", "json"] + via, env=coordinator.env(cache_dir))
     report = json.loads(out)
-    return seconds, report
+    return seconds, report, maxrss_kib
+
+
+def runner_has_if_changed(bins):
+    """Whether this cairn-runner's checkpoint knows --if-changed (issue 5; added to the runner later)."""
+    proc = subprocess.run([bins["cairn-runner"], "checkpoint", "--help"], capture_output=True, text=True)
+    return "--if-changed" in proc.stdout + proc.stderr
 
 
 class Watcher:
@@ -228,7 +308,7 @@ class Watcher:
         self.log.close()
 
 
-def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
+def one_repeat(index, args, bins, work, workspace_root, results, have_restic, have_if_changed):
     turn = index + 1
     rep = os.path.join(work, f"repeat-{turn}")
     os.makedirs(rep)
@@ -241,10 +321,11 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
         run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
             env=coordinator.env(cache))
         before = tree_bytes(coordinator.blobs_dir)
-        seconds, report = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache)
+        seconds, report, maxrss_kib = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache)
         grown = tree_bytes(coordinator.blobs_dir) - before
         results.add("full", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
-                    files=report["stats"]["files"], total_bytes=report["stats"]["total_bytes"])
+                    files=report["stats"]["files"], total_bytes=report["stats"]["total_bytes"],
+                    maxrss_kib=maxrss_kib)
 
         tgz_full = os.path.join(rep, "tar-gz-full")
         seconds, _ = run(["bash", BASELINES, "tar-gz", workspace_root, tgz_full])
@@ -265,14 +346,12 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
         baked = bake_before_turn(workspace_root, rep)
         log(f"repeat {turn}/{args.repeat}: agent turn {turn}, incremental checkpoints")
         run([sys.executable, MAKE_WORKSPACE, workspace_root, "--turn", str(turn)])
-        before = tree_bytes(coordinator.blobs_dir)
         try:
-            seconds, report = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache, socket)
+            incremental_cairn(bins, coordinator, workspace_root, cache, socket, results, "incremental")
+            # Nothing changed since: the runner should answer without cutting a checkpoint.
+            unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results, have_if_changed)
         finally:
             watcher.stop()
-        grown = tree_bytes(coordinator.blobs_dir) - before
-        results.add("incremental", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
-                    files_read=report["stats"]["files_read"])
         tgz_incr = os.path.join(rep, "tar-gz-incremental")
         seconds, _ = run(["bash", BASELINES, "tar-gz", workspace_root, tgz_incr])
         results.add("incremental", "tar-gz", seconds, tree_bytes(tgz_incr))
@@ -313,6 +392,81 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
 
         restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
                            have_restic, expected_files)
+    finally:
+        coordinator.stop()
+    if not args.keep:
+        shutil.rmtree(rep, ignore_errors=True)
+
+
+def incremental_cairn(bins, coordinator, workspace_root, cache, socket, results, step):
+    """cairn's incremental checkpoint, asked of the resident watcher through its socket."""
+    before = tree_bytes(coordinator.blobs_dir)
+    seconds, report, _ = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache, socket)
+    grown = tree_bytes(coordinator.blobs_dir) - before
+    stats = report["stats"]
+    results.add(step, "cairn", seconds, stats["uploaded_bytes"], store_growth=grown,
+                files_read=stats["files_read"], upload_wait_ms=stats.get("upload_wait_ms"))
+
+
+def unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results, have_if_changed):
+    """Issue 5: `checkpoint --if-changed` right after a checkpoint, the watcher still running."""
+    if not have_if_changed:
+        results.na("unchanged", "cairn", NO_IF_CHANGED)
+        return
+    before = tree_bytes(coordinator.blobs_dir)
+    seconds, report, _ = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache, socket,
+                                          if_changed=True)
+    grown = tree_bytes(coordinator.blobs_dir) - before
+    since = report.get("unchanged_since")
+    if since is not None:
+        note = f"unchanged since {since}; runner {report.get('duration_ms')} ms"
+        uploaded = 0
+    else:
+        note = "cut a new checkpoint: the runner saw a change"
+        uploaded = report.get("stats", {}).get("uploaded_bytes")
+    results.add("unchanged", "cairn", seconds, uploaded, store_growth=grown, unchanged_since=since, note=note)
+
+
+def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
+    """Issue 5: full and incremental checkpoints of the 4x workspace (cairn, tar-gz full, restic)."""
+    turn = index + 1
+    rep = os.path.join(work, f"large-repeat-{turn}")
+    os.makedirs(rep)
+    log(f"4x workspace, repeat {turn}/{args.large_repeat}: full checkpoints")
+    coordinator = Coordinator(bins["cairn-coordinator"], os.path.join(rep, "coordinator"))
+    try:
+        cache = os.path.join(rep, "runner-cache")
+        run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
+            env=coordinator.env(cache))
+        before = tree_bytes(coordinator.blobs_dir)
+        seconds, report, maxrss_kib = cairn_checkpoint(bins, coordinator, large_root, "bench", cache)
+        grown = tree_bytes(coordinator.blobs_dir) - before
+        results.add("full-4x", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
+                    files=report["stats"]["files"], total_bytes=report["stats"]["total_bytes"],
+                    maxrss_kib=maxrss_kib)
+        tgz_full = os.path.join(rep, "tar-gz-full")
+        seconds, _ = run(["bash", BASELINES, "tar-gz", large_root, tgz_full])
+        results.add("full-4x", "tar-gz", seconds, tree_bytes(tgz_full))
+        shutil.rmtree(tgz_full)
+        restic_repo = os.path.join(rep, "restic-repo")
+        if have_restic:
+            run(["restic", "init", "--quiet", "--repo", restic_repo], env=dict(os.environ, RESTIC_PASSWORD="bench"))
+            before = tree_bytes(restic_repo)
+            seconds, _ = run(["bash", BASELINES, "restic", large_root, restic_repo])
+            results.add("full-4x", "restic", seconds, tree_bytes(restic_repo) - before)
+
+        socket = os.path.join(rep, "watch.sock")
+        watcher = Watcher(bins, coordinator, large_root, "bench", cache, socket, os.path.join(rep, "watch.log"))
+        log(f"4x workspace, repeat {turn}/{args.large_repeat}: agent turn {turn}, incremental checkpoints")
+        try:
+            run([sys.executable, MAKE_WORKSPACE, large_root, "--turn", str(turn)])
+            incremental_cairn(bins, coordinator, large_root, cache, socket, results, "incremental-4x")
+        finally:
+            watcher.stop()
+        if have_restic:
+            before = tree_bytes(restic_repo)
+            seconds, _ = run(["bash", BASELINES, "restic", large_root, restic_repo])
+            results.add("incremental-4x", "restic", seconds, tree_bytes(restic_repo) - before)
     finally:
         coordinator.stop()
     if not args.keep:
@@ -420,13 +574,14 @@ def check_restored(method, target, expected_files):
 def fmt_seconds(values):
     if not values:
         return "n/a"
-    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+    digits = 3 if max(values) < 0.1 else 2  # the unchanged row is a matter of milliseconds
+    return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
 
 
 def table(results):
     lines = ["| step | method | wall s (min / median / max) | bytes to store (median) | notes |",
              "|---|---|---|---|---|"]
-    for step in STEPS:
+    for step in results.steps:
         for method in METHODS:
             cell = results.data[step][method]
             why = results.not_applicable.get((step, method))
@@ -445,6 +600,12 @@ def table(results):
             read = [d["files_read"] for d in cell["detail"] if "files_read" in d]
             if read:
                 notes.append(f"{int(statistics.median(read))} files read")
+            waits = [d["upload_wait_ms"] for d in cell["detail"] if d.get("upload_wait_ms") is not None]
+            if waits:
+                notes.append(f"waited {statistics.median(waits):.0f} ms for uploads")
+            rss = [d["maxrss_kib"] for d in cell["detail"] if d.get("maxrss_kib") is not None]
+            if rss:
+                notes.append(f"peak RSS {human_bytes(max(rss) * 1024)} (worst)")
             down = [d["bytes_downloaded"] for d in cell["detail"] if d.get("bytes_downloaded") is not None]
             if down:
                 notes.append(f"{human_bytes(statistics.median(down))} read from the store")
@@ -476,6 +637,80 @@ def targets(results):
                 "note": "worst repeat"})
     ratio("restore wall vs tar-gz restore", "restore", "restore", "tar-gz", 0.5)
     out.extend(restore_speed_targets(results))
+    out.extend(issue5_targets(results))
+    return out
+
+
+def excluding_upload(results, step):
+    """Median over repeats of cairn's wall less what it waited for uploads: (seconds, why not)."""
+    walls = results.data[step]["cairn"]["wall_s"] if step in results.data else []
+    if not walls:
+        return None, f"{step} not measured"
+    waits = results.details(step, "cairn", "upload_wait_ms")
+    if any(w is None for w in waits):
+        return None, "the runner's stats have no upload_wait_ms"
+    return statistics.median(w - ms / 1000 for w, ms in zip(walls, waits)), None
+
+
+def seconds_row(name, limit_s, value, note):
+    return {"target": name, "limit": f"<= {limit_s:.3f} s", "value": None if value is None else round(value, 4),
+            "shown": None if value is None else f"{value:.3f} s",
+            "pass": None if value is None else value <= limit_s, "note": note}
+
+
+def issue5_targets(results):
+    """Issue 5: unchanged workspace, incremental excluding upload, peak memory, the 4x workspace."""
+    out = []
+    why = results.not_applicable.get(("unchanged", "cairn"), "not measured")
+    wall = results.median("unchanged", "cairn")
+    out.append(seconds_row("unchanged workspace: checkpoint --if-changed wall", UNCHANGED_WALL_TARGET_S, wall,
+                           why if wall is None else "median, the watcher resident"))
+    growth = [g for g in results.details("unchanged", "cairn", "store_growth") if g is not None]
+    since = results.details("unchanged", "cairn", "unchanged_since")
+    if growth:
+        said = sum(1 for s in since if s is not None)
+        out.append({"target": "unchanged workspace: nothing uploaded", "limit": "0 B and unchanged_since",
+                    "value": max(growth), "pass": max(growth) == 0 and said == len(since),
+                    "note": f"worst repeat's blob dir growth; unchanged_since in {said} of {len(since)} repeats"})
+    else:
+        out.append({"target": "unchanged workspace: nothing uploaded", "limit": "0 B and unchanged_since",
+                    "value": None, "pass": None, "note": why})
+
+    value, why_not = excluding_upload(results, "incremental")
+    out.append(seconds_row("incremental checkpoint wall excluding upload", INCREMENTAL_EXCLUDING_UPLOAD_TARGET_S,
+                           value, why_not or "median of wall - upload_wait_ms"))
+
+    rss = [r for r in results.details("full", "cairn", "maxrss_kib") if r is not None]
+    worst = max(rss) * 1024 if rss else None
+    out.append({"target": "peak runner memory during the full checkpoint",
+                "limit": f"<= {human_bytes(FULL_PEAK_RSS_TARGET)}", "value": worst,
+                "pass": None if worst is None else worst <= FULL_PEAK_RSS_TARGET,
+                "note": "worst repeat's ru_maxrss" if rss else "not measured"})
+
+    name = "4x workspace: incremental wall excluding upload vs 1x"
+    limit = f"< {LARGE_INCREMENTAL_FACTOR:g} x"
+    if "incremental-4x" not in results.data:
+        out.append({"target": name, "limit": limit, "value": None, "pass": None, "note": "4x workspace skipped"})
+        out.append({"target": "4x workspace: incremental uploaded bytes", "limit": f"<= {INCREMENTAL_BYTES_TARGET} B",
+                    "value": None, "pass": None, "note": "4x workspace skipped"})
+        return out
+    large, why_large = excluding_upload(results, "incremental-4x")
+    small, why_small = excluding_upload(results, "incremental")
+    restic_large, restic_small = results.median("incremental-4x", "restic"), results.median("incremental", "restic")
+    restic_note = (f"restic incremental 4x/1x = {restic_large / restic_small:.2f} x "
+                   f"({restic_large:.2f} s vs {restic_small:.2f} s; restic grows with the tree)"
+                   if restic_large is not None and restic_small else "restic not measured")
+    if large is None or small is None or small <= 0:
+        out.append({"target": name, "limit": limit, "value": None, "pass": None,
+                    "note": (why_large or why_small or "1x value is not positive") + "; " + restic_note})
+    else:
+        value = large / small
+        out.append({"target": name, "limit": limit, "value": round(value, 4), "pass": value < LARGE_INCREMENTAL_FACTOR,
+                    "note": f"cairn {large:.3f} s vs {small:.3f} s; {restic_note}"})
+    worst = results.worst_bytes("incremental-4x", "cairn")
+    out.append({"target": "4x workspace: incremental uploaded bytes", "limit": f"<= {INCREMENTAL_BYTES_TARGET} B",
+                "value": worst, "pass": None if worst is None else worst <= INCREMENTAL_BYTES_TARGET,
+                "note": "worst repeat"})
     return out
 
 
@@ -483,10 +718,24 @@ def targets_table(rows):
     lines = ["| target | limit | cairn | result | |", "|---|---|---|---|---|"]
     for r in rows:
         verdict = "SKIP" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-        value = "n/a" if r["value"] is None else (
+        value = "n/a" if r["value"] is None else r.get("shown") or (
             f"{r['value']:.3f} x" if isinstance(r["value"], float) else human_bytes(r["value"]))
         lines.append(f"| {r['target']} | {r['limit']} | {value} | {verdict} | {r['note']} |")
     return "\n".join(lines)
+
+
+def build_workspace(root, flags):
+    """make_workspace.py ROOT FLAGS, then the racy-timestamp guard; returns (files, dirs, bytes)."""
+    log(f"building the workspace in {root}")
+    run([sys.executable, MAKE_WORKSPACE, root] + flags)
+    files, dirs = count_entries(root)
+    size = tree_bytes(root)
+    log(f"workspace: {files} files, {dirs} directories, {human_bytes(size)}")
+    # The runner does not trust the fingerprint of a file changed within 2 s
+    # of its scan (racy timestamps). An agent's workspace is older than that;
+    # one generated a moment ago is not, and would be re-read next time.
+    time.sleep(RACY_GUARD_S)
+    return files, dirs, size
 
 
 def main():
@@ -495,6 +744,12 @@ def main():
     ap.add_argument("--ignored", type=int, help="ignored files (make_workspace.py default when omitted)")
     ap.add_argument("--transcript-mb", type=int, help="transcript size (make_workspace.py default when omitted)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of every measurement (default 3)")
+    ap.add_argument("--large-files", type=int, default=LARGE_FILES,
+                    help=f"tracked files of the 4x workspace (default {LARGE_FILES})")
+    ap.add_argument("--large-ignored", type=int, default=LARGE_IGNORED,
+                    help=f"ignored files of the 4x workspace (default {LARGE_IGNORED})")
+    ap.add_argument("--large-repeat", type=int, help="repeats on the 4x workspace (default --repeat)")
+    ap.add_argument("--no-large", action="store_true", help="skip the 4x workspace")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     ap.add_argument("--bin-dir", default=os.path.join(REPO, "target", "release"),
                     help="where the cairn binaries are (default target/release)")
@@ -503,6 +758,10 @@ def main():
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.large_repeat is None:
+        args.large_repeat = args.repeat
+    if args.large_repeat < 1:
+        ap.error("--large-repeat must be at least 1")
 
     bins = binaries(args.bin_dir)
     for path in [MAKE_WORKSPACE, BASELINES]:
@@ -512,31 +771,48 @@ def main():
     if not have_restic:
         log("restic is not installed (Debian: apt-get install restic): its rows and the "
             "incremental-vs-restic target are skipped")
+    have_if_changed = runner_has_if_changed(bins)
+    if not have_if_changed:
+        log(f"{bins['cairn-runner']} checkpoint has no --if-changed: the unchanged row is n/a")
 
     work = args.workdir or tempfile.mkdtemp(prefix="cairn-bench-")
     os.makedirs(work, exist_ok=True)
     workspace_root = os.path.join(work, "workspace")
-    gen = [sys.executable, MAKE_WORKSPACE, workspace_root]
+    flags = []
     for flag, value in [("--files", args.files), ("--ignored", args.ignored), ("--transcript-mb", args.transcript_mb)]:
         if value is not None:
-            gen += [flag, str(value)]
-    log(f"building the workspace in {workspace_root}")
-    run(gen)
-    files, dirs = count_entries(workspace_root)
-    size = tree_bytes(workspace_root)
-    log(f"workspace: {files} files, {dirs} directories, {human_bytes(size)}")
-    # The runner does not trust the fingerprint of a file changed within 2 s
-    # of its scan (racy timestamps). An agent's workspace is older than that;
-    # one generated a moment ago is not, and would be re-read next time.
-    time.sleep(RACY_GUARD_S)
+            flags += [flag, str(value)]
+    large_root = os.path.join(work, "workspace-4x")
+    large_flags = ["--files", str(args.large_files), "--ignored", str(args.large_ignored)]
+    if args.transcript_mb is not None:
+        large_flags += ["--transcript-mb", str(args.transcript_mb)]
+    large = None
 
-    results = Results()
+    results = Results([s for s in STEPS if not (args.no_large and s in LARGE_STEPS)])
+    for method, why in [
+            ("tar-gz", "no change detection: every checkpoint archives the whole workspace (its incremental row)"),
+            ("parts", "no change detection: every checkpoint rewrites its bundle, diff and archives "
+                      "(its incremental row)"),
+            ("restic", "no skip: `restic backup` rescans the tree and writes a snapshot (its incremental row)")]:
+        results.na("unchanged", method, why)
+    if not args.no_large:
+        results.na("full-4x", "parts", "not measured on the 4x workspace")
+        results.na("incremental-4x", "parts", "not measured on the 4x workspace")
+        results.na("incremental-4x", "tar-gz", "as its full-4x: tar-gz archives the whole workspace again")
     if not have_restic:
-        for step in STEPS:
+        for step in results.steps:
             results.na(step, "restic", "restic not installed")
     try:
+        files, dirs, size = build_workspace(workspace_root, flags)
         for i in range(args.repeat):
-            one_repeat(i, args, bins, work, workspace_root, results, have_restic)
+            one_repeat(i, args, bins, work, workspace_root, results, have_restic, have_if_changed)
+        if not args.no_large:
+            large = build_workspace(large_root, large_flags)
+            for i in range(args.large_repeat):
+                one_large_repeat(i, args, bins, work, large_root, results, have_restic)
+            if not args.keep:
+                shutil.rmtree(large_root, ignore_errors=True)
+                shutil.rmtree(large_root + ".remote.git", ignore_errors=True)
     except BenchError as e:
         sys.exit(f"benchmark failed: {e}")
     finally:
@@ -545,14 +821,21 @@ def main():
 
     rows = targets(results)
     print(f"Workspace: {files} files, {dirs} directories, {human_bytes(size)}; "
-          f"{args.repeat} repeat(s); page caches warm (they cannot be dropped here).\n")
+          f"{args.repeat} repeat(s); page caches warm (they cannot be dropped here).")
+    if large:
+        print(f"4x workspace (full-4x, incremental-4x): {large[0]} files, {large[1]} directories, "
+              f"{human_bytes(large[2])}; {args.large_repeat} repeat(s).")
+    print()
     print(table(results))
     print()
     print(targets_table(rows))
     if args.json:
         doc = {
             "workspace": {"files": files, "directories": dirs, "bytes": size,
-                          "make_workspace_flags": gen[3:]},
+                          "make_workspace_flags": flags},
+            "large_workspace": None if not large else {
+                "files": large[0], "directories": large[1], "bytes": large[2],
+                "make_workspace_flags": large_flags, "repeat": args.large_repeat},
             "repeat": args.repeat,
             "results": results.data,
             "not_applicable": {f"{s}/{m}": why for (s, m), why in results.not_applicable.items()},

@@ -89,12 +89,44 @@ pub struct WorkspaceArgs {
     /// Leave out paths matching this gitignore-style pattern (repeatable).
     #[arg(long = "exclude", value_name = "PATTERN")]
     pub excludes: Vec<String>,
+
+    #[command(flatten)]
+    pub limits: LimitArgs,
 }
 
 impl WorkspaceArgs {
     /// The cache directory, defaulted.
     pub fn cache_dir(&self) -> PathBuf {
         self.cache_dir.clone().unwrap_or_else(default_cache_dir)
+    }
+
+    pub fn limits(&self) -> crate::checkpoint::Limits {
+        self.limits.limits()
+    }
+}
+
+/// Limits on what one checkpoint holds. Files inside `.git` directories and
+/// the conversations under `.cairn/state` are always kept and not counted.
+#[derive(Debug, Clone, Args)]
+pub struct LimitArgs {
+    /// Leave out any file larger than SIZE (e.g. 512MiB, 2GB), with a
+    /// warning on the checkpoint naming it. Default: no limit.
+    #[arg(long, env = "CAIRN_MAX_FILE_SIZE", value_name = "SIZE", value_parser = crate::restore::parse_size)]
+    pub max_file_size: Option<u64>,
+
+    /// Keep at most SIZE of file contents per checkpoint; above it the
+    /// largest files are left out until the rest fits, each with a warning
+    /// on the checkpoint. Default: no limit.
+    #[arg(long, env = "CAIRN_MAX_TOTAL_SIZE", value_name = "SIZE", value_parser = crate::restore::parse_size)]
+    pub max_total_size: Option<u64>,
+}
+
+impl LimitArgs {
+    pub fn limits(&self) -> crate::checkpoint::Limits {
+        crate::checkpoint::Limits {
+            max_file_bytes: self.max_file_size,
+            max_total_bytes: self.max_total_size,
+        }
     }
 }
 
@@ -110,9 +142,16 @@ pub struct CheckpointArgs {
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
 
-    /// The control socket of a `cairn-runner watch` of this workspace; when
-    /// one answers there, it cuts the checkpoint. Default: the socket a
-    /// watcher of this root and cache directory would use, if it exists.
+    /// Cut the checkpoint only if the workspace differs from its newest
+    /// checkpoint; otherwise say which checkpoint still holds it and commit
+    /// nothing (exit status 0).
+    #[arg(long)]
+    pub if_changed: bool,
+
+    /// The control socket of a resident runner of this workspace (`cairn-runner
+    /// watch`, or the `cairn-runner run` of this sandbox); when one answers
+    /// there, it cuts the checkpoint. Default: the socket a resident runner of
+    /// this root and cache directory would use, if it exists.
     #[arg(long, env = "CAIRN_CONTROL_SOCKET")]
     pub socket: Option<PathBuf>,
 }
@@ -221,6 +260,15 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub pack_cache: PackCacheArgs,
+
+    #[command(flatten)]
+    pub limits: LimitArgs,
+
+    /// Where the agent's `cairn-runner checkpoint` asks this runner for a
+    /// checkpoint (told to the agent as CAIRN_CONTROL_SOCKET; default:
+    /// derived from the root and the cache directory).
+    #[arg(long = "socket", env = "CAIRN_CONTROL_SOCKET")]
+    pub control_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]

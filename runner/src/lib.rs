@@ -20,6 +20,8 @@
 //! - [`checkpoint`]: cutting, sealing, uploading and committing a checkpoint.
 //! - [`watch`]: `cairn-runner watch`, a resident checkpointer (interval
 //!   checkpoints when changed, and `cairn-runner checkpoint` through its socket).
+//! - [`socket`]: the control socket through which `cairn-runner checkpoint`
+//!   asks a resident runner (`watch`, or `run` in a sandbox) for a checkpoint.
 //! - [`host`]: the host agent `cairn-host` (sandboxes, drivers, heartbeats).
 //! - [`run`]: `cairn-runner run`, one attempt of a run inside its sandbox:
 //!   restore, harness turns, checkpoints, reports.
@@ -41,6 +43,7 @@ pub mod host;
 pub mod restore;
 pub mod run;
 pub mod scan;
+pub mod socket;
 pub mod tracker;
 pub mod transfer;
 pub mod watch;

@@ -116,8 +116,9 @@ pub struct Scan {
     pub root: PathBuf,
     /// When the walk began; files changed after it are not trusted for caching.
     pub started: SystemTime,
-    /// Every directory, sorted by path bytes (the root first).
-    pub dirs: Vec<ScannedDir>,
+    /// Every directory, sorted by path bytes (the root first). Shared: a
+    /// partial rescan takes unchanged listings from the walk before it.
+    pub dirs: Vec<Arc<ScannedDir>>,
     /// What was skipped or could not be read, one sentence each.
     pub warnings: Vec<String>,
 }
@@ -280,7 +281,7 @@ struct Reuse<'a> {
 
 impl Reuse<'_> {
     /// The previous listing of `rel`, if it may be used as it is.
-    fn listing(&self, rel: &[u8]) -> Option<&ScannedDir> {
+    fn listing(&self, rel: &[u8]) -> Option<&Arc<ScannedDir>> {
         if self.dirty.contains(rel) {
             return None;
         }
@@ -295,7 +296,7 @@ impl Reuse<'_> {
     }
 
     /// The previous listings of `rel` and everything below it.
-    fn subtree(&self, rel: &[u8]) -> impl Iterator<Item = &ScannedDir> {
+    fn subtree(&self, rel: &[u8]) -> impl Iterator<Item = &Arc<ScannedDir>> {
         let dirs = &self.previous.dirs;
         let start = dirs.partition_point(|d| d.path[..] < *rel);
         let mut below = rel.to_vec();
@@ -368,6 +369,13 @@ fn walk_root(
     })
 }
 
+/// Announces every repository of `scan`, as its walk did.
+pub fn announce_repos(scan: &Scan, on_repo: &(dyn Fn(RepoFound) + Sync)) {
+    for dir in &scan.dirs {
+        announce_repo(&scan.root, dir, on_repo);
+    }
+}
+
 /// Announces `dir` if it is a repository taken from an earlier scan (a
 /// directory holding `.git`, not itself inside a `.git` directory).
 fn announce_repo(root: &Path, dir: &ScannedDir, on_repo: &(dyn Fn(RepoFound) + Sync)) {
@@ -386,7 +394,7 @@ struct Walk<'a> {
     excludes: Option<Gitignore>,
     on_repo: &'a (dyn Fn(RepoFound) + Sync),
     reuse: Option<&'a Reuse<'a>>,
-    dirs: Mutex<Vec<ScannedDir>>,
+    dirs: Mutex<Vec<Arc<ScannedDir>>>,
     warnings: Mutex<Vec<String>>,
 }
 
@@ -434,10 +442,13 @@ impl<'a> Walk<'a> {
                     "cannot list directory {}: {e}; its contents are not in the checkpoint",
                     display_rel(&rel)
                 ));
-                self.dirs.lock().expect("dirs lock").push(ScannedDir {
-                    path: rel,
-                    nodes: Vec::new(),
-                });
+                self.dirs
+                    .lock()
+                    .expect("dirs lock")
+                    .push(Arc::new(ScannedDir {
+                        path: rel,
+                        nodes: Vec::new(),
+                    }));
                 return;
             }
         };
@@ -567,7 +578,7 @@ impl<'a> Walk<'a> {
         self.dirs
             .lock()
             .expect("dirs lock")
-            .push(ScannedDir { path: rel, nodes });
+            .push(Arc::new(ScannedDir { path: rel, nodes }));
     }
 
     /// Walks the child directory `name` of `rel`, or, in a partial rescan

@@ -146,6 +146,11 @@ impl ChangeTracker {
             Some(_) => None,
         };
         let (scan, kind, full_at) = match (full_reason, previous) {
+            (None, Some((previous, _))) if dirty.is_empty() => {
+                // Nothing changed: the same walk again, shared, not rebuilt.
+                scan::announce_repos(&previous, on_repo);
+                return Ok((previous, ScanKind::Partial { dirty: 0 }));
+            }
             (None, Some((previous, full_at))) => {
                 let scan = scan::rescan(opts, &previous, &dirty, on_repo)?;
                 let kind = ScanKind::Partial { dirty: dirty.len() };

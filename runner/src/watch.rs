@@ -5,67 +5,25 @@
 //! cuts checkpoints on two triggers:
 //! - every `--interval`, only when something changed since the last one
 //!   (an unchanged workspace makes no new checkpoint);
-//! - whenever `cairn-runner checkpoint` asks through the control socket,
-//!   a Unix socket (mode 0600) next to the fingerprint cache.
-//!
-//! The protocol on the socket is one JSON line each way:
-//!
-//! ```text
-//! → {"workspace": "<id or name>", "reason": "manual"}
-//! ← {"report": <the JSON of `cairn-runner checkpoint --output json`>, "summary": "<text>"}
-//! ← {"error": "<why the checkpoint failed>"}
-//! ```
+//! - whenever `cairn-runner checkpoint` asks through the control socket
+//!   ([`crate::socket`]).
 //!
 //! Checkpoints never overlap: the triggers queue on one lock.
 
 use std::future::Future;
-use std::io;
-use std::os::unix::fs::PermissionsExt as _;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cairn_proto::domain::CheckpointReason;
-use cairn_proto::ids::BlobId;
-use cairn_proto::pb;
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::Mutex;
 
 use crate::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport, Resident};
-use crate::cli::{CheckpointArgs, OutputFormat, WatchArgs};
-use crate::client::Coordinator;
+use crate::cli::WatchArgs;
 use crate::scan;
+use crate::socket::{self, Request, Response, Unchanged};
 use crate::tracker::ChangeTracker;
-
-/// Longest request line accepted on the control socket.
-const MAX_REQUEST: u64 = 4096;
-
-/// The control socket a watcher of `root` (canonical) with `cache_dir` uses
-/// unless told otherwise, so `cairn-runner checkpoint` finds it.
-pub fn default_socket(cache_dir: &Path, root: &Path) -> PathBuf {
-    let digest = Sha256::digest(root.as_os_str().as_encoded_bytes());
-    cache_dir.join(format!("watch-{}.sock", &hex::encode(digest)[..16]))
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Request {
-    workspace: String,
-    reason: String,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Response {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    report: Option<serde_json::Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    summary: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-}
 
 /// Cuts the watched workspace's checkpoints, one at a time.
 #[derive(Debug)]
@@ -112,36 +70,37 @@ impl Checkpointer {
         Ok(report)
     }
 
-    async fn answer(&self, request: &str) -> Response {
-        let failed = |error: String| Response {
-            report: None,
-            summary: None,
-            error: Some(error),
-        };
-        let request: Request = match serde_json::from_str(request) {
+    async fn answer(&self, request: Result<Request, String>) -> Response {
+        let started = Instant::now();
+        let request = match request {
             Ok(request) => request,
-            Err(e) => return failed(format!("unreadable request: {e}")),
+            Err(e) => return Response::failed(e),
         };
         if request.workspace != self.options.workspace {
-            return failed(format!(
+            return Response::failed(format!(
                 "this watcher checkpoints workspace {}, not {}",
                 self.options.workspace, request.workspace
             ));
         }
         let reason = match request.reason.parse::<CheckpointReason>() {
             Ok(reason) => reason,
-            Err(e) => return failed(e.to_string()),
+            Err(e) => return Response::failed(e.to_string()),
         };
-        match self.checkpoint(reason, false).await {
-            Ok(Some(report)) => Response {
-                summary: Some(checkpoint::summary(&report)),
-                report: serde_json::to_value(&report).ok(),
-                error: None,
-            },
-            Ok(None) => unreachable!("a requested checkpoint is always cut"),
+        match self.checkpoint(reason, request.if_changed).await {
+            Ok(Some(report)) => Response::committed(&report),
+            Ok(None) => Response::unchanged(Unchanged {
+                unchanged_since: self
+                    .baseline
+                    .lock()
+                    .await
+                    .as_ref()
+                    .map(|b| b.checkpoint_id.clone())
+                    .unwrap_or_default(),
+                duration_ms: started.elapsed().as_millis() as u64,
+            }),
             Err(e) => {
                 tracing::warn!(error = %e, "a requested checkpoint failed");
-                failed(checkpoint::one_line(&e))
+                Response::failed(checkpoint::one_line(&e))
             }
         }
     }
@@ -173,7 +132,10 @@ pub async fn serve(
                 Ok((stream, _)) => {
                     let checkpointer = checkpointer.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = handle(stream, &checkpointer).await {
+                        let answered = socket::serve_connection(stream, |request| async move {
+                            checkpointer.answer(request).await
+                        });
+                        if let Err(e) = answered.await {
                             tracing::debug!(error = %e, "a control connection ended early");
                         }
                     });
@@ -184,26 +146,13 @@ pub async fn serve(
     }
 }
 
-async fn handle(stream: UnixStream, checkpointer: &Checkpointer) -> io::Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut line = String::new();
-    tokio::io::AsyncReadExt::take(BufReader::new(read), MAX_REQUEST)
-        .read_line(&mut line)
-        .await?;
-    let response = checkpointer.answer(line.trim()).await;
-    let mut bytes = serde_json::to_vec(&response).map_err(io::Error::other)?;
-    bytes.push(b'\n');
-    write.write_all(&bytes).await?;
-    write.shutdown().await
-}
-
 /// `cairn-runner watch`.
 pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     let root = scan::resolve_root(&args.target.root)?;
     let mut options = CheckpointOptions::from_args(args.target, CheckpointReason::Manual);
     let socket = args
         .socket
-        .unwrap_or_else(|| default_socket(&options.cache_dir, &root));
+        .unwrap_or_else(|| socket::default_socket(&options.cache_dir, &root));
     std::fs::create_dir_all(&options.cache_dir).with_context(|| {
         format!(
             "creating the cache directory {}",
@@ -228,8 +177,8 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     .context("starting the change tracker")??;
     let resident = Arc::new(Resident::new(Some(tracker)));
     options.resident = Some(resident.clone());
-    let baseline = newest_checkpoint(&options).await?;
-    let listener = bind(&socket)?;
+    let baseline = checkpoint::newest_checkpoint(&options).await?;
+    let listener = socket::bind(&socket)?;
     let checkpointer = Arc::new(Checkpointer::new(options, baseline));
     tracing::info!(
         root = %root.display(),
@@ -242,60 +191,6 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     resident.flush().await;
     tracing::info!("watcher stopped");
     Ok(())
-}
-
-/// The workspace's newest checkpoint, which the first interval checkpoint
-/// is compared with (None: it has none, so the first one is cut).
-async fn newest_checkpoint(options: &CheckpointOptions) -> anyhow::Result<Option<Baseline>> {
-    let workspace = &options.workspace;
-    let coordinator = Coordinator::connect(&options.coordinator, options.token.as_deref()).await?;
-    let listed = coordinator
-        .checkpoints
-        .clone()
-        .list_checkpoints(pb::ListCheckpointsRequest {
-            workspace: workspace.clone(),
-            page_size: 1,
-            page_token: String::new(),
-        })
-        .await
-        .map_err(|status| {
-            anyhow::anyhow!(
-                "listing the checkpoints of {workspace}: {}",
-                status.message()
-            )
-        })?
-        .into_inner();
-    Ok(listed.checkpoints.into_iter().next().and_then(|newest| {
-        Some(Baseline {
-            root_tree: BlobId::from_slice(&newest.root_tree).ok()?,
-            checkpoint_id: newest.id,
-        })
-    }))
-}
-
-/// Binds the control socket (mode 0600), replacing a stale one; refuses
-/// when another watcher answers there.
-fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating the directory of {}", socket.display()))?;
-    }
-    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
-        anyhow::bail!(
-            "another watcher already listens at {}; stop it first",
-            socket.display()
-        );
-    }
-    match std::fs::remove_file(socket) {
-        Ok(()) => tracing::info!(socket = %socket.display(), "removed a stale control socket"),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("removing {}", socket.display())),
-    }
-    let listener =
-        UnixListener::bind(socket).with_context(|| format!("listening at {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("making {} private", socket.display()))?;
-    Ok(listener)
 }
 
 async fn shutdown_signal() {
@@ -311,63 +206,4 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-}
-
-/// The socket `cairn-runner checkpoint` should ask, if any: the one named
-/// by `--socket`, else the default one when a file is there.
-pub fn socket_for(args: &CheckpointArgs) -> Option<(PathBuf, bool)> {
-    if let Some(socket) = &args.socket {
-        return Some((socket.clone(), true));
-    }
-    let root = scan::resolve_root(&args.target.root).ok()?;
-    let socket = default_socket(&args.target.cache_dir(), &root);
-    socket.exists().then_some((socket, false))
-}
-
-/// Asks the watcher at `socket` for a checkpoint and prints its answer as
-/// `cairn-runner checkpoint` would. `Ok(false)`: nobody answered there.
-pub async fn ask(socket: &Path, args: &CheckpointArgs) -> anyhow::Result<bool> {
-    let stream = match UnixStream::connect(socket).await {
-        Ok(stream) => stream,
-        Err(e)
-            if matches!(
-                e.kind(),
-                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
-            ) =>
-        {
-            return Ok(false);
-        }
-        Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
-    };
-    let (read, mut write) = stream.into_split();
-    let mut request = serde_json::to_vec(&Request {
-        workspace: args.target.workspace.clone(),
-        reason: args.reason.clone(),
-    })?;
-    request.push(b'\n');
-    write.write_all(&request).await?;
-    let mut line = String::new();
-    BufReader::new(read).read_line(&mut line).await?;
-    let response: Response = serde_json::from_str(line.trim()).with_context(|| {
-        format!(
-            "the watcher at {} gave an unreadable answer",
-            socket.display()
-        )
-    })?;
-    if let Some(error) = response.error {
-        anyhow::bail!("{error}");
-    }
-    let report = response
-        .report
-        .with_context(|| format!("the watcher at {} sent no report", socket.display()))?;
-    match args.output {
-        OutputFormat::Json => println!("{report}"),
-        OutputFormat::Text => {
-            println!("{}", response.summary.unwrap_or_default());
-            for warning in report["warnings"].as_array().into_iter().flatten() {
-                eprintln!("warning: {}", warning.as_str().unwrap_or_default());
-            }
-        }
-    }
-    Ok(true)
 }

@@ -58,6 +58,7 @@ async fn only_a_changed_workspace_is_committed() {
         excludes: vec![],
         generation: 0,
         harness: None,
+        limits: Default::default(),
         resident: None,
     };
     let first = checkpoint::checkpoint(opts.clone()).await.unwrap();

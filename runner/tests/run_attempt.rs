@@ -18,6 +18,7 @@ use sha2::Digest as _;
 use tokio_util::sync::CancellationToken;
 
 const DEMO: &str = env!("CARGO_BIN_EXE_cairn-demo-agent");
+const RUNNER: &str = env!("CARGO_BIN_EXE_cairn-runner");
 
 impl Harnessed {
     /// A sandbox for the `claude` adapter, with its credentials at ~/.claude.
@@ -337,6 +338,59 @@ async fn periodic_checkpoints_are_cut_only_when_something_changed() {
         "unchanged intervals were skipped"
     );
     assert_eq!(committed.last().unwrap().reason, CheckpointReason::End);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_asks_the_runner_for_checkpoints_through_its_socket() {
+    let h = Harnessed::claude_sandbox();
+    let answers = h.root.with_file_name("asked.json");
+    let prompt = format!(
+        "edit a.txt one\n\
+         run {RUNNER} checkpoint --output json > {answers}\n\
+         run {RUNNER} checkpoint --if-changed\n\
+         run {RUNNER} checkpoint --workspace someone-else",
+        answers = answers.display()
+    );
+    h.next(h.attempt(1, &prompt, h.claude()));
+
+    assert_eq!(h.run_to_end().await, Finished::Succeeded);
+    let committed = h.store.committed();
+    assert_eq!(
+        committed.iter().map(|s| s.reason).collect::<Vec<_>>(),
+        [CheckpointReason::Manual, CheckpointReason::End],
+        "the agent's checkpoint, then the run's own; the unchanged one commits nothing"
+    );
+    assert!(
+        committed[0].files.contains_key("a.txt"),
+        "cut after the edit"
+    );
+    let asked: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&answers).unwrap()).unwrap();
+    assert_eq!(asked["checkpoint_id"], committed[0].id.as_str(), "{asked}");
+    assert_eq!(asked["reason"], "manual", "{asked}");
+    assert!(
+        h.fake.progress(AttemptPhase::Checkpointed).iter().any(
+            |c| matches!(c, Call::Progress { checkpoint, .. } if *checkpoint == committed[0].id)
+        ),
+        "the run's timeline shows the agent's checkpoint"
+    );
+    let summary = h.fake.outcome().summary;
+    assert!(
+        summary.contains(&format!(
+            "unchanged since checkpoint {}: nothing committed",
+            committed[0].id
+        )),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("which exited with status 1")
+            && summary.contains("this run checkpoints workspace ws-1, not someone-else"),
+        "another workspace is refused, naming both: {summary}"
+    );
+    assert!(
+        !h.control_socket().exists(),
+        "the socket is gone with the attempt"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,8 @@
 //! demo (`cairnctl demo`). Issue 4: fork (`cairnctl workspace fork`, the
 //! conversation forked), chats, stations (handover between stations: notes,
 //! briefing, leftovers cleared, fast-forward). Issue 5: restore_speed (the
-//! host's pack cache, warm and tampered; restore onto a baked older copy).
+//! host's pack cache, warm and tampered; restore onto a baked older copy),
+//! limits (per-checkpoint size limits, `--if-changed`), watch.
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -28,6 +29,7 @@ mod fork;
 mod hostile;
 mod hosts;
 mod incremental;
+mod limits;
 mod partial;
 mod restore_speed;
 mod runs;

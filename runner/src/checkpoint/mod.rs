@@ -30,6 +30,7 @@
 //! is already in the store), and the commit is skipped.
 
 mod content;
+pub mod limits;
 mod remote;
 mod resident;
 mod treebases;
@@ -63,6 +64,7 @@ use crate::git::{self, RepoState};
 use crate::scan::{self, Scan, ScanError, ScanOptions, join_rel};
 use crate::tracker::ScanKind;
 
+pub use self::limits::Limits;
 pub use self::resident::Resident;
 use crate::transfer::TransferError;
 
@@ -89,6 +91,8 @@ pub struct CheckpointOptions {
     pub generation: u64,
     /// The harness session the checkpoint belongs to, if any.
     pub harness: Option<pb::HarnessSession>,
+    /// What one checkpoint may hold; files above are left out, with warnings.
+    pub limits: Limits,
     /// What a resident runner keeps between checkpoints (None: every
     /// checkpoint walks the whole workspace and loads the cache from disk).
     pub resident: Option<Arc<Resident>>,
@@ -98,6 +102,7 @@ impl CheckpointOptions {
     /// The options of `cairn-runner checkpoint` and `watch`: at the
     /// workspace's current generation, outside any run.
     pub fn from_args(args: WorkspaceArgs, reason: CheckpointReason) -> Self {
+        let limits = args.limits();
         Self {
             cache_dir: args.cache_dir(),
             coordinator: args.coordinator.coordinator,
@@ -109,6 +114,7 @@ impl CheckpointOptions {
             excludes: args.excludes,
             generation: 0,
             harness: None,
+            limits,
             resident: None,
         }
     }
@@ -143,6 +149,9 @@ pub struct Stats {
     pub uploaded_bytes: u64,
     pub packs_uploaded: u32,
     pub duration_ms: u64,
+    /// The part of `duration_ms` spent waiting for uploads to finish (all
+    /// upload slots busy, or the last packs still on their way).
+    pub upload_wait_ms: u64,
 }
 
 impl From<&Stats> for pb::CheckpointStats {
@@ -345,6 +354,42 @@ async fn run(
     let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
     let ms = || started.elapsed().as_millis() as u64;
     tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
+
+    let scan_options = opts.scan_options(root, &cache_dir);
+    let resident = opts.resident.clone();
+    let (scanned, inspector) = blocking(move || {
+        let inspector = git::Inspector::start();
+        let on_repo = |found| inspector.submit(found);
+        let scanned = match resident.as_ref().and_then(|r| r.tracker()) {
+            Some(tracker) => tracker.scan(&scan_options, &on_repo),
+            None => scan::scan(&scan_options, &on_repo).map(|scan| {
+                let kind = ScanKind::Full {
+                    reason: "no change tracker".into(),
+                };
+                (Arc::new(scan), kind)
+            }),
+        };
+        (scanned, inspector)
+    })
+    .await?;
+    let (walked, scan_kind) = scanned?;
+    tracing::debug!(
+        files = walked.file_count(),
+        directories = walked.dirs.len(),
+        walk = ?scan_kind,
+        elapsed_ms = ms(),
+        "workspace scanned"
+    );
+    if let (Some(baseline), Some(resident)) = (baseline, &opts.resident)
+        && baseline.checkpoint_id == session.parent
+        && resident.cut_from(baseline, &walked)
+    {
+        // The very walk the newest checkpoint was cut from: nothing to read.
+        tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
+        drop(inspector);
+        return Ok(None);
+    }
+
     let mut cache = match &opts.resident {
         Some(resident) => {
             resident
@@ -365,32 +410,7 @@ async fn run(
     );
     let cache = Arc::new(cache);
     let keys = session.keys.clone();
-
-    let scan_options = opts.scan_options(root, &cache_dir);
-    let resident = opts.resident.clone();
-    let (scanned, inspector) = blocking(move || {
-        let inspector = git::Inspector::start();
-        let on_repo = |found| inspector.submit(found);
-        let scanned = match resident.as_ref().and_then(|r| r.tracker()) {
-            Some(tracker) => tracker.scan(&scan_options, &on_repo),
-            None => scan::scan(&scan_options, &on_repo).map(|scan| {
-                let kind = ScanKind::Full {
-                    reason: "no change tracker".into(),
-                };
-                (Arc::new(scan), kind)
-            }),
-        };
-        (scanned, inspector)
-    })
-    .await?;
-    let (scan, scan_kind) = scanned?;
-    tracing::debug!(
-        files = scan.file_count(),
-        directories = scan.dirs.len(),
-        walk = ?scan_kind,
-        elapsed_ms = ms(),
-        "workspace scanned"
-    );
+    let (scan, limit_warnings) = limits::apply(walked.clone(), &opts.limits);
 
     let mut store = Store::new(&session, &spool, lost);
 
@@ -445,7 +465,8 @@ async fn run(
         mut stats,
         ..
     } = store;
-    let new_packs = uploader.finish().await?;
+    let (new_packs, upload_wait) = uploader.finish().await?;
+    stats.upload_wait_ms = upload_wait.as_millis() as u64;
     tracing::debug!(
         packs = new_packs.len(),
         elapsed_ms = ms(),
@@ -459,6 +480,12 @@ async fn run(
         && baseline.root_tree == trees.root
     {
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
+        if let Some(resident) = &opts.resident {
+            resident.remember(baseline.clone(), walked.clone());
+            if let Ok(cache) = Arc::try_unwrap(cache) {
+                resident.put_back(cache).await;
+            }
+        }
         return Ok(None);
     }
 
@@ -477,6 +504,7 @@ async fn run(
     let warnings = capped_warnings(
         scan.warnings
             .iter()
+            .chain(&limit_warnings)
             .chain(&content.warnings)
             .chain(&git_warnings)
             .cloned()
@@ -528,6 +556,13 @@ async fn run(
         }
     }
     tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
+    if let Some(resident) = &opts.resident {
+        let baseline = Baseline {
+            checkpoint_id: committed.id.clone(),
+            root_tree: trees.root,
+        };
+        resident.remember(baseline, walked.clone());
+    }
     drop(spool);
     Ok(Some(CheckpointReport {
         checkpoint_id: committed.id,
@@ -730,24 +765,75 @@ impl<'a> Store<'a> {
     }
 }
 
+/// The workspace's newest checkpoint (None: it has none).
+pub async fn newest_checkpoint(
+    options: &CheckpointOptions,
+) -> Result<Option<Baseline>, CheckpointError> {
+    let coordinator = Coordinator::connect(&options.coordinator, options.token.as_deref()).await?;
+    let listed = coordinator
+        .checkpoints
+        .clone()
+        .list_checkpoints(pb::ListCheckpointsRequest {
+            workspace: options.workspace.clone(),
+            page_size: 1,
+            page_token: String::new(),
+        })
+        .await
+        .map_err(|status| match status.code() {
+            Code::NotFound => CheckpointError::WorkspaceNotFound(options.workspace.clone()),
+            _ => CheckpointError::Rpc {
+                call: "ListCheckpoints",
+                status,
+            },
+        })?
+        .into_inner();
+    let Some(newest) = listed.checkpoints.into_iter().next() else {
+        return Ok(None);
+    };
+    let root_tree =
+        BlobId::from_slice(&newest.root_tree).map_err(|e| CheckpointError::BadResponse {
+            call: "ListCheckpoints",
+            reason: format!("checkpoint {} has a malformed root tree: {e}", newest.id),
+        })?;
+    Ok(Some(Baseline {
+        checkpoint_id: newest.id,
+        root_tree,
+    }))
+}
+
 /// `cairn-runner checkpoint`.
 pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
     let reason: CheckpointReason = args.reason.parse()?;
-    if let Some((socket, named)) = crate::watch::socket_for(&args) {
-        if crate::watch::ask(&socket, &args).await? {
+    if let Some((socket, named)) = crate::socket::socket_for(&args) {
+        if crate::socket::ask(&socket, &args).await? {
             return Ok(());
         }
-        anyhow::ensure!(
-            !named,
-            "no `cairn-runner watch` answers at {}",
-            socket.display()
-        );
+        anyhow::ensure!(!named, "no resident runner answers at {}", socket.display());
         tracing::debug!(socket = %socket.display(), "a stale control socket; checkpointing here");
     }
     let opts = CheckpointOptions::from_args(args.target, reason);
-    let report = checkpoint(opts)
-        .await
-        .map_err(|e| anyhow::anyhow!(one_line(&e)))?;
+    let cut = async {
+        if !args.if_changed {
+            return checkpoint(opts).await.map(Ok);
+        }
+        match newest_checkpoint(&opts).await? {
+            Some(newest) => Ok(checkpoint_if_changed(opts, &newest)
+                .await?
+                .ok_or(newest.checkpoint_id)),
+            None => checkpoint(opts).await.map(Ok),
+        }
+    };
+    let report = match cut.await.map_err(|e| anyhow::anyhow!(one_line(&e)))? {
+        Ok(report) => report,
+        Err(unchanged_since) => {
+            let unchanged = crate::socket::Unchanged {
+                unchanged_since,
+                duration_ms: started.elapsed().as_millis() as u64,
+            };
+            return crate::socket::print_unchanged(&unchanged, args.output);
+        }
+    };
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string(&report)?),
         OutputFormat::Text => {

@@ -4,14 +4,20 @@
 //! - the fingerprint cache, in memory: a checkpoint neither loads it first
 //!   (~50k entries take a tenth of a second to decode) nor waits for it to
 //!   be written after the commit. It is still written after every
-//!   checkpoint, in the background, so a restarted runner starts warm.
+//!   checkpoint, in the background, so a restarted runner starts warm;
+//! - the walk its last checkpoint was cut from: while the tracker has seen
+//!   no change since, a "only if changed" checkpoint is settled without
+//!   reading or hashing anything.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use cairn_proto::ids::WorkspaceId;
 use tokio::task::JoinHandle;
 
+use super::Baseline;
 use crate::cache::Cache;
+use crate::scan::Scan;
 use crate::tracker::ChangeTracker;
 
 /// A resident runner's state across checkpoints.
@@ -19,6 +25,8 @@ use crate::tracker::ChangeTracker;
 pub struct Resident {
     tracker: Option<ChangeTracker>,
     cache: tokio::sync::Mutex<Kept>,
+    /// The last checkpoint committed (or found unchanged) and its walk.
+    last_cut: Mutex<Option<(Baseline, Arc<Scan>)>>,
 }
 
 #[derive(Debug, Default)]
@@ -37,7 +45,21 @@ impl Resident {
         Self {
             tracker,
             cache: tokio::sync::Mutex::new(Kept::Nothing),
+            last_cut: Mutex::new(None),
         }
+    }
+
+    /// Whether `baseline` was cut from `scan` itself: the tracker handed
+    /// back the same walk, so nothing changed since.
+    pub fn cut_from(&self, baseline: &Baseline, scan: &Arc<Scan>) -> bool {
+        let last = self.last_cut.lock().expect("last-cut lock");
+        last.as_ref()
+            .is_some_and(|(cut, walk)| cut == baseline && Arc::ptr_eq(walk, scan))
+    }
+
+    /// Remembers that `baseline` holds the workspace as `scan` saw it.
+    pub fn remember(&self, baseline: Baseline, scan: Arc<Scan>) {
+        *self.last_cut.lock().expect("last-cut lock") = Some((baseline, scan));
     }
 
     pub fn tracker(&self) -> Option<&ChangeTracker> {
@@ -46,7 +68,7 @@ impl Resident {
 
     /// The cache of `workspace` under `cache_dir` for tenant key `key_id`:
     /// the one kept from the last checkpoint if it is that one, else loaded
-    /// from disk. Until [`Resident::keep`] or [`Resident::forget`], no other
+    /// from disk. Until [`Resident::keep`] or [`Resident::put_back`], no other
     /// checkpoint gets it.
     pub async fn take_cache(
         &self,
@@ -64,6 +86,11 @@ impl Resident {
             }
             _ => Cache::load(cache_dir, workspace, key_id),
         }
+    }
+
+    /// Gives back a cache taken by a checkpoint that did not commit.
+    pub async fn put_back(&self, cache: Cache) {
+        *self.cache.lock().await = Kept::Ready(cache);
     }
 
     /// Keeps the cache a checkpoint is writing, for the next one.

@@ -203,6 +203,8 @@ pub struct Uploader {
     slots: Arc<Semaphore>,
     tasks: JoinSet<Result<pb::NewPack, CheckpointError>>,
     uploaded: Vec<pb::NewPack>,
+    /// How long the checkpoint waited on uploads (busy slots, the last ones).
+    waited: std::time::Duration,
 }
 
 impl Uploader {
@@ -214,6 +216,7 @@ impl Uploader {
             slots: Arc::new(Semaphore::new(PARALLEL_UPLOADS)),
             tasks: JoinSet::new(),
             uploaded: Vec::new(),
+            waited: std::time::Duration::ZERO,
         }
     }
 
@@ -232,12 +235,14 @@ impl Uploader {
         while let Some(joined) = self.tasks.try_join_next() {
             self.collect(joined)?;
         }
+        let waiting = std::time::Instant::now();
         let slot = self
             .slots
             .clone()
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
+        self.waited += waiting.elapsed();
         let client = self.client.clone();
         let workspace = self.workspace.clone();
         let transfer = self.transfer.clone();
@@ -249,12 +254,16 @@ impl Uploader {
         Ok(())
     }
 
-    /// Waits for every upload; returns the packs uploaded.
-    pub async fn finish(mut self) -> Result<Vec<pb::NewPack>, CheckpointError> {
+    /// Waits for every upload; returns the packs uploaded and how long
+    /// the checkpoint waited on uploads in all.
+    pub async fn finish(
+        mut self,
+    ) -> Result<(Vec<pb::NewPack>, std::time::Duration), CheckpointError> {
+        let waiting = std::time::Instant::now();
         while let Some(joined) = self.tasks.join_next().await {
             self.collect(joined)?;
         }
-        Ok(self.uploaded)
+        Ok((self.uploaded, self.waited + waiting.elapsed()))
     }
 }
 

@@ -8,6 +8,10 @@
 //! recall <word>             say what the FIRST user message of this
 //!                           conversation said about <word>
 //! sleep <secs>              work for a while
+//! run <command>             run a shell command in the working directory,
+//!                           as Claude Code's Bash tool does (its output and
+//!                           exit status go into the summary; a failing
+//!                           command does not end the turn)
 //! fail <message>            end the turn with an error (exit 1)
 //! ```
 //!
@@ -30,6 +34,7 @@ pub enum Directive {
     Ask { question: String },
     Recall { word: String },
     Sleep { secs: f64 },
+    Run { command: String },
     Fail { message: String },
 }
 
@@ -64,6 +69,9 @@ fn parse_line(line: &str) -> Option<Directive> {
             .ok()
             .filter(|s: &f64| s.is_finite() && *s >= 0.0)
             .map(|secs| Directive::Sleep { secs }),
+        "run" if !rest.is_empty() => Some(Directive::Run {
+            command: rest.to_owned(),
+        }),
         "fail" => Some(Directive::Fail {
             message: if rest.is_empty() {
                 "failed on purpose".into()
@@ -116,12 +124,39 @@ pub fn perform(
             std::thread::sleep(Duration::from_secs_f64(*secs));
             Ok(format!("worked for {secs} s"))
         }
+        Directive::Run { command } => run_shell(cwd, command),
         Directive::Fail { message } => return Done::Failed(message.clone()),
     };
     match result {
         Ok(said) => Done::Said(said),
         Err(e) => Done::Failed(e),
     }
+}
+
+/// Runs `command` with `sh -c` in `cwd`; says what it printed and how it
+/// ended. Only a command that cannot be started is an error.
+fn run_shell(cwd: &Path, command: &str) -> Result<String, String> {
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .current_dir(cwd)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    let printed = |bytes: &[u8]| String::from_utf8_lossy(bytes).trim().to_owned();
+    let (stdout, stderr) = (printed(&output.stdout), printed(&output.stderr));
+    let mut said = match output.status.code() {
+        Some(0) => format!("ran {command:?}"),
+        Some(code) => format!("ran {command:?}, which exited with status {code}"),
+        None => format!("ran {command:?}, which was killed by a signal"),
+    };
+    for text in [stdout, stderr] {
+        if !text.is_empty() {
+            said.push_str(": ");
+            said.push_str(&text);
+        }
+    }
+    Ok(said)
 }
 
 /// What `message` says about `word`: the word after it, skipping filler
@@ -265,6 +300,28 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn run_executes_a_shell_command_in_the_working_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let cwd = dir.path();
+        let outcome = cwd.join(".cairn/outcome.json");
+        let done = |line: &str| perform(&parse(line)[0], cwd, "", &outcome);
+        assert_eq!(
+            done("run echo made > made.txt && pwd"),
+            Done::Said(format!(
+                "ran \"echo made > made.txt && pwd\": {}",
+                cwd.display()
+            ))
+        );
+        assert_eq!(fs::read_to_string(cwd.join("made.txt")).unwrap(), "made\n");
+        assert_eq!(
+            done("run echo oops >&2; exit 3"),
+            Done::Said("ran \"echo oops >&2; exit 3\", which exited with status 3: oops".into()),
+            "a failing command is reported, not fatal"
+        );
+        assert!(parse("run").is_empty(), "run needs a command");
     }
 
     #[test]

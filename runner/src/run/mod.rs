@@ -18,6 +18,11 @@
 //!   harness's group, grace, SIGKILL ─► checkpoint (destroy) ─► INTERRUPTED
 //! ```
 //!
+//! While the harness works, the agent may ask for a checkpoint itself
+//! (`cairn-runner checkpoint` in the sandbox): the control socket
+//! ([`requests`]) hands the request to the attempt, which cuts it like its
+//! own, between its other steps.
+//!
 //! Every checkpoint is cut with the attempt's generation, so once a newer
 //! attempt owns the workspace this one's commits are refused; a refusal
 //! like that (or a RunnerService call refused as superseded) stops the
@@ -37,6 +42,7 @@ pub mod laid;
 pub mod messages;
 pub mod outcome;
 pub mod prepare;
+pub mod requests;
 pub mod services;
 pub mod store;
 
@@ -44,20 +50,21 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::Baseline;
+use crate::checkpoint::{self, Baseline};
 use crate::cli::{RunArgs, default_cache_dir};
 use crate::client::{ConnectError, Coordinator};
 use crate::harness::{
     self, Harness, OUTCOME_ENV, RunningTurn, TurnEvent, TurnExit, TurnRequest, spawn_turn,
 };
+use crate::socket::{self as control_socket, Response, Unchanged};
 
 pub use control::{Control, ControlError};
 pub use outcome::Outcome as OutcomeFile;
@@ -78,6 +85,12 @@ pub struct RunOptions {
     pub stop_grace: Duration,
     /// How long one WaitForInput call waits for an answer.
     pub wait_timeout: Duration,
+    /// Where the agent's `cairn-runner checkpoint` reaches this runner
+    /// (None: the agent cannot ask for checkpoints).
+    pub control_socket: Option<PathBuf>,
+    /// The coordinator's address, told to the agent (`CAIRN_COORDINATOR`)
+    /// so that `cairn-runner checkpoint` runs there without flags.
+    pub coordinator: Option<String>,
 }
 
 impl RunOptions {
@@ -86,6 +99,8 @@ impl RunOptions {
             root: root.into(),
             stop_grace: Duration::from_secs(5),
             wait_timeout: Duration::from_secs(60),
+            control_socket: None,
+            coordinator: None,
         }
     }
 }
@@ -184,6 +199,8 @@ pub async fn run(
         cloned: BTreeSet::new(),
         start_heads: handoff::Heads::default(),
         agent_handoff: None,
+        listening: None,
+        requests: None,
     };
     attempt.run().await
 }
@@ -249,6 +266,10 @@ struct Attempt {
     start_heads: handoff::Heads,
     /// The handoff the agent wrote in its latest outcome file.
     agent_handoff: Option<handoff::AgentHandoff>,
+    /// The control socket, once the workspace is ready.
+    listening: Option<requests::Listening>,
+    /// Checkpoints the agent asked for through it.
+    requests: Option<mpsc::Receiver<requests::Asked>>,
 }
 
 impl Attempt {
@@ -266,6 +287,7 @@ impl Attempt {
         if let Err(e) = self.harness.prepare() {
             return self.finish_unstarted(e.to_string()).await;
         }
+        self.listen();
         // Processes are never restored: the workspace's services start anew.
         let shutdown = self.shutdown.clone();
         let (services, started) = tokio::select! {
@@ -280,6 +302,24 @@ impl Attempt {
         let finished = self.converse().await;
         services.stop().await;
         finished
+    }
+
+    /// Opens the control socket, if the runner has one; without it the
+    /// agent's checkpoint requests find nobody (and say so).
+    fn listen(&mut self) {
+        let Some(path) = self.options.control_socket.clone() else {
+            return;
+        };
+        match requests::Listening::start(&path) {
+            Ok((listening, requests)) => {
+                tracing::debug!(socket = %path.display(), "the agent's checkpoint requests are heard here");
+                self.listening = Some(listening);
+                self.requests = Some(requests);
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "no control socket: the agent cannot ask for checkpoints");
+            }
+        }
     }
 
     async fn prepare_workspace(&mut self) -> Result<Prepared, RunError> {
@@ -585,6 +625,21 @@ impl Attempt {
             OUTCOME_ENV.to_owned(),
             outcome_path.to_string_lossy().into_owned(),
         ));
+        // What `cairn-runner checkpoint` in the sandbox needs to reach us.
+        command
+            .env
+            .push(("CAIRN_WORKSPACE".into(), self.spec.workspace_id.clone()));
+        if let Some(listening) = &self.listening {
+            command.env.push((
+                "CAIRN_CONTROL_SOCKET".into(),
+                listening.path().to_string_lossy().into_owned(),
+            ));
+        }
+        if let Some(address) = &self.options.coordinator {
+            command
+                .env
+                .push(("CAIRN_COORDINATOR".into(), address.clone()));
+        }
         let (mut running, mut events) = match spawn_turn(self.harness.clone(), command) {
             Ok(started) => started,
             Err(e) => return Ok(TurnEnd::Failed(e.to_string())),
@@ -661,6 +716,23 @@ impl Attempt {
         turn: &Turn,
         cwd: &Path,
     ) -> Result<Driven, RunError> {
+        // Lent to the loop, which also needs the attempt itself.
+        let mut requests = self.requests.take();
+        let driven = self
+            .drive_with(running, events, &mut requests, turn, cwd)
+            .await;
+        self.requests = requests;
+        driven
+    }
+
+    async fn drive_with(
+        &mut self,
+        running: &mut RunningTurn,
+        events: &mut mpsc::UnboundedReceiver<TurnEvent>,
+        requests: &mut Option<mpsc::Receiver<requests::Asked>>,
+        turn: &Turn,
+        cwd: &Path,
+    ) -> Result<Driven, RunError> {
         let shutdown = self.shutdown.clone();
         let every = self
             .spec
@@ -680,6 +752,76 @@ impl Attempt {
                 Some(event) = events.recv() => self.on_event(event, turn, cwd).await?,
                 exit = running.finished() => return Ok(Driven::Exited(exit)),
                 _ = tick(&mut ticker) => self.interval_checkpoint().await?,
+                Some((request, reply)) = next_request(requests) => {
+                    self.asked_checkpoint(request, reply).await?;
+                }
+            }
+        }
+    }
+
+    /// A checkpoint the agent asked for through the control socket.
+    async fn asked_checkpoint(
+        &mut self,
+        request: control_socket::Request,
+        reply: oneshot::Sender<Response>,
+    ) -> Result<(), RunError> {
+        let started = Instant::now();
+        let answer = |response: Response| {
+            // The agent may have stopped waiting; nothing is lost then.
+            let _ = reply.send(response);
+        };
+        if request.workspace != self.spec.workspace_id {
+            answer(Response::failed(format!(
+                "this run checkpoints workspace {}, not {}",
+                self.spec.workspace_id, request.workspace
+            )));
+            return Ok(());
+        }
+        let reason = match request.reason.parse::<CheckpointReason>() {
+            Ok(reason) => reason,
+            Err(e) => {
+                answer(Response::failed(e.to_string()));
+                return Ok(());
+            }
+        };
+        let checkpoint_request = CheckpointRequest {
+            reason,
+            harness: self.harness_session(),
+            unless_unchanged: request.if_changed.then(|| self.baseline.clone()).flatten(),
+        };
+        let (store, shutdown) = (self.store.clone(), self.shutdown.clone());
+        let result = tokio::select! {
+            result = store.checkpoint(checkpoint_request) => result,
+            _ = shutdown.cancelled() => {
+                answer(Response::failed("the run is stopping; the checkpoint was given up"));
+                return Ok(());
+            }
+        };
+        match result {
+            Ok(Some(checkpoint)) => {
+                self.committed(&checkpoint).await?;
+                answer(Response {
+                    report: Some(checkpoint.report.clone()),
+                    summary: Some(checkpoint.summary.clone()),
+                    ..Response::default()
+                });
+                Ok(())
+            }
+            Ok(None) => {
+                answer(Response::unchanged(Unchanged {
+                    unchanged_since: self.last_checkpoint.clone(),
+                    duration_ms: started.elapsed().as_millis() as u64,
+                }));
+                Ok(())
+            }
+            Err(e) if e.is_fenced() => {
+                answer(Response::failed(e.to_string()));
+                Err(RunError::Superseded(e.to_string()))
+            }
+            Err(e) => {
+                tracing::warn!(%reason, error = %e, "the checkpoint the agent asked for failed");
+                answer(Response::failed(checkpoint::one_line(&e)));
+                Ok(())
             }
         }
     }
@@ -941,6 +1083,16 @@ fn listed(paths: &[String]) -> String {
     text
 }
 
+/// The next checkpoint the agent asks for; never, without a socket.
+async fn next_request(
+    requests: &mut Option<mpsc::Receiver<requests::Asked>>,
+) -> Option<requests::Asked> {
+    match requests {
+        Some(requests) => requests.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn tick(ticker: &mut Option<tokio::time::Interval>) {
     match ticker {
         Some(ticker) => {
@@ -1004,10 +1156,20 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
             cache_dir: cache_dir.clone(),
             pack_cache: pack_cache.clone(),
             target,
+            limits: args.limits.limits(),
             resident: resident.clone(),
         })
     };
-    let finished = run(control, &stores, RunOptions::new(root.clone()), shutdown).await;
+    let root_for_socket = std::path::absolute(&root).unwrap_or_else(|_| root.clone());
+    let options = RunOptions {
+        control_socket: Some(
+            args.control_socket
+                .unwrap_or_else(|| control_socket::default_socket(&cache_dir, &root_for_socket)),
+        ),
+        coordinator: Some(args.coordinator.clone()),
+        ..RunOptions::new(root.clone())
+    };
+    let finished = run(control, &stores, options, shutdown).await;
     if let Some(resident) = resident.get() {
         resident.flush().await;
     }

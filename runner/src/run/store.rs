@@ -52,6 +52,9 @@ pub struct Checkpointed {
     pub root_tree: BlobId,
     /// Sizes and times in one line, for the run's timeline.
     pub summary: String,
+    /// The JSON of `cairn-runner checkpoint --output json`, for the agent
+    /// that asked for it.
+    pub report: serde_json::Value,
 }
 
 impl Checkpointed {
@@ -131,6 +134,8 @@ pub struct RemoteStore {
     /// The host's pack cache, for the restore.
     pub pack_cache: Option<restore::PackCacheConfig>,
     pub target: StoreTarget,
+    /// What one checkpoint may hold.
+    pub limits: checkpoint::Limits,
     /// Made by the first checkpoint (after the restore, whose writes the
     /// change tracker need not see) and kept for the later ones.
     pub resident: Arc<tokio::sync::OnceCell<Arc<Resident>>>,
@@ -208,6 +213,7 @@ impl WorkspaceStore for RemoteStore {
                 excludes: self.target.excludes.clone(),
                 generation: self.target.generation,
                 harness: request.harness,
+                limits: self.limits,
                 resident: Some(self.resident().await),
             };
             let report = match &request.unless_unchanged {
@@ -218,6 +224,7 @@ impl WorkspaceStore for RemoteStore {
                 id: report.checkpoint_id.clone(),
                 root_tree: report.root_tree,
                 summary: describe(&report),
+                report: serde_json::to_value(&report).unwrap_or_default(),
             }))
         })
     }

@@ -429,6 +429,11 @@ impl WorkspaceStore for SnapshotStore {
                 id: id.clone(),
                 root_tree,
                 summary: format!("{} checkpoint {id}", request.reason),
+                report: serde_json::json!({
+                    "checkpoint_id": id,
+                    "workspace_id": "ws-1",
+                    "reason": request.reason.to_string(),
+                }),
             }))
         })
     }
@@ -525,8 +530,16 @@ impl Harnessed {
     pub fn options(&self) -> RunOptions {
         RunOptions {
             wait_timeout: Duration::from_millis(300),
+            control_socket: Some(self.control_socket()),
+            // Never dialled: the agent's checkpoint requests go to the socket.
+            coordinator: Some("http://127.0.0.1:9".into()),
             ..RunOptions::new(&self.root)
         }
+    }
+
+    /// Where the attempt listens for the agent's checkpoint requests.
+    pub fn control_socket(&self) -> PathBuf {
+        self.root.with_file_name("runner.sock")
     }
 
     /// Runs one attempt to its end; `shutdown` plays the host's SIGTERM.

@@ -1,0 +1,224 @@
+//! The control socket of a resident runner: how `cairn-runner checkpoint`
+//! asks a `cairn-runner watch`, or the `cairn-runner run` of its sandbox,
+//! to cut a checkpoint with the change tracker and the fingerprint cache it
+//! keeps in memory, instead of walking and reading the workspace itself.
+//!
+//! A Unix socket (mode 0600) next to the fingerprint cache, at a path
+//! derived from the root and the cache directory, so the command finds it
+//! without being told. One JSON line each way:
+//!
+//! ```text
+//! → {"workspace": "<id or name>", "reason": "manual", "if_changed": false}
+//! ← {"report": <the JSON of `cairn-runner checkpoint --output json`>, "summary": "<text>"}
+//! ← {"unchanged": {"unchanged_since": "<checkpoint id>", "duration_ms": 3}}   (if_changed only)
+//! ← {"error": "<why the checkpoint failed>"}
+//! ```
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::checkpoint::{self, CheckpointReport};
+use crate::cli::{CheckpointArgs, OutputFormat};
+use crate::scan;
+
+/// Longest request line accepted on the control socket.
+const MAX_REQUEST: u64 = 4096;
+
+/// The control socket a resident runner of `root` (canonical) with
+/// `cache_dir` uses unless told otherwise, so `cairn-runner checkpoint`
+/// finds it.
+pub fn default_socket(cache_dir: &Path, root: &Path) -> PathBuf {
+    let digest = Sha256::digest(root.as_os_str().as_encoded_bytes());
+    cache_dir.join(format!("watch-{}.sock", &hex::encode(digest)[..16]))
+}
+
+/// A checkpoint asked for on the socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub workspace: String,
+    pub reason: String,
+    /// Cut only if the workspace differs from its newest checkpoint.
+    #[serde(default)]
+    pub if_changed: bool,
+}
+
+/// What an `--if-changed` checkpoint of an unchanged workspace answers
+/// (also the JSON output of `cairn-runner checkpoint` then).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unchanged {
+    /// The newest checkpoint, which still holds the workspace as it is.
+    pub unchanged_since: String,
+    pub duration_ms: u64,
+}
+
+impl Unchanged {
+    pub fn summary(&self) -> String {
+        format!(
+            "unchanged since checkpoint {}: nothing committed ({} ms)",
+            self.unchanged_since, self.duration_ms
+        )
+    }
+}
+
+/// The answer to a [`Request`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Response {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unchanged: Option<Unchanged>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Response {
+    pub fn failed(error: impl Into<String>) -> Self {
+        Self {
+            error: Some(error.into()),
+            ..Self::default()
+        }
+    }
+
+    pub fn committed(report: &CheckpointReport) -> Self {
+        Self {
+            summary: Some(checkpoint::summary(report)),
+            report: serde_json::to_value(report).ok(),
+            ..Self::default()
+        }
+    }
+
+    pub fn unchanged(unchanged: Unchanged) -> Self {
+        Self {
+            unchanged: Some(unchanged),
+            ..Self::default()
+        }
+    }
+}
+
+/// Binds the control socket (mode 0600), replacing a stale one; refuses
+/// when another runner answers there.
+pub fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating the directory of {}", socket.display()))?;
+    }
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        anyhow::bail!(
+            "another runner already listens at {}; stop it first",
+            socket.display()
+        );
+    }
+    match std::fs::remove_file(socket) {
+        Ok(()) => tracing::info!(socket = %socket.display(), "removed a stale control socket"),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", socket.display())),
+    }
+    let listener =
+        UnixListener::bind(socket).with_context(|| format!("listening at {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private", socket.display()))?;
+    Ok(listener)
+}
+
+/// Reads one request from `stream`, answers it with `answer`, and closes.
+pub async fn serve_connection<F, Fut>(stream: UnixStream, answer: F) -> io::Result<()>
+where
+    F: FnOnce(Result<Request, String>) -> Fut,
+    Fut: Future<Output = Response>,
+{
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    tokio::io::AsyncReadExt::take(BufReader::new(read), MAX_REQUEST)
+        .read_line(&mut line)
+        .await?;
+    let request = serde_json::from_str(line.trim()).map_err(|e| format!("unreadable request: {e}"));
+    let response = answer(request).await;
+    let mut bytes = serde_json::to_vec(&response).map_err(io::Error::other)?;
+    bytes.push(b'\n');
+    write.write_all(&bytes).await?;
+    write.shutdown().await
+}
+
+/// The socket `cairn-runner checkpoint` should ask, if any: the one named
+/// by `--socket`, else the default one when a file is there. The flag
+/// says whether it was named.
+pub fn socket_for(args: &CheckpointArgs) -> Option<(PathBuf, bool)> {
+    if let Some(socket) = &args.socket {
+        return Some((socket.clone(), true));
+    }
+    let root = scan::resolve_root(&args.target.root).ok()?;
+    let socket = default_socket(&args.target.cache_dir(), &root);
+    socket.exists().then_some((socket, false))
+}
+
+/// Asks the runner at `socket` for a checkpoint and prints its answer as
+/// `cairn-runner checkpoint` would. `Ok(false)`: nobody answered there.
+pub async fn ask(socket: &Path, args: &CheckpointArgs) -> anyhow::Result<bool> {
+    let stream = match UnixStream::connect(socket).await {
+        Ok(stream) => stream,
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+            ) =>
+        {
+            return Ok(false);
+        }
+        Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
+    };
+    let (read, mut write) = stream.into_split();
+    let mut request = serde_json::to_vec(&Request {
+        workspace: args.target.workspace.clone(),
+        reason: args.reason.clone(),
+        if_changed: args.if_changed,
+    })?;
+    request.push(b'\n');
+    write.write_all(&request).await?;
+    let mut line = String::new();
+    BufReader::new(read).read_line(&mut line).await?;
+    let response: Response = serde_json::from_str(line.trim()).with_context(|| {
+        format!(
+            "the runner at {} gave an unreadable answer",
+            socket.display()
+        )
+    })?;
+    if let Some(error) = response.error {
+        anyhow::bail!("{error}");
+    }
+    if let Some(unchanged) = response.unchanged {
+        print_unchanged(&unchanged, args.output)?;
+        return Ok(true);
+    }
+    let report = response
+        .report
+        .with_context(|| format!("the runner at {} sent no report", socket.display()))?;
+    match args.output {
+        OutputFormat::Json => println!("{report}"),
+        OutputFormat::Text => {
+            println!("{}", response.summary.unwrap_or_default());
+            for warning in report["warnings"].as_array().into_iter().flatten() {
+                eprintln!("warning: {}", warning.as_str().unwrap_or_default());
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Prints the answer of an `--if-changed` checkpoint that found nothing new.
+pub fn print_unchanged(unchanged: &Unchanged, output: OutputFormat) -> anyhow::Result<()> {
+    match output {
+        OutputFormat::Json => println!("{}", serde_json::to_string(unchanged)?),
+        OutputFormat::Text => println!("{}", unchanged.summary()),
+    }
+    Ok(())
+}
