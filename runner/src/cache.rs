@@ -25,6 +25,11 @@
 //! ```
 
 use std::collections::HashMap;
+
+/// The maps of a checkpoint's hot path (tens of thousands of lookups per
+/// checkpoint): keys are paths and keyed digests, not chosen by a peer that
+/// could aim collisions at a fast hasher.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -101,7 +106,9 @@ impl Fingerprint {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedFile {
     pub fingerprint: Fingerprint,
-    pub chunks: Vec<ChunkRef>,
+    /// Shared: a checkpoint that finds the file unchanged takes its chunk
+    /// list for the tree without copying it.
+    pub chunks: std::sync::Arc<[ChunkRef]>,
     /// Set for a git loose object stored by what it holds.
     pub git: Option<GitStored>,
 }
@@ -111,10 +118,10 @@ pub struct CachedFile {
 pub struct Cache {
     path: PathBuf,
     key_id: String,
-    files: HashMap<Vec<u8>, CachedFile>,
+    files: FastMap<Vec<u8>, CachedFile>,
     packs: Vec<PackId>,
-    pack_ordinals: HashMap<PackId, u32>,
-    blobs: HashMap<BlobId, u32>,
+    pack_ordinals: FastMap<PackId, u32>,
+    blobs: FastMap<BlobId, u32>,
 }
 
 impl Cache {
@@ -128,10 +135,10 @@ impl Cache {
         Self {
             path,
             key_id: key_id.to_owned(),
-            files: HashMap::new(),
+            files: FastMap::default(),
             packs: Vec::new(),
-            pack_ordinals: HashMap::new(),
-            blobs: HashMap::new(),
+            pack_ordinals: FastMap::default(),
+            blobs: FastMap::default(),
         }
     }
 
@@ -178,6 +185,16 @@ impl Cache {
             .filter(|f| f.fingerprint == *fingerprint)
     }
 
+    /// The paths of the files the cache knows directly inside `dir`.
+    pub fn files_in<'a>(&'a self, dir: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.files.keys().map(Vec::as_slice).filter(move |path| {
+            path.len() > dir.len()
+                && path.starts_with(dir)
+                && path[dir.len()] == b'/'
+                && !path[dir.len() + 1..].contains(&b'/')
+        })
+    }
+
     pub fn insert_file(&mut self, rel_path: Vec<u8>, file: CachedFile) {
         self.files.insert(rel_path, file);
     }
@@ -187,11 +204,11 @@ impl Cache {
     }
 
     /// Replaces the whole file map (after a full scan, so deleted files go).
-    pub fn replace_files(&mut self, files: HashMap<Vec<u8>, CachedFile>) {
+    pub fn replace_files(&mut self, files: FastMap<Vec<u8>, CachedFile>) {
         self.files = files;
     }
 
-    pub fn take_files(&mut self) -> HashMap<Vec<u8>, CachedFile> {
+    pub fn take_files(&mut self) -> FastMap<Vec<u8>, CachedFile> {
         std::mem::take(&mut self.files)
     }
 
@@ -297,7 +314,7 @@ impl Cache {
                 }
             }
             put_u64(&mut out, file.chunks.len() as u64);
-            for c in &file.chunks {
+            for c in file.chunks.iter() {
                 out.extend_from_slice(c.id.as_bytes());
                 put_u64(&mut out, u64::from(c.len));
             }
@@ -390,7 +407,7 @@ impl Cache {
                 path,
                 CachedFile {
                     fingerprint,
-                    chunks,
+                    chunks: chunks.into(),
                     git,
                 },
             );
@@ -434,18 +451,18 @@ mod tests {
             b"src/a.rs".to_vec(),
             CachedFile {
                 fingerprint: fp(42),
-                chunks: vec![chunk],
+                chunks: vec![chunk].into(),
                 git: None,
             },
         );
         let loose = CachedFile {
             fingerprint: fp(44),
-            chunks: vec![chunk],
+            chunks: vec![chunk].into(),
             git: Some(GitStored::Blob { level: 1 }),
         };
         let loose_tree = CachedFile {
             fingerprint: fp(45),
-            chunks: vec![chunk],
+            chunks: vec![chunk].into(),
             git: Some(GitStored::TreeDelta {
                 level: 6,
                 base: [9; 20],
@@ -497,7 +514,8 @@ mod tests {
                     chunks: vec![ChunkRef {
                         id: BlobId([i; 32]),
                         len: 10,
-                    }],
+                    }]
+                    .into(),
                     git: None,
                 },
             );

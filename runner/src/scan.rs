@@ -158,6 +158,16 @@ pub fn join_rel(dir: &[u8], name: &[u8]) -> Vec<u8> {
     path
 }
 
+/// [`join_rel`] into `path`, reusing its allocation.
+pub fn join_rel_into(path: &mut Vec<u8>, dir: &[u8], name: &[u8]) {
+    path.clear();
+    if !dir.is_empty() {
+        path.extend_from_slice(dir);
+        path.push(b'/');
+    }
+    path.extend_from_slice(name);
+}
+
 /// A relative path for messages (`.` for the root).
 pub fn display_rel(rel: &[u8]) -> String {
     if rel.is_empty() {
@@ -496,6 +506,10 @@ impl<'a> Walk<'a> {
         let mut nodes = Vec::with_capacity(entries.len());
         for entry in entries {
             let name = entry.file_name().into_vec();
+            if rel.is_empty() && crate::tracker::is_sync_cookie(&name) {
+                // A change tracker's marker, there for a millisecond.
+                continue;
+            }
             let child_abs = abs.join(OsStr::from_bytes(&name));
             let child_rel = join_rel(&rel, &name);
             if self.exclude_paths.contains(&child_abs) {

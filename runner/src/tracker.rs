@@ -19,11 +19,22 @@
 //! walk runs is still in the next dirty set. Taking the set and walking are
 //! not atomic; a change in between is seen by this walk and named again in
 //! the next set, which costs one listing, never a miss.
+//!
+//! Events reach the dirty set through notify's own thread, a little after
+//! the write that caused them: a checkpoint asked for the moment an agent's
+//! turn ends could take the set before the turn's last events are in it.
+//! So before taking it, the tracker syncs, as watchman does: it creates and
+//! removes a cookie file in the root (`.cairn-sync-*`, which walks never
+//! list) and waits until the watcher reports it. The kernel queues events in
+//! order, so every change made before the cookie is in the set by then. A
+//! cookie that is not reported in time makes the walk a full one.
 
 use std::collections::HashSet;
+use std::ffi::OsString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
@@ -32,6 +43,16 @@ use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions};
 
 /// Full walks at least this often, whatever the events say.
 pub const DEFAULT_FULL_SCAN_INTERVAL: Duration = Duration::from_secs(30 * 60);
+
+/// How sync cookies in the root are named.
+const SYNC_COOKIE_PREFIX: &[u8] = b".cairn-sync-";
+/// How long a sync waits for its cookie to be reported.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Whether a name in the root is a change tracker's sync cookie.
+pub fn is_sync_cookie(name: &[u8]) -> bool {
+    name.starts_with(SYNC_COOKIE_PREFIX)
+}
 
 /// Why change tracking could not start.
 #[derive(Debug, thiserror::Error)]
@@ -59,12 +80,26 @@ struct Pending {
     dirty: HashSet<Vec<u8>>,
     /// Events were lost; the next walk must be full. Says why.
     lost: Option<String>,
+    /// Sync cookies the watcher has reported.
+    cookies: HashSet<OsString>,
+}
+
+/// The dirty set, and a condition signalled when a cookie is reported.
+type Shared = (Mutex<Pending>, Condvar);
+
+/// How a sync before a walk went.
+enum Synced {
+    Yes,
+    /// The cookie could not be made (a read-only root, say): nothing can
+    /// change there through this process either, so the events stand.
+    CannotWrite(std::io::Error),
+    TimedOut,
 }
 
 /// Watches a workspace and makes walks that list only what changed.
 pub struct ChangeTracker {
     root: PathBuf,
-    pending: Arc<Mutex<Pending>>,
+    pending: Arc<Shared>,
     previous: Mutex<Option<(Arc<Scan>, Instant)>>,
     full_scan_interval: Duration,
     // Dropping the watcher stops the events.
@@ -83,12 +118,13 @@ impl ChangeTracker {
     /// Starts watching `root` and everything below it.
     pub fn start(root: &Path, full_scan_interval: Duration) -> Result<Self, TrackerError> {
         let root = scan::resolve_root(root)?;
-        let pending = Arc::new(Mutex::new(Pending::default()));
+        let pending: Arc<Shared> = Arc::default();
         let handler = {
             let pending = pending.clone();
             let root = root.clone();
             move |event: notify::Result<notify::Event>| {
-                let mut pending = pending.lock().expect("pending lock");
+                let (lock, cookie_seen) = &*pending;
+                let mut pending = lock.lock().expect("pending lock");
                 match event {
                     Ok(event) if event.need_rescan() => {
                         pending.lost = Some("the kernel dropped change events".into());
@@ -98,6 +134,11 @@ impl ChangeTracker {
                             return;
                         }
                         for path in &event.paths {
+                            if let Some(cookie) = sync_cookie(&root, path) {
+                                pending.cookies.insert(cookie.to_owned());
+                                cookie_seen.notify_all();
+                                continue;
+                            }
                             mark(&mut pending.dirty, &root, path);
                         }
                     }
@@ -132,8 +173,19 @@ impl ChangeTracker {
         opts: &ScanOptions,
         on_repo: &(dyn Fn(RepoFound) + Sync),
     ) -> Result<(Arc<Scan>, ScanKind), ScanError> {
-        let Pending { dirty, lost } =
-            std::mem::take(&mut *self.pending.lock().expect("pending lock"));
+        let unsynced = match self.sync() {
+            Synced::Yes => None,
+            Synced::CannotWrite(e) => {
+                tracing::debug!(error = %e, root = %self.root.display(), "cannot write a sync cookie; walking on the events seen so far");
+                None
+            }
+            Synced::TimedOut => Some(format!(
+                "the change watcher did not report a sync within {SYNC_TIMEOUT:?}"
+            )),
+        };
+        let Pending { dirty, lost, .. } =
+            std::mem::take(&mut *self.pending.0.lock().expect("pending lock"));
+        let lost = lost.or(unsynced);
         let previous = self.previous.lock().expect("previous lock").clone();
         let full_reason = match &previous {
             None => Some("first walk".to_owned()),
@@ -167,6 +219,47 @@ impl ChangeTracker {
         *self.previous.lock().expect("previous lock") = Some((scan.clone(), full_at));
         Ok((scan, kind))
     }
+}
+
+impl ChangeTracker {
+    /// Makes a cookie in the root and waits until the watcher reports it:
+    /// every event queued before it has then been handled.
+    fn sync(&self) -> Synced {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let mut name = SYNC_COOKIE_PREFIX.to_vec();
+        name.extend_from_slice(
+            format!(
+                "{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            )
+            .as_bytes(),
+        );
+        let name = OsString::from(std::ffi::OsStr::from_bytes(&name));
+        let path = self.root.join(&name);
+        if let Err(e) = std::fs::File::create(&path) {
+            return Synced::CannotWrite(e);
+        }
+        let _ = std::fs::remove_file(&path);
+        let (lock, cookie_seen) = &*self.pending;
+        let pending = lock.lock().expect("pending lock");
+        let (mut pending, waited) = cookie_seen
+            .wait_timeout_while(pending, SYNC_TIMEOUT, |p| !p.cookies.contains(&name))
+            .expect("pending lock");
+        // Its removal may be reported later; later cookies have other names.
+        pending.cookies.clear();
+        if waited.timed_out() {
+            Synced::TimedOut
+        } else {
+            Synced::Yes
+        }
+    }
+}
+
+/// The cookie's name if `path` is a sync cookie in `root`.
+fn sync_cookie<'p>(root: &Path, path: &'p Path) -> Option<&'p std::ffi::OsStr> {
+    let name = path.file_name()?;
+    (path.parent() == Some(root) && is_sync_cookie(name.as_bytes())).then_some(name)
 }
 
 /// Marks what an event at `path` may have changed: the listing of its
@@ -209,7 +302,7 @@ mod tests {
     /// asynchronously, through notify's own thread).
     fn settle(tracker: &ChangeTracker) {
         for _ in 0..200 {
-            if !tracker.pending.lock().unwrap().dirty.is_empty() {
+            if !tracker.pending.0.lock().unwrap().dirty.is_empty() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -330,7 +423,7 @@ mod tests {
         let tracker = ChangeTracker::start(root, Duration::from_secs(3600)).unwrap();
         let opts = options(root);
         tracker.scan(&opts, &|_| {}).unwrap();
-        tracker.pending.lock().unwrap().lost = Some("the kernel dropped change events".into());
+        tracker.pending.0.lock().unwrap().lost = Some("the kernel dropped change events".into());
         let (_, kind) = tracker.scan(&opts, &|_| {}).unwrap();
         assert_eq!(
             kind,
@@ -353,6 +446,51 @@ mod tests {
             ScanKind::Full {
                 reason: "the periodic full walk is due".into()
             }
+        );
+    }
+
+    #[test]
+    fn a_walk_right_after_a_write_sees_it_and_an_idle_walk_is_the_same_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in 0..20 {
+            fs::create_dir_all(root.join(format!("d{d}"))).unwrap();
+            fs::write(root.join(format!("d{d}/f")), "0").unwrap();
+        }
+        let tracker = ChangeTracker::start(root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = options(root);
+        let (mut previous, _) = tracker.scan(&opts, &|_| {}).unwrap();
+        // No waiting for the watcher: the sync before each walk does it.
+        for round in 1..=30usize {
+            let dir = format!("d{}", round % 20);
+            fs::write(root.join(&dir).join("f"), "x".repeat(round)).unwrap();
+            let (scan, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+            assert!(matches!(kind, ScanKind::Partial { .. }), "{kind:?}");
+            let size = listing(&scan)
+                .into_iter()
+                .find(|(path, _)| *path == format!("{dir}/f"))
+                .unwrap()
+                .1;
+            assert_eq!(size, format!("file {round}"), "round {round}");
+            assert!(
+                listing(&scan)
+                    .iter()
+                    .all(|(path, _)| !path.starts_with(".cairn-sync-")),
+                "cookies are never listed"
+            );
+            previous = scan;
+        }
+        let (idle, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(kind, ScanKind::Partial { dirty: 0 });
+        assert!(
+            Arc::ptr_eq(&idle, &previous),
+            "nothing changed: the same walk"
+        );
+        assert!(
+            fs::read_dir(root)
+                .unwrap()
+                .all(|e| !is_sync_cookie(e.unwrap().file_name().as_bytes())),
+            "no cookie is left behind"
         );
     }
 

@@ -177,7 +177,18 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     .context("starting the change tracker")??;
     let resident = Arc::new(Resident::new(Some(tracker)));
     options.resident = Some(resident.clone());
-    let baseline = checkpoint::newest_checkpoint(&options).await?;
+    let newest = checkpoint::newest_checkpoint(&options).await?;
+    if let Some(newest) = &newest {
+        // Loaded while nobody waits, not by the first checkpoint.
+        resident
+            .preload(
+                cache_dir.clone(),
+                newest.workspace_id.clone(),
+                newest.key_id.clone(),
+            )
+            .await;
+    }
+    let baseline = newest.map(|newest| newest.baseline);
     let listener = socket::bind(&socket)?;
     let checkpointer = Arc::new(Checkpointer::new(options, baseline));
     tracing::info!(

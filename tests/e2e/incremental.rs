@@ -93,6 +93,26 @@ fn one_turn_uploads_under_five_percent_and_a_copy_dedupes_across_workspaces() {
         .current_dir(restored.join("app")));
     assert!(fsck.status.success(), "git fsck after the restore: {fsck}");
 
+    // An edit-only turn after the commit: the commit's loose trees are as
+    // the cache knows them, so their bases come from the cache, not from a
+    // walk of the history; they must still restore byte for byte.
+    agent_turn(&root, 3);
+    let after_commit = client.checkpoint(&root, &workspace);
+    assert!(
+        json_u64(&after_commit, "stats.uploaded_bytes") < 300_000,
+        "{after_commit}"
+    );
+    let restored_again = tmp.path().join("restored-again");
+    coordinator.client().restore(&restored_again, &workspace);
+    cairn_e2e::assert_trees_equal(&root, &restored_again);
+    let fsck = run(std::process::Command::new("git")
+        .args(["fsck", "--strict"])
+        .current_dir(restored_again.join("app")));
+    assert!(
+        fsck.status.success(),
+        "git fsck after the third restore: {fsck}"
+    );
+
     // A fresh machine (empty cache) with the same repository, other workspace.
     let other_workspace = coordinator.create_workspace("incremental-copy");
     let third = coordinator.client().checkpoint(&copy, &other_workspace);

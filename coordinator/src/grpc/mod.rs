@@ -35,6 +35,7 @@ use cairn_proto::pb::runner_service_server::RunnerServiceServer;
 use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
 use cairn_proto::runs::to_proto_duration;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
@@ -464,7 +465,19 @@ pub async fn serve(
         .add_service(hosts)
         .add_service(runner)
         .add_service(admin)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener).map(|accepted| {
+                accepted.inspect(|stream| {
+                    // A reply's HEADERS, DATA and trailers go out as separate
+                    // small writes; with Nagle's algorithm each one after the
+                    // first waits for the client's delayed ACK (40 ms).
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
+                    }
+                })
+            }),
+            shutdown,
+        )
         .await?;
     Ok(())
 }

@@ -34,7 +34,7 @@ use crate::gitobj::{self, GitStored};
 use crate::restore::fsops::open_for_read;
 
 use super::treebases::{Base, TreeBases};
-use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel};
+use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel_into};
 
 /// Plaintext gathered before the store is asked which blobs it lacks.
 pub const BATCH_BYTES: usize = 16 << 20;
@@ -58,7 +58,7 @@ pub struct Batch {
 /// A file as it goes into the checkpoint.
 #[derive(Debug, Clone)]
 pub struct FileContent {
-    pub chunks: Vec<ChunkRef>,
+    pub chunks: std::sync::Arc<[ChunkRef]>,
     pub size: u64,
     pub meta: Meta,
     /// The fingerprint under which the cache may remember `chunks` (None
@@ -112,31 +112,35 @@ pub fn read_all(
         files_read: 0,
         bytes_read: 0,
     };
+    let started = std::time::Instant::now();
     let mut to_read = Vec::new();
+    // One buffer for every path looked up: most files only are.
+    let mut rel = Vec::new();
     for (d, dir) in scan.dirs.iter().enumerate() {
         for (n, node) in dir.nodes.iter().enumerate() {
             let NodeKind::File(fingerprint) = &node.kind else {
                 continue;
             };
-            let rel = join_rel(&dir.path, &node.name);
-            let abs = || scan.root.join(OsStr::from_bytes(&rel));
+            join_rel_into(&mut rel, &dir.path, &node.name);
+            let rel = &rel[..];
+            let abs = || scan.root.join(OsStr::from_bytes(rel));
             // A delta is only as good as its base, found again each time.
             let committed = |known: &&CachedFile| {
                 known.chunks.iter().all(|c| cache.knows_blob(&c.id))
                     && match known.git {
                         Some(GitStored::TreeDelta { base, .. }) => {
-                            bases.get(&rel).is_some_and(|found| found.id == base)
+                            bases.get(rel).is_some_and(|found| found.id == base)
                         }
                         _ => true,
                     }
             };
             // (what the cache knows, the fingerprint to remember it under)
-            let reusable = match cache.lookup(&rel, fingerprint).filter(committed) {
+            let reusable = match cache.lookup(rel, fingerprint).filter(committed) {
                 Some(known) => Some((known, Some(*fingerprint))),
                 None => cache
-                    .file(&rel)
+                    .file(rel)
                     .filter(committed)
-                    .filter(|known| gitobj::is_pack_path(&rel) && known.git.is_none())
+                    .filter(|known| gitobj::is_pack_path(rel) && known.git.is_none())
                     .and_then(|known| {
                         let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
                         content.bytes_read += tail;
@@ -161,8 +165,8 @@ pub fn read_all(
                         dir: d,
                         node: n,
                         abs: abs(),
-                        tree_base: bases.get(&rel).cloned(),
-                        rel,
+                        tree_base: bases.get(rel).cloned(),
+                        rel: rel.to_vec(),
                         size: fingerprint.size,
                     });
                 }
@@ -177,6 +181,11 @@ pub fn read_all(
         pending: Batch::default(),
         pending_bytes: 0,
     };
+    tracing::debug!(
+        files = to_read.len(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "fingerprints compared with the cache"
+    );
     let (small, large): (Vec<Job>, Vec<Job>) =
         to_read.into_iter().partition(|j| j.size <= LARGE_FILE);
     let mut deferred = Vec::new();
@@ -207,6 +216,10 @@ pub fn read_all(
         .expect("without a size limit every read has a result");
         record(&mut content, &mut batcher, scan, job, result)?;
     }
+    tracing::debug!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "files read"
+    );
     batcher.flush()?;
     Ok(content)
 }
@@ -321,7 +334,7 @@ fn record(
             }
             content.files[job.dir][job.node] = Some(FileContent {
                 cacheable: stable.then_some(read.after),
-                chunks: read.chunks,
+                chunks: read.chunks.into(),
                 size: read.size,
                 meta: read.meta,
                 git: read.git,
@@ -621,6 +634,7 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     use super::*;
+    use crate::scan::join_rel;
     use crate::scan::{ScanOptions, scan};
 
     fn keys() -> TenantKeys {
@@ -729,7 +743,7 @@ mod tests {
         // A cache that knows the old file and its blob: it is not read again.
         let mut cache = Cache::empty(tmp.path().join("unused"), "k");
         let pack = "ab".repeat(32).parse().unwrap();
-        for chunk in &old_entry.chunks {
+        for chunk in old_entry.chunks.iter() {
             cache.insert_blob(chunk.id, &pack);
         }
         cache.insert_file(b"old".to_vec(), old_entry.clone());
@@ -757,7 +771,7 @@ mod tests {
                 let Some(entry) = file.as_ref().and_then(FileContent::cache_entry) else {
                     continue;
                 };
-                for chunk in &entry.chunks {
+                for chunk in entry.chunks.iter() {
                     cache.insert_blob(chunk.id, &pack);
                 }
                 cache.insert_file(

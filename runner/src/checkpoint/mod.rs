@@ -37,7 +37,7 @@ mod treebases;
 mod trees;
 mod upload;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cairn_proto::domain::{CheckpointReason, PackKind};
-use cairn_proto::ids::{BlobId, PackId};
+use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use cairn_proto::pb;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -55,7 +55,7 @@ use self::content::{Cancelled, Content, FileContent};
 use self::remote::Session;
 use self::treebases::TreeBases;
 use self::upload::{Packer, Spool, SpooledPack, Uploader};
-use crate::cache::Cache;
+use crate::cache::{Cache, FastMap};
 use crate::cli::{CheckpointArgs, OutputFormat, WorkspaceArgs};
 use crate::client::{ConnectError, Coordinator};
 use crate::failpoint::{self, FailpointError};
@@ -420,6 +420,8 @@ async fn run(
         let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
         tokio::task::spawn_blocking(move || {
             let bases = TreeBases::find(&scan, &cache);
+            let elapsed_ms = started.elapsed().as_millis() as u64;
+            tracing::debug!(elapsed_ms, "git tree bases found");
             content::read_all(&scan, &cache, &bases, &keys, batches)
         })
     };
@@ -525,36 +527,61 @@ async fn run(
         harness: opts.harness.clone(),
         key_id: keys.key_id().to_owned(),
     };
-    // The cache is written while the coordinator commits: it only records
-    // what this checkpoint read and where its blobs are, all known now.
-    let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
-    let saving = {
-        let scan = scan.clone();
-        tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable))
-    };
-    let committed = match remote::commit(&session.client, request).await {
-        Ok(committed) => committed,
-        Err(e) => {
-            // The saved cache places blobs in packs no checkpoint holds;
-            // start the next checkpoint from nothing rather than be refused.
-            let _ = saving.await;
-            if let Err(remove) = fs::remove_file(&cache_path)
-                && remove.kind() != io::ErrorKind::NotFound
-            {
-                tracing::warn!(error = %remove, path = %cache_path.display(), "cannot remove the fingerprint cache of a failed commit");
-            }
-            return Err(e);
+    let committed = match &opts.resident {
+        // A resident runner answers first and writes the cache afterwards,
+        // in the background: on two cores, writing ~50k entries while the
+        // coordinator commits slows the commit the agent waits for.
+        Some(resident) => {
+            tracing::debug!(elapsed_ms = ms(), "committing");
+            let committed = match remote::commit(&session.client, request).await {
+                Ok(committed) => committed,
+                Err(e) => {
+                    // Unchanged, it still places blobs only in committed packs.
+                    drop(content);
+                    if let Ok(cache) = Arc::try_unwrap(cache) {
+                        resident.put_back(cache).await;
+                    }
+                    return Err(e);
+                }
+            };
+            let scan = scan.clone();
+            let saving =
+                tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable));
+            resident.keep(saving).await;
+            committed
         }
-    };
-    match &opts.resident {
-        // The next checkpoint waits for the cache, not this one.
-        Some(resident) => resident.keep(saving).await,
+        // A one-off runner writes the cache while the coordinator commits:
+        // it only records what this checkpoint read and where its blobs
+        // are, all known now.
         None => {
-            saving
-                .await
-                .map_err(|e| CheckpointError::Task(format!("a checkpoint worker failed: {e}")))?;
+            let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
+            let saving = {
+                let scan = scan.clone();
+                tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable))
+            };
+            tracing::debug!(elapsed_ms = ms(), "committing");
+            match remote::commit(&session.client, request).await {
+                Ok(committed) => {
+                    saving.await.map_err(|e| {
+                        CheckpointError::Task(format!("a checkpoint worker failed: {e}"))
+                    })?;
+                    committed
+                }
+                Err(e) => {
+                    // The saved cache places blobs in packs no checkpoint
+                    // holds; start the next checkpoint from nothing rather
+                    // than be refused.
+                    let _ = saving.await;
+                    if let Err(remove) = fs::remove_file(&cache_path)
+                        && remove.kind() != io::ErrorKind::NotFound
+                    {
+                        tracing::warn!(error = %remove, path = %cache_path.display(), "cannot remove the fingerprint cache of a failed commit");
+                    }
+                    return Err(e);
+                }
+            }
         }
-    }
+    };
     tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
     if let Some(resident) = &opts.resident {
         let baseline = Baseline {
@@ -581,10 +608,10 @@ async fn run(
 fn locate_reachable(
     content: &Content,
     trees: &trees::Trees,
-    located: &HashMap<BlobId, PackId>,
+    located: &FastMap<BlobId, PackId>,
     cache: &Cache,
-) -> Result<HashMap<BlobId, PackId>, CheckpointError> {
-    let mut reachable = HashMap::new();
+) -> Result<FastMap<BlobId, PackId>, CheckpointError> {
+    let mut reachable = FastMap::default();
     let chunk_ids = content
         .files
         .iter()
@@ -621,14 +648,14 @@ fn save_cache(
     cache: Arc<Cache>,
     scan: &Scan,
     content: Content,
-    reachable: HashMap<BlobId, PackId>,
+    reachable: FastMap<BlobId, PackId>,
 ) -> Option<Cache> {
     let started = Instant::now();
     let Ok(mut cache) = Arc::try_unwrap(cache) else {
         tracing::warn!("the fingerprint cache is still in use; not updating it");
         return None;
     };
-    let mut files = HashMap::new();
+    let mut files = FastMap::default();
     for (dir, results) in scan.dirs.iter().zip(&content.files) {
         for (node, result) in dir.nodes.iter().zip(results) {
             if let Some(entry) = result.as_ref().and_then(FileContent::cache_entry) {
@@ -664,7 +691,7 @@ struct Store<'a> {
     data: Option<Packer>,
     meta: Option<Packer>,
     /// Blobs of this checkpoint found in the store or written to a new pack.
-    located: HashMap<BlobId, PackId>,
+    located: FastMap<BlobId, PackId>,
     stats: Stats,
 }
 
@@ -676,7 +703,7 @@ impl<'a> Store<'a> {
             uploader: Uploader::new(session),
             data: Some(Packer::new(PackKind::Data, session.keys.clone(), spool)),
             meta: Some(Packer::new(PackKind::Meta, session.keys.clone(), spool)),
-            located: HashMap::new(),
+            located: FastMap::default(),
             stats: Stats::default(),
         }
     }
@@ -765,10 +792,19 @@ impl<'a> Store<'a> {
     }
 }
 
+/// The newest checkpoint of a workspace: what a later one is compared
+/// with, and whose fingerprint cache a resident runner can load early.
+#[derive(Debug, Clone)]
+pub struct Newest {
+    pub baseline: Baseline,
+    pub workspace_id: WorkspaceId,
+    pub key_id: String,
+}
+
 /// The workspace's newest checkpoint (None: it has none).
 pub async fn newest_checkpoint(
     options: &CheckpointOptions,
-) -> Result<Option<Baseline>, CheckpointError> {
+) -> Result<Option<Newest>, CheckpointError> {
     let coordinator = Coordinator::connect(&options.coordinator, options.token.as_deref()).await?;
     let listed = coordinator
         .checkpoints
@@ -790,14 +826,22 @@ pub async fn newest_checkpoint(
     let Some(newest) = listed.checkpoints.into_iter().next() else {
         return Ok(None);
     };
-    let root_tree =
-        BlobId::from_slice(&newest.root_tree).map_err(|e| CheckpointError::BadResponse {
-            call: "ListCheckpoints",
-            reason: format!("checkpoint {} has a malformed root tree: {e}", newest.id),
-        })?;
-    Ok(Some(Baseline {
-        checkpoint_id: newest.id,
-        root_tree,
+    let bad = |what: &str, e: &dyn std::fmt::Display| CheckpointError::BadResponse {
+        call: "ListCheckpoints",
+        reason: format!("checkpoint {} has a malformed {what}: {e}", newest.id),
+    };
+    let root_tree = BlobId::from_slice(&newest.root_tree).map_err(|e| bad("root tree", &e))?;
+    let workspace_id = newest
+        .workspace_id
+        .parse()
+        .map_err(|e| bad("workspace id", &e))?;
+    Ok(Some(Newest {
+        baseline: Baseline {
+            checkpoint_id: newest.id,
+            root_tree,
+        },
+        workspace_id,
+        key_id: newest.key_id,
     }))
 }
 
@@ -818,9 +862,9 @@ pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
             return checkpoint(opts).await.map(Ok);
         }
         match newest_checkpoint(&opts).await? {
-            Some(newest) => Ok(checkpoint_if_changed(opts, &newest)
+            Some(Newest { baseline, .. }) => Ok(checkpoint_if_changed(opts, &baseline)
                 .await?
-                .ok_or(newest.checkpoint_id)),
+                .ok_or(baseline.checkpoint_id)),
             None => checkpoint(opts).await.map(Ok),
         }
     };

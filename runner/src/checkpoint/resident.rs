@@ -9,7 +9,7 @@
 //!   no change since, a "only if changed" checkpoint is settled without
 //!   reading or hashing anything.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cairn_proto::ids::WorkspaceId;
@@ -34,8 +34,9 @@ enum Kept {
     #[default]
     Nothing,
     Ready(Cache),
-    /// Being written; the task hands the cache back (None if it could not).
-    Saving(JoinHandle<Option<Cache>>),
+    /// Being written or loaded; the task hands the cache back (None if it
+    /// could not).
+    Busy(JoinHandle<Option<Cache>>),
 }
 
 impl Resident {
@@ -95,7 +96,18 @@ impl Resident {
 
     /// Keeps the cache a checkpoint is writing, for the next one.
     pub async fn keep(&self, saving: JoinHandle<Option<Cache>>) {
-        *self.cache.lock().await = Kept::Saving(saving);
+        *self.cache.lock().await = Kept::Busy(saving);
+    }
+
+    /// Starts loading the cache of `workspace` (tenant key `key_id`) in the
+    /// background, so that the first checkpoint finds it in memory.
+    pub async fn preload(&self, cache_dir: PathBuf, workspace: WorkspaceId, key_id: String) {
+        let mut kept = self.cache.lock().await;
+        if matches!(*kept, Kept::Nothing) {
+            *kept = Kept::Busy(tokio::task::spawn_blocking(move || {
+                Some(Cache::load(&cache_dir, &workspace, &key_id))
+            }));
+        }
     }
 
     /// Waits until the cache is on disk (before the runner exits).
@@ -113,8 +125,8 @@ impl Kept {
         match self {
             Self::Nothing => None,
             Self::Ready(cache) => Some(cache),
-            Self::Saving(saving) => saving.await.unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "writing the fingerprint cache failed");
+            Self::Busy(task) => task.await.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "writing or loading the fingerprint cache failed");
                 None
             }),
         }

@@ -12,7 +12,13 @@
 //! packs and rebuilds the identical file.
 //!
 //! Only a base held by a pack is used: it is in the same checkpoint, and it
-//! cannot be a delta itself. Repositories with alternates (objects that may
+//! cannot be a delta itself.
+//!
+//! The walk reads commits and trees through libgit2, tens of milliseconds
+//! per checkpoint once a few commits are loose. It is skipped for a
+//! repository whose loose objects and pack files are all as the cache knows
+//! them (and none of the packs it knows is gone): no new loose tree needs a
+//! base, and every cached base is still in the pack it was found in. Repositories with alternates (objects that may
 //! live outside the workspace) and SHA-256 repositories are left alone, and
 //! so is anything this walk cannot read: those trees are stored as the
 //! files they are.
@@ -58,6 +64,10 @@ impl TreeBases {
     pub fn find(scan: &Scan, cache: &Cache) -> Self {
         let mut bases = Self::default();
         for (objects, loose) in loose_objects(scan) {
+            if let Some(cached) = cached_bases(scan, &objects, &loose, cache) {
+                bases.by_path.extend(cached);
+                continue;
+            }
             let objects_dir = scan.root.join(OsStr::from_bytes(&objects));
             if objects_dir.join("info/alternates").exists() {
                 continue;
@@ -104,6 +114,44 @@ fn loose_objects(scan: &Scan) -> HashMap<Vec<u8>, Loose> {
         }
     }
     found
+}
+
+/// The bases the cache holds for the loose trees of `objects`, when nothing
+/// that could change them changed (see the module doc); None: walk.
+fn cached_bases(
+    scan: &Scan,
+    objects: &[u8],
+    loose: &Loose,
+    cache: &Cache,
+) -> Option<HashMap<Vec<u8>, Base>> {
+    let mut bases = HashMap::new();
+    for (rel, fingerprint) in loose.values() {
+        let known = cache.lookup(rel, fingerprint)?;
+        if let Some(GitStored::TreeDelta { base, .. }) = known.git {
+            bases.insert(
+                rel.clone(),
+                Base {
+                    id: base,
+                    content: Vec::new(),
+                },
+            );
+        }
+    }
+    let pack_dir = join_rel(objects, b"pack");
+    let listed = scan
+        .dirs
+        .binary_search_by(|d| d.path[..].cmp(&pack_dir[..]))
+        .ok()
+        .map(|at| &scan.dirs[at]);
+    let mut packs_seen = 0;
+    for node in listed.map(|d| &d.nodes[..]).unwrap_or_default() {
+        if let NodeKind::File(fingerprint) = &node.kind {
+            cache.lookup(&join_rel(&pack_dir, &node.name), fingerprint)?;
+            packs_seen += 1;
+        }
+    }
+    // A pack the cache knows that is gone may have held a base.
+    (cache.files_in(&pack_dir).count() == packs_seen).then_some(bases)
 }
 
 fn bases_in(

@@ -66,11 +66,11 @@ pub fn build(
                                 Some(stored) => EntryKind::Git {
                                     size: file.size,
                                     stored,
-                                    chunks: file.chunks.clone(),
+                                    chunks: file.chunks.to_vec(),
                                 },
                                 None => EntryKind::File {
                                     size: file.size,
-                                    chunks: file.chunks.clone(),
+                                    chunks: file.chunks.to_vec(),
                                 },
                             },
                             mode: file.meta.mode,
@@ -177,7 +177,7 @@ mod tests {
                             }]
                         };
                         Some(FileContent {
-                            chunks,
+                            chunks: chunks.into(),
                             size: data.len() as u64,
                             meta: node.meta,
                             cacheable: None,

@@ -266,7 +266,7 @@ fn reusable(
     if let Some(cache) = &target.cache
         && cache
             .lookup(rel, &fingerprint)
-            .is_some_and(|known| known.chunks == want.chunks && known.git == want.git)
+            .is_some_and(|known| *known.chunks == want.chunks[..] && known.git == want.git)
     {
         return Some(fingerprint);
     }

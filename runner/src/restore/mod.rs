@@ -657,7 +657,7 @@ async fn attempt(
                     entry.path.clone(),
                     CachedFile {
                         fingerprint,
-                        chunks: chunks.clone(),
+                        chunks: chunks.as_slice().into(),
                         git: *git,
                     },
                 )),

@@ -186,11 +186,27 @@ impl WorkspaceStore for RemoteStore {
             .await
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
             match restored {
-                Ok(report) => Ok(Restored::Checkpoint {
-                    id: report.checkpoint_id.to_string(),
-                    root_tree: BlobId::from_slice(&report.checkpoint.root_tree).ok(),
-                    summary: report.summary(&root).replace("\n  ", "; "),
-                }),
+                Ok(report) => {
+                    // The restore recorded what it wrote in the cache: the
+                    // first checkpoint finds it in memory, loaded meanwhile.
+                    if let Ok(workspace) = report.checkpoint.workspace_id.parse() {
+                        self.resident()
+                            .await
+                            .preload(
+                                // As the checkpoint will name it.
+                                std::fs::canonicalize(&self.cache_dir)
+                                    .unwrap_or_else(|_| self.cache_dir.clone()),
+                                workspace,
+                                report.checkpoint.key_id.clone(),
+                            )
+                            .await;
+                    }
+                    Ok(Restored::Checkpoint {
+                        id: report.checkpoint_id.to_string(),
+                        root_tree: BlobId::from_slice(&report.checkpoint.root_tree).ok(),
+                        summary: report.summary(&root).replace("\n  ", "; "),
+                    })
+                }
                 Err(RestoreError::NoCheckpoints { .. }) => Ok(Restored::NoCheckpoint),
                 Err(e) => Err(e.into()),
             }
