@@ -318,14 +318,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
     coordinator = Coordinator(bins["cairn-coordinator"], os.path.join(rep, "coordinator"))
     try:
         cache = os.path.join(rep, "runner-cache")
-        run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
-            env=coordinator.env(cache))
-        before = tree_bytes(coordinator.blobs_dir)
-        seconds, report, maxrss_kib = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache)
-        grown = tree_bytes(coordinator.blobs_dir) - before
-        results.add("full", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
-                    files=report["stats"]["files"], total_bytes=report["stats"]["total_bytes"],
-                    maxrss_kib=maxrss_kib)
+        full_cairn(bins, coordinator, workspace_root, cache, results, "full")
 
         tgz_full = os.path.join(rep, "tar-gz-full")
         seconds, _ = run(["bash", BASELINES, "tar-gz", workspace_root, tgz_full])
@@ -398,6 +391,18 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
         shutil.rmtree(rep, ignore_errors=True)
 
 
+def full_cairn(bins, coordinator, root, cache, results, step):
+    """cairn's full checkpoint of root into the coordinator's empty store, with the runner's peak RSS."""
+    run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
+        env=coordinator.env(cache))
+    before = tree_bytes(coordinator.blobs_dir)
+    seconds, report, maxrss_kib = cairn_checkpoint(bins, coordinator, root, "bench", cache)
+    grown = tree_bytes(coordinator.blobs_dir) - before
+    stats = report["stats"]
+    results.add(step, "cairn", seconds, stats["uploaded_bytes"], store_growth=grown,
+                files=stats["files"], total_bytes=stats["total_bytes"], maxrss_kib=maxrss_kib)
+
+
 def incremental_cairn(bins, coordinator, workspace_root, cache, socket, results, step):
     """cairn's incremental checkpoint, asked of the resident watcher through its socket."""
     before = tree_bytes(coordinator.blobs_dir)
@@ -436,14 +441,7 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
     coordinator = Coordinator(bins["cairn-coordinator"], os.path.join(rep, "coordinator"))
     try:
         cache = os.path.join(rep, "runner-cache")
-        run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
-            env=coordinator.env(cache))
-        before = tree_bytes(coordinator.blobs_dir)
-        seconds, report, maxrss_kib = cairn_checkpoint(bins, coordinator, large_root, "bench", cache)
-        grown = tree_bytes(coordinator.blobs_dir) - before
-        results.add("full-4x", "cairn", seconds, report["stats"]["uploaded_bytes"], store_growth=grown,
-                    files=report["stats"]["files"], total_bytes=report["stats"]["total_bytes"],
-                    maxrss_kib=maxrss_kib)
+        full_cairn(bins, coordinator, large_root, cache, results, "full-4x")
         tgz_full = os.path.join(rep, "tar-gz-full")
         seconds, _ = run(["bash", BASELINES, "tar-gz", large_root, tgz_full])
         results.add("full-4x", "tar-gz", seconds, tree_bytes(tgz_full))

@@ -119,44 +119,32 @@ fn checkpoints_go_through_the_watcher_and_intervals_skip_an_unchanged_workspace(
     // --if-changed on an unchanged workspace: the watcher settles it from
     // its change tracker, and nothing is committed.
     let before = coordinator.list_checkpoints(&workspace).len();
-    let unchanged = run(client
-        .runner()
-        .arg("checkpoint")
-        .arg("--root")
-        .arg(&root)
-        .args([
-            "--workspace",
-            &workspace,
-            "--if-changed",
-            "--output",
-            "json",
-        ])
-        .arg("--socket")
-        .arg(&socket))
-    .assert_success()
-    .json();
+    let if_changed = || {
+        run(client
+            .runner()
+            .arg("checkpoint")
+            .arg("--root")
+            .arg(&root)
+            .args([
+                "--workspace",
+                &workspace,
+                "--if-changed",
+                "--output",
+                "json",
+            ])
+            .arg("--socket")
+            .arg(&socket))
+        .assert_success()
+        .json()
+    };
+    let unchanged = if_changed();
     assert_eq!(
         unchanged["unchanged_since"], second["checkpoint_id"],
         "{unchanged}"
     );
     assert_eq!(coordinator.list_checkpoints(&workspace).len(), before);
     std::fs::write(root.join("notes.txt"), "changed again\n").unwrap();
-    let changed = run(client
-        .runner()
-        .arg("checkpoint")
-        .arg("--root")
-        .arg(&root)
-        .args([
-            "--workspace",
-            &workspace,
-            "--if-changed",
-            "--output",
-            "json",
-        ])
-        .arg("--socket")
-        .arg(&socket))
-    .assert_success()
-    .json();
+    let changed = if_changed();
     assert_eq!(json_u64(&changed, "stats.files_read"), 1, "{changed}");
     assert_eq!(coordinator.list_checkpoints(&workspace).len(), before + 1);
 
