@@ -13,7 +13,7 @@ one run, side by side, for each method:
                running, `cairn-runner checkpoint --if-changed`, which cuts no
                checkpoint when the workspace equals its newest one (it prints
                {"unchanged_since": ID, "duration_ms": N}); the peers have no
-               such check (n/a). n/a too while the runner has no --if-changed
+               such check (n/a)
   restore      the incremental checkpoint into an empty directory
   restore-baked
                the same onto a baked older copy: the target is first filled
@@ -100,7 +100,6 @@ RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cach
 STEPS += RESTORE_SPEED_STEPS
 LARGE_STEPS = ["full-4x", "incremental-4x"]
 STEPS += LARGE_STEPS
-NO_IF_CHANGED = "runner has no --if-changed"
 
 
 class BenchError(Exception):
@@ -277,12 +276,6 @@ def cairn_checkpoint(bins, coordinator, root, workspace, cache_dir, socket=None,
     return seconds, report, maxrss_kib
 
 
-def runner_has_if_changed(bins):
-    """Whether this cairn-runner's checkpoint knows --if-changed (issue 5; added to the runner later)."""
-    proc = subprocess.run([bins["cairn-runner"], "checkpoint", "--help"], capture_output=True, text=True)
-    return "--if-changed" in proc.stdout + proc.stderr
-
-
 class Watcher:
     """`cairn-runner watch`: the resident runner of a sandbox, which tracks changes with inotify."""
 
@@ -308,7 +301,7 @@ class Watcher:
         self.log.close()
 
 
-def one_repeat(index, args, bins, work, workspace_root, results, have_restic, have_if_changed):
+def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
     turn = index + 1
     rep = os.path.join(work, f"repeat-{turn}")
     os.makedirs(rep)
@@ -328,10 +321,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
         results.add("full", "parts", seconds, tree_bytes(parts_full))
         restic_repo = os.path.join(rep, "restic-repo")
         if have_restic:
-            run(["restic", "init", "--quiet", "--repo", restic_repo], env=dict(os.environ, RESTIC_PASSWORD="bench"))
-            before = tree_bytes(restic_repo)
-            seconds, _ = run(["bash", BASELINES, "restic", workspace_root, restic_repo])
-            results.add("full", "restic", seconds, tree_bytes(restic_repo) - before)
+            restic_backup(workspace_root, restic_repo, results, "full", init=True)
 
         # In a sandbox the runner is resident and watches the workspace; so here.
         socket = os.path.join(rep, "watch.sock")
@@ -342,7 +332,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
         try:
             incremental_cairn(bins, coordinator, workspace_root, cache, socket, results, "incremental")
             # Nothing changed since: the runner should answer without cutting a checkpoint.
-            unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results, have_if_changed)
+            unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results)
         finally:
             watcher.stop()
         tgz_incr = os.path.join(rep, "tar-gz-incremental")
@@ -352,9 +342,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
         seconds, _ = run(["bash", BASELINES, "parts", workspace_root, parts_incr])
         results.add("incremental", "parts", seconds, tree_bytes(parts_incr))
         if have_restic:
-            before = tree_bytes(restic_repo)
-            seconds, _ = run(["bash", BASELINES, "restic", workspace_root, restic_repo])
-            results.add("incremental", "restic", seconds, tree_bytes(restic_repo) - before)
+            restic_backup(workspace_root, restic_repo, results, "incremental")
 
         log(f"repeat {turn}/{args.repeat}: restores into empty directories")
         expected_files, _ = count_entries(workspace_root)
@@ -391,6 +379,15 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic, ha
         shutil.rmtree(rep, ignore_errors=True)
 
 
+def restic_backup(root, restic_repo, results, step, init=False):
+    """restic's checkpoint of root into restic_repo (made first with init): wall and repository growth."""
+    if init:
+        run(["restic", "init", "--quiet", "--repo", restic_repo], env=dict(os.environ, RESTIC_PASSWORD="bench"))
+    before = tree_bytes(restic_repo)
+    seconds, _ = run(["bash", BASELINES, "restic", root, restic_repo])
+    results.add(step, "restic", seconds, tree_bytes(restic_repo) - before)
+
+
 def full_cairn(bins, coordinator, root, cache, results, step):
     """cairn's full checkpoint of root into the coordinator's empty store, with the runner's peak RSS."""
     run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench"],
@@ -413,11 +410,8 @@ def incremental_cairn(bins, coordinator, workspace_root, cache, socket, results,
                 files_read=stats["files_read"], upload_wait_ms=stats.get("upload_wait_ms"))
 
 
-def unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results, have_if_changed):
+def unchanged_cairn(bins, coordinator, workspace_root, cache, socket, results):
     """Issue 5: `checkpoint --if-changed` right after a checkpoint, the watcher still running."""
-    if not have_if_changed:
-        results.na("unchanged", "cairn", NO_IF_CHANGED)
-        return
     before = tree_bytes(coordinator.blobs_dir)
     seconds, report, _ = cairn_checkpoint(bins, coordinator, workspace_root, "bench", cache, socket,
                                           if_changed=True)
@@ -448,10 +442,7 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
         shutil.rmtree(tgz_full)
         restic_repo = os.path.join(rep, "restic-repo")
         if have_restic:
-            run(["restic", "init", "--quiet", "--repo", restic_repo], env=dict(os.environ, RESTIC_PASSWORD="bench"))
-            before = tree_bytes(restic_repo)
-            seconds, _ = run(["bash", BASELINES, "restic", large_root, restic_repo])
-            results.add("full-4x", "restic", seconds, tree_bytes(restic_repo) - before)
+            restic_backup(large_root, restic_repo, results, "full-4x", init=True)
 
         socket = os.path.join(rep, "watch.sock")
         watcher = Watcher(bins, coordinator, large_root, "bench", cache, socket, os.path.join(rep, "watch.log"))
@@ -462,9 +453,7 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
         finally:
             watcher.stop()
         if have_restic:
-            before = tree_bytes(restic_repo)
-            seconds, _ = run(["bash", BASELINES, "restic", large_root, restic_repo])
-            results.add("incremental-4x", "restic", seconds, tree_bytes(restic_repo) - before)
+            restic_backup(large_root, restic_repo, results, "incremental-4x")
     finally:
         coordinator.stop()
     if not args.keep:
@@ -769,9 +758,6 @@ def main():
     if not have_restic:
         log("restic is not installed (Debian: apt-get install restic): its rows and the "
             "incremental-vs-restic target are skipped")
-    have_if_changed = runner_has_if_changed(bins)
-    if not have_if_changed:
-        log(f"{bins['cairn-runner']} checkpoint has no --if-changed: the unchanged row is n/a")
 
     work = args.workdir or tempfile.mkdtemp(prefix="cairn-bench-")
     os.makedirs(work, exist_ok=True)
@@ -803,7 +789,7 @@ def main():
     try:
         files, dirs, size = build_workspace(workspace_root, flags)
         for i in range(args.repeat):
-            one_repeat(i, args, bins, work, workspace_root, results, have_restic, have_if_changed)
+            one_repeat(i, args, bins, work, workspace_root, results, have_restic)
         if not args.no_large:
             large = build_workspace(large_root, large_flags)
             for i in range(args.large_repeat):

@@ -25,11 +25,6 @@
 //! ```
 
 use std::collections::HashMap;
-
-/// The maps of a checkpoint's hot path (tens of thousands of lookups per
-/// checkpoint): keys are paths and keyed digests, not chosen by a peer that
-/// could aim collisions at a fast hasher.
-pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -40,6 +35,11 @@ use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 
 use crate::format::ChunkRef;
 use crate::gitobj::GitStored;
+
+/// The maps of a checkpoint's hot path (tens of thousands of lookups per
+/// checkpoint): keys are paths and keyed digests, not chosen by a peer that
+/// could aim collisions at a fast hasher.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 const MAGIC: &[u8; 4] = b"CFPC";
 const VERSION: u8 = 4;

@@ -6,7 +6,8 @@
 //! paths, and the stash count. It only reads: the index is not refreshed or
 //! written, no lock file is taken, nothing in the repository changes.
 //!
-//! [`Inspector`] does this on its own thread while the walk is still going,
+//! [`Inspector`] does this on its own thread while the walk is still going
+//! (or, when a resident runner may find nothing changed, right after it),
 //! so the metadata costs no wall time in a checkpoint.
 
 use std::path::Path;

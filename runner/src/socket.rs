@@ -25,6 +25,8 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use cairn_proto::domain::CheckpointReason;
+
 use crate::checkpoint::{self, CheckpointReport};
 use crate::cli::{CheckpointArgs, OutputFormat};
 use crate::scan;
@@ -48,6 +50,22 @@ pub struct Request {
     /// Cut only if the workspace differs from its newest checkpoint.
     #[serde(default)]
     pub if_changed: bool,
+}
+
+impl Request {
+    /// The reason asked for, when the request is for `workspace`, the one
+    /// `runner` (a watcher, a run) checkpoints; else the refusal to send.
+    pub fn reason_for(&self, workspace: &str, runner: &str) -> Result<CheckpointReason, Response> {
+        if self.workspace != workspace {
+            return Err(Response::failed(format!(
+                "this {runner} checkpoints workspace {workspace}, not {}",
+                self.workspace
+            )));
+        }
+        self.reason
+            .parse()
+            .map_err(|e: cairn_proto::ValidationError| Response::failed(e.to_string()))
+    }
 }
 
 /// What an `--if-changed` checkpoint of an unchanged workspace answers

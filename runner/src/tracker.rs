@@ -45,13 +45,13 @@ use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions};
 pub const DEFAULT_FULL_SCAN_INTERVAL: Duration = Duration::from_secs(30 * 60);
 
 /// How sync cookies in the root are named.
-const SYNC_COOKIE_PREFIX: &[u8] = b".cairn-sync-";
+const SYNC_COOKIE_PREFIX: &str = ".cairn-sync-";
 /// How long a sync waits for its cookie to be reported.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Whether a name in the root is a change tracker's sync cookie.
 pub fn is_sync_cookie(name: &[u8]) -> bool {
-    name.starts_with(SYNC_COOKIE_PREFIX)
+    name.starts_with(SYNC_COOKIE_PREFIX.as_bytes())
 }
 
 /// Why change tracking could not start.
@@ -219,23 +219,16 @@ impl ChangeTracker {
         *self.previous.lock().expect("previous lock") = Some((scan.clone(), full_at));
         Ok((scan, kind))
     }
-}
 
-impl ChangeTracker {
     /// Makes a cookie in the root and waits until the watcher reports it:
     /// every event queued before it has then been handled.
     fn sync(&self) -> Synced {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let mut name = SYNC_COOKIE_PREFIX.to_vec();
-        name.extend_from_slice(
-            format!(
-                "{}-{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            )
-            .as_bytes(),
-        );
-        let name = OsString::from(std::ffi::OsStr::from_bytes(&name));
+        let name = OsString::from(format!(
+            "{SYNC_COOKIE_PREFIX}{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         let path = self.root.join(&name);
         if let Err(e) = std::fs::File::create(&path) {
             return Synced::CannotWrite(e);

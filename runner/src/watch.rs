@@ -76,15 +76,9 @@ impl Checkpointer {
             Ok(request) => request,
             Err(e) => return Response::failed(e),
         };
-        if request.workspace != self.options.workspace {
-            return Response::failed(format!(
-                "this watcher checkpoints workspace {}, not {}",
-                self.options.workspace, request.workspace
-            ));
-        }
-        let reason = match request.reason.parse::<CheckpointReason>() {
+        let reason = match request.reason_for(&self.options.workspace, "watcher") {
             Ok(reason) => reason,
-            Err(e) => return Response::failed(e.to_string()),
+            Err(refused) => return refused,
         };
         match self.checkpoint(reason, request.if_changed).await {
             Ok(Some(report)) => Response::committed(&report),

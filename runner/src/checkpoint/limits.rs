@@ -37,13 +37,19 @@ impl Limits {
     }
 }
 
-/// One regular file of the walk.
+/// One regular file of the walk (its path is only made when it is named).
 struct Candidate {
     dir: usize,
     node: usize,
     size: u64,
-    path: Vec<u8>,
     kept_whatever_its_size: bool,
+}
+
+impl Candidate {
+    fn path(&self, scan: &Scan) -> Vec<u8> {
+        let dir = &scan.dirs[self.dir];
+        join_rel(&dir.path, &dir.nodes[self.node].name)
+    }
 }
 
 /// `scan` without the files the limits leave out, and one warning per file
@@ -58,13 +64,12 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
         let dir_is_protected = is_protected_dir(&dir.path);
         for (n, node) in dir.nodes.iter().enumerate() {
             if let NodeKind::File(fingerprint) = &node.kind {
-                let path = join_rel(&dir.path, &node.name);
                 candidates.push(Candidate {
                     dir: d,
                     node: n,
                     size: fingerprint.size,
-                    kept_whatever_its_size: dir_is_protected || is_protected_dir(&path),
-                    path,
+                    kept_whatever_its_size: dir_is_protected
+                        || is_protected_entry(&dir.path, &node.name),
                 });
             }
         }
@@ -78,7 +83,7 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
                 warnings.push(format!(
                     "kept {} ({}) although it is larger than the per-file limit of {}: \
                      repository and conversation files are never left out",
-                    display(&candidate.path),
+                    display(&candidate.path(&scan)),
                     human_bytes(candidate.size),
                     human_bytes(max)
                 ));
@@ -87,7 +92,7 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
             Some(max) if candidate.size > max => {
                 warnings.push(format!(
                     "left out {} ({}): larger than the per-file limit of {}",
-                    display(&candidate.path),
+                    display(&candidate.path(&scan)),
                     human_bytes(candidate.size),
                     human_bytes(max)
                 ));
@@ -104,7 +109,7 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
             .collect();
         let mut total: u64 = droppable.iter().map(|c| c.size).sum();
         if total > max {
-            droppable.sort_by(|a, b| b.size.cmp(&a.size).then_with(|| a.path.cmp(&b.path)));
+            droppable.sort_by_cached_key(|c| (std::cmp::Reverse(c.size), c.path(&scan)));
             for candidate in droppable {
                 if total <= max {
                     break;
@@ -113,7 +118,7 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
                 warnings.push(format!(
                     "left out {} ({}): the checkpoint would exceed its limit of {} \
                      (the largest files are left out first)",
-                    display(&candidate.path),
+                    display(&candidate.path(&scan)),
                     human_bytes(candidate.size),
                     human_bytes(max)
                 ));
@@ -158,6 +163,12 @@ pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
         warnings: scan.warnings.clone(),
     };
     (Arc::new(limited), warnings)
+}
+
+/// `name` in the unprotected directory `dir` is itself a `.git` (a
+/// worktree's or submodule's pointer) or `.cairn/state`.
+fn is_protected_entry(dir: &[u8], name: &[u8]) -> bool {
+    name == b".git" || (dir == b".cairn" && name == b"state")
 }
 
 /// Inside a repository's `.git` directory, or under `.cairn/state/`.

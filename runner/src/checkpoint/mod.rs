@@ -357,9 +357,19 @@ async fn run(
 
     let scan_options = opts.scan_options(root, &cache_dir);
     let resident = opts.resident.clone();
-    let (scanned, inspector) = blocking(move || {
+    // A resident runner may settle an "only if changed" checkpoint from the
+    // walk alone; then no repository is read, so they wait for that check.
+    let may_settle_early = baseline.is_some() && resident.is_some();
+    let (scanned, inspector, held_repos) = blocking(move || {
         let inspector = git::Inspector::start();
-        let on_repo = |found| inspector.submit(found);
+        let held_repos = std::sync::Mutex::new(Vec::new());
+        let on_repo = |found| {
+            if may_settle_early {
+                held_repos.lock().expect("held repos lock").push(found);
+            } else {
+                inspector.submit(found);
+            }
+        };
         let scanned = match resident.as_ref().and_then(|r| r.tracker()) {
             Some(tracker) => tracker.scan(&scan_options, &on_repo),
             None => scan::scan(&scan_options, &on_repo).map(|scan| {
@@ -369,7 +379,8 @@ async fn run(
                 (Arc::new(scan), kind)
             }),
         };
-        (scanned, inspector)
+        let held_repos = held_repos.into_inner().expect("held repos lock");
+        (scanned, inspector, held_repos)
     })
     .await?;
     let (walked, scan_kind) = scanned?;
@@ -386,8 +397,10 @@ async fn run(
     {
         // The very walk the newest checkpoint was cut from: nothing to read.
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
-        drop(inspector);
         return Ok(None);
+    }
+    for found in held_repos {
+        inspector.submit(found);
     }
 
     let mut cache = match &opts.resident {
@@ -484,9 +497,7 @@ async fn run(
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
         if let Some(resident) = &opts.resident {
             resident.remember(baseline.clone(), walked.clone());
-            if let Ok(cache) = Arc::try_unwrap(cache) {
-                resident.put_back(cache).await;
-            }
+            resident.put_back(cache).await;
         }
         return Ok(None);
     }
@@ -537,10 +548,7 @@ async fn run(
                 Ok(committed) => committed,
                 Err(e) => {
                     // Unchanged, it still places blobs only in committed packs.
-                    drop(content);
-                    if let Ok(cache) = Arc::try_unwrap(cache) {
-                        resident.put_back(cache).await;
-                    }
+                    resident.put_back(cache).await;
                     return Err(e);
                 }
             };
@@ -857,26 +865,24 @@ pub async fn cli_main(args: CheckpointArgs) -> anyhow::Result<()> {
         tracing::debug!(socket = %socket.display(), "a stale control socket; checkpointing here");
     }
     let opts = CheckpointOptions::from_args(args.target, reason);
-    let cut = async {
-        if !args.if_changed {
-            return checkpoint(opts).await.map(Ok);
-        }
-        match newest_checkpoint(&opts).await? {
-            Some(Newest { baseline, .. }) => Ok(checkpoint_if_changed(opts, &baseline)
-                .await?
-                .ok_or(baseline.checkpoint_id)),
-            None => checkpoint(opts).await.map(Ok),
-        }
+    let failed = |e: CheckpointError| anyhow::anyhow!(one_line(&e));
+    let baseline = if args.if_changed {
+        let newest = newest_checkpoint(&opts).await.map_err(failed)?;
+        newest.map(|newest| newest.baseline)
+    } else {
+        None
     };
-    let report = match cut.await.map_err(|e| anyhow::anyhow!(one_line(&e)))? {
-        Ok(report) => report,
-        Err(unchanged_since) => {
-            let unchanged = crate::socket::Unchanged {
-                unchanged_since,
-                duration_ms: started.elapsed().as_millis() as u64,
-            };
-            return crate::socket::print_unchanged(&unchanged, args.output);
-        }
+    let report = match &baseline {
+        Some(baseline) => checkpoint_if_changed(opts, baseline).await,
+        None => checkpoint(opts).await.map(Some),
+    }
+    .map_err(failed)?;
+    let Some(report) = report else {
+        let unchanged = crate::socket::Unchanged {
+            unchanged_since: baseline.expect("only a baseline settles").checkpoint_id,
+            duration_ms: started.elapsed().as_millis() as u64,
+        };
+        return crate::socket::print_unchanged(&unchanged, args.output);
     };
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string(&report)?),

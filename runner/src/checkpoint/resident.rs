@@ -89,9 +89,12 @@ impl Resident {
         }
     }
 
-    /// Gives back a cache taken by a checkpoint that did not commit.
-    pub async fn put_back(&self, cache: Cache) {
-        *self.cache.lock().await = Kept::Ready(cache);
+    /// Gives back a cache taken by a checkpoint that did not commit, unless
+    /// something still holds it (then the next checkpoint loads it).
+    pub async fn put_back(&self, cache: Arc<Cache>) {
+        if let Ok(cache) = Arc::try_unwrap(cache) {
+            *self.cache.lock().await = Kept::Ready(cache);
+        }
     }
 
     /// Keeps the cache a checkpoint is writing, for the next one.

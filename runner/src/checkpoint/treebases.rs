@@ -14,14 +14,15 @@
 //! Only a base held by a pack is used: it is in the same checkpoint, and it
 //! cannot be a delta itself.
 //!
+//! Repositories with alternates (objects that may live outside the
+//! workspace) and SHA-256 repositories are left alone, and so is anything
+//! this walk cannot read: those trees are stored as the files they are.
+//!
 //! The walk reads commits and trees through libgit2, tens of milliseconds
 //! per checkpoint once a few commits are loose. It is skipped for a
 //! repository whose loose objects and pack files are all as the cache knows
 //! them (and none of the packs it knows is gone): no new loose tree needs a
-//! base, and every cached base is still in the pack it was found in. Repositories with alternates (objects that may
-//! live outside the workspace) and SHA-256 repositories are left alone, and
-//! so is anything this walk cannot read: those trees are stored as the
-//! files they are.
+//! base, and every cached base is still in the pack it was found in.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;

@@ -770,17 +770,10 @@ impl Attempt {
             // The agent may have stopped waiting; nothing is lost then.
             let _ = reply.send(response);
         };
-        if request.workspace != self.spec.workspace_id {
-            answer(Response::failed(format!(
-                "this run checkpoints workspace {}, not {}",
-                self.spec.workspace_id, request.workspace
-            )));
-            return Ok(());
-        }
-        let reason = match request.reason.parse::<CheckpointReason>() {
+        let reason = match request.reason_for(&self.spec.workspace_id, "run") {
             Ok(reason) => reason,
-            Err(e) => {
-                answer(Response::failed(e.to_string()));
+            Err(refused) => {
+                answer(refused);
                 return Ok(());
             }
         };
