@@ -88,6 +88,12 @@ impl Fingerprint {
         }
     }
 
+    /// Whether both are of the same file, with the same size and mode,
+    /// whatever its times.
+    pub fn same_file(&self, other: &Self) -> bool {
+        (self.dev, self.ino, self.size, self.mode) == (other.dev, other.ino, other.size, other.mode)
+    }
+
     /// Whether the file was last touched safely before `scan_start`. A file
     /// changed within the timestamp granularity of the scan could change
     /// again without its fingerprint changing, so it is not cached ("racy").
@@ -178,11 +184,17 @@ impl Cache {
         self.files.get(rel_path)
     }
 
-    /// What is known of `rel_path` if its fingerprint is unchanged.
+    /// What is known of `rel_path` if its fingerprint is unchanged. For a
+    /// git loose object only its times may differ: git moves them when it
+    /// "freshens" an object it would write again, and never rewrites one
+    /// in place, so the same inode of the same size holds the same object.
     pub fn lookup(&self, rel_path: &[u8], fingerprint: &Fingerprint) -> Option<&CachedFile> {
-        self.files
-            .get(rel_path)
-            .filter(|f| f.fingerprint == *fingerprint)
+        let known = self.files.get(rel_path)?;
+        let unchanged = known.fingerprint == *fingerprint
+            || (known.fingerprint.same_file(fingerprint)
+                && known.git.is_some()
+                && crate::gitobj::is_loose_object_path(rel_path));
+        unchanged.then_some(known)
     }
 
     /// The paths of the files the cache knows directly inside `dir`.

@@ -1,10 +1,16 @@
 //! Git metadata of the repositories in a workspace, recorded with each checkpoint.
 //!
-//! For every repository the walk finds, this reads (with libgit2, locally,
-//! never touching the network) the branch, HEAD, upstream, how far ahead and
-//! behind the upstream it is, the counts of staged, unstaged and untracked
-//! paths, and the stash count. It only reads: the index is not refreshed or
-//! written, no lock file is taken, nothing in the repository changes.
+//! For every repository the walk finds, this reads (locally, never touching
+//! the network) the branch, HEAD, upstream, how far ahead and behind the
+//! upstream it is, the counts of staged, unstaged and untracked paths, and
+//! the stash count. It only reads: the index is not refreshed or written,
+//! no lock file is taken, nothing in the repository changes.
+//!
+//! `git status --porcelain=v2 --no-optional-locks` reads it when a `git`
+//! binary is there: it stats the tracked files on several threads, about
+//! three times faster than libgit2's status on a repository of 80k files,
+//! and the status runs while the agent waits for its checkpoint. libgit2
+//! reads it otherwise, to the same counts.
 //!
 //! [`Inspector`] does this on its own thread while the walk is still going
 //! (or, when a resident runner may find nothing changed, right after it),
@@ -83,6 +89,10 @@ pub fn init() {
         if let Err(e) = unsafe { git2::opts::set_verify_owner_validation(false) } {
             tracing::debug!(error = %e, "cannot turn off libgit2's owner validation");
         }
+        // Hashing every object read again, to check it against its id,
+        // makes reading the state of a large repository several times
+        // slower; git itself does not do it on reads either.
+        git2::opts::strict_hash_verification(false);
     });
 }
 
@@ -90,8 +100,116 @@ fn count(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// Reads the state of the repository whose working directory is `dir`.
+/// Reads the state of the repository whose working directory is `dir`:
+/// with the git command line, else with libgit2.
 pub fn inspect(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
+    match inspect_with_cli(dir, rel) {
+        Some(read) => read,
+        None => inspect_with_libgit2(dir, rel),
+    }
+}
+
+/// Reads the state with `git status`; None when git cannot be started.
+fn inspect_with_cli(dir: &Path, rel: &str) -> Option<Result<RepoState, GitError>> {
+    let output = std::process::Command::new("git")
+        .args([
+            "-c",
+            "core.hooksPath=/dev/null",
+            "-c",
+            "safe.directory=*",
+            // A monitor daemon would be started in the sandbox for one read.
+            "-c",
+            "core.fsmonitor=false",
+            "--no-optional-locks",
+            "status",
+            "--porcelain=v2",
+            "-z",
+            "--branch",
+            "--show-stash",
+            "--untracked-files=all",
+            "--no-renames",
+            "--ignore-submodules=none",
+        ])
+        .current_dir(dir)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("LC_ALL", "C")
+        .env_remove("GIT_DIR")
+        .env_remove("GIT_WORK_TREE")
+        .env_remove("GIT_INDEX_FILE")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let said = stderr
+            .lines()
+            .map(str::trim)
+            .find(|line| !line.is_empty())
+            .unwrap_or("git status failed");
+        return Some(Err(GitError {
+            path: display_rel(rel.as_bytes()),
+            message: said.strip_prefix("fatal: ").unwrap_or(said).to_owned(),
+        }));
+    }
+    Some(Ok(parse_status(rel, &output.stdout)))
+}
+
+/// The state `git status --porcelain=v2 -z --branch --show-stash` printed.
+fn parse_status(rel: &str, printed: &[u8]) -> RepoState {
+    let mut state = RepoState {
+        path: rel.to_owned(),
+        ..RepoState::default()
+    };
+    let mut upstream = String::new();
+    let (mut staged, mut unstaged, mut untracked) = (0usize, 0usize, 0usize);
+    for record in printed.split(|b| *b == 0).filter(|r| !r.is_empty()) {
+        let record = String::from_utf8_lossy(record);
+        let mut words = record.split(' ');
+        match words.next() {
+            Some("#") => match (words.next(), words.next()) {
+                (Some("branch.oid"), Some(oid)) if oid != "(initial)" => {
+                    state.head = oid.to_owned();
+                }
+                (Some("branch.head"), Some("(detached)")) => state.detached = true,
+                (Some("branch.head"), Some(_)) => {
+                    state.branch = record["# branch.head ".len()..].to_owned();
+                }
+                (Some("branch.upstream"), Some(_)) => {
+                    upstream = record["# branch.upstream ".len()..].to_owned();
+                }
+                // Printed only when the upstream exists: one that is gone
+                // counts as none, as libgit2 has it.
+                (Some("branch.ab"), Some(ahead)) => {
+                    let number = |word: Option<&str>, sign: char| {
+                        word.and_then(|w| w.strip_prefix(sign))
+                            .and_then(|n| n.parse::<u32>().ok())
+                            .unwrap_or(0)
+                    };
+                    state.ahead = number(Some(ahead), '+');
+                    state.behind = number(words.next(), '-');
+                    state.upstream = std::mem::take(&mut upstream);
+                }
+                (Some("stash"), Some(n)) => state.stashes = n.parse().unwrap_or(0),
+                _ => {}
+            },
+            Some("1" | "2") => {
+                let xy = words.next().unwrap_or("..").as_bytes();
+                staged += usize::from(xy.first().is_some_and(|x| *x != b'.'));
+                unstaged += usize::from(xy.get(1).is_some_and(|y| *y != b'.'));
+            }
+            Some("u") => unstaged += 1,
+            Some("?") => untracked += 1,
+            _ => {}
+        }
+    }
+    state.staged = count(staged);
+    state.unstaged = count(unstaged);
+    state.untracked = count(untracked);
+    state
+}
+
+/// Reads the state with libgit2.
+fn inspect_with_libgit2(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
     init();
     let fail = |e: git2::Error| GitError {
         path: display_rel(rel.as_bytes()),
@@ -335,6 +453,11 @@ mod tests {
             .unwrap();
 
         let state = inspect(&work, "work").unwrap();
+        assert_eq!(
+            inspect_with_libgit2(&work, "work").unwrap(),
+            state,
+            "git and libgit2 read the same state"
+        );
         let head = git(&work, &["rev-parse", "HEAD"]);
         assert_eq!(
             state,
@@ -368,6 +491,38 @@ mod tests {
     }
 
     #[test]
+    fn git_status_output_is_counted_like_libgit2() {
+        let printed = b"# branch.oid 0123456789abcdef0123456789abcdef01234567\0\
+# branch.head feature/x\0# branch.upstream origin/gone\0\
+1 M. N... 100644 100644 100644 aaaa bbbb staged.rs\0\
+1 .M N... 100644 100644 100644 aaaa aaaa unstaged.rs\0\
+1 MM N... 100644 100644 100644 aaaa bbbb both.rs\0\
+u UU N... 100644 100644 100644 100644 aaaa bbbb cccc conflict.rs\0\
+? new file with spaces\0? other\0";
+        let state = parse_status("repo", printed);
+        assert_eq!(
+            state,
+            RepoState {
+                path: "repo".into(),
+                branch: "feature/x".into(),
+                head: "0123456789abcdef0123456789abcdef01234567".into(),
+                // Configured but gone: no `branch.ab` line, so none.
+                upstream: String::new(),
+                staged: 2,
+                unstaged: 3,
+                untracked: 2,
+                ..RepoState::default()
+            }
+        );
+        let tracking = parse_status(
+            "",
+            b"# branch.oid (initial)\0# branch.head (detached)\0# stash 3\0",
+        );
+        assert!(tracking.detached && tracking.head.is_empty() && tracking.branch.is_empty());
+        assert_eq!(tracking.stashes, 3);
+    }
+
+    #[test]
     fn a_detached_head_has_no_branch() {
         let tmp = tempfile::tempdir().unwrap();
         git(tmp.path(), &["init", "-q"]);
@@ -375,6 +530,7 @@ mod tests {
         commit(tmp.path(), "b", "2");
         git(tmp.path(), &["checkout", "-q", "--detach", "HEAD~1"]);
         let state = inspect(tmp.path(), "").unwrap();
+        assert_eq!(inspect_with_libgit2(tmp.path(), "").unwrap(), state);
         assert!(state.detached);
         assert_eq!(state.branch, "");
         assert_eq!(state.upstream, "");
@@ -387,6 +543,7 @@ mod tests {
         git(tmp.path(), &["init", "-q"]);
         fs::write(tmp.path().join("x"), "x").unwrap();
         let state = inspect(tmp.path(), "").unwrap();
+        assert_eq!(inspect_with_libgit2(tmp.path(), "").unwrap(), state);
         assert_eq!(
             (state.branch.as_str(), state.head.as_str(), state.untracked),
             ("main", "", 1)

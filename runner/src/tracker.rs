@@ -101,6 +101,9 @@ pub struct ChangeTracker {
     root: PathBuf,
     pending: Arc<Shared>,
     previous: Mutex<Option<(Arc<Scan>, Instant)>>,
+    /// Held for a whole walk: two walks at once would each take part of
+    /// the changes and build on the same previous walk.
+    walking: Mutex<()>,
     full_scan_interval: Duration,
     // Dropping the watcher stops the events.
     _watcher: RecommendedWatcher,
@@ -161,6 +164,7 @@ impl ChangeTracker {
             root,
             pending,
             previous: Mutex::new(None),
+            walking: Mutex::new(()),
             full_scan_interval,
             _watcher: watcher,
         })
@@ -173,6 +177,7 @@ impl ChangeTracker {
         opts: &ScanOptions,
         on_repo: &(dyn Fn(RepoFound) + Sync),
     ) -> Result<(Arc<Scan>, ScanKind), ScanError> {
+        let _walking = self.walking.lock().expect("walking lock");
         let unsynced = match self.sync() {
             Synced::Yes => None,
             Synced::CannotWrite(e) => {

@@ -173,14 +173,9 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     options.resident = Some(resident.clone());
     let newest = checkpoint::newest_checkpoint(&options).await?;
     if let Some(newest) = &newest {
-        // Loaded while nobody waits, not by the first checkpoint.
-        resident
-            .preload(
-                cache_dir.clone(),
-                newest.workspace_id.clone(),
-                newest.key_id.clone(),
-            )
-            .await;
+        // Worked out while nobody waits, not by the first checkpoint.
+        let (workspace, key_id) = (newest.workspace_id.clone(), newest.key_id.clone());
+        checkpoint::prime(&options, workspace, key_id, cache_dir.clone()).await;
     }
     let baseline = newest.map(|newest| newest.baseline);
     let listener = socket::bind(&socket)?;

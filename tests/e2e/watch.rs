@@ -188,3 +188,116 @@ fn checkpoints_go_through_the_watcher_and_intervals_skip_an_unchanged_workspace(
     assert!(!gone.status.success(), "{gone}");
     assert!(gone.stderr.contains("no resident runner answers"), "{gone}");
 }
+
+/// Every checkpoint a resident watcher cuts restores to exactly the tree it
+/// saw, while it takes what it found before for every directory in which
+/// nothing happened since: edits in place of the same size, a file written
+/// and checkpointed within the same second, new and removed directories, a
+/// rename, commits (loose trees stored as deltas), one after the other.
+#[test]
+fn each_watcher_checkpoint_restores_what_it_saw_while_unchanged_directories_are_not_read_again() {
+    let tmp = tempdir("watch-turns");
+    let root = tmp.path().join("workspace");
+    cairn_e2e::make_workspace(
+        &root,
+        &["--files", "600", "--ignored", "400", "--transcript-mb", "1"],
+    );
+    let_timestamps_settle();
+    let coordinator = Coordinator::start();
+    let workspace = coordinator.create_workspace("turns");
+    let client = coordinator.client();
+    let socket = client.cache_dir().join("turns.sock");
+    client.checkpoint(&root, &workspace);
+    // Started after the checkpoint: it works out what that one holds from
+    // its cache, so its first checkpoint too reads only what changed.
+    let _watcher = Watcher(
+        client
+            .runner()
+            .arg("watch")
+            .arg("--root")
+            .arg(&root)
+            .args(["--workspace", &workspace, "--interval", "24h"])
+            .arg("--socket")
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cairn-runner watch starts"),
+    );
+    wait_until("the control socket", Duration::from_secs(20), || {
+        socket.exists()
+    });
+    let ask = || {
+        run(client
+            .runner()
+            .arg("checkpoint")
+            .arg("--root")
+            .arg(&root)
+            .args(["--workspace", &workspace, "--output", "json"])
+            .arg("--socket")
+            .arg(&socket))
+        .assert_success()
+        .json()
+    };
+    let snapshots = tmp.path().join("snapshots");
+    std::fs::create_dir(&snapshots).unwrap();
+    let mut cut = Vec::new();
+    let mut keep = |report: serde_json::Value| {
+        let id = report["checkpoint_id"].as_str().unwrap().to_owned();
+        let copy = snapshots.join(cut.len().to_string());
+        run(std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&root)
+            .arg(&copy))
+        .assert_success();
+        cut.push((id, copy));
+        report
+    };
+    let app = root.join("app");
+
+    let fresh = app.join("scratch/fresh.md");
+    cairn_e2e::write(&fresh, "written just before the checkpoint\n");
+    let first = keep(ask());
+    assert_eq!(json_u64(&first, "stats.files_read"), 1, "{first}");
+
+    // Rewritten in place at once, same size: only its event tells.
+    cairn_e2e::write(&fresh, "WRITTEN JUST BEFORE THE CHECKPOINT\n");
+    cairn_e2e::write(&app.join("scratch/other.md"), "another file\n");
+    let second = keep(ask());
+    assert_eq!(
+        json_u64(&second, "stats.files_read"),
+        2,
+        "the file written just before the first checkpoint is not read again, \
+         the rewritten one is: {second}"
+    );
+
+    // A commit, new and removed directories, a rename, a deletion.
+    cairn_e2e::agent_turn(&root, 2);
+    cairn_e2e::write(&app.join("src/brand/new/deep.rs"), "fn deep() {}\n");
+    let scratch = app.join("scratch");
+    std::fs::rename(scratch.join("other.md"), scratch.join("renamed.md")).unwrap();
+    std::fs::remove_file(&fresh).unwrap();
+    keep(ask());
+    cairn_e2e::agent_turn(&root, 3);
+    std::fs::remove_dir_all(app.join("src/brand")).unwrap();
+    keep(ask());
+    cairn_e2e::agent_turn(&root, 4);
+    let last = keep(ask());
+    assert!(
+        json_u64(&last, "stats.files_read") * 10 < json_u64(&last, "stats.files"),
+        "{last}"
+    );
+
+    for (n, (id, snapshot)) in cut.iter().enumerate() {
+        let restored = tmp.path().join(format!("restored-{n}"));
+        client
+            .try_restore(&restored, &workspace, &["--checkpoint", id])
+            .assert_success();
+        cairn_e2e::assert_trees_equal(snapshot, &restored);
+        let fsck = run(std::process::Command::new("git")
+            .args(["fsck", "--strict"])
+            .current_dir(restored.join("app")));
+        assert!(fsck.status.success(), "git fsck of checkpoint {n}: {fsck}");
+    }
+}

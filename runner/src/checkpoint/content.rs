@@ -23,6 +23,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use cairn_proto::ids::BlobId;
 use rayon::prelude::*;
@@ -33,8 +34,9 @@ use crate::format::{ChunkRef, TenantKeys};
 use crate::gitobj::{self, GitStored};
 use crate::restore::fsops::open_for_read;
 
+use super::memo::Memo;
 use super::treebases::{Base, TreeBases};
-use crate::scan::{Meta, NodeKind, Scan, display_rel, join_rel_into};
+use crate::scan::{Meta, NodeKind, Scan, ScannedDir, display_rel, join_rel, join_rel_into};
 
 /// Plaintext gathered before the store is asked which blobs it lacks.
 pub const BATCH_BYTES: usize = 16 << 20;
@@ -69,6 +71,11 @@ pub struct FileContent {
 }
 
 impl FileContent {
+    /// Whether it is a loose git tree stored as a delta against a base.
+    pub fn is_tree_delta(&self) -> bool {
+        matches!(self.git, Some(GitStored::TreeDelta { .. }))
+    }
+
     /// What the fingerprint cache learns about this file, if anything.
     pub fn cache_entry(&self) -> Option<CachedFile> {
         self.cacheable.map(|fingerprint| CachedFile {
@@ -79,12 +86,19 @@ impl FileContent {
     }
 }
 
+/// One directory's files, per node: the file's content (None for other
+/// kinds and for files that vanished or could not be read). Shared with the
+/// [`Memo`] when the next checkpoint finds the same listing.
+pub type DirFiles = Arc<Vec<Option<FileContent>>>;
+
 /// Everything the reader found out.
 #[derive(Debug)]
 pub struct Content {
-    /// Per scanned directory, per node: the file's content (None for other
-    /// kinds and for files that vanished or could not be read).
-    pub files: Vec<Vec<Option<FileContent>>>,
+    /// Per scanned directory.
+    pub files: Vec<DirFiles>,
+    /// Per scanned directory: whether its files are the memo's (only
+    /// newly cacheable fingerprints may differ), so its tree can be too.
+    pub from_memo: Vec<bool>,
     pub warnings: Vec<String>,
     pub files_read: u64,
     pub bytes_read: u64,
@@ -94,20 +108,19 @@ pub struct Content {
 #[derive(Debug, Clone, Copy)]
 pub struct Cancelled;
 
-/// Reads what must be read and sends new blobs through `batches`.
+/// Reads what must be read and sends new blobs through `batches`. A
+/// listing `memo` remembers keeps what it found then.
 pub fn read_all(
     scan: &Scan,
     cache: &Cache,
     bases: &TreeBases,
     keys: &TenantKeys,
+    memo: Option<&Memo>,
     batches: tokio::sync::mpsc::Sender<Batch>,
 ) -> Result<Content, Cancelled> {
     let mut content = Content {
-        files: scan
-            .dirs
-            .iter()
-            .map(|d| vec![None; d.nodes.len()])
-            .collect(),
+        files: Vec::with_capacity(scan.dirs.len()),
+        from_memo: Vec::with_capacity(scan.dirs.len()),
         warnings: Vec::new(),
         files_read: 0,
         bytes_read: 0,
@@ -117,6 +130,22 @@ pub fn read_all(
     // One buffer for every path looked up: most files only are.
     let mut rel = Vec::new();
     for (d, dir) in scan.dirs.iter().enumerate() {
+        let remembered = memo
+            .and_then(|memo| memo.get(dir))
+            .filter(|outcome| !outcome.has_tree_deltas || bases_hold(dir, &outcome.files, bases));
+        if let Some(outcome) = remembered {
+            let files = match outcome.uncached {
+                true => now_cacheable(dir, &outcome.files, scan.started),
+                false => None,
+            };
+            content
+                .files
+                .push(files.unwrap_or_else(|| outcome.files.clone()));
+            content.from_memo.push(true);
+            continue;
+        }
+        content.files.push(Arc::new(vec![None; dir.nodes.len()]));
+        content.from_memo.push(false);
         for (n, node) in dir.nodes.iter().enumerate() {
             let NodeKind::File(fingerprint) = &node.kind else {
                 continue;
@@ -144,15 +173,14 @@ pub fn read_all(
                     .and_then(|known| {
                         let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
                         content.bytes_read += tail;
-                        // Known by its bytes, not its times: remembered
-                        // again once the new times are old enough.
-                        let stable = fingerprint.is_stable(scan.started);
-                        unchanged.then_some((known, stable.then_some(*fingerprint)))
+                        // Known by its bytes, and remembered under its new
+                        // times at once (see gitobj::is_named_by_content).
+                        unchanged.then_some((known, Some(*fingerprint)))
                     }),
             };
             match reusable {
                 Some((known, cacheable)) => {
-                    content.files[d][n] = Some(FileContent {
+                    fresh(&mut content.files[d])[n] = Some(FileContent {
                         chunks: known.chunks.clone(),
                         size: fingerprint.size,
                         meta: node.meta,
@@ -183,6 +211,7 @@ pub fn read_all(
     };
     tracing::debug!(
         files = to_read.len(),
+        dirs_reused = content.from_memo.iter().filter(|reused| **reused).count(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "fingerprints compared with the cache"
     );
@@ -224,6 +253,50 @@ pub fn read_all(
     Ok(content)
 }
 
+/// The files of a directory this checkpoint works out itself.
+fn fresh(files: &mut DirFiles) -> &mut Vec<Option<FileContent>> {
+    Arc::get_mut(files).expect("a directory read by this checkpoint is not shared yet")
+}
+
+/// The memo's `files` of `dir` with the fingerprints that became cacheable
+/// since they were read (None: none did). Remembering them is safe although
+/// they were read within the racy window: the tracker has seen no write to
+/// them since their listing, so what was read is what they hold, and any
+/// later write moves their times past the fingerprint.
+fn now_cacheable(
+    dir: &ScannedDir,
+    files: &DirFiles,
+    scan_started: std::time::SystemTime,
+) -> Option<DirFiles> {
+    let mut upgraded: Option<Vec<Option<FileContent>>> = None;
+    for (n, (node, file)) in dir.nodes.iter().zip(files.iter()).enumerate() {
+        if let (NodeKind::File(fingerprint), Some(file)) = (&node.kind, file)
+            && file.cacheable.is_none()
+            && fingerprint.is_stable(scan_started)
+        {
+            let upgraded = upgraded.get_or_insert_with(|| files.to_vec());
+            if let Some(file) = &mut upgraded[n] {
+                file.cacheable = Some(*fingerprint);
+            }
+        }
+    }
+    upgraded.map(Arc::new)
+}
+
+/// Whether every loose tree in `files` that is stored as a delta still has
+/// the base found for this checkpoint.
+fn bases_hold(dir: &ScannedDir, files: &[Option<FileContent>], bases: &TreeBases) -> bool {
+    dir.nodes.iter().zip(files).all(|(node, file)| match file {
+        Some(FileContent {
+            git: Some(GitStored::TreeDelta { base, .. }),
+            ..
+        }) => bases
+            .get(&join_rel(&dir.path, &node.name))
+            .is_some_and(|found| found.id == *base),
+        _ => true,
+    })
+}
+
 struct Job {
     dir: usize,
     node: usize,
@@ -245,11 +318,8 @@ fn pack_unchanged(
     keys: &TenantKeys,
 ) -> (bool, u64) {
     use std::os::unix::fs::FileExt as _;
-    let was = &known.fingerprint;
     let recorded: u64 = known.chunks.iter().map(|c| u64::from(c.len)).sum();
-    if (was.dev, was.ino, was.size, was.mode) != (now.dev, now.ino, now.size, now.mode)
-        || recorded != now.size
-    {
+    if !known.fingerprint.same_file(now) || recorded != now.size {
         return (false, 0);
     }
     let mut tail = Vec::new();
@@ -326,13 +396,16 @@ fn record(
             for (chunk, data) in held {
                 batcher.offer(chunk.id, data)?;
             }
-            let stable = !changing && read.after.is_stable(scan.started);
+            let named_by_content = read.git.is_some() || gitobj::is_pack_path(&job.rel);
+            let stable = !changing
+                && (read.after.is_stable(scan.started)
+                    || (named_by_content && gitobj::is_named_by_content(&job.rel)));
             if changing {
                 content.warnings.push(format!(
                     "{shown} kept changing while it was read; the checkpoint holds one of its states"
                 ));
             }
-            content.files[job.dir][job.node] = Some(FileContent {
+            fresh(&mut content.files[job.dir])[job.node] = Some(FileContent {
                 cacheable: stable.then_some(read.after),
                 chunks: read.chunks.into(),
                 size: read.size,
@@ -634,7 +707,6 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     use super::*;
-    use crate::scan::join_rel;
     use crate::scan::{ScanOptions, scan};
 
     fn keys() -> TenantKeys {
@@ -656,7 +728,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let keys = keys();
         std::thread::scope(|s| {
-            let reader = s.spawn(|| read_all(scan, cache, &TreeBases::default(), &keys, tx));
+            let reader = s.spawn(|| read_all(scan, cache, &TreeBases::default(), &keys, None, tx));
             let mut blobs = Vec::new();
             while let Some(batch) = rx.blocking_recv() {
                 blobs.extend(batch.blobs);
@@ -882,7 +954,8 @@ mod tests {
             pending_bytes: 0,
         };
         let mut content = Content {
-            files: vec![vec![None]],
+            files: vec![vec![None].into()],
+            from_memo: vec![false],
             warnings: vec![],
             files_read: 0,
             bytes_read: 0,
@@ -1002,7 +1075,8 @@ mod tests {
             pending_bytes: 0,
         };
         let mut content = Content {
-            files: vec![vec![None]],
+            files: vec![vec![None].into()],
+            from_memo: vec![false],
             warnings: vec![],
             files_read: 0,
             bytes_read: 0,

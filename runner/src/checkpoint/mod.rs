@@ -31,6 +31,7 @@
 
 mod content;
 pub mod limits;
+mod memo;
 mod remote;
 mod resident;
 mod treebases;
@@ -52,6 +53,7 @@ use serde::Serialize;
 use tonic::Code;
 
 use self::content::{Cancelled, Content, FileContent};
+use self::memo::Memo;
 use self::remote::Session;
 use self::treebases::TreeBases;
 use self::upload::{Packer, Spool, SpooledPack, Uploader};
@@ -424,18 +426,25 @@ async fn run(
     let cache = Arc::new(cache);
     let keys = session.keys.clone();
     let (scan, limit_warnings) = limits::apply(walked.clone(), &opts.limits);
+    // After a refused commit a remembered pack may be gone: start afresh.
+    let memo = match &opts.resident {
+        Some(resident) if !forget_blobs => {
+            resident.memo(&session.workspace_id, session.keys.key_id())
+        }
+        _ => None,
+    };
 
     let mut store = Store::new(&session, &spool, lost);
 
     // File contents: the reader sends batches of new chunks while this task stores them.
     let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
     let reader = {
-        let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
+        let (scan, cache, keys, memo) = (scan.clone(), cache.clone(), keys.clone(), memo.clone());
         tokio::task::spawn_blocking(move || {
-            let bases = TreeBases::find(&scan, &cache);
+            let bases = TreeBases::find(&scan, &cache, memo.as_deref());
             let elapsed_ms = started.elapsed().as_millis() as u64;
             tracing::debug!(elapsed_ms, "git tree bases found");
-            content::read_all(&scan, &cache, &bases, &keys, batches)
+            content::read_all(&scan, &cache, &bases, &keys, memo.as_deref(), batches)
         })
     };
     let mut stored = Ok(());
@@ -463,13 +472,17 @@ async fn run(
 
     // Trees, then what is left to upload.
     let (mut trees, content) = {
-        let (scan, cache, keys) = (scan.clone(), cache.clone(), keys.clone());
+        let (scan, cache, keys, memo) = (scan.clone(), cache.clone(), keys.clone(), memo.clone());
         blocking(move || {
-            let trees = trees::build(&scan, &content.files, &keys, &|id| cache.knows_blob(id));
+            let remembered = remembered_trees(&scan, &content, memo.as_deref());
+            let known = |id: &BlobId| cache.knows_blob(id);
+            let trees = trees::build(&scan, &content.files, &keys, &known, &remembered);
+            drop(remembered);
             (trees, content)
         })
         .await?
     };
+    tracing::debug!(dirs_reused = trees.reused, elapsed_ms = ms(), "trees built");
     store
         .store(PackKind::Meta, std::mem::take(&mut trees.unknown))
         .await?;
@@ -487,6 +500,18 @@ async fn run(
         elapsed_ms = ms(),
         "trees stored, uploads finished"
     );
+    let placed = place(&scan, &content, &trees, &located, &cache, memo.as_deref())?;
+    let next_memo = opts.resident.as_ref().map(|_| {
+        Memo::new(
+            session.workspace_id.clone(),
+            keys.key_id().to_owned(),
+            &scan,
+            &content.files,
+            &trees.dirs,
+            &placed.per_dir,
+        )
+    });
+    let tree_dirs = std::mem::take(&mut trees.dirs);
     let (repos, git_warnings) = blocking(move || inspector.finish()).await?;
     tracing::debug!(repos = repos.len(), elapsed_ms = ms(), "git state read");
 
@@ -496,16 +521,14 @@ async fn run(
     {
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
         if let Some(resident) = &opts.resident {
-            resident.remember(baseline.clone(), walked.clone());
+            let memo = next_memo.expect("a resident runner remembers");
+            resident.remember(baseline.clone(), walked.clone(), memo);
             resident.put_back(cache).await;
         }
         return Ok(None);
     }
 
     failpoint::hit("checkpoint-before-commit")?;
-
-    let reachable = locate_reachable(&content, &trees, &located, &cache)?;
-    let referenced: BTreeSet<&PackId> = reachable.values().collect();
 
     stats.files = trees.counts.files;
     stats.directories = trees.counts.directories;
@@ -531,7 +554,7 @@ async fn run(
         format_version: FORMAT_VERSION,
         root_tree: trees.root.as_bytes().to_vec(),
         new_packs,
-        referenced_packs: referenced.iter().map(|p| p.to_string()).collect(),
+        referenced_packs: placed.referenced.iter().map(|p| p.to_string()).collect(),
         stats: Some(pb::CheckpointStats::from(&stats)),
         repos: repos.iter().cloned().map(pb::GitRepoState::from).collect(),
         warnings: warnings.clone(),
@@ -553,8 +576,9 @@ async fn run(
                 }
             };
             let scan = scan.clone();
-            let saving =
-                tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable));
+            let saving = tokio::task::spawn_blocking(move || {
+                save_cache(cache, &scan, content, &tree_dirs, &located)
+            });
             resident.keep(saving).await;
             committed
         }
@@ -565,7 +589,9 @@ async fn run(
             let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
             let saving = {
                 let scan = scan.clone();
-                tokio::task::spawn_blocking(move || save_cache(cache, &scan, content, reachable))
+                tokio::task::spawn_blocking(move || {
+                    save_cache(cache, &scan, content, &tree_dirs, &located)
+                })
             };
             tracing::debug!(elapsed_ms = ms(), "committing");
             match remote::commit(&session.client, request).await {
@@ -596,7 +622,8 @@ async fn run(
             checkpoint_id: committed.id.clone(),
             root_tree: trees.root,
         };
-        resident.remember(baseline, walked.clone());
+        let memo = next_memo.expect("a resident runner remembers");
+        resident.remember(baseline, walked.clone(), memo);
     }
     drop(spool);
     Ok(Some(CheckpointReport {
@@ -611,33 +638,79 @@ async fn run(
     }))
 }
 
-/// Every blob the checkpoint reaches (file chunks and trees), with the pack
-/// holding it: found or written by this checkpoint, else known to the cache.
-fn locate_reachable(
+/// Per directory, the tree `memo` remembers for it if its files were taken
+/// from the memo.
+fn remembered_trees<'m>(
+    scan: &Scan,
+    content: &Content,
+    memo: Option<&'m Memo>,
+) -> Vec<Option<&'m trees::DirTree>> {
+    let Some(memo) = memo else {
+        return Vec::new();
+    };
+    scan.dirs
+        .iter()
+        .zip(&content.from_memo)
+        .map(|(dir, &from_memo)| {
+            memo.get(dir)
+                .filter(|_| from_memo)
+                .map(|outcome| &outcome.tree)
+        })
+        .collect()
+}
+
+/// Where a checkpoint's blobs are.
+struct Placed {
+    /// Per directory: the packs holding its file chunks, tree and pages.
+    per_dir: Vec<Arc<[PackId]>>,
+    /// All of them, for the commit.
+    referenced: BTreeSet<PackId>,
+}
+
+/// Finds the pack of every blob the checkpoint reaches: found or written by
+/// this checkpoint, else known to the cache. A directory whose files were
+/// taken from `memo`, and whose tree is the one remembered, keeps the packs
+/// remembered with it.
+fn place(
+    scan: &Scan,
     content: &Content,
     trees: &trees::Trees,
     located: &FastMap<BlobId, PackId>,
     cache: &Cache,
-) -> Result<FastMap<BlobId, PackId>, CheckpointError> {
-    let mut reachable = FastMap::default();
-    let chunk_ids = content
-        .files
-        .iter()
-        .flatten()
-        .flatten()
-        .flat_map(|f| f.chunks.iter().map(|c| c.id));
-    let tree_ids = trees.by_dir.values().chain(&trees.pages).copied();
-    for id in chunk_ids.chain(tree_ids) {
-        if reachable.contains_key(&id) {
-            continue;
-        }
-        let pack = located
-            .get(&id)
-            .or_else(|| cache.blob_pack(&id))
-            .ok_or(CheckpointError::UnlocatedBlob(id))?;
-        reachable.insert(id, pack.clone());
+    memo: Option<&Memo>,
+) -> Result<Placed, CheckpointError> {
+    let mut per_dir = Vec::with_capacity(scan.dirs.len());
+    let mut referenced = BTreeSet::new();
+    let dirs = scan.dirs.iter().zip(&content.files).zip(&content.from_memo);
+    for (((dir, files), &from_memo), tree) in dirs.zip(&trees.dirs) {
+        let remembered = memo
+            .and_then(|memo| memo.get(dir))
+            .filter(|outcome| from_memo && outcome.tree == *tree);
+        let packs = match remembered {
+            Some(outcome) => outcome.packs.clone(),
+            None => {
+                let mut packs: Vec<PackId> = Vec::new();
+                let chunks = files.iter().flatten().flat_map(|f| f.chunks.iter());
+                let trees = std::iter::once(&tree.id).chain(&tree.pages);
+                for id in chunks.map(|c| &c.id).chain(trees) {
+                    let pack = located
+                        .get(id)
+                        .or_else(|| cache.blob_pack(id))
+                        .ok_or(CheckpointError::UnlocatedBlob(*id))?;
+                    if !packs.contains(pack) {
+                        packs.push(pack.clone());
+                    }
+                }
+                packs.into()
+            }
+        };
+        referenced.extend(packs.iter().cloned());
+        per_dir.push(packs);
     }
-    Ok(reachable)
+    Ok(Placed {
+        per_dir,
+        referenced,
+    })
 }
 
 fn capped_warnings(mut warnings: Vec<String>) -> Vec<String> {
@@ -656,7 +729,8 @@ fn save_cache(
     cache: Arc<Cache>,
     scan: &Scan,
     content: Content,
-    reachable: FastMap<BlobId, PackId>,
+    trees: &[trees::DirTree],
+    located: &FastMap<BlobId, PackId>,
 ) -> Option<Cache> {
     let started = Instant::now();
     let Ok(mut cache) = Arc::try_unwrap(cache) else {
@@ -665,13 +739,34 @@ fn save_cache(
     };
     let mut files = FastMap::default();
     for (dir, results) in scan.dirs.iter().zip(&content.files) {
-        for (node, result) in dir.nodes.iter().zip(results) {
+        for (node, result) in dir.nodes.iter().zip(results.iter()) {
             if let Some(entry) = result.as_ref().and_then(FileContent::cache_entry) {
                 files.insert(join_rel(&dir.path, &node.name), entry);
             }
         }
     }
     cache.replace_files(files);
+    // The cache places only this checkpoint's blobs: a pack only an older
+    // checkpoint holds may be collected.
+    let mut reachable: FastMap<BlobId, PackId> = FastMap::default();
+    let chunks = content
+        .files
+        .iter()
+        .flat_map(|files| files.iter().flatten());
+    let ids = chunks.flat_map(|f| f.chunks.iter().map(|c| c.id));
+    let tree_ids = trees
+        .iter()
+        .flat_map(|tree| std::iter::once(tree.id).chain(tree.pages.iter().copied()));
+    for id in ids.chain(tree_ids) {
+        if reachable.contains_key(&id) {
+            continue;
+        }
+        // A blob a remembered directory holds that the cache forgot is
+        // only read again by a later checkpoint that has no memo.
+        if let Some(pack) = located.get(&id).or_else(|| cache.blob_pack(&id)) {
+            reachable.insert(id, pack.clone());
+        }
+    }
     cache.forget_blobs();
     for (id, pack) in &reachable {
         cache.insert_blob(*id, pack);
@@ -851,6 +946,41 @@ pub async fn newest_checkpoint(
         workspace_id,
         key_id: newest.key_id,
     }))
+}
+
+/// Readies a resident runner (`opts.resident`) for its first checkpoint
+/// of `workspace`, whose newest checkpoint is under tenant key `key_id`:
+/// loads the fingerprint cache and works out what that checkpoint holds per
+/// listing (see [`Resident::prime`]), in the background. When the
+/// coordinator cannot say which tenant key hashes the trees, only the cache
+/// is loaded.
+pub async fn prime(
+    opts: &CheckpointOptions,
+    workspace: WorkspaceId,
+    key_id: String,
+    cache_dir: PathBuf,
+) {
+    let Some(resident) = &opts.resident else {
+        return;
+    };
+    let session = match Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await {
+        Ok(coordinator) => Session::begin(&coordinator, &opts.workspace, opts.generation)
+            .await
+            .ok(),
+        Err(_) => None,
+    };
+    let root = scan::resolve_root(&opts.root);
+    match (session, root) {
+        (Some(session), Ok(root))
+            if session.workspace_id == workspace && session.keys.key_id() == key_id =>
+        {
+            let walk = opts.scan_options(&root, &cache_dir);
+            resident
+                .prime(cache_dir, workspace, session.keys, walk)
+                .await;
+        }
+        _ => resident.preload(cache_dir, workspace, key_id).await,
+    }
 }
 
 /// `cairn-runner checkpoint`.

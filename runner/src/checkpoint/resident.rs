@@ -7,7 +7,9 @@
 //!   checkpoint, in the background, so a restarted runner starts warm;
 //! - the walk its last checkpoint was cut from: while the tracker has seen
 //!   no change since, a "only if changed" checkpoint is settled without
-//!   reading or hashing anything.
+//!   reading or hashing anything;
+//! - what that checkpoint found per directory listing ([`Memo`]), so the
+//!   next one takes it for every listing the tracker hands back unchanged.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -16,8 +18,10 @@ use cairn_proto::ids::WorkspaceId;
 use tokio::task::JoinHandle;
 
 use super::Baseline;
+use super::memo::Memo;
 use crate::cache::Cache;
-use crate::scan::Scan;
+use crate::format::TenantKeys;
+use crate::scan::{Scan, ScanOptions};
 use crate::tracker::ChangeTracker;
 
 /// A resident runner's state across checkpoints.
@@ -27,6 +31,9 @@ pub struct Resident {
     cache: tokio::sync::Mutex<Kept>,
     /// The last checkpoint committed (or found unchanged) and its walk.
     last_cut: Mutex<Option<(Baseline, Arc<Scan>)>>,
+    /// What that checkpoint found per listing (or, before the first one,
+    /// what the cache tells of the newest checkpoint).
+    memo: Mutex<Option<Arc<Memo>>>,
 }
 
 #[derive(Debug, Default)]
@@ -47,6 +54,7 @@ impl Resident {
             tracker,
             cache: tokio::sync::Mutex::new(Kept::Nothing),
             last_cut: Mutex::new(None),
+            memo: Mutex::new(None),
         }
     }
 
@@ -58,9 +66,18 @@ impl Resident {
             .is_some_and(|(cut, walk)| cut == baseline && Arc::ptr_eq(walk, scan))
     }
 
-    /// Remembers that `baseline` holds the workspace as `scan` saw it.
-    pub fn remember(&self, baseline: Baseline, scan: Arc<Scan>) {
-        *self.last_cut.lock().expect("last-cut lock") = Some((baseline, scan));
+    /// Remembers that `baseline` holds the workspace as `walk` saw it, and
+    /// what it found per listing.
+    pub fn remember(&self, baseline: Baseline, walk: Arc<Scan>, memo: Memo) {
+        *self.last_cut.lock().expect("last-cut lock") = Some((baseline, walk));
+        *self.memo.lock().expect("memo lock") = Some(Arc::new(memo));
+    }
+
+    /// What the last checkpoint of `workspace` (tenant key `key_id`) found
+    /// per listing.
+    pub fn memo(&self, workspace: &WorkspaceId, key_id: &str) -> Option<Arc<Memo>> {
+        let memo = self.memo.lock().expect("memo lock");
+        memo.clone().filter(|memo| memo.is_of(workspace, key_id))
     }
 
     pub fn tracker(&self) -> Option<&ChangeTracker> {
@@ -111,6 +128,51 @@ impl Resident {
                 Some(Cache::load(&cache_dir, &workspace, &key_id))
             }));
         }
+    }
+
+    /// Like [`Resident::preload`], and then works out from a walk and the
+    /// cache alone what the workspace's newest checkpoint held per listing
+    /// ([`Memo::prime`]), so that the first checkpoint, too, costs what
+    /// changed. The first checkpoint waits for both, as for the cache.
+    pub async fn prime(
+        self: &Arc<Self>,
+        cache_dir: PathBuf,
+        workspace: WorkspaceId,
+        keys: Arc<TenantKeys>,
+        walk: ScanOptions,
+    ) {
+        let mut kept = self.cache.lock().await;
+        if !matches!(*kept, Kept::Nothing) {
+            return;
+        }
+        let resident = self.clone();
+        *kept = Kept::Busy(tokio::task::spawn_blocking(move || {
+            let cache = Cache::load(&cache_dir, &workspace, keys.key_id());
+            let Some(tracker) = resident.tracker() else {
+                return Some(cache);
+            };
+            match tracker.scan(&walk, &|_| {}) {
+                Ok((scan, _)) => {
+                    let started = std::time::Instant::now();
+                    let memo = Memo::prime(workspace, &scan, &cache, &keys);
+                    tracing::debug!(
+                        dirs = scan.dirs.len(),
+                        known = memo.listings(),
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "what the newest checkpoint holds worked out from the cache"
+                    );
+                    let mut kept = resident.memo.lock().expect("memo lock");
+                    // A checkpoint that got there first knows better.
+                    if kept.is_none() {
+                        *kept = Some(Arc::new(memo));
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot walk the workspace to prime the runner")
+                }
+            }
+            Some(cache)
+        }));
     }
 
     /// Waits until the cache is on disk (before the runner exits).

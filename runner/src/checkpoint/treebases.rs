@@ -19,10 +19,13 @@
 //! this walk cannot read: those trees are stored as the files they are.
 //!
 //! The walk reads commits and trees through libgit2, tens of milliseconds
-//! per checkpoint once a few commits are loose. It is skipped for a
-//! repository whose loose objects and pack files are all as the cache knows
-//! them (and none of the packs it knows is gone): no new loose tree needs a
-//! base, and every cached base is still in the pack it was found in.
+//! per checkpoint once a few commits are loose, so it is cut short by what
+//! an earlier checkpoint stored: a loose tree the memo or the cache knows
+//! keeps the base it was stored against, as long as every pack of the
+//! repository is as it was then (none gone, none new). The walk then stops
+//! at the first commit whose root tree is known, and a new tree whose
+//! earlier version is known takes that version's base. Nothing is walked
+//! when every loose object is known.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -30,22 +33,41 @@ use std::os::unix::ffi::OsStrExt;
 
 use git2::{ObjectType, Oid, Repository};
 
-use crate::cache::{Cache, Fingerprint};
+use super::memo::Memo;
+use crate::cache::Cache;
 use crate::gitobj::{self, GitStored};
 use crate::scan::{NodeKind, Scan, join_rel};
 
 /// How far back the first-parent history is followed for a base.
 const MAX_COMMITS: usize = 32;
 
-/// The loose objects of one repository: id → (path, fingerprint).
-type Loose = HashMap<Oid, (Vec<u8>, Fingerprint)>;
+/// What an earlier checkpoint stored a loose object as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    /// Not known as it is now: read by this checkpoint.
+    No,
+    /// Stored as it is (or as the blob it holds).
+    Plain,
+    /// Stored as a delta against this packed tree.
+    Delta([u8; 20]),
+}
+
+/// A loose object of a repository.
+#[derive(Debug)]
+struct LooseObject {
+    rel: Vec<u8>,
+    known: Known,
+}
+
+/// The loose objects of one repository, by id.
+type Loose = HashMap<Oid, LooseObject>;
 
 /// A packed tree a loose tree is stored against.
 #[derive(Debug, Clone)]
 pub struct Base {
     pub id: [u8; 20],
-    /// Its content; empty when the loose tree is known to the cache (then
-    /// only the id is compared).
+    /// Its content; empty when the loose tree is known as it is (then only
+    /// the id is compared).
     pub content: Vec<u8>,
 }
 
@@ -60,13 +82,27 @@ impl TreeBases {
         self.by_path.get(rel)
     }
 
-    /// Finds the bases of the loose trees in `scan`. Contents are loaded
-    /// only for the files the cache does not know as they are.
-    pub fn find(scan: &Scan, cache: &Cache) -> Self {
+    /// Finds the bases of the loose trees in `scan`. What an earlier
+    /// checkpoint stored (`memo` for the listings it remembers, else the
+    /// cache) is kept while every pack is as it was then; only newer
+    /// commits are walked, and contents are loaded only for their trees.
+    pub fn find(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> Self {
         let mut bases = Self::default();
-        for (objects, loose) in loose_objects(scan) {
-            if let Some(cached) = cached_bases(scan, &objects, &loose, cache) {
-                bases.by_path.extend(cached);
+        for (objects, loose) in loose_objects(scan, cache, memo) {
+            let packs_unchanged = packs_unchanged(scan, &objects, cache, memo);
+            let known_bases = loose.values().filter_map(|object| match object.known {
+                Known::Delta(id) => Some((
+                    object.rel.clone(),
+                    Base {
+                        id,
+                        content: Vec::new(),
+                    },
+                )),
+                _ => None,
+            });
+            let all_known = loose.values().all(|object| object.known != Known::No);
+            if packs_unchanged && all_known {
+                bases.by_path.extend(known_bases);
                 continue;
             }
             let objects_dir = scan.root.join(OsStr::from_bytes(&objects));
@@ -76,8 +112,13 @@ impl TreeBases {
             let Some(git_dir) = objects_dir.parent() else {
                 continue;
             };
-            match bases_in(git_dir, &loose, cache) {
-                Ok(found) => bases.by_path.extend(found),
+            match bases_in(git_dir, &loose, packs_unchanged) {
+                Ok(found) => {
+                    if packs_unchanged {
+                        bases.by_path.extend(known_bases);
+                    }
+                    bases.by_path.extend(found);
+                }
                 Err(e) => {
                     tracing::debug!(repository = %git_dir.display(), error = %e, "no tree deltas for this repository");
                 }
@@ -87,9 +128,8 @@ impl TreeBases {
     }
 }
 
-/// Per objects directory (relative path): the loose objects it holds, by
-/// id, with their fingerprints.
-fn loose_objects(scan: &Scan) -> HashMap<Vec<u8>, Loose> {
+/// Per objects directory (relative path): its loose objects.
+fn loose_objects(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> HashMap<Vec<u8>, Loose> {
     let mut found: HashMap<Vec<u8>, Loose> = HashMap::new();
     for dir in &scan.dirs {
         let Some(slash) = dir.path.iter().rposition(|b| *b == b'/') else {
@@ -99,108 +139,120 @@ fn loose_objects(scan: &Scan) -> HashMap<Vec<u8>, Loose> {
         if !objects.ends_with(b"/objects") && objects != b"objects" {
             continue;
         }
-        for node in &dir.nodes {
+        let remembered = memo.and_then(|memo| memo.get(dir));
+        for (n, node) in dir.nodes.iter().enumerate() {
             let NodeKind::File(fingerprint) = &node.kind else {
                 continue;
             };
             let rel = join_rel(&dir.path, &node.name);
-            if let Some(id) = gitobj::loose_object_id(&rel)
-                && let Ok(oid) = Oid::from_bytes(&id)
-            {
-                found
-                    .entry(objects.to_vec())
-                    .or_default()
-                    .insert(oid, (rel, *fingerprint));
-            }
+            let Some(oid) = gitobj::loose_object_id(&rel).and_then(|id| Oid::from_bytes(&id).ok())
+            else {
+                continue;
+            };
+            let stored = match remembered {
+                Some(outcome) => outcome.files[n].as_ref().map(|file| file.git),
+                None => cache.lookup(&rel, fingerprint).map(|known| known.git),
+            };
+            let known = match stored {
+                None => Known::No,
+                Some(Some(GitStored::TreeDelta { base, .. })) => Known::Delta(base),
+                Some(_) => Known::Plain,
+            };
+            found
+                .entry(objects.to_vec())
+                .or_default()
+                .insert(oid, LooseObject { rel, known });
         }
     }
     found
 }
 
-/// The bases the cache holds for the loose trees of `objects`, when nothing
-/// that could change them changed (see the module doc); None: walk.
-fn cached_bases(
-    scan: &Scan,
-    objects: &[u8],
-    loose: &Loose,
-    cache: &Cache,
-) -> Option<HashMap<Vec<u8>, Base>> {
-    let mut bases = HashMap::new();
-    for (rel, fingerprint) in loose.values() {
-        let known = cache.lookup(rel, fingerprint)?;
-        if let Some(GitStored::TreeDelta { base, .. }) = known.git {
-            bases.insert(
-                rel.clone(),
-                Base {
-                    id: base,
-                    content: Vec::new(),
-                },
-            );
-        }
-    }
+/// Whether every pack of `objects` is as it was when the loose objects
+/// known to an earlier checkpoint were stored: then each base they name is
+/// still in the pack it was found in.
+fn packs_unchanged(scan: &Scan, objects: &[u8], cache: &Cache, memo: Option<&Memo>) -> bool {
     let pack_dir = join_rel(objects, b"pack");
-    let listed = scan
+    let Ok(at) = scan
         .dirs
         .binary_search_by(|d| d.path[..].cmp(&pack_dir[..]))
-        .ok()
-        .map(|at| &scan.dirs[at]);
+    else {
+        return cache.files_in(&pack_dir).next().is_none();
+    };
+    let listed = &scan.dirs[at];
+    if memo.is_some_and(|memo| memo.get(listed).is_some()) {
+        return true;
+    }
     let mut packs_seen = 0;
-    for node in listed.map(|d| &d.nodes[..]).unwrap_or_default() {
+    for node in &listed.nodes {
         if let NodeKind::File(fingerprint) = &node.kind {
-            cache.lookup(&join_rel(&pack_dir, &node.name), fingerprint)?;
+            if cache
+                .lookup(&join_rel(&pack_dir, &node.name), fingerprint)
+                .is_none()
+            {
+                return false;
+            }
             packs_seen += 1;
         }
     }
     // A pack the cache knows that is gone may have held a base.
-    (cache.files_in(&pack_dir).count() == packs_seen).then_some(bases)
+    cache.files_in(&pack_dir).count() == packs_seen
 }
 
+/// The bases of the loose trees of the repository at `git_dir` that no
+/// earlier checkpoint stored. With `trust_known`, only the commits newer
+/// than what an earlier checkpoint stored are walked, and a tree's base is
+/// the one its known earlier version was stored against.
 fn bases_in(
     git_dir: &std::path::Path,
     loose: &Loose,
-    cache: &Cache,
+    trust_known: bool,
 ) -> Result<HashMap<Vec<u8>, Base>, git2::Error> {
+    let known = |oid: &Oid| match loose.get(oid) {
+        Some(object) if trust_known => object.known,
+        _ => Known::No,
+    };
+    crate::git::init();
     let repo = Repository::open_bare(git_dir)?;
     let mut previous: HashMap<Oid, Oid> = HashMap::new();
     let mut commit = repo.head()?.peel_to_commit()?;
     for _ in 0..MAX_COMMITS {
-        if !loose.contains_key(&commit.tree_id()) {
+        if !loose.contains_key(&commit.tree_id()) || known(&commit.tree_id()) != Known::No {
             break;
         }
         let Ok(parent) = commit.parent(0) else {
             break;
         };
-        pair_trees(
-            &repo,
-            commit.tree_id(),
-            parent.tree_id(),
+        let pair = Pair {
+            repo: &repo,
             loose,
-            &mut previous,
-        )?;
+            known: &known,
+        };
+        pair.trees(commit.tree_id(), parent.tree_id(), &mut previous)?;
         commit = parent;
     }
     let odb = repo.odb()?;
     let mut bases = HashMap::new();
     for (&tree, &earlier) in &previous {
-        // Back along the same path to a version only a pack holds.
+        // Back along the same path to a version only a pack holds, or to
+        // one stored before.
         let mut base = earlier;
         let mut steps = 0;
-        while loose.contains_key(&base) && steps < MAX_COMMITS {
+        while loose.contains_key(&base) && known(&base) == Known::No && steps < MAX_COMMITS {
             let Some(&older) = previous.get(&base) else {
                 break;
             };
             base = older;
             steps += 1;
         }
-        if loose.contains_key(&base) {
-            continue;
-        }
-        let (rel, fingerprint) = &loose[&tree];
+        let base = match known(&base) {
+            Known::Delta(id) => Oid::from_bytes(&id)?,
+            Known::Plain => continue,
+            Known::No if loose.contains_key(&base) => continue,
+            Known::No => base,
+        };
+        let object = &loose[&tree];
         let id: [u8; 20] = base.as_bytes().try_into().expect("a SHA-1 id");
-        let known = cache.lookup(rel, fingerprint).is_some_and(
-            |known| matches!(known.git, Some(GitStored::TreeDelta { base, .. }) if base == id),
-        );
-        let content = if known {
+        let content = if object.known == Known::Delta(id) {
             Vec::new()
         } else {
             let object = odb.read(base)?;
@@ -209,37 +261,49 @@ fn bases_in(
             }
             object.data().to_vec()
         };
-        bases.insert(rel.clone(), Base { id, content });
+        bases.insert(object.rel.clone(), Base { id, content });
     }
     Ok(bases)
 }
 
-/// Records `new` (a loose tree) as the next version of `old`, and so on
-/// for the subtrees they share by name.
-fn pair_trees(
-    repo: &Repository,
-    new: Oid,
-    old: Oid,
-    loose: &Loose,
-    previous: &mut HashMap<Oid, Oid>,
-) -> Result<(), git2::Error> {
-    if new == old || !loose.contains_key(&new) || previous.contains_key(&new) {
-        return Ok(());
+/// Pairs loose trees with their versions one commit earlier.
+struct Pair<'a> {
+    repo: &'a Repository,
+    loose: &'a Loose,
+    known: &'a dyn Fn(&Oid) -> Known,
+}
+
+impl Pair<'_> {
+    /// Records `new` (a loose tree no earlier checkpoint stored) as the
+    /// next version of `old`, and so on for the subtrees they share by name.
+    fn trees(
+        &self,
+        new: Oid,
+        old: Oid,
+        previous: &mut HashMap<Oid, Oid>,
+    ) -> Result<(), git2::Error> {
+        if new == old
+            || !self.loose.contains_key(&new)
+            || (self.known)(&new) != Known::No
+            || previous.contains_key(&new)
+        {
+            return Ok(());
+        }
+        previous.insert(new, old);
+        let (new_tree, old_tree) = (self.repo.find_tree(new)?, self.repo.find_tree(old)?);
+        let old_subtrees: HashMap<Vec<u8>, Oid> = old_tree
+            .iter()
+            .filter(|e| e.kind() == Some(ObjectType::Tree))
+            .map(|e| (e.name_bytes().to_vec(), e.id()))
+            .collect();
+        let pairs: Vec<(Oid, Oid)> = new_tree
+            .iter()
+            .filter(|e| e.kind() == Some(ObjectType::Tree))
+            .filter_map(|e| Some((e.id(), *old_subtrees.get(e.name_bytes())?)))
+            .collect();
+        for (new, old) in pairs {
+            self.trees(new, old, previous)?;
+        }
+        Ok(())
     }
-    previous.insert(new, old);
-    let (new_tree, old_tree) = (repo.find_tree(new)?, repo.find_tree(old)?);
-    let old_subtrees: HashMap<Vec<u8>, Oid> = old_tree
-        .iter()
-        .filter(|e| e.kind() == Some(ObjectType::Tree))
-        .map(|e| (e.name_bytes().to_vec(), e.id()))
-        .collect();
-    let pairs: Vec<(Oid, Oid)> = new_tree
-        .iter()
-        .filter(|e| e.kind() == Some(ObjectType::Tree))
-        .filter_map(|e| Some((e.id(), *old_subtrees.get(e.name_bytes())?)))
-        .collect();
-    for (new, old) in pairs {
-        pair_trees(repo, new, old, loose, previous)?;
-    }
-    Ok(())
 }

@@ -11,9 +11,9 @@ use std::collections::{HashMap, HashSet};
 
 use cairn_proto::ids::BlobId;
 
-use super::content::FileContent;
+use super::content::{DirFiles, FileContent};
 use crate::format::{Entry, EntryKind, TenantKeys, Tree};
-use crate::scan::{NodeKind, Scan, join_rel};
+use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
 
 /// What the tree holds, entry by entry.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -24,109 +24,166 @@ pub struct Counts {
     pub total_bytes: u64,
 }
 
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, other: Self) {
+        self.files += other.files;
+        self.directories += other.directories;
+        self.symlinks += other.symlinks;
+        self.total_bytes += other.total_bytes;
+    }
+}
+
+/// One directory's tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirTree {
+    pub id: BlobId,
+    /// Its pages, when it is a large directory (see format::tree).
+    pub pages: Vec<BlobId>,
+    /// The tree of each subdirectory, in entry order (None: it vanished
+    /// during the walk, and is left out): the tree can be taken again only
+    /// while these are the same.
+    pub subtrees: Vec<Option<BlobId>>,
+    /// Its own entries, not those below its subdirectories.
+    pub counts: Counts,
+}
+
 /// The encoded trees of a checkpoint.
 #[derive(Debug)]
 pub struct Trees {
     pub root: BlobId,
-    /// The tree id of every directory, by path relative to the root.
-    pub by_dir: HashMap<Vec<u8>, BlobId>,
-    /// The pages of every paged directory (large ones; see format::tree).
-    pub pages: Vec<BlobId>,
+    /// Per directory, indexed like the scan's.
+    pub dirs: Vec<DirTree>,
     /// Trees that `known` did not recognise, each once, with their bytes.
     pub unknown: Vec<(BlobId, Vec<u8>)>,
     pub counts: Counts,
+    /// Directories whose remembered tree was taken as it was.
+    pub reused: u64,
 }
 
 /// Encodes every directory of `scan`, with file contents from `files`
 /// (indexed like `scan.dirs[d].nodes[n]`; None leaves the file out).
+/// `remembered[d]`, when set, is the tree directory `d` had with these very
+/// files; it is taken as it is if its subdirectories' trees are unchanged.
 pub fn build(
     scan: &Scan,
-    files: &[Vec<Option<FileContent>>],
+    files: &[DirFiles],
     keys: &TenantKeys,
     known: &dyn Fn(&BlobId) -> bool,
+    remembered: &[Option<&DirTree>],
 ) -> Trees {
-    let mut by_dir: HashMap<Vec<u8>, BlobId> = HashMap::with_capacity(scan.dirs.len());
-    let mut pages = Vec::new();
+    let mut by_dir: HashMap<&[u8], BlobId> = HashMap::with_capacity(scan.dirs.len());
+    let mut dirs = Vec::with_capacity(scan.dirs.len());
     let mut unknown = Vec::new();
     let mut sent = HashSet::new();
     let mut counts = Counts::default();
+    let mut reused = 0;
+    let mut path = Vec::new();
     // Sorted by path bytes, a directory comes before everything below it;
     // walking backwards meets children first.
     for (d, dir) in scan.dirs.iter().enumerate().rev() {
-        let mut entries = Vec::with_capacity(dir.nodes.len());
-        for (n, node) in dir.nodes.iter().enumerate() {
-            let kind = match &node.kind {
-                NodeKind::File(_) => match &files[d][n] {
-                    Some(file) => {
-                        counts.files += 1;
-                        counts.total_bytes += file.size;
-                        entries.push(Entry {
-                            name: node.name.clone(),
-                            kind: match file.git {
-                                Some(stored) => EntryKind::Git {
-                                    size: file.size,
-                                    stored,
-                                    chunks: file.chunks.to_vec(),
-                                },
-                                None => EntryKind::File {
-                                    size: file.size,
-                                    chunks: file.chunks.to_vec(),
-                                },
-                            },
-                            mode: file.meta.mode,
-                            mtime_sec: file.meta.mtime_sec,
-                            mtime_nsec: file.meta.mtime_nsec,
-                            uid: file.meta.uid,
-                            gid: file.meta.gid,
-                        });
-                        continue;
-                    }
-                    None => continue,
-                },
+        let mut subtrees = Vec::new();
+        for node in &dir.nodes {
+            if let NodeKind::Dir = node.kind {
+                join_rel_into(&mut path, &dir.path, &node.name);
                 // A directory without a listing vanished during the walk.
-                NodeKind::Dir => match by_dir.get(&join_rel(&dir.path, &node.name)) {
-                    Some(tree) => {
-                        counts.directories += 1;
-                        EntryKind::Dir { tree: *tree }
-                    }
-                    None => continue,
-                },
-                NodeKind::Symlink(target) => {
-                    counts.symlinks += 1;
-                    EntryKind::Symlink {
-                        target: target.clone(),
-                    }
-                }
-            };
-            entries.push(Entry {
-                name: node.name.clone(),
-                kind,
-                mode: node.meta.mode,
-                mtime_sec: node.meta.mtime_sec,
-                mtime_nsec: node.meta.mtime_nsec,
-                uid: node.meta.uid,
-                gid: node.meta.gid,
-            });
-        }
-        let encoded = Tree { entries }.encode_paged(&|bytes| keys.blob_id(bytes));
-        for (page, bytes) in encoded.pages {
-            pages.push(page);
-            if !known(&page) && sent.insert(page) {
-                unknown.push((page, bytes));
+                subtrees.push(by_dir.get(&path[..]).copied());
             }
         }
-        let id = keys.blob_id(&encoded.root);
-        if !known(&id) && sent.insert(id) {
-            unknown.push((id, encoded.root));
-        }
-        by_dir.insert(dir.path.clone(), id);
+        let tree = match remembered.get(d).copied().flatten() {
+            Some(tree) if tree.subtrees == subtrees => {
+                reused += 1;
+                tree.clone()
+            }
+            _ => encode(dir, &files[d], subtrees, keys, &mut |id, bytes| {
+                if !known(&id) && sent.insert(id) {
+                    unknown.push((id, bytes));
+                }
+            }),
+        };
+        counts += tree.counts;
+        by_dir.insert(&dir.path, tree.id);
+        dirs.push(tree);
     }
-    let root = *by_dir.get(&b""[..]).expect("a scan always lists its root");
+    dirs.reverse();
+    let root = dirs.first().expect("a scan always lists its root").id;
     Trees {
         root,
-        by_dir,
-        pages,
+        dirs,
         unknown,
+        counts,
+        reused,
+    }
+}
+
+/// Encodes one directory whose subdirectories have the trees `subtrees`
+/// (one per subdirectory, in entry order); every page and the tree itself
+/// go to `offer`.
+pub(super) fn encode(
+    dir: &ScannedDir,
+    files: &[Option<FileContent>],
+    subtrees: Vec<Option<BlobId>>,
+    keys: &TenantKeys,
+    offer: &mut dyn FnMut(BlobId, Vec<u8>),
+) -> DirTree {
+    let mut counts = Counts::default();
+    let mut entries = Vec::with_capacity(dir.nodes.len());
+    let mut next_subtree = subtrees.iter();
+    for (node, file) in dir.nodes.iter().zip(files) {
+        let (kind, meta) = match &node.kind {
+            NodeKind::File(_) => {
+                let Some(file) = file else { continue };
+                counts.files += 1;
+                counts.total_bytes += file.size;
+                let kind = match file.git {
+                    Some(stored) => EntryKind::Git {
+                        size: file.size,
+                        stored,
+                        chunks: file.chunks.to_vec(),
+                    },
+                    None => EntryKind::File {
+                        size: file.size,
+                        chunks: file.chunks.to_vec(),
+                    },
+                };
+                (kind, &file.meta)
+            }
+            NodeKind::Dir => match next_subtree.next().copied().flatten() {
+                Some(tree) => {
+                    counts.directories += 1;
+                    (EntryKind::Dir { tree }, &node.meta)
+                }
+                None => continue,
+            },
+            NodeKind::Symlink(target) => {
+                counts.symlinks += 1;
+                let kind = EntryKind::Symlink {
+                    target: target.clone(),
+                };
+                (kind, &node.meta)
+            }
+        };
+        entries.push(Entry {
+            name: node.name.clone(),
+            kind,
+            mode: meta.mode,
+            mtime_sec: meta.mtime_sec,
+            mtime_nsec: meta.mtime_nsec,
+            uid: meta.uid,
+            gid: meta.gid,
+        });
+    }
+    let encoded = Tree { entries }.encode_paged(&|bytes| keys.blob_id(bytes));
+    let mut pages = Vec::with_capacity(encoded.pages.len());
+    for (page, bytes) in encoded.pages {
+        pages.push(page);
+        offer(page, bytes);
+    }
+    let id = keys.blob_id(&encoded.root);
+    offer(id, encoded.root);
+    DirTree {
+        id,
+        pages,
+        subtrees,
         counts,
     }
 }
@@ -138,14 +195,23 @@ mod tests {
 
     use super::*;
     use crate::format::{ChunkRef, TreeObject};
-    use crate::scan::{ScanOptions, scan};
+    use crate::scan::{ScanOptions, join_rel, scan};
 
     fn keys() -> TenantKeys {
         TenantKeys::derive("k", &[3; 32]).unwrap()
     }
 
+    /// A checkpoint's trees, looked up by directory path.
+    struct Built {
+        root: BlobId,
+        by_dir: HashMap<Vec<u8>, BlobId>,
+        pages: Vec<BlobId>,
+        unknown: Vec<(BlobId, Vec<u8>)>,
+        counts: Counts,
+    }
+
     /// Scans `root` and gives every file one chunk of its content.
-    fn trees_of(root: &std::path::Path, known: &dyn Fn(&BlobId) -> bool) -> Trees {
+    fn trees_of(root: &std::path::Path, known: &dyn Fn(&BlobId) -> bool) -> Built {
         let opts = ScanOptions {
             root: root.to_path_buf(),
             skip_ignored: false,
@@ -154,11 +220,12 @@ mod tests {
         };
         let scan = scan(&opts, &|_| {}).unwrap();
         let keys = keys();
-        let files: Vec<Vec<Option<FileContent>>> = scan
+        let files: Vec<DirFiles> = scan
             .dirs
             .iter()
             .map(|dir| {
-                dir.nodes
+                let files = dir
+                    .nodes
                     .iter()
                     .map(|node| {
                         let NodeKind::File(_) = node.kind else {
@@ -184,13 +251,26 @@ mod tests {
                             git: None,
                         })
                     })
-                    .collect()
+                    .collect();
+                std::sync::Arc::new(files)
             })
             .collect();
-        build(&scan, &files, &keys, known)
+        let trees = build(&scan, &files, &keys, known, &[]);
+        Built {
+            root: trees.root,
+            by_dir: scan
+                .dirs
+                .iter()
+                .zip(&trees.dirs)
+                .map(|(dir, tree)| (dir.path.clone(), tree.id))
+                .collect(),
+            pages: trees.dirs.iter().flat_map(|t| t.pages.clone()).collect(),
+            unknown: trees.unknown,
+            counts: trees.counts,
+        }
     }
 
-    fn decode(trees: &Trees, id: &BlobId) -> Tree {
+    fn decode(trees: &Built, id: &BlobId) -> Tree {
         let bytes = |id: &BlobId| {
             trees
                 .unknown
@@ -237,6 +317,93 @@ mod tests {
             offered,
             HashSet::from([after.by_dir[&b"busy"[..]], after.root])
         );
+    }
+
+    #[test]
+    fn a_remembered_tree_is_taken_only_while_its_subdirectories_are_unchanged() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fs::create_dir_all(root.join("a/b")).unwrap();
+        fs::create_dir_all(root.join("c")).unwrap();
+        fs::write(root.join("a/b/f"), b"f").unwrap();
+        fs::write(root.join("c/g"), b"g").unwrap();
+        let keys = keys();
+        let build_with = |remembered: &[Option<&DirTree>]| {
+            let opts = ScanOptions {
+                root: root.to_path_buf(),
+                skip_ignored: false,
+                excludes: vec![],
+                exclude_paths: vec![],
+            };
+            let scan = scan(&opts, &|_| {}).unwrap();
+            let files: Vec<DirFiles> = scan
+                .dirs
+                .iter()
+                .map(|dir| {
+                    let files = dir
+                        .nodes
+                        .iter()
+                        .map(|node| match node.kind {
+                            NodeKind::File(fingerprint) => Some(FileContent {
+                                chunks: vec![ChunkRef {
+                                    id: keys.blob_id(&node.name),
+                                    len: 1,
+                                }]
+                                .into(),
+                                size: fingerprint.size,
+                                meta: node.meta,
+                                cacheable: None,
+                                git: None,
+                            }),
+                            _ => None,
+                        })
+                        .collect();
+                    std::sync::Arc::new(files)
+                })
+                .collect();
+            let paths: Vec<Vec<u8>> = scan.dirs.iter().map(|d| d.path.clone()).collect();
+            (paths, build(&scan, &files, &keys, &|_| false, remembered))
+        };
+        let (paths, before) = build_with(&[]);
+        assert_eq!(paths, [&b""[..], b"a", b"a/b", b"c"]);
+
+        // A page no encoding makes marks the remembered trees that were taken.
+        let marker = BlobId([9; 32]);
+        let marked: Vec<DirTree> = before
+            .dirs
+            .iter()
+            .map(|tree| DirTree {
+                pages: vec![marker],
+                ..tree.clone()
+            })
+            .collect();
+        let taken = |trees: &Trees| -> Vec<bool> {
+            trees.dirs.iter().map(|t| t.pages == [marker]).collect()
+        };
+        let all: Vec<Option<&DirTree>> = marked.iter().map(Some).collect();
+        let (_, unchanged) = build_with(&all);
+        assert_eq!(taken(&unchanged), [true; 4]);
+        assert_eq!((unchanged.reused, unchanged.root), (4, before.root));
+        assert_eq!(unchanged.counts, before.counts);
+        assert!(unchanged.unknown.is_empty(), "nothing was encoded");
+
+        // a/b gets a new subdirectory: a/b is not remembered (its listing
+        // changed), so neither a nor the root may be taken; c still is.
+        fs::create_dir(root.join("a/b/new")).unwrap();
+        let remembered = [
+            Some(&marked[0]),
+            Some(&marked[1]),
+            None,
+            None,
+            Some(&marked[3]),
+        ];
+        let (paths, after) = build_with(&remembered);
+        assert_eq!(paths, [&b""[..], b"a", b"a/b", b"a/b/new", b"c"]);
+        assert_eq!(taken(&after), [false, false, false, false, true]);
+        let (_, fresh) = build_with(&[]);
+        assert_eq!(after.root, fresh.root);
+        assert_eq!(after.dirs[..4], fresh.dirs[..4]);
+        assert_eq!(after.counts, fresh.counts);
     }
 
     #[test]

@@ -164,6 +164,30 @@ impl RemoteStore {
     }
 }
 
+impl RemoteStore {
+    /// How this store checkpoints the workspace.
+    async fn checkpoint_options(
+        &self,
+        reason: CheckpointReason,
+        harness: Option<pb::HarnessSession>,
+    ) -> CheckpointOptions {
+        CheckpointOptions {
+            coordinator: self.coordinator.clone(),
+            token: Some(self.token.clone()),
+            workspace: self.target.workspace_id.clone(),
+            root: self.root.clone(),
+            reason,
+            cache_dir: self.cache_dir.clone(),
+            skip_ignored: false,
+            excludes: self.target.excludes.clone(),
+            generation: self.target.generation,
+            harness,
+            limits: self.limits,
+            resident: Some(self.resident().await),
+        }
+    }
+}
+
 impl WorkspaceStore for RemoteStore {
     fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>> {
         let (address, token) = (self.coordinator.clone(), self.token.clone());
@@ -188,18 +212,20 @@ impl WorkspaceStore for RemoteStore {
             match restored {
                 Ok(report) => {
                     // The restore recorded what it wrote in the cache: the
-                    // first checkpoint finds it in memory, loaded meanwhile.
+                    // first checkpoint finds it in memory, with what the
+                    // restored checkpoint holds worked out meanwhile.
                     if let Ok(workspace) = report.checkpoint.workspace_id.parse() {
-                        self.resident()
-                            .await
-                            .preload(
-                                // As the checkpoint will name it.
-                                std::fs::canonicalize(&self.cache_dir)
-                                    .unwrap_or_else(|_| self.cache_dir.clone()),
-                                workspace,
-                                report.checkpoint.key_id.clone(),
-                            )
-                            .await;
+                        let opts = self.checkpoint_options(CheckpointReason::Turn, None).await;
+                        // As the checkpoint will name it.
+                        let cache_dir = std::fs::canonicalize(&self.cache_dir)
+                            .unwrap_or_else(|_| self.cache_dir.clone());
+                        checkpoint::prime(
+                            &opts,
+                            workspace,
+                            report.checkpoint.key_id.clone(),
+                            cache_dir,
+                        )
+                        .await;
                     }
                     Ok(Restored::Checkpoint {
                         id: report.checkpoint_id.to_string(),
@@ -218,20 +244,9 @@ impl WorkspaceStore for RemoteStore {
         request: CheckpointRequest,
     ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>> {
         Box::pin(async move {
-            let opts = CheckpointOptions {
-                coordinator: self.coordinator.clone(),
-                token: Some(self.token.clone()),
-                workspace: self.target.workspace_id.clone(),
-                root: self.root.clone(),
-                reason: request.reason,
-                cache_dir: self.cache_dir.clone(),
-                skip_ignored: false,
-                excludes: self.target.excludes.clone(),
-                generation: self.target.generation,
-                harness: request.harness,
-                limits: self.limits,
-                resident: Some(self.resident().await),
-            };
+            let opts = self
+                .checkpoint_options(request.reason, request.harness)
+                .await;
             let report = match &request.unless_unchanged {
                 Some(baseline) => checkpoint::checkpoint_if_changed(opts, baseline).await?,
                 None => Some(checkpoint::checkpoint(opts).await?),

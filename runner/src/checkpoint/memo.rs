@@ -1,0 +1,211 @@
+//! What a resident runner's last committed checkpoint worked out for each
+//! directory listing, so the next one costs what changed, not the workspace.
+//!
+//! The change tracker hands a walk back with the very listings
+//! (`Arc<ScannedDir>`) of the walk before for every directory in which it
+//! saw no event. Such a directory holds what it held when its listing was
+//! taken: any write to one of its files since would have been an event, and
+//! would have made a new listing. So for a listing the last checkpoint also
+//! saw, this checkpoint takes what that one found without looking again:
+//! - the files' chunk lists, instead of comparing each fingerprint with the
+//!   cache (a file changed too recently to be cached is not read again
+//!   either: the tracker vouches for it, not its timestamps);
+//! - the directory's tree id, when its subdirectories' ids are unchanged
+//!   too, instead of encoding and hashing it;
+//! - the packs its blobs are in, instead of locating every chunk.
+//!
+//! Only what a committed checkpoint (or one found equal to the committed
+//! one) held is remembered, so every blob it names is in a pack the store
+//! keeps. A loose git tree stored as a delta is taken only while its base is
+//! the one found again for this checkpoint. A checkpoint that redoes its
+//! work after a refused commit uses no memo: a pack it names may be gone.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
+
+use super::content::{DirFiles, FileContent};
+use super::trees::{self, DirTree};
+use crate::cache::{Cache, FastMap};
+use crate::format::TenantKeys;
+use crate::gitobj::GitStored;
+use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
+
+/// One directory as the last checkpoint held it.
+#[derive(Debug, Clone)]
+pub struct DirOutcome {
+    /// The listing it was worked out from; held so that its address, the
+    /// key it is found by, is not reused by another listing.
+    listing: Arc<ScannedDir>,
+    pub files: DirFiles,
+    pub tree: DirTree,
+    /// Every pack holding one of its file chunks, its tree or its pages.
+    pub packs: Arc<[PackId]>,
+    /// Whether a file in it is a git tree stored as a delta.
+    pub has_tree_deltas: bool,
+    /// Whether a file in it was read too recently to be cached.
+    pub uncached: bool,
+}
+
+/// The outcomes of a workspace's last checkpoint, by listing.
+#[derive(Debug, Default)]
+pub struct Memo {
+    workspace: Option<WorkspaceId>,
+    key_id: String,
+    by_listing: FastMap<usize, DirOutcome>,
+}
+
+fn key(listing: &Arc<ScannedDir>) -> usize {
+    Arc::as_ptr(listing) as usize
+}
+
+impl Memo {
+    /// Remembers a checkpoint of `workspace` (tenant key `key_id`) cut from
+    /// `scan`; the other slices are indexed like `scan.dirs`.
+    pub fn new(
+        workspace: WorkspaceId,
+        key_id: String,
+        scan: &Scan,
+        files: &[DirFiles],
+        trees: &[DirTree],
+        packs: &[Arc<[PackId]>],
+    ) -> Self {
+        let outcomes = scan.dirs.iter().zip(files).zip(trees).zip(packs);
+        Self::of(
+            workspace,
+            key_id,
+            outcomes.map(|(((listing, files), tree), packs)| {
+                (listing.clone(), files.clone(), tree.clone(), packs.clone())
+            }),
+        )
+    }
+
+    fn of(
+        workspace: WorkspaceId,
+        key_id: String,
+        outcomes: impl Iterator<Item = (Arc<ScannedDir>, DirFiles, DirTree, Arc<[PackId]>)>,
+    ) -> Self {
+        let by_listing = outcomes
+            .map(|(listing, files, tree, packs)| {
+                let outcome = DirOutcome {
+                    has_tree_deltas: files.iter().flatten().any(FileContent::is_tree_delta),
+                    uncached: files.iter().flatten().any(|f| f.cacheable.is_none()),
+                    listing,
+                    files,
+                    tree,
+                    packs,
+                };
+                (key(&outcome.listing), outcome)
+            })
+            .collect();
+        Self {
+            workspace: Some(workspace),
+            key_id,
+            by_listing,
+        }
+    }
+
+    /// What the newest checkpoint of `workspace` held for the listings of
+    /// `scan`, as far as the fingerprint cache alone tells, nothing read: a
+    /// directory is remembered when the cache knows every file in it as it
+    /// is now, with every chunk committed, every subdirectory is remembered
+    /// too, and its tree is one the cache places in a pack. Loose git trees
+    /// stored as deltas are left to the checkpoint, which finds their bases.
+    pub fn prime(workspace: WorkspaceId, scan: &Scan, cache: &Cache, keys: &TenantKeys) -> Self {
+        let mut trees: HashMap<&[u8], BlobId> = HashMap::new();
+        let mut outcomes = Vec::new();
+        let mut path = Vec::new();
+        for listing in scan.dirs.iter().rev() {
+            let Some(KnownEntries { files, subtrees }) =
+                known_entries(listing, cache, &trees, &mut path)
+            else {
+                continue;
+            };
+            let mut committed = true;
+            let tree = trees::encode(listing, &files, subtrees, keys, &mut |id, _| {
+                committed &= cache.knows_blob(&id);
+            });
+            if !committed {
+                continue;
+            }
+            let chunks = files
+                .iter()
+                .flatten()
+                .flat_map(|f| f.chunks.iter().map(|c| &c.id));
+            let mut packs: Vec<PackId> = Vec::new();
+            for id in chunks.chain(std::iter::once(&tree.id)).chain(&tree.pages) {
+                if let Some(pack) = cache.blob_pack(id)
+                    && !packs.contains(pack)
+                {
+                    packs.push(pack.clone());
+                }
+            }
+            trees.insert(&listing.path, tree.id);
+            outcomes.push((listing.clone(), Arc::new(files), tree, packs.into()));
+        }
+        Self::of(workspace, keys.key_id().to_owned(), outcomes.into_iter())
+    }
+
+    /// Whether this memo is of `workspace` under tenant key `key_id`.
+    pub fn is_of(&self, workspace: &WorkspaceId, key_id: &str) -> bool {
+        self.workspace.as_ref() == Some(workspace) && self.key_id == key_id
+    }
+
+    /// What the last checkpoint found for this very listing.
+    pub fn get(&self, listing: &Arc<ScannedDir>) -> Option<&DirOutcome> {
+        self.by_listing
+            .get(&key(listing))
+            .filter(|outcome| Arc::ptr_eq(&outcome.listing, listing))
+    }
+
+    /// How many listings it remembers.
+    pub fn listings(&self) -> usize {
+        self.by_listing.len()
+    }
+}
+
+/// A directory's entries as the cache knows them.
+struct KnownEntries {
+    /// Per node, like [`DirFiles`].
+    files: Vec<Option<FileContent>>,
+    /// Per subdirectory, in entry order.
+    subtrees: Vec<Option<BlobId>>,
+}
+
+/// The files of `listing` as the cache knows them, and its subdirectories'
+/// trees; None when a file is not known as it is, or is a git tree stored
+/// as a delta, or a subdirectory has no known tree.
+fn known_entries(
+    listing: &ScannedDir,
+    cache: &Cache,
+    trees: &HashMap<&[u8], BlobId>,
+    path: &mut Vec<u8>,
+) -> Option<KnownEntries> {
+    let mut files = Vec::with_capacity(listing.nodes.len());
+    let mut subtrees = Vec::new();
+    for node in &listing.nodes {
+        join_rel_into(path, &listing.path, &node.name);
+        match &node.kind {
+            NodeKind::File(fingerprint) => {
+                let known = cache.lookup(path, fingerprint).filter(|known| {
+                    !matches!(known.git, Some(GitStored::TreeDelta { .. }))
+                        && known.chunks.iter().all(|c| cache.knows_blob(&c.id))
+                })?;
+                files.push(Some(FileContent {
+                    chunks: known.chunks.clone(),
+                    size: fingerprint.size,
+                    meta: node.meta,
+                    cacheable: Some(*fingerprint),
+                    git: known.git,
+                }));
+            }
+            NodeKind::Dir => {
+                subtrees.push(Some(*trees.get(&path[..])?));
+                files.push(None);
+            }
+            NodeKind::Symlink(_) => files.push(None),
+        }
+    }
+    Some(KnownEntries { files, subtrees })
+}
