@@ -25,7 +25,7 @@
 //! announced through a callback as soon as they are found, so their git
 //! metadata can be read while the walk goes on.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::{self, Metadata};
 use std::io;
@@ -251,6 +251,7 @@ pub fn rescan(
     opts: &ScanOptions,
     previous: &Scan,
     dirty: &HashSet<Vec<u8>>,
+    touched: &Touched,
     on_repo: &(dyn Fn(RepoFound) + Sync),
 ) -> Result<Scan, ScanError> {
     assert!(
@@ -258,7 +259,9 @@ pub fn rescan(
         "a partial rescan cannot apply git's ignore rules"
     );
     let mut ancestors = HashSet::new();
-    for path in dirty {
+    // A directory with touched entries is walked into, not taken whole.
+    ancestors.extend(touched.keys().cloned());
+    for path in dirty.iter().chain(touched.keys()) {
         let mut rest = &path[..];
         while let Some(slash) = rest.iter().rposition(|b| *b == b'/') {
             rest = &rest[..slash];
@@ -273,16 +276,49 @@ pub fn rescan(
     let reuse = Reuse {
         previous,
         dirty,
+        touched,
         ancestors,
         reused_subtrees: Mutex::new(Vec::new()),
     };
     walk_root(opts, Some(&reuse), on_repo)
 }
 
+/// Per directory (relative path), the names of entries whose content or
+/// attributes changed while its names stayed as they were.
+pub type Touched = HashMap<Vec<u8>, HashSet<Vec<u8>>>;
+
+/// `previous` with the entries `names` stat'ed again: all that a write or an
+/// attribute change, which leaves a directory's names as they are, can
+/// change. None when one of them is no longer what it was (gone, another
+/// kind, or never listed): then the directory is listed again.
+fn restat(abs: &Path, previous: &ScannedDir, names: &HashSet<Vec<u8>>) -> Option<Arc<ScannedDir>> {
+    let mut nodes = previous.nodes.clone();
+    for name in names {
+        let at = nodes
+            .binary_search_by(|node| node.name[..].cmp(name))
+            .ok()?;
+        let meta = fs::symlink_metadata(abs.join(OsStr::from_bytes(name))).ok()?;
+        let node = &mut nodes[at];
+        match (&node.kind, meta.file_type()) {
+            (NodeKind::File(_), kind) if kind.is_file() => {
+                node.kind = NodeKind::File(Fingerprint::of(&meta));
+            }
+            (NodeKind::Dir, kind) if kind.is_dir() => {}
+            _ => return None,
+        }
+        node.meta = Meta::of(&meta);
+    }
+    Some(Arc::new(ScannedDir {
+        path: previous.path.clone(),
+        nodes,
+    }))
+}
+
 /// What a partial rescan may take from the scan before it.
 struct Reuse<'a> {
     previous: &'a Scan,
     dirty: &'a HashSet<Vec<u8>>,
+    touched: &'a Touched,
     /// Every directory above a dirty path: walked through, not relisted.
     ancestors: HashSet<Vec<u8>>,
     /// Directories taken whole, with everything below them, from `previous`.
@@ -427,8 +463,15 @@ impl<'a> Walk<'a> {
     where
         'a: 's,
     {
-        if let Some(previous) = self.reuse.and_then(|reuse| reuse.listing(&rel)) {
-            // Unchanged itself, but something below it changed.
+        let kept = self.reuse.and_then(|reuse| {
+            let previous = reuse.listing(&rel)?;
+            match reuse.touched.get(&rel) {
+                Some(names) => restat(&abs, previous, names),
+                None => Some(previous.clone()),
+            }
+        });
+        if let Some(previous) = kept {
+            // Its names unchanged, but something in or below it changed.
             if !ctx.in_git_dir && previous.nodes.iter().any(|n| n.name == b".git") {
                 (self.on_repo)(RepoFound {
                     dir: abs.clone(),
@@ -440,7 +483,7 @@ impl<'a> Walk<'a> {
                     self.descend(scope, &abs, &rel, &node.name, &ctx, None);
                 }
             }
-            self.dirs.lock().expect("dirs lock").push(previous.clone());
+            self.dirs.lock().expect("dirs lock").push(previous);
             return;
         }
         let listing = match fs::read_dir(&abs) {

@@ -37,9 +37,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use notify::event::ModifyKind;
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 
-use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions};
+use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions, Touched};
 
 /// Full walks at least this often, whatever the events say.
 pub const DEFAULT_FULL_SCAN_INTERVAL: Duration = Duration::from_secs(30 * 60);
@@ -77,7 +78,11 @@ pub enum ScanKind {
 
 #[derive(Debug, Default)]
 struct Pending {
+    /// Directories whose entries may have changed: listed again.
     dirty: HashSet<Vec<u8>>,
+    /// Per directory, entries whose content or attributes changed, not the
+    /// directory's entries: only those are stat'ed again.
+    touched: Touched,
     /// Events were lost; the next walk must be full. Says why.
     lost: Option<String>,
     /// Sync cookies the watcher has reported.
@@ -136,13 +141,23 @@ impl ChangeTracker {
                         if matches!(event.kind, EventKind::Access(_)) {
                             return;
                         }
+                        // A write or an attribute change leaves the names in
+                        // a directory as they are.
+                        let in_place = matches!(
+                            event.kind,
+                            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Metadata(_))
+                        );
                         for path in &event.paths {
                             if let Some(cookie) = sync_cookie(&root, path) {
                                 pending.cookies.insert(cookie.to_owned());
                                 cookie_seen.notify_all();
                                 continue;
                             }
-                            mark(&mut pending.dirty, &root, path);
+                            if in_place {
+                                touch(&mut pending, &root, path);
+                            } else {
+                                mark(&mut pending.dirty, &root, path);
+                            }
                         }
                     }
                     Err(e) => {
@@ -188,8 +203,12 @@ impl ChangeTracker {
                 "the change watcher did not report a sync within {SYNC_TIMEOUT:?}"
             )),
         };
-        let Pending { dirty, lost, .. } =
-            std::mem::take(&mut *self.pending.0.lock().expect("pending lock"));
+        let Pending {
+            dirty,
+            touched,
+            lost,
+            ..
+        } = std::mem::take(&mut *self.pending.0.lock().expect("pending lock"));
         let lost = lost.or(unsynced);
         let previous = self.previous.lock().expect("previous lock").clone();
         let full_reason = match &previous {
@@ -203,14 +222,16 @@ impl ChangeTracker {
             Some(_) => None,
         };
         let (scan, kind, full_at) = match (full_reason, previous) {
-            (None, Some((previous, _))) if dirty.is_empty() => {
+            (None, Some((previous, _))) if dirty.is_empty() && touched.is_empty() => {
                 // Nothing changed: the same walk again, shared, not rebuilt.
                 scan::announce_repos(&previous, on_repo);
                 return Ok((previous, ScanKind::Partial { dirty: 0 }));
             }
             (None, Some((previous, full_at))) => {
-                let scan = scan::rescan(opts, &previous, &dirty, on_repo)?;
-                let kind = ScanKind::Partial { dirty: dirty.len() };
+                let scan = scan::rescan(opts, &previous, &dirty, &touched, on_repo)?;
+                let kind = ScanKind::Partial {
+                    dirty: dirty.len() + touched.len(),
+                };
                 (scan, kind, full_at)
             }
             (reason, _) => {
@@ -260,6 +281,33 @@ fn sync_cookie<'p>(root: &Path, path: &'p Path) -> Option<&'p std::ffi::OsStr> {
     (path.parent() == Some(root) && is_sync_cookie(name.as_bytes())).then_some(name)
 }
 
+/// Marks an entry whose content or attributes an event at `path` changed:
+/// its parent's listing keeps its names, and only it is stat'ed again.
+fn touch(pending: &mut Pending, root: &Path, path: &Path) {
+    let Ok(rel) = path.strip_prefix(root) else {
+        return;
+    };
+    let rel = rel.as_os_str().as_bytes();
+    match rel.iter().rposition(|b| *b == b'/') {
+        Some(slash) => {
+            let (parent, name) = (&rel[..slash], &rel[slash + 1..]);
+            pending
+                .touched
+                .entry(parent.to_vec())
+                .or_default()
+                .insert(name.to_vec());
+        }
+        None if rel.is_empty() => mark(&mut pending.dirty, root, path),
+        None => {
+            pending
+                .touched
+                .entry(Vec::new())
+                .or_default()
+                .insert(rel.to_vec());
+        }
+    }
+}
+
 /// Marks what an event at `path` may have changed: the listing of its
 /// parent (the entry itself) and its own listing (if it is a directory).
 fn mark(dirty: &mut HashSet<Vec<u8>>, root: &Path, path: &Path) {
@@ -300,7 +348,8 @@ mod tests {
     /// asynchronously, through notify's own thread).
     fn settle(tracker: &ChangeTracker) {
         for _ in 0..200 {
-            if !tracker.pending.0.lock().unwrap().dirty.is_empty() {
+            let pending = tracker.pending.0.lock().unwrap();
+            if !pending.dirty.is_empty() || !pending.touched.is_empty() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -389,6 +438,75 @@ mod tests {
         let (third, kind) = tracker.scan(&opts, &|_| {}).unwrap();
         assert_eq!(kind, ScanKind::Partial { dirty: 0 });
         assert_eq!(listing(&third), listing(&full));
+    }
+
+    #[test]
+    fn a_write_in_place_restats_only_that_entry_and_equals_a_full_walk() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fs::create_dir_all(root.join("big/sub")).unwrap();
+        fs::create_dir_all(root.join("other")).unwrap();
+        for i in 0..50 {
+            fs::write(root.join(format!("big/f{i:02}")), format!("file {i:02}")).unwrap();
+        }
+        fs::write(root.join("other/x"), "x").unwrap();
+        let tracker = ChangeTracker::start(root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = options(root);
+        let (first, _) = tracker.scan(&opts, &|_| {}).unwrap();
+
+        // Same length: only the times and the ctime tell.
+        fs::write(root.join("big/f07"), "FILE 07").unwrap();
+        let mode = |mode| fs::Permissions::from_mode(mode);
+        fs::set_permissions(root.join("big/f08"), mode(0o600)).unwrap();
+        fs::set_permissions(root.join("big/sub"), mode(0o700)).unwrap();
+        settle(&tracker);
+        {
+            let pending = tracker.pending.0.lock().unwrap();
+            assert!(pending.dirty.is_empty(), "{:?}", pending.dirty);
+            let names: HashSet<&[u8]> = pending.touched[&b"big"[..]]
+                .iter()
+                .map(Vec::as_slice)
+                .collect();
+            assert_eq!(names, HashSet::from([&b"f07"[..], b"f08", b"sub"]));
+        }
+        let (second, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert!(matches!(kind, ScanKind::Partial { .. }), "{kind:?}");
+        let full = scan::scan(&opts, &|_| {}).unwrap();
+        let dirs = |scan: &Scan| -> Vec<scan::ScannedDir> {
+            scan.dirs.iter().map(|dir| (**dir).clone()).collect()
+        };
+        assert_eq!(
+            dirs(&second),
+            dirs(&full),
+            "a partial walk equals a full walk"
+        );
+        assert_ne!(dirs(&first), dirs(&full));
+        let other = |scan: &Scan| {
+            scan.dirs
+                .iter()
+                .find(|dir| dir.path == b"other")
+                .unwrap()
+                .clone()
+        };
+        assert!(Arc::ptr_eq(&other(&first), &other(&second)));
+
+        // A name that is not what it was listed as: the directory is listed again.
+        fs::remove_file(root.join("big/f09")).unwrap();
+        fs::create_dir(root.join("big/f09")).unwrap();
+        tracker.pending.0.lock().unwrap().touched =
+            Touched::from([(b"big".to_vec(), HashSet::from([b"f09".to_vec()]))]);
+        tracker.pending.0.lock().unwrap().dirty.clear();
+        let (third, _) = tracker.scan(&opts, &|_| {}).unwrap();
+        let full = scan::scan(&opts, &|_| {}).unwrap();
+        let big = |scan: &Scan| {
+            scan.dirs
+                .iter()
+                .find(|dir| dir.path == b"big")
+                .map(|dir| (**dir).clone())
+        };
+        assert_eq!(big(&third), big(&full));
+        assert!(third.dirs.iter().any(|dir| dir.path == b"big/f09"));
     }
 
     #[test]
