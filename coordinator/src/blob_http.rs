@@ -301,6 +301,19 @@ async fn sync_dir(dir: &Path) -> std::io::Result<()> {
     tokio::fs::File::open(dir).await?.sync_all().await
 }
 
+/// At most this much of a refused upload is read before the refusal is sent.
+const DRAIN_LIMIT: usize = 1 << 20;
+
+/// Reads what the client is still sending (up to [`DRAIN_LIMIT`], for a few
+/// seconds) before answering `refusal`: a connection closed while the
+/// client sends is reset, and the client sees a send error instead of the
+/// answer that says why.
+async fn after_draining(body: Body, refusal: Response) -> Response {
+    let drain = axum::body::to_bytes(body, DRAIN_LIMIT);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+    refusal
+}
+
 async fn put_object(
     State(server): State<Arc<BlobServer>>,
     UrlPath(key): UrlPath<String>,
@@ -310,7 +323,7 @@ async fn put_object(
 ) -> Response {
     let (key, grant) = match authorize(&server, &key, query.as_deref(), true) {
         Ok(granted) => granted,
-        Err(response) => return response,
+        Err(refusal) => return after_draining(body, refusal).await,
     };
     let Grant::Put { size, sha256 } = grant else {
         unreachable!("a PUT verification grants a PUT")
@@ -325,9 +338,10 @@ async fn put_object(
     if let Some(declared) = declared
         && declared != size
     {
-        return bad_request(format!(
+        let refusal = bad_request(format!(
             "Content-Length is {declared}, the URL was signed for {size} bytes"
         ));
+        return after_draining(body, refusal).await;
     }
 
     let mut temp = TempUpload {

@@ -111,12 +111,8 @@ pub fn inspect(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
 
 /// Reads the state with `git status`; None when git cannot be started.
 fn inspect_with_cli(dir: &Path, rel: &str) -> Option<Result<RepoState, GitError>> {
-    let output = std::process::Command::new("git")
+    let output = crate::run::gitcli::command(dir)
         .args([
-            "-c",
-            "core.hooksPath=/dev/null",
-            "-c",
-            "safe.directory=*",
             // A monitor daemon would be started in the sandbox for one read.
             "-c",
             "core.fsmonitor=false",
@@ -130,13 +126,6 @@ fn inspect_with_cli(dir: &Path, rel: &str) -> Option<Result<RepoState, GitError>
             "--no-renames",
             "--ignore-submodules=none",
         ])
-        .current_dir(dir)
-        .env("GIT_TERMINAL_PROMPT", "0")
-        .env("LC_ALL", "C")
-        .env_remove("GIT_DIR")
-        .env_remove("GIT_WORK_TREE")
-        .env_remove("GIT_INDEX_FILE")
-        .stdin(std::process::Stdio::null())
         .output()
         .ok()?;
     if !output.status.success() {

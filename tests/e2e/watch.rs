@@ -3,16 +3,42 @@
 //! read only what changed; every `--interval` it checkpoints by itself, but
 //! only when something changed.
 
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use cairn_e2e::{
-    Coordinator, json_u64, let_timestamps_settle, populate_small_workspace, run, tempdir,
+    Client, Coordinator, json_u64, let_timestamps_settle, populate_small_workspace, run, tempdir,
 };
 use cairn_proto::pb;
 
 /// A running `cairn-runner watch`, stopped (SIGTERM) when dropped.
 struct Watcher(Child);
+
+impl Watcher {
+    /// Starts `cairn-runner watch` on `root` and waits for its socket.
+    fn start(client: &Client, root: &Path, workspace: &str, interval: &str, socket: &Path) -> Self {
+        let watcher = Watcher(
+            client
+                .runner()
+                .arg("watch")
+                .arg("--root")
+                .arg(root)
+                .args(["--workspace", workspace, "--interval", interval])
+                .arg("--socket")
+                .arg(socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cairn-runner watch starts"),
+        );
+        wait_until("the control socket", Duration::from_secs(20), || {
+            socket.exists()
+        });
+        watcher
+    }
+}
 
 impl Drop for Watcher {
     fn drop(&mut self) {
@@ -46,24 +72,7 @@ fn checkpoints_go_through_the_watcher_and_intervals_skip_an_unchanged_workspace(
     // workspace unchanged since.
     client.checkpoint(&root, &workspace);
 
-    let watcher = Watcher(
-        client
-            .runner()
-            .arg("watch")
-            .arg("--root")
-            .arg(&root)
-            .args(["--workspace", &workspace, "--interval", "1s"])
-            .arg("--socket")
-            .arg(&socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("cairn-runner watch starts"),
-    );
-    wait_until("the control socket", Duration::from_secs(20), || {
-        socket.exists()
-    });
+    let watcher = Watcher::start(&client, &root, &workspace, "1s", &socket);
     let interval_checkpoints = || {
         coordinator
             .list_checkpoints(&workspace)
@@ -210,24 +219,7 @@ fn each_watcher_checkpoint_restores_what_it_saw_while_unchanged_directories_are_
     client.checkpoint(&root, &workspace);
     // Started after the checkpoint: it works out what that one holds from
     // its cache, so its first checkpoint too reads only what changed.
-    let _watcher = Watcher(
-        client
-            .runner()
-            .arg("watch")
-            .arg("--root")
-            .arg(&root)
-            .args(["--workspace", &workspace, "--interval", "24h"])
-            .arg("--socket")
-            .arg(&socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("cairn-runner watch starts"),
-    );
-    wait_until("the control socket", Duration::from_secs(20), || {
-        socket.exists()
-    });
+    let _watcher = Watcher::start(&client, &root, &workspace, "24h", &socket);
     let ask = || {
         run(client
             .runner()

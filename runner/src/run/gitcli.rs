@@ -59,19 +59,27 @@ pub enum GitCliError {
     Timeout { command: String, limit: Duration },
 }
 
-/// Runs `git ARGS` in `dir`, giving up (and killing it) after `limit`.
-pub async fn git(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput, GitCliError> {
-    let mut command = tokio::process::Command::new("git");
+/// `git` in `dir` as the runner runs it: no hook, no prompt, messages in
+/// English, the repository found from `dir` alone; its arguments follow.
+pub fn command(dir: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new("git");
     command
         .args(["-c", "core.hooksPath=/dev/null", "-c", "safe.directory=*"])
-        .args(args)
         .current_dir(dir)
         .env("GIT_TERMINAL_PROMPT", "0")
         .env("LC_ALL", "C")
         .env_remove("GIT_DIR")
         .env_remove("GIT_WORK_TREE")
         .env_remove("GIT_INDEX_FILE")
-        .stdin(Stdio::null())
+        .stdin(Stdio::null());
+    command
+}
+
+/// Runs `git ARGS` in `dir`, giving up (and killing it) after `limit`.
+pub async fn git(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput, GitCliError> {
+    let mut command = tokio::process::Command::from(command(dir));
+    command
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
