@@ -128,19 +128,14 @@ fn inspect_with_cli(dir: &Path, rel: &str) -> Option<Result<RepoState, GitError>
         ])
         .output()
         .ok()?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let said = stderr
-            .lines()
-            .map(str::trim)
-            .find(|line| !line.is_empty())
-            .unwrap_or("git status failed");
+    let output = crate::run::gitcli::GitOutput::from(output);
+    if !output.success() {
         return Some(Err(GitError {
             path: display_rel(rel.as_bytes()),
-            message: said.strip_prefix("fatal: ").unwrap_or(said).to_owned(),
+            message: output.message(),
         }));
     }
-    Some(Ok(parse_status(rel, &output.stdout)))
+    Some(Ok(parse_status(rel, output.stdout.as_bytes())))
 }
 
 /// The state `git status --porcelain=v2 -z --branch --show-stash` printed.

@@ -67,16 +67,6 @@ pub fn is_pack_path(rel: &[u8]) -> bool {
         && name.ends_with(b".pack")
 }
 
-/// Whether `rel` names a git object file whose name says what it holds: a
-/// loose object (named by its id) or a pack (named by its checksum). Git
-/// writes both under a temporary name and renames them, never in place, so
-/// what was read under a fingerprint may be remembered at once: the wait
-/// that keeps a just-written file out of the fingerprint cache guards
-/// against writes in place within one timestamp tick.
-pub fn is_named_by_content(rel: &[u8]) -> bool {
-    is_loose_object_path(rel) || is_pack_path(rel)
-}
-
 /// The trailing checksum of a pack is at most this long (SHA-256).
 pub const PACK_CHECKSUM_LEN: u64 = 32;
 

@@ -49,6 +49,27 @@ impl Drop for Watcher {
     }
 }
 
+/// `cairn-runner checkpoint --output json ARGS` through the watcher's socket.
+fn ask_watcher(
+    client: &Client,
+    root: &Path,
+    workspace: &str,
+    socket: &Path,
+    args: &[&str],
+) -> serde_json::Value {
+    run(client
+        .runner()
+        .arg("checkpoint")
+        .arg("--root")
+        .arg(root)
+        .args(["--workspace", workspace, "--output", "json"])
+        .args(args)
+        .arg("--socket")
+        .arg(socket))
+    .assert_success()
+    .json()
+}
+
 fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {
@@ -87,25 +108,8 @@ fn checkpoints_go_through_the_watcher_and_intervals_skip_an_unchanged_workspace(
         "the workspace was unchanged since its newest checkpoint"
     );
 
-    let ask = |reason: &str| {
-        run(client
-            .runner()
-            .arg("checkpoint")
-            .arg("--root")
-            .arg(&root)
-            .args([
-                "--workspace",
-                &workspace,
-                "--reason",
-                reason,
-                "--output",
-                "json",
-            ])
-            .arg("--socket")
-            .arg(&socket))
-        .assert_success()
-        .json()
-    };
+    let ask =
+        |reason: &str| ask_watcher(&client, &root, &workspace, &socket, &["--reason", reason]);
     let first = ask("manual");
     assert_eq!(first["reason"], "manual", "{first}");
     let files = json_u64(&first, "stats.files");
@@ -128,24 +132,7 @@ fn checkpoints_go_through_the_watcher_and_intervals_skip_an_unchanged_workspace(
     // --if-changed on an unchanged workspace: the watcher settles it from
     // its change tracker, and nothing is committed.
     let before = coordinator.list_checkpoints(&workspace).len();
-    let if_changed = || {
-        run(client
-            .runner()
-            .arg("checkpoint")
-            .arg("--root")
-            .arg(&root)
-            .args([
-                "--workspace",
-                &workspace,
-                "--if-changed",
-                "--output",
-                "json",
-            ])
-            .arg("--socket")
-            .arg(&socket))
-        .assert_success()
-        .json()
-    };
+    let if_changed = || ask_watcher(&client, &root, &workspace, &socket, &["--if-changed"]);
     let unchanged = if_changed();
     assert_eq!(
         unchanged["unchanged_since"], second["checkpoint_id"],
@@ -220,18 +207,7 @@ fn each_watcher_checkpoint_restores_what_it_saw_while_unchanged_directories_are_
     // Started after the checkpoint: it works out what that one holds from
     // its cache, so its first checkpoint too reads only what changed.
     let _watcher = Watcher::start(&client, &root, &workspace, "24h", &socket);
-    let ask = || {
-        run(client
-            .runner()
-            .arg("checkpoint")
-            .arg("--root")
-            .arg(&root)
-            .args(["--workspace", &workspace, "--output", "json"])
-            .arg("--socket")
-            .arg(&socket))
-        .assert_success()
-        .json()
-    };
+    let ask = || ask_watcher(&client, &root, &workspace, &socket, &[]);
     let snapshots = tmp.path().join("snapshots");
     std::fs::create_dir(&snapshots).unwrap();
     let mut cut = Vec::new();

@@ -174,7 +174,7 @@ pub fn read_all(
                         let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
                         content.bytes_read += tail;
                         // Known by its bytes, and remembered under its new
-                        // times at once (see gitobj::is_named_by_content).
+                        // times at once: a pack is never written in place.
                         unchanged.then_some((known, Some(*fingerprint)))
                     }),
             };
@@ -396,10 +396,10 @@ fn record(
             for (chunk, data) in held {
                 batcher.offer(chunk.id, data)?;
             }
+            // A git object or pack is named by what it holds and never
+            // written in place: the racy window does not apply to it.
             let named_by_content = read.git.is_some() || gitobj::is_pack_path(&job.rel);
-            let stable = !changing
-                && (read.after.is_stable(scan.started)
-                    || (named_by_content && gitobj::is_named_by_content(&job.rel)));
+            let stable = !changing && (named_by_content || read.after.is_stable(scan.started));
             if changing {
                 content.warnings.push(format!(
                     "{shown} kept changing while it was read; the checkpoint holds one of its states"

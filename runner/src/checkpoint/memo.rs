@@ -129,20 +129,11 @@ impl Memo {
             if !committed {
                 continue;
             }
-            let chunks = files
-                .iter()
-                .flatten()
-                .flat_map(|f| f.chunks.iter().map(|c| &c.id));
-            let mut packs: Vec<PackId> = Vec::new();
-            for id in chunks.chain(std::iter::once(&tree.id)).chain(&tree.pages) {
-                if let Some(pack) = cache.blob_pack(id)
-                    && !packs.contains(pack)
-                {
-                    packs.push(pack.clone());
-                }
-            }
+            let Ok(packs) = packs_of(&files, &tree, |id| cache.blob_pack(id)) else {
+                continue;
+            };
             trees.insert(&listing.path, tree.id);
-            outcomes.push((listing.clone(), Arc::new(files), tree, packs.into()));
+            outcomes.push((listing.clone(), Arc::new(files), tree, packs));
         }
         Self::of(workspace, keys.key_id().to_owned(), outcomes.into_iter())
     }
@@ -208,4 +199,26 @@ fn known_entries(
         }
     }
     Some(KnownEntries { files, subtrees })
+}
+
+/// The packs holding a directory's file chunks, its tree and its pages, as
+/// `locate` places them; Err names a blob it cannot place.
+pub fn packs_of<'a>(
+    files: &[Option<FileContent>],
+    tree: &DirTree,
+    locate: impl Fn(&BlobId) -> Option<&'a PackId>,
+) -> Result<Arc<[PackId]>, BlobId> {
+    let chunks = files
+        .iter()
+        .flatten()
+        .flat_map(|f| f.chunks.iter().map(|c| &c.id));
+    let trees = std::iter::once(&tree.id).chain(&tree.pages);
+    let mut packs: Vec<PackId> = Vec::new();
+    for id in chunks.chain(trees) {
+        let pack = locate(id).ok_or(*id)?;
+        if !packs.contains(pack) {
+            packs.push(pack.clone());
+        }
+    }
+    Ok(packs.into())
 }

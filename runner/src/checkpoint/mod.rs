@@ -688,21 +688,10 @@ fn place(
             .filter(|outcome| from_memo && outcome.tree == *tree);
         let packs = match remembered {
             Some(outcome) => outcome.packs.clone(),
-            None => {
-                let mut packs: Vec<PackId> = Vec::new();
-                let chunks = files.iter().flatten().flat_map(|f| f.chunks.iter());
-                let trees = std::iter::once(&tree.id).chain(&tree.pages);
-                for id in chunks.map(|c| &c.id).chain(trees) {
-                    let pack = located
-                        .get(id)
-                        .or_else(|| cache.blob_pack(id))
-                        .ok_or(CheckpointError::UnlocatedBlob(*id))?;
-                    if !packs.contains(pack) {
-                        packs.push(pack.clone());
-                    }
-                }
-                packs.into()
-            }
+            None => memo::packs_of(files, tree, |id| {
+                located.get(id).or_else(|| cache.blob_pack(id))
+            })
+            .map_err(CheckpointError::UnlocatedBlob)?,
         };
         referenced.extend(packs.iter().cloned());
         per_dir.push(packs);
@@ -951,7 +940,7 @@ pub async fn newest_checkpoint(
 /// Readies a resident runner (`opts.resident`) for its first checkpoint
 /// of `workspace`, whose newest checkpoint is under tenant key `key_id`:
 /// loads the fingerprint cache and works out what that checkpoint holds per
-/// listing (see [`Resident::prime`]), in the background. When the
+/// listing (see [`Resident::preload`]), in the background. When the
 /// coordinator cannot say which tenant key hashes the trees, only the cache
 /// is loaded.
 pub async fn prime(
@@ -969,18 +958,17 @@ pub async fn prime(
             .ok(),
         Err(_) => None,
     };
-    let root = scan::resolve_root(&opts.root);
-    match (session, root) {
+    let memo_from = match (session, scan::resolve_root(&opts.root)) {
         (Some(session), Ok(root))
             if session.workspace_id == workspace && session.keys.key_id() == key_id =>
         {
-            let walk = opts.scan_options(&root, &cache_dir);
-            resident
-                .prime(cache_dir, workspace, session.keys, walk)
-                .await;
+            Some((session.keys, opts.scan_options(&root, &cache_dir)))
         }
-        _ => resident.preload(cache_dir, workspace, key_id).await,
-    }
+        _ => None,
+    };
+    resident
+        .preload(cache_dir, workspace, key_id, memo_from)
+        .await;
 }
 
 /// `cairn-runner checkpoint`.

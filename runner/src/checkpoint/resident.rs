@@ -120,26 +120,17 @@ impl Resident {
     }
 
     /// Starts loading the cache of `workspace` (tenant key `key_id`) in the
-    /// background, so that the first checkpoint finds it in memory.
-    pub async fn preload(&self, cache_dir: PathBuf, workspace: WorkspaceId, key_id: String) {
-        let mut kept = self.cache.lock().await;
-        if matches!(*kept, Kept::Nothing) {
-            *kept = Kept::Busy(tokio::task::spawn_blocking(move || {
-                Some(Cache::load(&cache_dir, &workspace, &key_id))
-            }));
-        }
-    }
-
-    /// Like [`Resident::preload`], and then works out from a walk and the
-    /// cache alone what the workspace's newest checkpoint held per listing
+    /// background, so that the first checkpoint finds it in memory. With
+    /// `keys` and a `walk`, it then works out from a walk and the cache alone
+    /// what the workspace's newest checkpoint held per listing
     /// ([`Memo::prime`]), so that the first checkpoint, too, costs what
     /// changed. The first checkpoint waits for both, as for the cache.
-    pub async fn prime(
+    pub async fn preload(
         self: &Arc<Self>,
         cache_dir: PathBuf,
         workspace: WorkspaceId,
-        keys: Arc<TenantKeys>,
-        walk: ScanOptions,
+        key_id: String,
+        memo_from: Option<(Arc<TenantKeys>, ScanOptions)>,
     ) {
         let mut kept = self.cache.lock().await;
         if !matches!(*kept, Kept::Nothing) {
@@ -147,32 +138,34 @@ impl Resident {
         }
         let resident = self.clone();
         *kept = Kept::Busy(tokio::task::spawn_blocking(move || {
-            let cache = Cache::load(&cache_dir, &workspace, keys.key_id());
-            let Some(tracker) = resident.tracker() else {
-                return Some(cache);
-            };
-            match tracker.scan(&walk, &|_| {}) {
-                Ok((scan, _)) => {
-                    let started = std::time::Instant::now();
-                    let memo = Memo::prime(workspace, &scan, &cache, &keys);
-                    tracing::debug!(
-                        dirs = scan.dirs.len(),
-                        known = memo.listings(),
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "what the newest checkpoint holds worked out from the cache"
-                    );
-                    let mut kept = resident.memo.lock().expect("memo lock");
-                    // A checkpoint that got there first knows better.
-                    if kept.is_none() {
-                        *kept = Some(Arc::new(memo));
+            let cache = Cache::load(&cache_dir, &workspace, &key_id);
+            if let (Some((keys, walk)), Some(tracker)) = (memo_from, resident.tracker()) {
+                match tracker.scan(&walk, &|_| {}) {
+                    Ok((scan, _)) => resident.prime(workspace, &scan, &cache, &keys),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cannot walk the workspace to prime the runner")
                     }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot walk the workspace to prime the runner")
                 }
             }
             Some(cache)
         }));
+    }
+
+    /// Keeps what `cache` tells of the newest checkpoint, unless a
+    /// checkpoint got there first (it knows better).
+    fn prime(&self, workspace: WorkspaceId, scan: &Scan, cache: &Cache, keys: &TenantKeys) {
+        let started = std::time::Instant::now();
+        let memo = Memo::prime(workspace, scan, cache, keys);
+        tracing::debug!(
+            dirs = scan.dirs.len(),
+            known = memo.listings(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "what the newest checkpoint holds worked out from the cache"
+        );
+        let mut kept = self.memo.lock().expect("memo lock");
+        if kept.is_none() {
+            *kept = Some(Arc::new(memo));
+        }
     }
 
     /// Waits until the cache is on disk (before the runner exits).

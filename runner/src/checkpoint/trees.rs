@@ -211,7 +211,7 @@ mod tests {
     }
 
     /// Scans `root` and gives every file one chunk of its content.
-    fn trees_of(root: &std::path::Path, known: &dyn Fn(&BlobId) -> bool) -> Built {
+    fn scanned(root: &std::path::Path) -> (Scan, Vec<DirFiles>) {
         let opts = ScanOptions {
             root: root.to_path_buf(),
             skip_ignored: false,
@@ -255,7 +255,12 @@ mod tests {
                 std::sync::Arc::new(files)
             })
             .collect();
-        let trees = build(&scan, &files, &keys, known, &[]);
+        (scan, files)
+    }
+
+    fn trees_of(root: &std::path::Path, known: &dyn Fn(&BlobId) -> bool) -> Built {
+        let (scan, files) = scanned(root);
+        let trees = build(&scan, &files, &keys(), known, &[]);
         Built {
             root: trees.root,
             by_dir: scan
@@ -327,42 +332,10 @@ mod tests {
         fs::create_dir_all(root.join("c")).unwrap();
         fs::write(root.join("a/b/f"), b"f").unwrap();
         fs::write(root.join("c/g"), b"g").unwrap();
-        let keys = keys();
         let build_with = |remembered: &[Option<&DirTree>]| {
-            let opts = ScanOptions {
-                root: root.to_path_buf(),
-                skip_ignored: false,
-                excludes: vec![],
-                exclude_paths: vec![],
-            };
-            let scan = scan(&opts, &|_| {}).unwrap();
-            let files: Vec<DirFiles> = scan
-                .dirs
-                .iter()
-                .map(|dir| {
-                    let files = dir
-                        .nodes
-                        .iter()
-                        .map(|node| match node.kind {
-                            NodeKind::File(fingerprint) => Some(FileContent {
-                                chunks: vec![ChunkRef {
-                                    id: keys.blob_id(&node.name),
-                                    len: 1,
-                                }]
-                                .into(),
-                                size: fingerprint.size,
-                                meta: node.meta,
-                                cacheable: None,
-                                git: None,
-                            }),
-                            _ => None,
-                        })
-                        .collect();
-                    std::sync::Arc::new(files)
-                })
-                .collect();
+            let (scan, files) = scanned(root);
             let paths: Vec<Vec<u8>> = scan.dirs.iter().map(|d| d.path.clone()).collect();
-            (paths, build(&scan, &files, &keys, &|_| false, remembered))
+            (paths, build(&scan, &files, &keys(), &|_| false, remembered))
         };
         let (paths, before) = build_with(&[]);
         assert_eq!(paths, [&b""[..], b"a", b"a/b", b"c"]);

@@ -20,6 +20,16 @@ pub struct GitOutput {
     pub stderr: String,
 }
 
+impl From<std::process::Output> for GitOutput {
+    fn from(output: std::process::Output) -> Self {
+        Self {
+            status: output.status,
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        }
+    }
+}
+
 impl GitOutput {
     pub fn success(&self) -> bool {
         self.status.success()
@@ -88,11 +98,7 @@ pub async fn git(dir: &Path, args: &[&str], limit: Duration) -> Result<GitOutput
         source,
     })?;
     match tokio::time::timeout(limit, child.wait_with_output()).await {
-        Ok(Ok(output)) => Ok(GitOutput {
-            status: output.status,
-            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-        }),
+        Ok(Ok(output)) => Ok(GitOutput::from(output)),
         Ok(Err(source)) => Err(GitCliError::Spawn {
             dir: dir.to_path_buf(),
             source,
