@@ -347,9 +347,12 @@ impl Reuse<'_> {
         let start = dirs.partition_point(|d| d.path[..] < *rel);
         let mut below = rel.to_vec();
         below.push(b'/');
+        // Everything that starts with `rel` is contiguous, but siblings such
+        // as "app-config" (b'-' < b'/') sort between "app" and "app/src".
         dirs[start..]
             .iter()
-            .take_while(move |d| d.path == rel || d.path.starts_with(&below))
+            .take_while(move |d| d.path.starts_with(rel))
+            .filter(move |d| d.path == rel || d.path.starts_with(&below))
     }
 }
 
@@ -1094,6 +1097,34 @@ mod tests {
                 rel: b"repo".to_vec()
             }]
         );
+    }
+
+    #[test]
+    fn a_partial_rescan_keeps_the_subdirectories_of_a_directory_whose_name_is_a_prefix_of_a_sibling()
+     {
+        // "app-config" sorts between "app" and "app/src" ('-' < '/'): the
+        // listings below "app" are not next to it in the sorted scan.
+        let tmp = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(tmp.path()).unwrap();
+        for dir in ["app/src/deep", "app-config", "app.d", "other"] {
+            fs::create_dir_all(root.join(dir)).unwrap();
+        }
+        for file in [
+            "app/src/deep/lib.rs",
+            "app/main.rs",
+            "app-config/c.toml",
+            "app.d/x",
+            "other/o",
+        ] {
+            fs::write(root.join(file), file).unwrap();
+        }
+        let opts = options(&root);
+        let before = run(&opts);
+        fs::write(root.join("other/new"), b"n").unwrap();
+        let dirty = HashSet::from([b"other".to_vec()]);
+        let after = rescan(&opts, &before, &dirty, &Touched::new(), &|_| {}).unwrap();
+        assert_eq!(listing(&after), listing(&run(&opts)));
+        assert!(listing(&after).contains_key("app/src/deep/lib.rs"));
     }
 
     #[test]
