@@ -359,14 +359,15 @@ async fn run(
 
     let scan_options = opts.scan_options(root, &cache_dir);
     let resident = opts.resident.clone();
-    // A resident runner may settle an "only if changed" checkpoint from the
-    // walk alone; then no repository is read, so they wait for that check.
-    let may_settle_early = baseline.is_some() && resident.is_some();
+    // A resident runner reads each repository for what changed since its
+    // last reading, which needs the whole walk; and it may settle an "only
+    // if changed" checkpoint from the walk alone, reading no repository.
+    let hold_repos = resident.is_some();
     let (scanned, inspector, held_repos) = blocking(move || {
         let inspector = git::Inspector::start();
         let held_repos = std::sync::Mutex::new(Vec::new());
         let on_repo = |found| {
-            if may_settle_early {
+            if hold_repos {
                 held_repos.lock().expect("held repos lock").push(found);
             } else {
                 inspector.submit(found);
@@ -401,9 +402,12 @@ async fn run(
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
         return Ok(None);
     }
+    let status_memory = opts.resident.as_ref().and_then(|r| r.status_memory());
+    let status_memory = status_memory.filter(|memory| memory.walk.root == walked.root);
     for found in held_repos {
-        inspector.submit(found);
+        inspector.submit_following(found, status_memory.as_ref(), &walked);
     }
+    drop(status_memory);
 
     let mut cache = match &opts.resident {
         Some(resident) => {
@@ -512,8 +516,19 @@ async fn run(
         )
     });
     let tree_dirs = std::mem::take(&mut trees.dirs);
-    let (repos, git_warnings) = blocking(move || inspector.finish()).await?;
-    tracing::debug!(repos = repos.len(), elapsed_ms = ms(), "git state read");
+    let inspected = blocking(move || inspector.finish()).await?;
+    tracing::debug!(
+        repos = inspected.repos.len(),
+        elapsed_ms = ms(),
+        "git state read"
+    );
+    if let Some(resident) = &opts.resident {
+        resident.remember_status(git::StatusMemory {
+            walk: walked.clone(),
+            repos: inspected.statuses,
+        });
+    }
+    let (repos, git_warnings) = (inspected.repos, inspected.warnings);
 
     if let Some(baseline) = baseline
         && baseline.checkpoint_id == session.parent

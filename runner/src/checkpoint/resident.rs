@@ -9,7 +9,10 @@
 //!   no change since, a "only if changed" checkpoint is settled without
 //!   reading or hashing anything;
 //! - what that checkpoint found per directory listing ([`Memo`]), so the
-//!   next one takes it for every listing the tracker hands back unchanged.
+//!   next one takes it for every listing the tracker hands back unchanged;
+//! - what the last `git status` of each repository listed, and the walk it
+//!   followed, so the next one asks git about only what changed since
+//!   ([`crate::git::narrow`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -21,6 +24,7 @@ use super::Baseline;
 use super::memo::Memo;
 use crate::cache::Cache;
 use crate::format::TenantKeys;
+use crate::git::StatusMemory;
 use crate::scan::{Scan, ScanOptions};
 use crate::tracker::ChangeTracker;
 
@@ -34,6 +38,8 @@ pub struct Resident {
     /// What that checkpoint found per listing (or, before the first one,
     /// what the cache tells of the newest checkpoint).
     memo: Mutex<Option<Arc<Memo>>>,
+    /// The last reading of each repository's status.
+    status: Mutex<Option<StatusMemory>>,
 }
 
 #[derive(Debug, Default)]
@@ -55,6 +61,7 @@ impl Resident {
             cache: tokio::sync::Mutex::new(Kept::Nothing),
             last_cut: Mutex::new(None),
             memo: Mutex::new(None),
+            status: Mutex::new(None),
         }
     }
 
@@ -78,6 +85,15 @@ impl Resident {
     pub fn memo(&self, workspace: &WorkspaceId, key_id: &str) -> Option<Arc<Memo>> {
         let memo = self.memo.lock().expect("memo lock");
         memo.clone().filter(|memo| memo.is_of(workspace, key_id))
+    }
+
+    /// The last reading of each repository's status, and the walk it followed.
+    pub fn status_memory(&self) -> Option<StatusMemory> {
+        self.status.lock().expect("status lock").clone()
+    }
+
+    pub fn remember_status(&self, memory: StatusMemory) {
+        *self.status.lock().expect("status lock") = Some(memory);
     }
 
     pub fn tracker(&self) -> Option<&ChangeTracker> {

@@ -13,19 +13,29 @@
 //! reads it otherwise, to the same counts.
 //!
 //! [`Inspector`] does this on its own thread while the walk is still going
-//! (or, when a resident runner may find nothing changed, right after it),
-//! so the metadata costs no wall time in a checkpoint.
+//! (in a resident runner, right after it), so the metadata costs no wall
+//! time in a checkpoint. A resident runner keeps each reading
+//! ([`StatusMemory`]) and asks git next time about only what changed since
+//! ([`narrow`]): the status of a large repository then costs what changed,
+//! not what is tracked.
 
+pub mod index;
+pub mod narrow;
+
+use std::collections::HashMap;
+use std::ffi::OsString;
 use std::path::Path;
-use std::sync::Once;
 use std::sync::mpsc;
+use std::sync::{Arc, Once};
 use std::thread;
 
 use cairn_proto::pb;
 use git2::{ErrorCode, Repository, Status, StatusOptions};
 use serde::Serialize;
 
-use crate::scan::{RepoFound, display_rel};
+use self::index::IndexEntries;
+use self::narrow::{Records, RepoStatus};
+use crate::scan::{RepoFound, Scan, display_rel};
 
 /// The state of one repository.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -103,93 +113,225 @@ fn count(n: usize) -> u32 {
 /// Reads the state of the repository whose working directory is `dir`:
 /// with the git command line, else with libgit2.
 pub fn inspect(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
-    match inspect_with_cli(dir, rel) {
-        Some(read) => read,
+    match status_with_cli(dir, rel, &[]) {
+        Some(read) => read.map(|(state, _)| state),
         None => inspect_with_libgit2(dir, rel),
     }
 }
 
-/// Reads the state with `git status`; None when git cannot be started.
-fn inspect_with_cli(dir: &Path, rel: &str) -> Option<Result<RepoState, GitError>> {
-    let output = crate::run::gitcli::command(dir)
-        .args([
-            // A monitor daemon would be started in the sandbox for one read.
-            "-c",
-            "core.fsmonitor=false",
-            "--no-optional-locks",
-            "status",
-            "--porcelain=v2",
-            "-z",
-            "--branch",
-            "--show-stash",
-            "--untracked-files=all",
-            "--no-renames",
-            "--ignore-submodules=none",
-        ])
-        .output()
-        .ok()?;
-    let output = crate::run::gitcli::GitOutput::from(output);
-    if !output.success() {
-        return Some(Err(GitError {
-            path: display_rel(rel.as_bytes()),
-            message: output.message(),
-        }));
+/// Reads the state of a resident runner's repository, and what the next
+/// reading needs: for only what changed since `since` when it is given
+/// (see [`narrow`]).
+fn inspect_following(
+    found: &RepoFound,
+    rel: &str,
+    since: Option<&Since>,
+) -> Result<(RepoState, Option<RepoStatus>), GitError> {
+    let dir = &found.dir;
+    let started = std::time::Instant::now();
+    let ms = || started.elapsed().as_millis() as u64;
+    let reading = match since {
+        Some(since) => narrow::plan(&since.previous, &since.old, &since.new, &found.rel, dir),
+        None => narrow::Reading::Full {
+            why: "the first reading",
+        },
+    };
+    match reading {
+        narrow::Reading::Unchanged => {
+            let previous = &since
+                .expect("only a reading with a previous one is unchanged")
+                .previous;
+            let mut state = previous.state.clone();
+            state.path = rel.to_owned();
+            Ok((state, Some(RepoStatus::clone(previous))))
+        }
+        narrow::Reading::Full { why } => {
+            tracing::debug!(
+                repository = rel,
+                why,
+                elapsed_ms = ms(),
+                "git status read in full"
+            );
+            // Read before git runs: whatever changes in between is in the
+            // status too, and differs again from these next time.
+            let head = narrow::read_head(dir).ok();
+            let index = IndexEntries::read(&dir.join(".git/index"))
+                .ok()
+                .map(Arc::new);
+            match status_with_cli(dir, rel, &[]) {
+                Some(read) => {
+                    let (state, records) = read?;
+                    let remembered = head.map(|head| RepoStatus {
+                        state: state.clone(),
+                        records,
+                        head,
+                        index,
+                        narrowed: 0,
+                    });
+                    Ok((state, remembered))
+                }
+                None => Ok((inspect_with_libgit2(dir, rel)?, None)),
+            }
+        }
+        narrow::Reading::Narrow {
+            pathspecs,
+            dirs,
+            paths,
+            head,
+            index,
+        } => {
+            let since = since.expect("only a reading with a previous one is narrowed");
+            tracing::debug!(
+                repository = rel,
+                pathspecs = pathspecs.len(),
+                elapsed_ms = ms(),
+                "git status read for what changed"
+            );
+            match status_with_cli(dir, rel, &pathspecs) {
+                Some(read) => {
+                    let (mut state, fresh) = read?;
+                    tracing::debug!(repository = rel, elapsed_ms = ms(), "git status read");
+                    let records = narrow::merge(&since.previous.records, &dirs, &paths, fresh);
+                    count_records(&mut state, &records);
+                    Ok((
+                        state.clone(),
+                        Some(RepoStatus {
+                            state,
+                            records,
+                            head,
+                            index,
+                            narrowed: since.previous.narrowed + 1,
+                        }),
+                    ))
+                }
+                None => Ok((inspect_with_libgit2(dir, rel)?, None)),
+            }
+        }
     }
-    Some(Ok(parse_status(rel, output.stdout.as_bytes())))
 }
 
-/// The state `git status --porcelain=v2 -z --branch --show-stash` printed.
-fn parse_status(rel: &str, printed: &[u8]) -> RepoState {
+/// Reads the state with `git status`, for `pathspecs` only when there are
+/// any; None when git cannot be started.
+fn status_with_cli(
+    dir: &Path,
+    rel: &str,
+    pathspecs: &[OsString],
+) -> Option<Result<(RepoState, Records), GitError>> {
+    let mut command = crate::run::gitcli::command(dir);
+    command.args([
+        // A monitor daemon would be started in the sandbox for one read.
+        "-c",
+        "core.fsmonitor=false",
+        "--no-optional-locks",
+        "status",
+        "--porcelain=v2",
+        "-z",
+        "--branch",
+        "--show-stash",
+        "--untracked-files=all",
+        "--no-renames",
+        "--ignore-submodules=none",
+    ]);
+    if !pathspecs.is_empty() {
+        command.arg("--").args(pathspecs);
+    }
+    let output = command.output().ok()?;
+    if !output.status.success() {
+        return Some(Err(GitError {
+            path: display_rel(rel.as_bytes()),
+            message: crate::run::gitcli::GitOutput::from(output).message(),
+        }));
+    }
+    Some(Ok(parse_status(rel, &output.stdout)))
+}
+
+/// The state `git status --porcelain=v2 -z --branch --show-stash` printed,
+/// and the records it listed.
+fn parse_status(rel: &str, printed: &[u8]) -> (RepoState, Records) {
     let mut state = RepoState {
         path: rel.to_owned(),
         ..RepoState::default()
     };
+    let mut records = Records::new();
     let mut upstream = String::new();
-    let (mut staged, mut unstaged, mut untracked) = (0usize, 0usize, 0usize);
     for record in printed.split(|b| *b == 0).filter(|r| !r.is_empty()) {
-        let record = String::from_utf8_lossy(record);
-        let mut words = record.split(' ');
-        match words.next() {
-            Some("#") => match (words.next(), words.next()) {
-                (Some("branch.oid"), Some(oid)) if oid != "(initial)" => {
-                    state.head = oid.to_owned();
-                }
-                (Some("branch.head"), Some("(detached)")) => state.detached = true,
-                (Some("branch.head"), Some(_)) => {
-                    state.branch = record["# branch.head ".len()..].to_owned();
-                }
-                (Some("branch.upstream"), Some(_)) => {
-                    upstream = record["# branch.upstream ".len()..].to_owned();
-                }
-                // Printed only when the upstream exists: one that is gone
-                // counts as none, as libgit2 has it.
-                (Some("branch.ab"), Some(ahead)) => {
-                    let number = |word: Option<&str>, sign: char| {
-                        word.and_then(|w| w.strip_prefix(sign))
-                            .and_then(|n| n.parse::<u32>().ok())
-                            .unwrap_or(0)
-                    };
-                    state.ahead = number(Some(ahead), '+');
-                    state.behind = number(words.next(), '-');
-                    state.upstream = std::mem::take(&mut upstream);
-                }
-                (Some("stash"), Some(n)) => state.stashes = n.parse().unwrap_or(0),
-                _ => {}
-            },
-            Some("1" | "2") => {
-                let xy = words.next().unwrap_or("..").as_bytes();
-                staged += usize::from(xy.first().is_some_and(|x| *x != b'.'));
-                unstaged += usize::from(xy.get(1).is_some_and(|y| *y != b'.'));
+        let (kind, rest) = match record.iter().position(|b| *b == b' ') {
+            Some(space) => (&record[..space], &record[space + 1..]),
+            None => (record, &b""[..]),
+        };
+        // (fields before the path, after the kind)
+        let path_after = match kind {
+            b"#" => {
+                read_header(&mut state, &mut upstream, &String::from_utf8_lossy(record));
+                continue;
             }
-            Some("u") => unstaged += 1,
-            Some("?") => untracked += 1,
-            _ => {}
-        }
+            b"1" => 7,
+            b"u" => 9,
+            b"?" => 0,
+            // Renames are not asked for; ignored files neither.
+            _ => continue,
+        };
+        let mut fields = rest.splitn(path_after + 1, |b| *b == b' ');
+        let xy = if path_after > 0 {
+            fields.next().unwrap_or(b"..")
+        } else {
+            b".."
+        };
+        let Some(path) = fields.nth(path_after.saturating_sub(1)) else {
+            continue;
+        };
+        let kinds = match kind {
+            b"?" => narrow::UNTRACKED,
+            b"u" => narrow::UNSTAGED,
+            _ => {
+                let bit = |changed: bool, bit: u8| if changed { bit } else { 0 };
+                bit(xy.first().is_some_and(|x| *x != b'.'), narrow::STAGED)
+                    | bit(xy.get(1).is_some_and(|y| *y != b'.'), narrow::UNSTAGED)
+            }
+        };
+        records.insert(path.to_vec(), kinds);
     }
-    state.staged = count(staged);
-    state.unstaged = count(unstaged);
-    state.untracked = count(untracked);
-    state
+    count_records(&mut state, &records);
+    (state, records)
+}
+
+/// One `# …` header line of `git status --porcelain=v2 --branch --show-stash`.
+fn read_header(state: &mut RepoState, upstream: &mut String, record: &str) {
+    let mut words = record.split(' ').skip(1);
+    match (words.next(), words.next()) {
+        (Some("branch.oid"), Some(oid)) if oid != "(initial)" => {
+            state.head = oid.to_owned();
+        }
+        (Some("branch.head"), Some("(detached)")) => state.detached = true,
+        (Some("branch.head"), Some(_)) => {
+            state.branch = record["# branch.head ".len()..].to_owned();
+        }
+        (Some("branch.upstream"), Some(_)) => {
+            *upstream = record["# branch.upstream ".len()..].to_owned();
+        }
+        // Printed only when the upstream exists: one that is gone
+        // counts as none, as libgit2 has it.
+        (Some("branch.ab"), Some(ahead)) => {
+            let number = |word: Option<&str>, sign: char| {
+                word.and_then(|w| w.strip_prefix(sign))
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .unwrap_or(0)
+            };
+            state.ahead = number(Some(ahead), '+');
+            state.behind = number(words.next(), '-');
+            state.upstream = std::mem::take(upstream);
+        }
+        (Some("stash"), Some(n)) => state.stashes = n.parse().unwrap_or(0),
+        _ => {}
+    }
+}
+
+/// The counts of `state` from `records`.
+fn count_records(state: &mut RepoState, records: &Records) {
+    let with = |bit: u8| count(records.values().filter(|kinds| *kinds & bit != 0).count());
+    state.staged = with(narrow::STAGED);
+    state.unstaged = with(narrow::UNSTAGED);
+    state.untracked = with(narrow::UNTRACKED);
 }
 
 /// Reads the state with libgit2.
@@ -292,33 +434,79 @@ fn inspect_with_libgit2(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
     Ok(state)
 }
 
+/// A resident runner's last reading of each repository, and the walk it
+/// followed: what the next reading narrows itself to (see [`narrow`]).
+#[derive(Debug, Clone)]
+pub struct StatusMemory {
+    pub walk: Arc<Scan>,
+    /// By the repository's path relative to the root.
+    pub repos: HashMap<Vec<u8>, Arc<RepoStatus>>,
+}
+
+/// What a reading narrows itself against.
+#[derive(Debug)]
+struct Since {
+    previous: Arc<RepoStatus>,
+    old: Arc<Scan>,
+    new: Arc<Scan>,
+}
+
+#[derive(Debug)]
+struct Job {
+    found: RepoFound,
+    /// Whether the reading is kept for the next one (a resident runner).
+    remember: bool,
+    since: Option<Since>,
+}
+
+/// What the inspector read.
+#[derive(Debug, Default)]
+pub struct Inspected {
+    /// Sorted by path.
+    pub repos: Vec<RepoState>,
+    /// One per repository that could not be read.
+    pub warnings: Vec<String>,
+    /// What the next reading of each repository narrows itself against;
+    /// only for repositories queued with [`Inspector::submit_following`].
+    pub statuses: HashMap<Vec<u8>, Arc<RepoStatus>>,
+}
+
 /// Reads repositories on a background thread as the walk reports them.
 #[derive(Debug)]
 pub struct Inspector {
-    sender: mpsc::Sender<RepoFound>,
-    thread: thread::JoinHandle<(Vec<RepoState>, Vec<String>)>,
+    sender: mpsc::Sender<Job>,
+    thread: thread::JoinHandle<Inspected>,
 }
 
 impl Inspector {
     pub fn start() -> Self {
-        let (sender, receiver) = mpsc::channel::<RepoFound>();
+        let (sender, receiver) = mpsc::channel::<Job>();
         let thread = thread::Builder::new()
             .name("cairn-git".into())
             .spawn(move || {
-                let mut repos = Vec::new();
-                let mut warnings = Vec::new();
-                for found in receiver {
-                    let rel = String::from_utf8_lossy(&found.rel).into_owned();
-                    match inspect(&found.dir, &rel) {
-                        Ok(state) => repos.push(state),
+                let mut inspected = Inspected::default();
+                for job in receiver {
+                    let rel = String::from_utf8_lossy(&job.found.rel).into_owned();
+                    let read = if job.remember {
+                        inspect_following(&job.found, &rel, job.since.as_ref())
+                    } else {
+                        inspect(&job.found.dir, &rel).map(|state| (state, None))
+                    };
+                    match read {
+                        Ok((state, remembered)) => {
+                            inspected.repos.push(state);
+                            if let Some(status) = remembered {
+                                inspected.statuses.insert(job.found.rel, Arc::new(status));
+                            }
+                        }
                         Err(e) => {
                             tracing::warn!(error = %e, "git metadata unavailable");
-                            warnings.push(e.to_string());
+                            inspected.warnings.push(e.to_string());
                         }
                     }
                 }
-                repos.sort_by(|a, b| a.path.cmp(&b.path));
-                (repos, warnings)
+                inspected.repos.sort_by(|a, b| a.path.cmp(&b.path));
+                inspected
             })
             .expect("spawning a thread only fails when the process is out of resources");
         Self { sender, thread }
@@ -326,19 +514,47 @@ impl Inspector {
 
     /// Queues a repository (called from the walk's threads).
     pub fn submit(&self, found: RepoFound) {
-        // The receiver lives until `finish`, which consumes `self`.
-        let _ = self.sender.send(found);
+        self.send(Job {
+            found,
+            remember: false,
+            since: None,
+        });
     }
 
-    /// Waits for every queued repository; returns their states (sorted by
-    /// path) and a warning per repository that could not be read.
-    pub fn finish(self) -> (Vec<RepoState>, Vec<String>) {
+    /// Queues a repository of a resident runner's walk `walk`, read for only
+    /// what changed since `memory` read it, and remembered for the next
+    /// reading.
+    pub fn submit_following(
+        &self,
+        found: RepoFound,
+        memory: Option<&StatusMemory>,
+        walk: &Arc<Scan>,
+    ) {
+        let since = memory.and_then(|memory| {
+            Some(Since {
+                previous: memory.repos.get(&found.rel)?.clone(),
+                old: memory.walk.clone(),
+                new: walk.clone(),
+            })
+        });
+        self.send(Job {
+            found,
+            remember: true,
+            since,
+        });
+    }
+
+    fn send(&self, job: Job) {
+        // The receiver lives until `finish`, which consumes `self`.
+        let _ = self.sender.send(job);
+    }
+
+    /// Waits for every queued repository.
+    pub fn finish(self) -> Inspected {
         drop(self.sender);
-        self.thread.join().unwrap_or_else(|_| {
-            (
-                Vec::new(),
-                vec!["git metadata is missing: the reading thread panicked".to_owned()],
-            )
+        self.thread.join().unwrap_or_else(|_| Inspected {
+            warnings: vec!["git metadata is missing: the reading thread panicked".to_owned()],
+            ..Inspected::default()
         })
     }
 }
@@ -483,7 +699,23 @@ mod tests {
 1 MM N... 100644 100644 100644 aaaa bbbb both.rs\0\
 u UU N... 100644 100644 100644 100644 aaaa bbbb cccc conflict.rs\0\
 ? new file with spaces\0? other\0";
-        let state = parse_status("repo", printed);
+        let (state, records) = parse_status("repo", printed);
+        let listed: Vec<(&str, u8)> = records
+            .iter()
+            .map(|(path, kinds)| (std::str::from_utf8(path).unwrap(), *kinds))
+            .collect();
+        use narrow::{STAGED, UNSTAGED, UNTRACKED};
+        assert_eq!(
+            listed,
+            [
+                ("both.rs", STAGED | UNSTAGED),
+                ("conflict.rs", UNSTAGED),
+                ("new file with spaces", UNTRACKED),
+                ("other", UNTRACKED),
+                ("staged.rs", STAGED),
+                ("unstaged.rs", UNSTAGED),
+            ]
+        );
         assert_eq!(
             state,
             RepoState {
@@ -498,7 +730,7 @@ u UU N... 100644 100644 100644 100644 aaaa bbbb cccc conflict.rs\0\
                 ..RepoState::default()
             }
         );
-        let tracking = parse_status(
+        let (tracking, _) = parse_status(
             "",
             b"# branch.oid (initial)\0# branch.head (detached)\0# stash 3\0",
         );
@@ -544,7 +776,9 @@ u UU N... 100644 100644 100644 100644 aaaa bbbb cccc conflict.rs\0\
             dir: broken,
             rel: b"broken".to_vec(),
         });
-        let (repos, warnings) = inspector.finish();
+        let Inspected {
+            repos, warnings, ..
+        } = inspector.finish();
         assert!(repos.is_empty());
         assert_eq!(warnings.len(), 1);
         assert!(

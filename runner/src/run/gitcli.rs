@@ -81,6 +81,11 @@ pub fn command(dir: &Path) -> std::process::Command {
         .env_remove("GIT_DIR")
         .env_remove("GIT_WORK_TREE")
         .env_remove("GIT_INDEX_FILE")
+        // Pathspec magic (`:(glob)…`) must mean what it says.
+        .env_remove("GIT_LITERAL_PATHSPECS")
+        .env_remove("GIT_GLOB_PATHSPECS")
+        .env_remove("GIT_NOGLOB_PATHSPECS")
+        .env_remove("GIT_ICASE_PATHSPECS")
         .stdin(Stdio::null());
     command
 }
