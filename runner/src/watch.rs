@@ -162,14 +162,17 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     // The first walk, made now, is what the first checkpoint builds on.
     let walk = options.scan_options(&root, &cache_dir);
     let full_scan_interval = args.full_scan_interval;
-    let tracker = tokio::task::spawn_blocking(move || -> anyhow::Result<ChangeTracker> {
+    let (tracker, first_walk) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let tracker = ChangeTracker::start(&walk.root, full_scan_interval)?;
-        tracker.scan(&walk, &|_| {})?;
-        Ok(tracker)
+        let (first_walk, _) = tracker.scan(&walk, &|_| {})?;
+        Ok((tracker, first_walk))
     })
     .await
     .context("starting the change tracker")??;
     let resident = Arc::new(Resident::new(Some(tracker)));
+    // Also while nobody waits: the first checkpoint's git status is then
+    // read for only what changed since.
+    resident.read_repos_after(first_walk);
     options.resident = Some(resident.clone());
     let newest = checkpoint::newest_checkpoint(&options).await?;
     if let Some(newest) = &newest {

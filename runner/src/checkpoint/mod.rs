@@ -362,7 +362,9 @@ async fn run(
     // A resident runner reads each repository for what changed since its
     // last reading, which needs the whole walk; and it may settle an "only
     // if changed" checkpoint from the walk alone, reading no repository.
-    let hold_repos = resident.is_some();
+    // Otherwise repositories are read while the walk goes on.
+    let hold_repos = resident.as_ref().is_some_and(|r| r.has_status_memory())
+        || (baseline.is_some() && resident.is_some());
     let (scanned, inspector, held_repos) = blocking(move || {
         let inspector = git::Inspector::start();
         let held_repos = std::sync::Mutex::new(Vec::new());

@@ -92,8 +92,32 @@ impl Resident {
         self.status.lock().expect("status lock").clone()
     }
 
+    pub fn has_status_memory(&self) -> bool {
+        self.status.lock().expect("status lock").is_some()
+    }
+
     pub fn remember_status(&self, memory: StatusMemory) {
         *self.status.lock().expect("status lock") = Some(memory);
+    }
+
+    /// Reads the status of every repository of `walk` in the background and
+    /// remembers it, unless a checkpoint has read them by then.
+    pub fn read_repos_after(self: &Arc<Self>, walk: Arc<Scan>) {
+        let resident = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let inspector = crate::git::Inspector::start();
+            crate::scan::announce_repos(&walk, &|found| {
+                inspector.submit_following(found, None, &walk);
+            });
+            let inspected = inspector.finish();
+            let mut status = resident.status.lock().expect("status lock");
+            if status.is_none() {
+                *status = Some(StatusMemory {
+                    walk,
+                    repos: inspected.statuses,
+                });
+            }
+        });
     }
 
     pub fn tracker(&self) -> Option<&ChangeTracker> {
