@@ -124,6 +124,23 @@ pub struct Scan {
 }
 
 impl Scan {
+    /// The listing of the directory at `rel`.
+    pub fn listing(&self, rel: &[u8]) -> Option<&Arc<ScannedDir>> {
+        let at = self.dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()?;
+        Some(&self.dirs[at])
+    }
+
+    /// The listings of `rel` and of everything below it, in path order.
+    pub fn subtree<'a>(&'a self, rel: &'a [u8]) -> impl Iterator<Item = &'a Arc<ScannedDir>> + 'a {
+        let start = self.dirs.partition_point(|d| d.path[..] < *rel);
+        // Everything that starts with `rel` is contiguous, but siblings such
+        // as "app-config" (b'-' < b'/') sort between "app" and "app/src".
+        self.dirs[start..]
+            .iter()
+            .take_while(move |d| d.path.starts_with(rel))
+            .filter(move |d| is_at_or_below(&d.path, rel))
+    }
+
     pub fn file_count(&self) -> usize {
         self.dirs
             .iter()
@@ -144,6 +161,11 @@ pub enum ScanError {
     Root { path: PathBuf, source: io::Error },
     #[error("invalid --exclude pattern {pattern:?}: {reason}")]
     BadExclude { pattern: String, reason: String },
+}
+
+/// Whether the relative path `path` is `dir` or below it ("" is the root).
+pub fn is_at_or_below(path: &[u8], dir: &[u8]) -> bool {
+    dir.is_empty() || (path.starts_with(dir) && matches!(path.get(dir.len()), None | Some(b'/')))
 }
 
 /// `dir/name` for relative paths (`name` when `dir` is the root).
@@ -331,28 +353,12 @@ impl Reuse<'_> {
         if self.dirty.contains(rel) {
             return None;
         }
-        let dirs = &self.previous.dirs;
-        let at = dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()?;
-        Some(&dirs[at])
+        self.previous.listing(rel)
     }
 
     /// Whether nothing at or below `rel` changed and `previous` has it.
     fn whole_subtree(&self, rel: &[u8]) -> bool {
         !self.ancestors.contains(rel) && self.listing(rel).is_some()
-    }
-
-    /// The previous listings of `rel` and everything below it.
-    fn subtree(&self, rel: &[u8]) -> impl Iterator<Item = &Arc<ScannedDir>> {
-        let dirs = &self.previous.dirs;
-        let start = dirs.partition_point(|d| d.path[..] < *rel);
-        let mut below = rel.to_vec();
-        below.push(b'/');
-        // Everything that starts with `rel` is contiguous, but siblings such
-        // as "app-config" (b'-' < b'/') sort between "app" and "app/src".
-        dirs[start..]
-            .iter()
-            .take_while(move |d| d.path.starts_with(rel))
-            .filter(move |d| d.path == rel || d.path.starts_with(&below))
     }
 }
 
@@ -394,7 +400,7 @@ fn walk_root(
             .lock()
             .expect("no walker panicked holding the lock");
         for top in subtrees.iter() {
-            for dir in reuse.subtree(top) {
+            for dir in reuse.previous.subtree(top) {
                 announce_repo(&root, dir, on_repo);
                 dirs.push(dir.clone());
             }

@@ -409,7 +409,6 @@ async fn run(
     for found in held_repos {
         inspector.submit_following(found, status_memory.as_ref(), &walked);
     }
-    drop(status_memory);
 
     let mut cache = match &opts.resident {
         Some(resident) => {

@@ -172,13 +172,9 @@ fn loose_objects(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> HashMap<Vec
 /// still in the pack it was found in.
 fn packs_unchanged(scan: &Scan, objects: &[u8], cache: &Cache, memo: Option<&Memo>) -> bool {
     let pack_dir = join_rel(objects, b"pack");
-    let Ok(at) = scan
-        .dirs
-        .binary_search_by(|d| d.path[..].cmp(&pack_dir[..]))
-    else {
+    let Some(listed) = scan.listing(&pack_dir) else {
         return cache.files_in(&pack_dir).next().is_none();
     };
-    let listed = &scan.dirs[at];
     if memo.is_some_and(|memo| memo.get(listed).is_some()) {
         return true;
     }

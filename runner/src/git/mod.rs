@@ -126,7 +126,7 @@ fn inspect_following(
     found: &RepoFound,
     rel: &str,
     since: Option<&Since>,
-) -> Result<(RepoState, Option<RepoStatus>), GitError> {
+) -> Result<(RepoState, Option<Arc<RepoStatus>>), GitError> {
     let dir = &found.dir;
     let started = std::time::Instant::now();
     let ms = || started.elapsed().as_millis() as u64;
@@ -141,9 +141,7 @@ fn inspect_following(
             let previous = &since
                 .expect("only a reading with a previous one is unchanged")
                 .previous;
-            let mut state = previous.state.clone();
-            state.path = rel.to_owned();
-            Ok((state, Some(RepoStatus::clone(previous))))
+            Ok((previous.state.clone(), Some(previous.clone())))
         }
         narrow::Reading::Full { why } => {
             tracing::debug!(
@@ -161,12 +159,14 @@ fn inspect_following(
             match status_with_cli(dir, rel, &[]) {
                 Some(read) => {
                     let (state, records) = read?;
-                    let remembered = head.map(|head| RepoStatus {
-                        state: state.clone(),
-                        records,
-                        head,
-                        index,
-                        narrowed: 0,
+                    let remembered = head.map(|head| {
+                        Arc::new(RepoStatus {
+                            state: state.clone(),
+                            records,
+                            head,
+                            index,
+                            narrowed: 0,
+                        })
                     });
                     Ok((state, remembered))
                 }
@@ -195,13 +195,13 @@ fn inspect_following(
                     count_records(&mut state, &records);
                     Ok((
                         state.clone(),
-                        Some(RepoStatus {
+                        Some(Arc::new(RepoStatus {
                             state,
                             records,
                             head,
                             index,
                             narrowed: since.previous.narrowed + 1,
-                        }),
+                        })),
                     ))
                 }
                 None => Ok((inspect_with_libgit2(dir, rel)?, None)),
@@ -496,7 +496,7 @@ impl Inspector {
                         Ok((state, remembered)) => {
                             inspected.repos.push(state);
                             if let Some(status) = remembered {
-                                inspected.statuses.insert(job.found.rel, Arc::new(status));
+                                inspected.statuses.insert(job.found.rel, status);
                             }
                         }
                         Err(e) => {

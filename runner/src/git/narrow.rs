@@ -24,14 +24,15 @@
 //! first reading, a changed `.git/config` or `.git/info`, a work tree whose
 //! `.git` is a file, submodules (their status follows work trees this does
 //! not map), an index this cannot parse, more than [`MAX_PATHSPECS`]
-//! changes, and every [`MAX_NARROWED`]th reading, which also catches what
-//! no walk sees (a global excludes file).
+//! changes, and the reading after [`MAX_NARROWED`] narrowed ones in a row,
+//! which also catches what no walk sees (a global excludes file).
 //!
 //! Whatever changes between the walk and the status is read by git and
 //! also differs in the next walk, so it is read again then: the records are
 //! never older than the walk they are kept with. The index and HEAD are
 //! read before git runs, for the same reason.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -42,7 +43,7 @@ use git2::{Oid, Repository};
 
 use super::RepoState;
 use super::index::IndexEntries;
-use crate::scan::{Node, NodeKind, Scan, ScannedDir};
+use crate::scan::{Node, NodeKind, Scan, ScannedDir, is_at_or_below};
 
 /// Above this many directories and paths, one full reading is cheaper
 /// than git matching each path against every pathspec.
@@ -158,17 +159,20 @@ pub fn plan(previous: &RepoStatus, old: &Scan, new: &Scan, rel: &[u8], dir: &Pat
             paths.extend(old_index.changed_paths(&new_index));
             index = Some(new_index);
         }
-        head = match read_head(dir) {
-            Ok(now) => now,
-            Err(_) => {
+        super::init();
+        let repo = Repository::open(dir);
+        head = match repo.as_ref().map(head_of) {
+            Ok(Ok(now)) => now,
+            _ => {
                 return Reading::Full {
                     why: "HEAD cannot be read",
                 };
             }
         };
         if head != previous.head {
+            let repo = repo.expect("HEAD was read from it");
             match (previous.head, head) {
-                (Some(before), Some(now)) => match tree_changes(dir, before, now) {
+                (Some(before), Some(now)) => match tree_changes(&repo, before, now) {
                     Ok(changed) if changed.len() <= MAX_PATHSPECS => paths.extend(changed),
                     _ => {
                         return Reading::Full {
@@ -252,7 +256,10 @@ pub fn merge(
 /// HEAD's commit; None before the first commit.
 pub fn read_head(dir: &Path) -> Result<Option<Oid>, git2::Error> {
     super::init();
-    let repo = Repository::open(dir)?;
+    head_of(&Repository::open(dir)?)
+}
+
+fn head_of(repo: &Repository) -> Result<Option<Oid>, git2::Error> {
     match repo.refname_to_id("HEAD") {
         Ok(oid) => Ok(Some(oid)),
         Err(e) if e.code() == git2::ErrorCode::NotFound => Ok(None),
@@ -292,8 +299,7 @@ fn work_tree_path(rel: &[u8], inside: &[u8]) -> Vec<u8> {
 }
 
 fn listing<'a>(scan: &'a Scan, rel: &[u8]) -> Option<&'a ScannedDir> {
-    let at = scan.dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()?;
-    Some(&scan.dirs[at])
+    scan.listing(rel).map(Arc::as_ref)
 }
 
 fn node<'a>(dir: Option<&'a ScannedDir>, name: &[u8]) -> Option<&'a Node> {
@@ -317,49 +323,29 @@ struct Changes {
     git_changed: bool,
 }
 
-/// The listings at and below `rel`, in path order.
-fn below<'a>(scan: &'a Scan, rel: &'a [u8]) -> impl Iterator<Item = &'a Arc<ScannedDir>> + 'a {
-    let start = scan.dirs.partition_point(|d| d.path[..] < *rel);
-    // Everything that starts with `rel` is contiguous; "a-b" sorts between
-    // "a" and "a/b", so it is filtered out, not a stop.
-    scan.dirs[start..]
-        .iter()
-        .take_while(move |d| d.path.starts_with(rel))
-        .filter(move |d| is_at_or_below(&d.path, rel))
-}
-
-fn is_at_or_below(path: &[u8], rel: &[u8]) -> bool {
-    rel.is_empty() || path == rel || (path.starts_with(rel) && path.get(rel.len()) == Some(&b'/'))
-}
-
 fn changes(old: &Scan, new: &Scan, rel: &[u8], git_dir: &[u8]) -> Changes {
     let objects = join(git_dir, b"objects");
-    let in_work_tree = |path: &[u8]| {
-        if rel.is_empty() {
-            path.to_vec()
-        } else if path == rel {
-            Vec::new()
-        } else {
-            path[rel.len() + 1..].to_vec()
-        }
+    // A directory as git sees it (relative to the work tree), or None for
+    // one git never lists: the repository's or a nested one's `.git`.
+    let for_status = |path: &[u8]| -> Option<Vec<u8>> {
+        let inside = match rel.is_empty() {
+            true => path,
+            false => path.get(rel.len() + 1..).unwrap_or_default(),
+        };
+        let in_a_git_dir = inside.split(|b| *b == b'/').any(|part| part == b".git");
+        (!in_a_git_dir).then(|| inside.to_vec())
     };
     let mut dirs = HashSet::new();
     let mut whole = Vec::new();
     let mut git_changed = false;
-    let mut seen = Vec::new();
     let mut changed = |path: &[u8], before: Option<&ScannedDir>, after: Option<&ScannedDir>| {
-        if is_at_or_below(path, &objects) {
-            return;
-        }
         if is_at_or_below(path, git_dir) {
-            git_changed = true;
+            git_changed |= !is_at_or_below(path, &objects);
             return;
         }
-        let inside = in_work_tree(path);
-        if inside.split(|b| *b == b'/').any(|part| part == b".git") {
-            // A nested repository's own git directory: never in a status.
+        let Some(inside) = for_status(path) else {
             return;
-        }
+        };
         let rules = [&b".gitignore"[..], b".gitattributes"];
         if rules
             .iter()
@@ -369,36 +355,37 @@ fn changes(old: &Scan, new: &Scan, rel: &[u8], git_dir: &[u8]) -> Changes {
         }
         dirs.insert(inside);
     };
-    let (mut olds, mut news) = (below(old, rel).peekable(), below(new, rel).peekable());
+    let (mut olds, mut news) = (old.subtree(rel).peekable(), new.subtree(rel).peekable());
     loop {
-        match (olds.peek(), news.peek()) {
+        let order = match (olds.peek(), news.peek()) {
             (None, None) => break,
-            (Some(a), Some(b)) if a.path == b.path => {
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (Some(a), Some(b)) => a.path.cmp(&b.path),
+        };
+        match order {
+            Ordering::Less => {
+                let gone = olds.next().expect("peeked");
+                changed(&gone.path, Some(gone), None);
+            }
+            Ordering::Greater => {
+                let added = news.next().expect("peeked");
+                changed(&added.path, None, Some(added));
+            }
+            Ordering::Equal => {
+                let (a, b) = (olds.next().expect("peeked"), news.next().expect("peeked"));
                 if !Arc::ptr_eq(a, b) && !same_for_status(a, b) {
                     changed(&a.path, Some(a), Some(b));
                 }
-                seen.push(a.path.clone());
-                olds.next();
-                news.next();
             }
-            (Some(a), b) if b.is_none_or(|b| a.path < b.path) => {
-                changed(&a.path, Some(a), None);
-                seen.push(a.path.clone());
-                olds.next();
-            }
-            (_, Some(b)) => {
-                changed(&b.path, None, Some(b));
-                seen.push(b.path.clone());
-                news.next();
-            }
-            (Some(_), None) => unreachable!("matched by the arm above"),
         }
     }
     // A changed ignore file changes what is untracked all the way down.
-    for top in whole {
-        for path in &seen {
-            let inside = in_work_tree(path);
-            if is_at_or_below(&inside, &top) && !is_at_or_below(path, git_dir) {
+    if !whole.is_empty() {
+        for dir in old.subtree(rel).chain(new.subtree(rel)) {
+            if let Some(inside) = for_status(&dir.path)
+                && whole.iter().any(|top| is_at_or_below(&inside, top))
+            {
                 dirs.insert(inside);
             }
         }
@@ -439,13 +426,11 @@ fn same_for_status(a: &ScannedDir, b: &ScannedDir) -> bool {
 /// Paths whose entry differs between the trees of two commits. Subtrees
 /// with the same id are skipped (libgit2's own tree diff reads them all:
 /// ~50 ms on 80k files for a one-file commit).
-fn tree_changes(dir: &Path, before: Oid, now: Oid) -> Result<Vec<Vec<u8>>, git2::Error> {
-    super::init();
-    let repo = Repository::open(dir)?;
+fn tree_changes(repo: &Repository, before: Oid, now: Oid) -> Result<Vec<Vec<u8>>, git2::Error> {
     let old_tree = repo.find_commit(before)?.tree_id();
     let new_tree = repo.find_commit(now)?.tree_id();
     let mut paths = Vec::new();
-    diff_trees(&repo, Some(old_tree), Some(new_tree), &[], &mut paths)?;
+    diff_trees(repo, Some(old_tree), Some(new_tree), &[], &mut paths)?;
     paths.sort_unstable();
     paths.dedup();
     Ok(paths)
@@ -539,7 +524,7 @@ mod tests {
                 repo,
                 found,
                 walk,
-                status: Arc::new(status.expect("a reading through git is remembered")),
+                status: status.expect("a reading through git is remembered"),
             }
         }
 
@@ -598,7 +583,7 @@ mod tests {
             );
             assert_eq!(state, full_state);
             self.walk = new;
-            self.status = Arc::new(status);
+            self.status = status;
             narrowed
         }
     }
