@@ -6,11 +6,13 @@
 //! names the paths whose entries differ, so only those are read again.
 //!
 //! It reads index versions 2, 3 and 4 of SHA-1 repositories, and keeps of
-//! each entry only what `git status` depends on besides the stat data: the
-//! path, stage, object id, mode, and the assume-valid, skip-worktree and
-//! intent-to-add bits. The stat data is left out on purpose: `git add`,
-//! `git commit` and a refresh rewrite it for many entries whose status does
-//! not change, and those must not count as changed.
+//! each entry what `git status` depends on: the path, stage, object id,
+//! mode, the assume-valid, skip-worktree and intent-to-add bits, and apart
+//! from them the stat data, which tells whether the working file is as it
+//! was added ([`crate::git::derive`]). The stat data is not compared by
+//! [`IndexEntries::changed_paths`]: `git add`, `git commit` and a refresh
+//! rewrite it for many entries whose status does not change, and those must
+//! not count as changed.
 //!
 //! It refuses ([`IndexError::Unsupported`]) what it cannot list the entries
 //! of on its own: a split index (most entries live in a shared index file), a
@@ -23,6 +25,8 @@
 //! and no input makes it panic.
 
 use std::cmp::Ordering;
+use std::io::Read as _;
+use std::ops::Range;
 use std::path::Path;
 
 use ring::digest;
@@ -64,6 +68,35 @@ impl EntryState {
     }
 }
 
+/// An entry's stat data as the index holds it: each field cut to 32 bits,
+/// as git compares them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatData {
+    pub ctime_sec: u32,
+    pub ctime_nsec: u32,
+    pub mtime_sec: u32,
+    pub mtime_nsec: u32,
+    pub dev: u32,
+    pub ino: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u32,
+}
+
+/// One entry, as [`IndexEntries::entry`] gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry<'a> {
+    pub path: &'a [u8],
+    pub oid: [u8; HASH_LEN],
+    /// Git's normalized mode: 0o100644, 0o100755, 0o120000 or 0o160000.
+    pub mode: u32,
+    pub stage: u8,
+    pub assume_valid: bool,
+    pub skip_worktree: bool,
+    pub intent_to_add: bool,
+    pub stat: StatData,
+}
+
 /// The entries of one git index, as far as `git status` depends on them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct IndexEntries {
@@ -74,6 +107,12 @@ pub struct IndexEntries {
     ends: Vec<u32>,
     /// In the index's order: by path bytes, then stage.
     states: Vec<EntryState>,
+    /// Each entry's stat data, in the same order.
+    stats: Vec<StatData>,
+    /// The index file's modification time when it was read (None when only
+    /// its bytes were parsed): an entry whose file changed in the same
+    /// second may look unchanged by its stat data ("racily clean").
+    pub written: Option<(i64, i64)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,11 +133,18 @@ pub enum IndexError {
 impl IndexEntries {
     /// Reads and parses the index file at `path`.
     pub fn read(path: &Path) -> Result<Self, IndexError> {
-        let bytes = std::fs::read(path).map_err(|source| IndexError::Read {
+        use std::os::unix::fs::MetadataExt as _;
+        let failed = |source| IndexError::Read {
             path: path.display().to_string(),
             source,
-        })?;
-        Self::parse(&bytes)
+        };
+        let mut file = std::fs::File::open(path).map_err(failed)?;
+        let meta = file.metadata().map_err(failed)?;
+        let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+        file.read_to_end(&mut bytes).map_err(failed)?;
+        let mut entries = Self::parse(&bytes)?;
+        entries.written = Some((meta.mtime(), meta.mtime_nsec()));
+        Ok(entries)
     }
 
     /// Parses the bytes of an index file.
@@ -159,6 +205,83 @@ impl IndexEntries {
         changed
     }
 
+    /// The `i`th entry (in path, then stage, order).
+    pub fn entry(&self, i: usize) -> Entry<'_> {
+        let state = self.states[i];
+        Entry {
+            path: self.path(i),
+            oid: state.oid,
+            mode: state.mode,
+            stage: state.stage(),
+            assume_valid: state.bits & BIT_ASSUME_VALID != 0,
+            skip_worktree: state.bits & BIT_SKIP_WORKTREE != 0,
+            intent_to_add: state.bits & BIT_INTENT_TO_ADD != 0,
+            stat: self.stats[i],
+        }
+    }
+
+    /// The entries of `path`: one, or one per stage of a path in conflict,
+    /// or none.
+    pub fn find(&self, path: &[u8]) -> Range<usize> {
+        let start = self.first_at_or_after(path);
+        let mut end = start;
+        while end < self.len() && self.path(end) == path {
+            end += 1;
+        }
+        start..end
+    }
+
+    /// The entries directly in the directory `dir` ("" for the top), in
+    /// order, skipping over the subdirectories' entries instead of reading
+    /// them.
+    pub fn children(&self, dir: &[u8]) -> Vec<usize> {
+        // "dir/", or "" for the top.
+        let prefix = crate::scan::join_rel(dir, b"");
+        let mut found = Vec::new();
+        let mut i = self.first_at_or_after(&prefix);
+        while i < self.len() {
+            let path = self.path(i);
+            let Some(rest) = path.strip_prefix(&prefix[..]) else {
+                break;
+            };
+            match rest.iter().position(|b| *b == b'/') {
+                None => {
+                    found.push(i);
+                    i += 1;
+                }
+                Some(slash) => {
+                    // Every path in that subdirectory sorts before `sub0`
+                    // ('0' follows '/').
+                    let mut past = path[..prefix.len() + slash + 1].to_vec();
+                    *past.last_mut().expect("holds the slash") = b'/' + 1;
+                    i = self.first_at_or_after(&past);
+                }
+            }
+        }
+        found
+    }
+
+    /// Whether any entry is below the directory `dir`.
+    pub fn has_below(&self, dir: &[u8]) -> bool {
+        let prefix = crate::scan::join_rel(dir, b"");
+        let i = self.first_at_or_after(&prefix);
+        i < self.len() && self.path(i).starts_with(&prefix)
+    }
+
+    /// The first entry whose path is not before `path`.
+    fn first_at_or_after(&self, path: &[u8]) -> usize {
+        let (mut low, mut high) = (0, self.len());
+        while low < high {
+            let mid = low + (high - low) / 2;
+            if self.path(mid) < path {
+                low = mid + 1;
+            } else {
+                high = mid;
+            }
+        }
+        low
+    }
+
     fn path(&self, i: usize) -> &[u8] {
         let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
         &self.paths[start..self.ends[i] as usize]
@@ -215,6 +338,8 @@ fn parse_sha1_index(bytes: &[u8]) -> Result<IndexEntries, IndexError> {
         paths: Vec::new(),
         ends: Vec::with_capacity(reserve),
         states: Vec::with_capacity(reserve),
+        stats: Vec::with_capacity(reserve),
+        written: None,
     };
     // Kept to report after the extensions: a split index has entries with
     // empty paths out of order, and is to be refused as a split index.
@@ -260,6 +385,7 @@ fn parse_sha1_index(bytes: &[u8]) -> Result<IndexEntries, IndexError> {
     entries.paths.shrink_to_fit();
     entries.ends.shrink_to_fit();
     entries.states.shrink_to_fit();
+    entries.stats.shrink_to_fit();
     Ok(entries)
 }
 
@@ -293,9 +419,11 @@ impl From<IndexError> for Flaw {
 fn read_entry(r: &mut Reader<'_>, version: u32, entries: &mut IndexEntries) -> Result<(), Flaw> {
     const TRUNCATED: &str = "truncated entry";
     let start = r.pos;
-    r.take(24, TRUNCATED)?; // ctime, mtime, dev, ino
+    let (ctime_sec, ctime_nsec) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
+    let (mtime_sec, mtime_nsec) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
+    let (dev, ino) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
     let mode = r.u32(TRUNCATED)?;
-    r.take(12, TRUNCATED)?; // uid, gid, size
+    let (uid, gid, size) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
     let oid: [u8; HASH_LEN] = r
         .take(HASH_LEN, TRUNCATED)?
         .try_into()
@@ -364,6 +492,17 @@ fn read_entry(r: &mut Reader<'_>, version: u32, entries: &mut IndexEntries) -> R
         .map_err(|_| IndexError::Unsupported("an index of over 4 GiB of paths"))?;
     entries.ends.push(end);
     entries.states.push(EntryState { oid, mode, bits });
+    entries.stats.push(StatData {
+        ctime_sec,
+        ctime_nsec,
+        mtime_sec,
+        mtime_nsec,
+        dev,
+        ino,
+        uid,
+        gid,
+        size,
+    });
 
     if path_len == 0 {
         return Err(Flaw::Deferred("an entry without a path"));
@@ -678,7 +817,10 @@ mod tests {
         git(dir, &["add", "-u"]);
         assert_ne!(fs::read(index_path(dir)).unwrap(), refreshed_bytes);
         assert!(old.changed_paths(&read(dir)).is_empty());
-        assert_eq!(old, read(dir));
+        // The same entries, with the stat data of the files as they are now.
+        let now = read(dir);
+        assert!(old.entries().eq(now.entries()));
+        assert_ne!(old.entry(1).stat, now.entry(1).stat);
     }
 
     #[test]

@@ -15,10 +15,12 @@
 //! [`Inspector`] does this on its own thread while the walk is still going
 //! (in a resident runner, right after it), so the metadata costs no wall
 //! time in a checkpoint. A resident runner keeps each reading
-//! ([`StatusMemory`]) and asks git next time about only what changed since
-//! ([`narrow`]): the status of a large repository then costs what changed,
-//! not what is tracked.
+//! ([`StatusMemory`]) and reads next time only what changed since
+//! ([`narrow`]), working it out itself from the walk and the parsed index
+//! where it can ([`derive`]) and asking git otherwise: the status of a
+//! large repository then costs what changed, not what is tracked.
 
+pub mod derive;
 pub mod index;
 pub mod narrow;
 
@@ -136,6 +138,7 @@ fn inspect_following(
             why: "the first reading",
         },
     };
+    tracing::trace!(repository = rel, elapsed_ms = ms(), "git status planned");
     match reading {
         narrow::Reading::Unchanged => {
             let previous = &since
@@ -166,6 +169,7 @@ fn inspect_following(
                             head,
                             index,
                             narrowed: 0,
+                            read_by: narrow::ReadBy::FullGit,
                         })
                     });
                     Ok((state, remembered))
@@ -179,33 +183,65 @@ fn inspect_following(
             paths,
             head,
             index,
+            refs_changed,
+            rules_changed,
         } => {
             let since = since.expect("only a reading with a previous one is narrowed");
-            tracing::debug!(
-                repository = rel,
-                pathspecs = pathspecs.len(),
-                elapsed_ms = ms(),
-                "git status read for what changed"
-            );
-            match status_with_cli(dir, rel, &pathspecs) {
-                Some(read) => {
-                    let (mut state, fresh) = read?;
-                    tracing::debug!(repository = rel, elapsed_ms = ms(), "git status read");
-                    let records = narrow::merge(&since.previous.records, &dirs, &paths, fresh);
-                    count_records(&mut state, &records);
-                    Ok((
-                        state.clone(),
-                        Some(Arc::new(RepoStatus {
-                            state,
-                            records,
-                            head,
-                            index,
-                            narrowed: since.previous.narrowed + 1,
-                        })),
-                    ))
+            let covered = derive::Covered {
+                dirs: &dirs,
+                paths: &paths,
+                head,
+                index: index.as_deref(),
+                refs_changed,
+                rules_changed,
+                old: &since.old,
+            };
+            let derived = match since.derive {
+                true => derive::derive(dir, &found.rel, &since.new, &since.previous, &covered),
+                false => Err(derive::LeftToGit("only git reads it")),
+            };
+            let (mut state, fresh, read_by) = match derived {
+                Ok((state, fresh)) => {
+                    tracing::debug!(
+                        repository = rel,
+                        dirs = dirs.len(),
+                        paths = paths.len(),
+                        elapsed_ms = ms(),
+                        "git status worked out for what changed"
+                    );
+                    (state, fresh, narrow::ReadBy::Derived)
                 }
-                None => Ok((inspect_with_libgit2(dir, rel)?, None)),
-            }
+                Err(derive::LeftToGit(why)) => {
+                    tracing::debug!(
+                        repository = rel,
+                        why,
+                        pathspecs = pathspecs.len(),
+                        elapsed_ms = ms(),
+                        "git status read for what changed"
+                    );
+                    match status_with_cli(dir, rel, &pathspecs) {
+                        Some(read) => {
+                            let (state, fresh) = read?;
+                            tracing::debug!(repository = rel, elapsed_ms = ms(), "git status read");
+                            (state, fresh, narrow::ReadBy::NarrowedGit)
+                        }
+                        None => return Ok((inspect_with_libgit2(dir, rel)?, None)),
+                    }
+                }
+            };
+            let records = narrow::merge(&since.previous.records, &dirs, &paths, fresh);
+            count_records(&mut state, &records);
+            Ok((
+                state.clone(),
+                Some(Arc::new(RepoStatus {
+                    state,
+                    records,
+                    head,
+                    index,
+                    narrowed: since.previous.narrowed + 1,
+                    read_by,
+                })),
+            ))
         }
     }
 }
@@ -289,7 +325,8 @@ fn parse_status(rel: &str, printed: &[u8]) -> (RepoState, Records) {
                     | bit(xy.get(1).is_some_and(|y| *y != b'.'), narrow::UNSTAGED)
             }
         };
-        records.insert(path.to_vec(), kinds);
+        // A path staged for deletion and on disk again is listed twice.
+        *records.entry(path.to_vec()).or_default() |= kinds;
     }
     count_records(&mut state, &records);
     (state, records)
@@ -347,49 +384,7 @@ fn inspect_with_libgit2(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
         ..RepoState::default()
     };
 
-    state.detached = repo.head_detached().map_err(fail)?;
-    match repo.head() {
-        Ok(head) => {
-            let local = head.target();
-            if let Some(oid) = local {
-                state.head = oid.to_string();
-            }
-            if head.is_branch() {
-                state.branch = head.shorthand().unwrap_or_default().to_owned();
-                let branch = git2::Branch::wrap(head);
-                match branch.upstream() {
-                    Ok(upstream) => {
-                        state.upstream = upstream
-                            .name()
-                            .ok()
-                            .flatten()
-                            .unwrap_or_default()
-                            .to_owned();
-                        if let (Some(local), Some(remote)) = (local, upstream.get().target()) {
-                            let (ahead, behind) =
-                                repo.graph_ahead_behind(local, remote).map_err(fail)?;
-                            state.ahead = count(ahead);
-                            state.behind = count(behind);
-                        }
-                    }
-                    Err(e) if e.code() == ErrorCode::NotFound => {}
-                    Err(e) => return Err(fail(e)),
-                }
-            }
-        }
-        // Before the first commit HEAD names a branch that does not exist yet.
-        Err(e) if e.code() == ErrorCode::UnbornBranch => {
-            if let Ok(head) = repo.find_reference("HEAD")
-                && let Some(target) = head.symbolic_target()
-            {
-                state.branch = target
-                    .strip_prefix("refs/heads/")
-                    .unwrap_or(target)
-                    .to_owned();
-            }
-        }
-        Err(e) => return Err(fail(e)),
-    }
+    read_refs(&mut repo, &mut state).map_err(fail)?;
 
     let mut options = StatusOptions::new();
     options
@@ -421,6 +416,56 @@ fn inspect_with_libgit2(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
         state.untracked = count(untracked);
     }
 
+    Ok(state)
+}
+
+/// The branch, HEAD, upstream, ahead and behind counts and stash count of
+/// `repo`, into `state`: what `git status --branch --show-stash` heads its
+/// listing with.
+pub(crate) fn read_refs(repo: &mut Repository, state: &mut RepoState) -> Result<(), git2::Error> {
+    state.detached = repo.head_detached()?;
+    match repo.head() {
+        Ok(head) => {
+            let local = head.target();
+            if let Some(oid) = local {
+                state.head = oid.to_string();
+            }
+            if head.is_branch() {
+                state.branch = head.shorthand().unwrap_or_default().to_owned();
+                let branch = git2::Branch::wrap(head);
+                match branch.upstream() {
+                    Ok(upstream) => {
+                        state.upstream = upstream
+                            .name()
+                            .ok()
+                            .flatten()
+                            .unwrap_or_default()
+                            .to_owned();
+                        if let (Some(local), Some(remote)) = (local, upstream.get().target()) {
+                            let (ahead, behind) = repo.graph_ahead_behind(local, remote)?;
+                            state.ahead = count(ahead);
+                            state.behind = count(behind);
+                        }
+                    }
+                    Err(e) if e.code() == ErrorCode::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        // Before the first commit HEAD names a branch that does not exist yet.
+        Err(e) if e.code() == ErrorCode::UnbornBranch => {
+            if let Ok(head) = repo.find_reference("HEAD")
+                && let Some(target) = head.symbolic_target()
+            {
+                state.branch = target
+                    .strip_prefix("refs/heads/")
+                    .unwrap_or(target)
+                    .to_owned();
+            }
+        }
+        Err(e) => return Err(e),
+    }
+
     let mut stashes = 0usize;
     match repo.stash_foreach(|_, _, _| {
         stashes += 1;
@@ -428,10 +473,10 @@ fn inspect_with_libgit2(dir: &Path, rel: &str) -> Result<RepoState, GitError> {
     }) {
         Ok(()) => {}
         Err(e) if e.code() == ErrorCode::NotFound => {}
-        Err(e) => return Err(fail(e)),
+        Err(e) => return Err(e),
     }
     state.stashes = count(stashes);
-    Ok(state)
+    Ok(())
 }
 
 /// A resident runner's last reading of each repository, and the walk it
@@ -449,6 +494,9 @@ struct Since {
     previous: Arc<RepoStatus>,
     old: Arc<Scan>,
     new: Arc<Scan>,
+    /// Whether a narrowed reading may be worked out without git
+    /// ([`derive`]); the tests also read through git alone.
+    derive: bool,
 }
 
 #[derive(Debug)]
@@ -535,6 +583,7 @@ impl Inspector {
                 previous: memory.repos.get(&found.rel)?.clone(),
                 old: memory.walk.clone(),
                 new: walk.clone(),
+                derive: true,
             })
         });
         self.send(Job {
@@ -564,8 +613,13 @@ impl Inspector {
 #[cfg(test)]
 pub(crate) mod testing {
     use std::fs;
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
     use std::process::Command;
+    use std::sync::Arc;
+
+    use super::narrow::{Reading, Records, RepoStatus, plan};
+    use super::{Since, inspect_following, status_with_cli};
+    use crate::scan::{RepoFound, Scan, ScanOptions};
 
     /// Runs `git ARGS` in `dir`; returns its stdout, trimmed.
     pub fn git(dir: &Path, args: &[&str]) -> String {
@@ -597,6 +651,112 @@ pub(crate) mod testing {
         git(dir, &["add", file]);
         git(dir, &["commit", "-qm", message]);
         git(dir, &["rev-parse", "HEAD"])
+    }
+
+    /// A workspace with one repository, read by a resident runner: each
+    /// [`Workspace::read`] walks it again, reads the status against the
+    /// last reading and checks it against a full `git status`.
+    pub struct Workspace {
+        pub root: PathBuf,
+        pub repo: PathBuf,
+        found: RepoFound,
+        walk: Arc<Scan>,
+        pub status: Arc<RepoStatus>,
+        /// Whether narrowed readings may be worked out without git.
+        pub derive: bool,
+    }
+
+    impl Workspace {
+        pub fn scan(root: &Path) -> Arc<Scan> {
+            let opts = ScanOptions {
+                root: root.to_path_buf(),
+                skip_ignored: false,
+                excludes: Vec::new(),
+                exclude_paths: Vec::new(),
+            };
+            Arc::new(crate::scan::scan(&opts, &|_| {}).unwrap())
+        }
+
+        /// A workspace whose repository is at `repo/`, read once in full.
+        pub fn new(root: &Path) -> Self {
+            let repo = root.join("repo");
+            fs::create_dir_all(&repo).unwrap();
+            git(&repo, &["init", "-q"]);
+            let found = RepoFound {
+                dir: repo.clone(),
+                rel: b"repo".to_vec(),
+            };
+            let walk = Self::scan(root);
+            let (_, status) = inspect_following(&found, "repo", None).unwrap();
+            Self {
+                root: root.to_path_buf(),
+                repo,
+                found,
+                walk,
+                status: status.expect("a reading through git is remembered"),
+                derive: true,
+            }
+        }
+
+        pub fn write(&self, path: &str, content: &str) {
+            let path = self.repo.join(path);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, content).unwrap();
+        }
+
+        pub fn git(&self, args: &[&str]) -> String {
+            git(&self.repo, args)
+        }
+
+        /// What the next reading asks git.
+        pub fn plan(&self) -> Reading {
+            let new = Self::scan(&self.root);
+            plan(&self.status, &self.walk, &new, b"repo", &self.repo)
+        }
+
+        /// Reads the status against the last reading, checks it against a
+        /// full one, and keeps it; returns the directories it was narrowed
+        /// to (None for a full reading).
+        pub fn read(&mut self) -> Option<Vec<String>> {
+            let new = Self::scan(&self.root);
+            let narrowed = match plan(&self.status, &self.walk, &new, b"repo", &self.repo) {
+                Reading::Narrow { dirs, .. } => {
+                    let mut dirs: Vec<String> = dirs
+                        .iter()
+                        .map(|d| String::from_utf8_lossy(d).into_owned())
+                        .collect();
+                    dirs.sort();
+                    Some(dirs)
+                }
+                Reading::Full { .. } => None,
+                Reading::Unchanged => Some(Vec::new()),
+            };
+            let since = Since {
+                previous: self.status.clone(),
+                old: self.walk.clone(),
+                new: new.clone(),
+                derive: self.derive,
+            };
+            let (state, status) = inspect_following(&self.found, "repo", Some(&since)).unwrap();
+            let status = status.unwrap();
+            let (full_state, full_records) =
+                status_with_cli(&self.repo, "repo", &[]).unwrap().unwrap();
+            let shown = |records: &Records| {
+                records
+                    .iter()
+                    .map(|(p, k)| format!("{} {k}", String::from_utf8_lossy(p)))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(
+                shown(&status.records),
+                shown(&full_records),
+                "narrowed to {narrowed:?}"
+            );
+            assert_eq!(state, full_state);
+            self.walk = new;
+            self.status = status;
+            narrowed
+        }
     }
 }
 

@@ -6,7 +6,8 @@
 //! files (about 150 ms of CPU on a repository of 80k files, on the cores the
 //! checkpoint itself needs). A resident runner keeps what the last reading
 //! listed ([`RepoStatus`]) and the walk it followed, and the next reading
-//! asks git about only:
+//! covers only the following, worked out without git where
+//! [`super::derive`] can, else asked of git with pathspecs:
 //!
 //! - the directories whose listing differs between the two walks (added,
 //!   removed, or any entry changed), each as `D/*` (its files), and the
@@ -75,6 +76,19 @@ pub struct RepoStatus {
     pub index: Option<Arc<IndexEntries>>,
     /// Narrowed readings since the last full one.
     pub narrowed: u32,
+    /// How this reading was made.
+    pub read_by: ReadBy,
+}
+
+/// How a reading was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadBy {
+    /// `git status` of the whole work tree.
+    FullGit,
+    /// `git status` of what changed.
+    NarrowedGit,
+    /// Worked out without git ([`super::derive`]).
+    Derived,
 }
 
 /// What to ask git.
@@ -94,6 +108,10 @@ pub enum Reading {
         paths: HashSet<Vec<u8>>,
         head: Option<Oid>,
         index: Option<Arc<IndexEntries>>,
+        /// Whether anything in `.git` besides objects changed.
+        refs_changed: bool,
+        /// Whether an ignore or attributes file changed.
+        rules_changed: bool,
     },
 }
 
@@ -125,6 +143,7 @@ pub fn plan(previous: &RepoStatus, old: &Scan, new: &Scan, rel: &[u8], dir: &Pat
         dirs,
         nested,
         git_changed,
+        rules_changed,
     } = changes(old, new, rel, &git_dir);
 
     let (mut head, mut index) = (previous.head, previous.index.clone());
@@ -233,6 +252,8 @@ pub fn plan(previous: &RepoStatus, old: &Scan, new: &Scan, rel: &[u8], dir: &Pat
         paths,
         head,
         index,
+        refs_changed: git_changed,
+        rules_changed,
     }
 }
 
@@ -268,7 +289,7 @@ fn head_of(repo: &Repository) -> Result<Option<Oid>, git2::Error> {
 }
 
 /// The directory a record is listed in ("" for the work tree's top).
-fn parent(path: &[u8]) -> &[u8] {
+pub(super) fn parent(path: &[u8]) -> &[u8] {
     let path = path.strip_suffix(b"/").unwrap_or(path);
     match path.iter().rposition(|b| *b == b'/') {
         Some(slash) => &path[..slash],
@@ -321,6 +342,8 @@ struct Changes {
     nested: Vec<Vec<u8>>,
     /// Whether anything in `.git` outside `objects` changed.
     git_changed: bool,
+    /// Whether a `.gitignore` or `.gitattributes` changed.
+    rules_changed: bool,
 }
 
 fn changes(old: &Scan, new: &Scan, rel: &[u8], git_dir: &[u8]) -> Changes {
@@ -381,7 +404,8 @@ fn changes(old: &Scan, new: &Scan, rel: &[u8], git_dir: &[u8]) -> Changes {
         }
     }
     // A changed ignore file changes what is untracked all the way down.
-    if !whole.is_empty() {
+    let rules_changed = !whole.is_empty();
+    if rules_changed {
         for dir in old.subtree(rel).chain(new.subtree(rel)) {
             if let Some(inside) = for_status(&dir.path)
                 && whole.iter().any(|top| is_at_or_below(&inside, top))
@@ -406,6 +430,7 @@ fn changes(old: &Scan, new: &Scan, rel: &[u8], git_dir: &[u8]) -> Changes {
         dirs,
         nested,
         git_changed,
+        rules_changed,
     }
 }
 
@@ -482,117 +507,23 @@ fn diff_trees(
 #[cfg(test)]
 mod tests {
     use std::fs;
-    use std::path::PathBuf;
 
-    use super::super::testing::git;
-    use super::super::{Since, inspect_following, status_with_cli};
+    use super::super::testing::{Workspace, git};
     use super::*;
-    use crate::scan::{RepoFound, ScanOptions};
-
-    struct Workspace {
-        root: PathBuf,
-        repo: PathBuf,
-        found: RepoFound,
-        walk: Arc<Scan>,
-        status: Arc<RepoStatus>,
-    }
-
-    impl Workspace {
-        fn scan(root: &Path) -> Arc<Scan> {
-            let opts = ScanOptions {
-                root: root.to_path_buf(),
-                skip_ignored: false,
-                excludes: Vec::new(),
-                exclude_paths: Vec::new(),
-            };
-            Arc::new(crate::scan::scan(&opts, &|_| {}).unwrap())
-        }
-
-        /// A workspace whose repository is at `repo/`, read once in full.
-        fn new(root: &Path) -> Self {
-            let repo = root.join("repo");
-            fs::create_dir_all(&repo).unwrap();
-            git(&repo, &["init", "-q"]);
-            let found = RepoFound {
-                dir: repo.clone(),
-                rel: b"repo".to_vec(),
-            };
-            let walk = Self::scan(root);
-            let (_, status) = inspect_following(&found, "repo", None).unwrap();
-            Self {
-                root: root.to_path_buf(),
-                repo,
-                found,
-                walk,
-                status: status.expect("a reading through git is remembered"),
-            }
-        }
-
-        fn write(&self, path: &str, content: &str) {
-            let path = self.repo.join(path);
-            fs::create_dir_all(path.parent().unwrap()).unwrap();
-            fs::write(path, content).unwrap();
-        }
-
-        fn git(&self, args: &[&str]) -> String {
-            git(&self.repo, args)
-        }
-
-        /// What the next reading asks git.
-        fn plan(&self) -> Reading {
-            let new = Self::scan(&self.root);
-            plan(&self.status, &self.walk, &new, b"repo", &self.repo)
-        }
-
-        /// Reads the status against the last reading, checks it against a
-        /// full one, and keeps it; returns the directories it was narrowed
-        /// to (None for a full reading).
-        fn read(&mut self) -> Option<Vec<String>> {
-            let new = Self::scan(&self.root);
-            let narrowed = match plan(&self.status, &self.walk, &new, b"repo", &self.repo) {
-                Reading::Narrow { dirs, .. } => {
-                    let mut dirs: Vec<String> = dirs
-                        .iter()
-                        .map(|d| String::from_utf8_lossy(d).into_owned())
-                        .collect();
-                    dirs.sort();
-                    Some(dirs)
-                }
-                Reading::Full { .. } => None,
-                Reading::Unchanged => Some(Vec::new()),
-            };
-            let since = Since {
-                previous: self.status.clone(),
-                old: self.walk.clone(),
-                new: new.clone(),
-            };
-            let (state, status) = inspect_following(&self.found, "repo", Some(&since)).unwrap();
-            let status = status.unwrap();
-            let (full_state, full_records) =
-                status_with_cli(&self.repo, "repo", &[]).unwrap().unwrap();
-            let shown = |records: &Records| {
-                records
-                    .iter()
-                    .map(|(p, k)| format!("{} {k}", String::from_utf8_lossy(p)))
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(
-                shown(&status.records),
-                shown(&full_records),
-                "narrowed to {narrowed:?}"
-            );
-            assert_eq!(state, full_state);
-            self.walk = new;
-            self.status = status;
-            narrowed
-        }
-    }
 
     #[test]
     fn a_narrowed_reading_lists_what_a_full_one_does_through_edits_commits_resets_and_ignores() {
+        // Through git alone, and worked out without it where it can be.
+        for derive in [false, true] {
+            narrowed_readings_list_what_a_full_one_does(derive);
+        }
+    }
+
+    fn narrowed_readings_list_what_a_full_one_does(derive: bool) {
         let tmp = tempfile::tempdir().unwrap();
         let root = fs::canonicalize(tmp.path()).unwrap();
         let mut ws = Workspace::new(&root);
+        ws.derive = derive;
         for (path, content) in [
             ("src/a.rs", "a"),
             ("src/b/c.rs", "c"),
