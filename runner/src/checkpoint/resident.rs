@@ -191,6 +191,15 @@ impl Resident {
         }));
     }
 
+    /// Waits until a cache being loaded (and the memo being primed with
+    /// it) or written is in memory.
+    pub async fn settle(&self) {
+        let mut kept = self.cache.lock().await;
+        if let Some(cache) = std::mem::take(&mut *kept).settle().await {
+            *kept = Kept::Ready(cache);
+        }
+    }
+
     /// Keeps what `cache` tells of the newest checkpoint, unless a
     /// checkpoint got there first (it knows better).
     fn prime(&self, workspace: WorkspaceId, scan: &Scan, cache: &Cache, keys: &TenantKeys) {

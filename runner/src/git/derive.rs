@@ -845,9 +845,18 @@ mod tests {
 
     #[test]
     fn attributes_files_are_read_for_the_attributes_that_change_content() {
-        assert_eq!(Conversion::of_text(b"*.png binary\n*.rs diff=rust\n"), Conversion::None);
-        assert_eq!(Conversion::of_text(b"* text=auto eol=lf\n"), Conversion::LineEndings);
-        assert_eq!(Conversion::of_text(b"*.bin -crlf\n"), Conversion::LineEndings);
+        assert_eq!(
+            Conversion::of_text(b"*.png binary\n*.rs diff=rust\n"),
+            Conversion::None
+        );
+        assert_eq!(
+            Conversion::of_text(b"* text=auto eol=lf\n"),
+            Conversion::LineEndings
+        );
+        assert_eq!(
+            Conversion::of_text(b"*.bin -crlf\n"),
+            Conversion::LineEndings
+        );
         for rewriting in [
             &b"*.psd filter=lfs diff=lfs merge=lfs -text\n"[..],
             b"*.c ident\n",
