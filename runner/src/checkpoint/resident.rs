@@ -40,6 +40,8 @@ pub struct Resident {
     memo: Mutex<Option<Arc<Memo>>>,
     /// The last reading of each repository's status.
     status: Mutex<Option<StatusMemory>>,
+    /// Whether [`Resident::read_repos_after`] was started (once is enough).
+    status_read_started: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +64,7 @@ impl Resident {
             last_cut: Mutex::new(None),
             memo: Mutex::new(None),
             status: Mutex::new(None),
+            status_read_started: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -101,8 +104,14 @@ impl Resident {
     }
 
     /// Reads the status of every repository of `walk` in the background and
-    /// remembers it, unless a checkpoint has read them by then.
+    /// remembers it, unless a checkpoint has read them by then: the next
+    /// checkpoint's status is then read for only what changed since. Only
+    /// the first call reads.
     pub fn read_repos_after(self: &Arc<Self>, walk: Arc<Scan>) {
+        use std::sync::atomic::Ordering;
+        if self.status_read_started.swap(true, Ordering::SeqCst) || self.has_status_memory() {
+            return;
+        }
         let resident = self.clone();
         tokio::task::spawn_blocking(move || {
             let inspector = crate::git::Inspector::start();
@@ -181,7 +190,11 @@ impl Resident {
             let cache = Cache::load(&cache_dir, &workspace, &key_id);
             if let (Some((keys, walk)), Some(tracker)) = (memo_from, resident.tracker()) {
                 match tracker.scan(&walk, &|_| {}) {
-                    Ok((scan, _)) => resident.prime(workspace, &scan, &cache, &keys),
+                    Ok((scan, _)) => {
+                        // A run's runner starts here, after its restore.
+                        resident.read_repos_after(scan.clone());
+                        resident.prime(workspace, &scan, &cache, &keys);
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "cannot walk the workspace to prime the runner")
                     }
@@ -237,5 +250,56 @@ impl Kept {
                 None
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::git::testing::git;
+
+    /// A run's runner is made resident after its restore, not by a first
+    /// walk of its own: preloading the cache starts the status reading
+    /// that narrows the first checkpoint's, once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn preloading_reads_the_repositories_status_once_for_the_first_checkpoint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(tmp.path()).unwrap().join("ws");
+        let repo = root.join("app");
+        std::fs::create_dir_all(&repo).unwrap();
+        git(&repo, &["init", "-q"]);
+        std::fs::write(repo.join("a.txt"), "a").unwrap();
+        let cache_dir = tmp.path().join("cache");
+        let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
+        let resident = Arc::new(Resident::new(Some(tracker)));
+        assert!(!resident.has_status_memory());
+
+        let keys = Arc::new(TenantKeys::derive("k", &[7; 32]).unwrap());
+        let walk = ScanOptions {
+            root: root.clone(),
+            skip_ignored: false,
+            excludes: Vec::new(),
+            exclude_paths: vec![cache_dir.clone()],
+        };
+        let workspace = WorkspaceId::generate();
+        resident
+            .preload(cache_dir, workspace, "k".into(), Some((keys, walk)))
+            .await;
+        resident.settle().await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !resident.has_status_memory() {
+            assert!(std::time::Instant::now() < deadline, "no status was read");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let memory = resident.status_memory().unwrap();
+        let app = &memory.repos[&b"app"[..]];
+        assert_eq!(app.state.untracked, 1, "a.txt");
+        assert!(
+            resident
+                .status_read_started
+                .load(std::sync::atomic::Ordering::SeqCst)
+        );
     }
 }
