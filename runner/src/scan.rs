@@ -101,6 +101,14 @@ pub struct ScannedDir {
     pub nodes: Vec<Node>,
 }
 
+impl ScannedDir {
+    /// The entry called `name`.
+    pub fn node(&self, name: &[u8]) -> Option<&Node> {
+        let at = self.nodes.binary_search_by(|n| n.name[..].cmp(name)).ok()?;
+        Some(&self.nodes[at])
+    }
+}
+
 /// A repository found during the walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RepoFound {

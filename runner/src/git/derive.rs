@@ -52,7 +52,7 @@ use ring::digest;
 
 use super::RepoState;
 use super::index::{Entry, IndexEntries};
-use super::narrow::{Records, RepoStatus, STAGED, UNSTAGED, UNTRACKED, parent};
+use super::narrow::{Records, RepoStatus, STAGED, UNSTAGED, UNTRACKED, parent, work_tree_path};
 use crate::scan::{Node, NodeKind, Scan, ScannedDir, join_rel};
 
 /// Why a reading is left to git.
@@ -119,6 +119,11 @@ pub fn derive(
         ),
         None => None,
     };
+    // The changed paths by the directory they are in.
+    let mut paths_in: HashMap<&[u8], Vec<&[u8]>> = HashMap::new();
+    for path in covered.paths {
+        paths_in.entry(parent(path)).or_default().push(path);
+    }
     let mut reader = Reader {
         repo: &repo,
         dir,
@@ -129,20 +134,18 @@ pub fn derive(
         index,
         head_tree: head_tree.as_ref(),
         settings,
-        conversions: Default::default(),
+        conversions: HashMap::new(),
         ignored_dirs: HashMap::new(),
         records: Records::new(),
     };
     for inside in covered.dirs {
-        reader.directory(inside)?;
+        let changed = paths_in.remove(&inside[..]).unwrap_or_default();
+        reader.directory(inside, &changed)?;
     }
-    for path in covered.paths {
-        if !covered.dirs.contains(parent(path)) {
-            reader.path(path)?;
-        }
+    for path in paths_in.into_values().flatten() {
+        reader.path(path)?;
     }
-    let records = reader.records;
-    Ok((state, records))
+    Ok((state, reader.records))
 }
 
 /// The repository's settings this depends on.
@@ -248,15 +251,16 @@ struct Reader<'a> {
     settings: Settings,
     /// What the `.gitattributes` files at and above a directory may do,
     /// by directory (relative to the work tree).
-    conversions: std::cell::RefCell<HashMap<Vec<u8>, Conversion>>,
+    conversions: HashMap<Vec<u8>, Conversion>,
     /// Directories whose ignore rules were asked already.
     ignored_dirs: HashMap<Vec<u8>, bool>,
     records: Records,
 }
 
 impl<'a> Reader<'a> {
-    /// The records of everything directly in the directory `inside`.
-    fn directory(&mut self, inside: &[u8]) -> Result<(), LeftToGit> {
+    /// The records of everything directly in the directory `inside`, where
+    /// the index or HEAD entries of `changed` changed.
+    fn directory(&mut self, inside: &[u8], changed: &[&[u8]]) -> Result<(), LeftToGit> {
         if self.in_nested_repo(inside)? {
             return Ok(());
         }
@@ -274,7 +278,7 @@ impl<'a> Reader<'a> {
                     paths.insert(path);
                 }
                 NodeKind::Dir => {
-                    if node.name != b".git" && self.nested_repo(&path)?.is_some() {
+                    if node.name != b".git" && self.nested_repo(&path)? {
                         self.nested(path)?;
                     }
                 }
@@ -296,18 +300,13 @@ impl<'a> Reader<'a> {
                 paths.insert(path.clone());
             }
         }
-        paths.extend(
-            self.covered
-                .paths
-                .iter()
-                .filter(|path| parent(path) == inside)
-                .cloned(),
-        );
-        let old_nodes: &[Node] = self.old_listing(inside).map_or(&[], |l| &l.nodes);
+        paths.extend(changed.iter().map(|path| path.to_vec()));
+        let old_listing = self.old_listing(inside);
         for path in paths {
             let name = file_name(&path);
-            let node = find_node(nodes, name);
-            if self.unchanged_since_last_reading(&path, node, find_node(old_nodes, name)) {
+            let node = listing.and_then(|l| l.node(name));
+            let before = old_listing.and_then(|l| l.node(name));
+            if self.unchanged_since_last_reading(&path, node, before) {
                 if let Some(kinds) = self.previous.records.get(&path) {
                     self.records.insert(path, *kinds);
                 }
@@ -343,10 +342,8 @@ impl<'a> Reader<'a> {
         if self.in_nested_repo(inside)? {
             return Ok(());
         }
-        let node = self
-            .listing(inside)
-            .and_then(|l| find_node(&l.nodes, file_name(path)));
-        if node.is_some_and(|n| n.kind == NodeKind::Dir) && self.nested_repo(path)?.is_some() {
+        let node = self.listing(inside).and_then(|l| l.node(file_name(path)));
+        if node.is_some_and(|n| n.kind == NodeKind::Dir) && self.nested_repo(path)? {
             return Err(LeftToGit("a path of the index became a nested repository"));
         }
         self.record(path, node)
@@ -371,14 +368,15 @@ impl<'a> Reader<'a> {
         let entries = self.index.find(path);
         let entry = match entries.len() {
             0 => None,
-            1 => Some(self.index.entry(entries.start)).filter(|e| e.stage == 0),
-            _ => None,
-        };
-        if !entries.is_empty() && entry.is_none() {
+            1 if self.index.entry(entries.start).stage == 0 => {
+                Some(self.index.entry(entries.start))
+            }
             // Unmerged: git lists it as such, which counts as unstaged.
-            self.records.insert(path.to_vec(), UNSTAGED);
-            return Ok(());
-        }
+            _ => {
+                self.records.insert(path.to_vec(), UNSTAGED);
+                return Ok(());
+            }
+        };
         if let Some(entry) = &entry {
             if entry.assume_valid || entry.skip_worktree || entry.intent_to_add {
                 return Err(LeftToGit(
@@ -457,7 +455,7 @@ impl<'a> Reader<'a> {
 
     /// Whether the working file differs from the entry (git's
     /// `ie_match_stat`, then the content when the stat data cannot tell).
-    fn unstaged(&self, entry: &Entry<'_>, node: Option<&Node>) -> Result<bool, LeftToGit> {
+    fn unstaged(&mut self, entry: &Entry<'_>, node: Option<&Node>) -> Result<bool, LeftToGit> {
         let is_link = entry.mode & S_IFMT == S_IFLNK;
         match node.map(|n| &n.kind) {
             // Gone, or a directory where the index has a file: deleted.
@@ -490,7 +488,7 @@ impl<'a> Reader<'a> {
                 let racy = self
                     .index
                     .written
-                    .is_none_or(|(sec, _)| sec <= i64::from(stat.mtime_sec));
+                    .is_none_or(|sec| sec <= i64::from(stat.mtime_sec));
                 if same_stat && !racy {
                     return Ok(false);
                 }
@@ -501,7 +499,7 @@ impl<'a> Reader<'a> {
 
     /// Whether the working file's content, as git would store it, is
     /// another object than the entry's.
-    fn content_differs(&self, entry: &Entry<'_>) -> Result<bool, LeftToGit> {
+    fn content_differs(&mut self, entry: &Entry<'_>) -> Result<bool, LeftToGit> {
         let as_path = Path::new(OsStr::from_bytes(entry.path));
         // Not libgit2's attribute lookup: it reads the whole index first.
         let conversion = self
@@ -524,8 +522,7 @@ impl<'a> Reader<'a> {
             .metadata()
             .map_err(|_| LeftToGit("a file to compare cannot be read"))?
             .len();
-        let mut hash = digest::Context::new(&digest::SHA1_FOR_LEGACY_USE_ONLY);
-        hash.update(format!("blob {size}\0").as_bytes());
+        let mut hash = blob_hasher(size);
         let mut buffer = vec![0; 64 << 10];
         let mut read = 0u64;
         loop {
@@ -552,18 +549,15 @@ impl<'a> Reader<'a> {
 
     /// What the `.gitattributes` files of the directory `inside` and the
     /// directories above it may do.
-    fn conversion_in(&self, inside: &[u8]) -> Result<Conversion, LeftToGit> {
-        if let Some(known) = self.conversions.borrow().get(inside) {
+    fn conversion_in(&mut self, inside: &[u8]) -> Result<Conversion, LeftToGit> {
+        if let Some(known) = self.conversions.get(inside) {
             return Ok(*known);
         }
         let above = match inside.is_empty() {
             true => Conversion::None,
             false => self.conversion_in(parent(inside))?,
         };
-        let here = match self
-            .listing(inside)
-            .and_then(|l| find_node(&l.nodes, b".gitattributes"))
-        {
+        let here = match self.listing(inside).and_then(|l| l.node(b".gitattributes")) {
             Some(_) => Conversion::of_file(
                 &self
                     .dir
@@ -572,9 +566,7 @@ impl<'a> Reader<'a> {
             None => Conversion::None,
         };
         let conversion = above.max(here);
-        self.conversions
-            .borrow_mut()
-            .insert(inside.to_vec(), conversion);
+        self.conversions.insert(inside.to_vec(), conversion);
         Ok(conversion)
     }
 
@@ -592,7 +584,7 @@ impl<'a> Reader<'a> {
     fn in_nested_repo(&self, inside: &[u8]) -> Result<bool, LeftToGit> {
         let mut at = inside;
         while !at.is_empty() {
-            if self.nested_repo(at)?.is_some() {
+            if self.nested_repo(at)? {
                 return Ok(true);
             }
             at = parent(at);
@@ -600,19 +592,18 @@ impl<'a> Reader<'a> {
         Ok(false)
     }
 
-    /// `Some` when the directory `inside` is a repository of its own (a
-    /// `.git` directory with `HEAD`, `objects` and `refs`, as git checks).
-    fn nested_repo(&self, inside: &[u8]) -> Result<Option<()>, LeftToGit> {
+    /// Whether the directory `inside` is a repository of its own (a `.git`
+    /// directory with `HEAD`, `objects` and `refs`, as git checks).
+    fn nested_repo(&self, inside: &[u8]) -> Result<bool, LeftToGit> {
         let Some(listing) = self.listing(inside) else {
-            return Ok(None);
+            return Ok(false);
         };
-        match find_node(&listing.nodes, b".git").map(|n| &n.kind) {
-            None => Ok(None),
+        match listing.node(b".git").map(|n| &n.kind) {
+            None => Ok(false),
             Some(NodeKind::Dir) => {
                 let git_dir = self.listing(&join_rel(inside, b".git"));
-                let has =
-                    |name: &[u8]| git_dir.is_some_and(|l| find_node(&l.nodes, name).is_some());
-                Ok((has(b"HEAD") && has(b"objects") && has(b"refs")).then_some(()))
+                let has = |name: &[u8]| git_dir.is_some_and(|l| l.node(name).is_some());
+                Ok(has(b"HEAD") && has(b"objects") && has(b"refs"))
             }
             Some(_) => Err(LeftToGit("a .git file below the work tree")),
         }
@@ -629,26 +620,21 @@ impl<'a> Reader<'a> {
     }
 
     fn listing_in(&self, walk: &'a Scan, inside: &[u8]) -> Option<&'a ScannedDir> {
-        let path = if inside.is_empty() {
-            self.rel.to_vec()
-        } else {
-            join_rel(self.rel, inside)
-        };
-        walk.listing(&path).map(AsRef::as_ref)
+        walk.listing(&work_tree_path(self.rel, inside))
+            .map(AsRef::as_ref)
     }
 }
 
-fn find_node<'n>(nodes: &'n [Node], name: &[u8]) -> Option<&'n Node> {
-    nodes
-        .binary_search_by(|n| n.name[..].cmp(name))
-        .ok()
-        .map(|at| &nodes[at])
+/// Git's object hash of a blob of `len` bytes, its header hashed.
+fn blob_hasher(len: u64) -> digest::Context {
+    let mut hash = digest::Context::new(&digest::SHA1_FOR_LEGACY_USE_ONLY);
+    hash.update(format!("blob {len}\0").as_bytes());
+    hash
 }
 
 /// Git's id of a blob holding `content`.
 fn blob_id_of(content: &[u8]) -> digest::Digest {
-    let mut hash = digest::Context::new(&digest::SHA1_FOR_LEGACY_USE_ONLY);
-    hash.update(format!("blob {}\0", content.len()).as_bytes());
+    let mut hash = blob_hasher(content.len() as u64);
     hash.update(content);
     hash.finish()
 }

@@ -68,15 +68,13 @@ impl EntryState {
     }
 }
 
-/// An entry's stat data as the index holds it: each field cut to 32 bits,
-/// as git compares them.
+/// The stat data of an entry that git compares with its file: each field
+/// cut to 32 bits, as the index holds it. Git as built by default (without
+/// USE_NSEC or USE_STDEV) leaves the nanoseconds and the device out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StatData {
     pub ctime_sec: u32,
-    pub ctime_nsec: u32,
     pub mtime_sec: u32,
-    pub mtime_nsec: u32,
-    pub dev: u32,
     pub ino: u32,
     pub uid: u32,
     pub gid: u32,
@@ -109,10 +107,11 @@ pub struct IndexEntries {
     states: Vec<EntryState>,
     /// Each entry's stat data, in the same order.
     stats: Vec<StatData>,
-    /// The index file's modification time when it was read (None when only
-    /// its bytes were parsed): an entry whose file changed in the same
-    /// second may look unchanged by its stat data ("racily clean").
-    pub written: Option<(i64, i64)>,
+    /// The index file's modification time, in seconds, when it was read
+    /// (None when only its bytes were parsed): an entry whose file changed
+    /// in the same second may look unchanged by its stat data ("racily
+    /// clean").
+    pub written: Option<i64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +142,7 @@ impl IndexEntries {
         let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
         file.read_to_end(&mut bytes).map_err(failed)?;
         let mut entries = Self::parse(&bytes)?;
-        entries.written = Some((meta.mtime(), meta.mtime_nsec()));
+        entries.written = Some(meta.mtime());
         Ok(entries)
     }
 
@@ -419,9 +418,12 @@ impl From<IndexError> for Flaw {
 fn read_entry(r: &mut Reader<'_>, version: u32, entries: &mut IndexEntries) -> Result<(), Flaw> {
     const TRUNCATED: &str = "truncated entry";
     let start = r.pos;
-    let (ctime_sec, ctime_nsec) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
-    let (mtime_sec, mtime_nsec) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
-    let (dev, ino) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
+    // Each time is seconds, then nanoseconds; the device precedes the inode.
+    let ctime_sec = r.u32(TRUNCATED)?;
+    r.take(4, TRUNCATED)?;
+    let mtime_sec = r.u32(TRUNCATED)?;
+    r.take(8, TRUNCATED)?;
+    let ino = r.u32(TRUNCATED)?;
     let mode = r.u32(TRUNCATED)?;
     let (uid, gid, size) = (r.u32(TRUNCATED)?, r.u32(TRUNCATED)?, r.u32(TRUNCATED)?);
     let oid: [u8; HASH_LEN] = r
@@ -494,10 +496,7 @@ fn read_entry(r: &mut Reader<'_>, version: u32, entries: &mut IndexEntries) -> R
     entries.states.push(EntryState { oid, mode, bits });
     entries.stats.push(StatData {
         ctime_sec,
-        ctime_nsec,
         mtime_sec,
-        mtime_nsec,
-        dev,
         ino,
         uid,
         gid,

@@ -311,7 +311,7 @@ fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
 }
 
 /// A directory of the work tree at `rel`, as a path relative to the root.
-fn work_tree_path(rel: &[u8], inside: &[u8]) -> Vec<u8> {
+pub(super) fn work_tree_path(rel: &[u8], inside: &[u8]) -> Vec<u8> {
     if inside.is_empty() {
         rel.to_vec()
     } else {
@@ -324,13 +324,11 @@ fn listing<'a>(scan: &'a Scan, rel: &[u8]) -> Option<&'a ScannedDir> {
 }
 
 fn node<'a>(dir: Option<&'a ScannedDir>, name: &[u8]) -> Option<&'a Node> {
-    let dir = dir?;
-    let at = dir.nodes.binary_search_by(|n| n.name[..].cmp(name)).ok()?;
-    Some(&dir.nodes[at])
+    dir?.node(name)
 }
 
 fn has_dir(dir: &ScannedDir, name: &[u8]) -> bool {
-    node(Some(dir), name).is_some_and(|n| n.kind == NodeKind::Dir)
+    dir.node(name).is_some_and(|n| n.kind == NodeKind::Dir)
 }
 
 /// What differs between two walks below a work tree.
