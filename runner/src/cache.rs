@@ -40,6 +40,7 @@ use crate::gitobj::GitStored;
 /// checkpoint): keys are paths and keyed digests, not chosen by a peer that
 /// could aim collisions at a fast hasher.
 pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+pub type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 const MAGIC: &[u8; 4] = b"CFPC";
 const VERSION: u8 = 4;

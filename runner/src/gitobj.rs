@@ -47,6 +47,19 @@ pub fn is_loose_object_path(rel: &[u8]) -> bool {
         && hex(name)
 }
 
+/// Whether `rel` is a directory of loose objects (`…/objects/<2 hex>`).
+pub fn is_loose_object_dir(rel: &[u8]) -> bool {
+    let mut parts = rel.rsplit(|b| *b == b'/');
+    let (Some(fanout), Some(objects)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    objects == b"objects"
+        && fanout.len() == 2
+        && fanout
+            .iter()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 /// Whether `rel` names a git pack (`…/objects/pack/pack-<hex>.pack`).
 ///
 /// Git never rewrites a pack in place (a new pack is written under a
@@ -165,8 +178,60 @@ pub fn loose_object_id(rel: &[u8]) -> Option<[u8; 20]> {
     Some(id)
 }
 
-/// The entries of a SHA-1 tree: `<mode> <name>\0<20-byte id>` each.
-fn tree_entries(tree: &[u8]) -> Option<Vec<&[u8]>> {
+/// One entry of a SHA-1 tree, borrowed from the tree's content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TreeEntry<'a> {
+    /// The octal mode as git wrote it (`40000` for a subtree).
+    pub mode: &'a [u8],
+    pub name: &'a [u8],
+    pub id: &'a [u8; 20],
+    /// The whole `<mode> <name>\0<id>` record.
+    pub raw: &'a [u8],
+}
+
+impl TreeEntry<'_> {
+    /// The mode as written.
+    fn raw_mode(&self) -> u32 {
+        let digit = |mode: u32, digit: &u8| (mode << 3) | u32::from(digit.wrapping_sub(b'0') & 7);
+        self.mode.iter().fold(0, digit)
+    }
+
+    pub fn is_tree(&self) -> bool {
+        self.raw_mode() & 0o170000 == 0o040000
+    }
+
+    /// The mode as git and libgit2 read it, whatever an old tree wrote.
+    pub fn canonical_mode(&self) -> u32 {
+        let mode = self.raw_mode();
+        match mode & 0o170000 {
+            0o040000 => 0o040000,
+            _ if mode & 0o100 != 0 => 0o100755,
+            0o160000 => 0o160000,
+            0o120000 => 0o120000,
+            _ => 0o100644,
+        }
+    }
+
+    /// Git's order of tree entries: by name, a subtree's name as if it
+    /// ended in `/`.
+    pub fn git_order(&self, other: &Self) -> std::cmp::Ordering {
+        let common = self.name.len().min(other.name.len());
+        match self.name[..common].cmp(&other.name[..common]) {
+            std::cmp::Ordering::Equal => {}
+            unequal => return unequal,
+        }
+        let next = |entry: &Self| match entry.name.get(common) {
+            Some(byte) => *byte,
+            None if entry.is_tree() => b'/',
+            None => 0,
+        };
+        next(self).cmp(&next(other))
+    }
+}
+
+/// The entries of a SHA-1 tree (`<mode> <name>\0<20-byte id>` each), in
+/// its order; None when it is malformed.
+pub fn tree_entries(tree: &[u8]) -> Option<Vec<TreeEntry<'_>>> {
     let mut entries = Vec::new();
     let mut rest = tree;
     while !rest.is_empty() {
@@ -175,11 +240,84 @@ fn tree_entries(tree: &[u8]) -> Option<Vec<&[u8]>> {
         if end > rest.len() {
             return None;
         }
-        let (entry, after) = rest.split_at(end);
-        entries.push(entry);
+        let (raw, after) = rest.split_at(end);
+        let space = raw[..nul].iter().position(|b| *b == b' ')?;
+        entries.push(TreeEntry {
+            mode: &raw[..space],
+            name: &raw[space + 1..nul],
+            id: raw[nul + 1..].try_into().expect("20 bytes"),
+            raw,
+        });
         rest = after;
     }
     Some(entries)
+}
+
+/// The entries of `tree` (none without one), or an error for libgit2's callers.
+pub fn parse_tree(tree: Option<&[u8]>) -> Result<Vec<TreeEntry<'_>>, git2::Error> {
+    match tree {
+        Some(tree) => {
+            tree_entries(tree).ok_or_else(|| git2::Error::from_str("a git tree cannot be parsed"))
+        }
+        None => Ok(Vec::new()),
+    }
+}
+
+/// The git trees read during one checkpoint, by id, for whoever reads them
+/// next. The tree bases, the status's diff of the last commits and its
+/// lookups in HEAD walk the same few trees on the changed paths, each
+/// thousands of entries that libgit2 would inflate every time. Ids name
+/// contents, so one cache serves every repository of the workspace.
+#[derive(Debug, Default)]
+pub struct TreeCache {
+    trees: std::sync::Mutex<std::collections::HashMap<git2::Oid, std::sync::Arc<[u8]>>>,
+}
+
+impl TreeCache {
+    /// The content of tree `id`, read from `odb` unless already read.
+    pub fn read(
+        &self,
+        odb: &git2::Odb<'_>,
+        id: git2::Oid,
+    ) -> Result<std::sync::Arc<[u8]>, git2::Error> {
+        if let Some(tree) = self.trees.lock().expect("tree cache lock").get(&id) {
+            return Ok(tree.clone());
+        }
+        // Read without the lock: the other readers go on meanwhile.
+        let object = odb.read(id)?;
+        if object.kind() != git2::ObjectType::Tree {
+            return Err(git2::Error::from_str(&format!("{id} is not a tree")));
+        }
+        let tree: std::sync::Arc<[u8]> = object.data().into();
+        let mut trees = self.trees.lock().expect("tree cache lock");
+        Ok(trees.entry(id).or_insert(tree).clone())
+    }
+
+    /// The id and mode of what is at `path` (`/`-separated) in tree `root`
+    /// when it is not a tree itself; None when nothing is.
+    pub fn entry_at(
+        &self,
+        odb: &git2::Odb<'_>,
+        root: git2::Oid,
+        path: &[u8],
+    ) -> Result<Option<(git2::Oid, u32)>, git2::Error> {
+        let mut tree = root;
+        let mut names = path.split(|b| *b == b'/').peekable();
+        while let Some(name) = names.next() {
+            let content = self.read(odb, tree)?;
+            let entries = parse_tree(Some(&content))?;
+            let Some(entry) = entries.iter().find(|e| e.name == name) else {
+                return Ok(None);
+            };
+            let id = git2::Oid::from_bytes(entry.id)?;
+            match (entry.is_tree(), names.peek()) {
+                (true, Some(_)) => tree = id,
+                (true, None) | (false, Some(_)) => return Ok(None),
+                (false, None) => return Ok(Some((id, entry.canonical_mode()))),
+            }
+        }
+        Ok(None)
+    }
 }
 
 const COPY: u8 = 0;
@@ -200,8 +338,8 @@ pub fn tree_delta(base: &[u8], tree: &[u8]) -> Option<Vec<u8>> {
     let mut at = std::collections::HashMap::new();
     let mut offset = 0;
     for entry in tree_entries(base)? {
-        at.entry(entry).or_insert(offset);
-        offset += entry.len();
+        at.entry(entry.raw).or_insert(offset);
+        offset += entry.raw.len();
     }
     enum Op<'a> {
         Copy(usize, usize),
@@ -209,6 +347,7 @@ pub fn tree_delta(base: &[u8], tree: &[u8]) -> Option<Vec<u8>> {
     }
     let mut ops: Vec<Op<'_>> = Vec::new();
     for entry in tree_entries(tree)? {
+        let entry = entry.raw;
         match (at.get(entry), ops.last_mut()) {
             (Some(&from), Some(Op::Copy(start, len))) if *start + *len == from => {
                 *len += entry.len();
@@ -447,5 +586,80 @@ mod tests {
             Err(DeltaError::Malformed(_))
         ));
         assert_eq!(tree_delta(&base, b"not a tree"), None);
+    }
+
+    /// Names git orders by a subtree's trailing `/` ("a-b" and "a.c"
+    /// before the directory "a", "a0" after it), a file that became a
+    /// directory, an executable and a link: the raw entries, the lookups
+    /// and the tree diff see what git sees.
+    #[test]
+    fn raw_trees_are_read_in_git_order_and_agree_with_git() {
+        use crate::git::testing;
+        let tmp = tempfile::tempdir().unwrap();
+        let repo = tmp.path();
+        testing::git(repo, &["init", "-q"]);
+        let write = |path: &str, content: &str| {
+            let path = repo.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, content).unwrap();
+        };
+        for path in ["a/x.rs", "a-b", "a.c", "a0", "f", "deep/er/y.rs"] {
+            write(path, path);
+        }
+        std::os::unix::fs::symlink("a.c", repo.join("link")).unwrap();
+        write("run.sh", "#!/bin/sh\n");
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(repo.join("run.sh"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        testing::git(repo, &["add", "-A"]);
+        testing::git(repo, &["commit", "-qm", "one"]);
+        std::fs::remove_file(repo.join("f")).unwrap();
+        write("f/inside.rs", "now a directory");
+        write("a/x.rs", "changed");
+        write("deep/er/z.rs", "new");
+        testing::git(repo, &["add", "-A"]);
+        testing::git(repo, &["commit", "-qm", "two"]);
+
+        crate::git::init();
+        let opened = git2::Repository::open(repo).unwrap();
+        let odb = opened.odb().unwrap();
+        let cache = TreeCache::default();
+        let head = opened.head().unwrap().peel_to_tree().unwrap();
+        let root = cache.read(&odb, head.id()).unwrap();
+        let entries = tree_entries(&root).unwrap();
+        let names: Vec<&[u8]> = entries.iter().map(|e| e.name).collect();
+        let listed = testing::git(repo, &["ls-tree", "--name-only", "HEAD"]);
+        assert_eq!(names, listed.lines().map(str::as_bytes).collect::<Vec<_>>());
+        assert!(entries.windows(2).all(|w| w[0].git_order(&w[1]).is_lt()));
+
+        for path in [
+            "a/x.rs",
+            "a-b",
+            "run.sh",
+            "link",
+            "f/inside.rs",
+            "deep/er/z.rs",
+            "f",
+            "a",
+            "nope",
+            "a/nope",
+        ] {
+            let ours = cache.entry_at(&odb, head.id(), path.as_bytes()).unwrap();
+            let theirs = match head.get_path(std::path::Path::new(path)) {
+                Ok(e) if e.kind() != Some(git2::ObjectType::Tree) => {
+                    Some((e.id(), e.filemode() as u32))
+                }
+                _ => None,
+            };
+            assert_eq!(ours, theirs, "{path}");
+        }
+        assert_eq!(
+            cache
+                .entry_at(&odb, head.id(), b"run.sh")
+                .unwrap()
+                .unwrap()
+                .1,
+            0o100755
+        );
     }
 }

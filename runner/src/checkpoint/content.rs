@@ -110,98 +110,27 @@ pub struct Cancelled;
 
 /// Reads what must be read and sends new blobs through `batches`. A
 /// listing `memo` remembers keeps what it found then.
+///
+/// The loose git objects wait for `bases` (the trees a new loose tree can
+/// be stored as a delta of, found meanwhile on another thread); every
+/// other file is compared and read first.
 pub fn read_all(
     scan: &Scan,
     cache: &Cache,
-    bases: &TreeBases,
+    bases: impl FnOnce() -> TreeBases,
     keys: &TenantKeys,
     memo: Option<&Memo>,
     batches: tokio::sync::mpsc::Sender<Batch>,
 ) -> Result<Content, Cancelled> {
+    let unread: DirFiles = Arc::new(Vec::new());
     let mut content = Content {
-        files: Vec::with_capacity(scan.dirs.len()),
-        from_memo: Vec::with_capacity(scan.dirs.len()),
+        files: vec![unread; scan.dirs.len()],
+        from_memo: vec![false; scan.dirs.len()],
         warnings: Vec::new(),
         files_read: 0,
         bytes_read: 0,
     };
     let started = std::time::Instant::now();
-    let mut to_read = Vec::new();
-    // One buffer for every path looked up: most files only are.
-    let mut rel = Vec::new();
-    for (d, dir) in scan.dirs.iter().enumerate() {
-        let remembered = memo
-            .and_then(|memo| memo.get(dir))
-            .filter(|outcome| !outcome.has_tree_deltas || bases_hold(dir, &outcome.files, bases));
-        if let Some(outcome) = remembered {
-            let files = match outcome.uncached {
-                true => now_cacheable(dir, &outcome.files, scan.started),
-                false => None,
-            };
-            content
-                .files
-                .push(files.unwrap_or_else(|| outcome.files.clone()));
-            content.from_memo.push(true);
-            continue;
-        }
-        content.files.push(Arc::new(vec![None; dir.nodes.len()]));
-        content.from_memo.push(false);
-        for (n, node) in dir.nodes.iter().enumerate() {
-            let NodeKind::File(fingerprint) = &node.kind else {
-                continue;
-            };
-            join_rel_into(&mut rel, &dir.path, &node.name);
-            let rel = &rel[..];
-            let abs = || scan.root.join(OsStr::from_bytes(rel));
-            // A delta is only as good as its base, found again each time.
-            let committed = |known: &&CachedFile| {
-                known.chunks.iter().all(|c| cache.knows_blob(&c.id))
-                    && match known.git {
-                        Some(GitStored::TreeDelta { base, .. }) => {
-                            bases.get(rel).is_some_and(|found| found.id == base)
-                        }
-                        _ => true,
-                    }
-            };
-            // (what the cache knows, the fingerprint to remember it under)
-            let reusable = match cache.lookup(rel, fingerprint).filter(committed) {
-                Some(known) => Some((known, Some(*fingerprint))),
-                None => cache
-                    .file(rel)
-                    .filter(committed)
-                    .filter(|known| gitobj::is_pack_path(rel) && known.git.is_none())
-                    .and_then(|known| {
-                        let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
-                        content.bytes_read += tail;
-                        // Known by its bytes, and remembered under its new
-                        // times at once: a pack is never written in place.
-                        unchanged.then_some((known, Some(*fingerprint)))
-                    }),
-            };
-            match reusable {
-                Some((known, cacheable)) => {
-                    fresh(&mut content.files[d])[n] = Some(FileContent {
-                        chunks: known.chunks.clone(),
-                        size: fingerprint.size,
-                        meta: node.meta,
-                        cacheable,
-                        git: known.git,
-                    });
-                }
-                None => {
-                    to_read.push(Job {
-                        dir: d,
-                        node: n,
-                        abs: abs(),
-                        tree_base: bases.get(rel).cloned(),
-                        rel: rel.to_vec(),
-                        size: fingerprint.size,
-                    });
-                }
-            }
-        }
-    }
-
     let mut batcher = Batcher {
         sender: batches,
         cache,
@@ -209,14 +138,165 @@ pub fn read_all(
         pending: Batch::default(),
         pending_bytes: 0,
     };
+    let (loose, other): (Vec<usize>, Vec<usize>) =
+        (0..scan.dirs.len()).partition(|&d| gitobj::is_loose_object_dir(&scan.dirs[d].path));
+    // No file outside a loose-object directory has a base.
+    let no_bases = TreeBases::default();
+    let mut to_read = Vec::new();
+    for d in other {
+        compare_dir(
+            &mut content,
+            &mut to_read,
+            scan,
+            d,
+            cache,
+            &no_bases,
+            keys,
+            memo,
+        );
+    }
     tracing::debug!(
         files = to_read.len(),
         dirs_reused = content.from_memo.iter().filter(|reused| **reused).count(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "fingerprints compared with the cache"
     );
-    let (small, large): (Vec<Job>, Vec<Job>) =
-        to_read.into_iter().partition(|j| j.size <= LARGE_FILE);
+    read_jobs(&mut content, &mut batcher, scan, keys, to_read)?;
+    let bases = bases();
+    let mut to_read = Vec::new();
+    for d in loose {
+        compare_dir(
+            &mut content,
+            &mut to_read,
+            scan,
+            d,
+            cache,
+            &bases,
+            keys,
+            memo,
+        );
+    }
+    read_jobs(&mut content, &mut batcher, scan, keys, to_read)?;
+    tracing::debug!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "files read"
+    );
+    batcher.flush()?;
+    Ok(content)
+}
+
+/// Takes what `memo` or the cache knows of directory `d`'s files, and
+/// queues the others on `to_read`.
+#[allow(clippy::too_many_arguments)]
+fn compare_dir(
+    content: &mut Content,
+    to_read: &mut Vec<Job>,
+    scan: &Scan,
+    d: usize,
+    cache: &Cache,
+    bases: &TreeBases,
+    keys: &TenantKeys,
+    memo: Option<&Memo>,
+) {
+    let dir = &scan.dirs[d];
+    // One buffer for every path looked up: most files only are.
+    let mut rel = Vec::new();
+    let remembered = memo
+        .and_then(|memo| memo.get(dir))
+        .filter(|outcome| !outcome.has_tree_deltas || bases_hold(dir, &outcome.files, bases));
+    if let Some(outcome) = remembered {
+        let files = match outcome.uncached {
+            true => now_cacheable(dir, &outcome.files, scan.started),
+            false => None,
+        };
+        content.files[d] = files.unwrap_or_else(|| outcome.files.clone());
+        content.from_memo[d] = true;
+        return;
+    }
+    content.files[d] = Arc::new(vec![None; dir.nodes.len()]);
+    // Listed again since the last checkpoint: most of its files are
+    // still what that one found, which costs less to tell than a
+    // lookup of each in the cache.
+    let earlier = memo.and_then(|memo| memo.earlier(&dir.path));
+    let mut cursor = 0;
+    for (n, node) in dir.nodes.iter().enumerate() {
+        let NodeKind::File(fingerprint) = &node.kind else {
+            continue;
+        };
+        let same = earlier.and_then(|was| was.same_file(&node.name, fingerprint, &mut cursor));
+        // A delta is only as good as its base, found again below; and
+        // the checkpoint places every chunk through the cache.
+        let placeable = |file: &&FileContent| {
+            !file.is_tree_delta() && file.chunks.iter().all(|c| cache.knows_blob(&c.id))
+        };
+        if let Some(same) = same.filter(placeable) {
+            fresh(&mut content.files[d])[n] = Some(FileContent {
+                meta: node.meta,
+                ..same.clone()
+            });
+            continue;
+        }
+        join_rel_into(&mut rel, &dir.path, &node.name);
+        let rel = &rel[..];
+        let abs = || scan.root.join(OsStr::from_bytes(rel));
+        // A delta is only as good as its base, found again each time.
+        let committed = |known: &&CachedFile| {
+            known.chunks.iter().all(|c| cache.knows_blob(&c.id))
+                && match known.git {
+                    Some(GitStored::TreeDelta { base, .. }) => {
+                        bases.get(rel).is_some_and(|found| found.id == base)
+                    }
+                    _ => true,
+                }
+        };
+        // (what the cache knows, the fingerprint to remember it under)
+        let reusable = match cache.lookup(rel, fingerprint).filter(committed) {
+            Some(known) => Some((known, Some(*fingerprint))),
+            None => cache
+                .file(rel)
+                .filter(committed)
+                .filter(|known| gitobj::is_pack_path(rel) && known.git.is_none())
+                .and_then(|known| {
+                    let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
+                    content.bytes_read += tail;
+                    // Known by its bytes, and remembered under its new
+                    // times at once: a pack is never written in place.
+                    unchanged.then_some((known, Some(*fingerprint)))
+                }),
+        };
+        match reusable {
+            Some((known, cacheable)) => {
+                fresh(&mut content.files[d])[n] = Some(FileContent {
+                    chunks: known.chunks.clone(),
+                    size: fingerprint.size,
+                    meta: node.meta,
+                    cacheable,
+                    git: known.git,
+                });
+            }
+            None => {
+                to_read.push(Job {
+                    dir: d,
+                    node: n,
+                    abs: abs(),
+                    tree_base: bases.get(rel).cloned(),
+                    rel: rel.to_vec(),
+                    size: fingerprint.size,
+                });
+            }
+        }
+    }
+}
+
+/// Reads `jobs` (small files in parallel) and records what they hold.
+fn read_jobs(
+    content: &mut Content,
+    batcher: &mut Batcher<'_>,
+    scan: &Scan,
+    keys: &TenantKeys,
+    jobs: Vec<Job>,
+) -> Result<(), Cancelled> {
+    let (small, large): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.size <= LARGE_FILE);
     let mut deferred = Vec::new();
     for group in groups(small) {
         let results: Vec<(Job, Option<ReadResult>)> = group
@@ -228,29 +308,17 @@ pub fn read_all(
             .collect();
         for (job, result) in results {
             match result {
-                Some(result) => record(&mut content, &mut batcher, scan, job, result)?,
+                Some(result) => record(content, batcher, scan, job, result)?,
                 None => deferred.push(job),
             }
         }
     }
     for job in large.into_iter().chain(deferred) {
-        let result = read_with_retry(
-            &job,
-            keys,
-            &mut Stream {
-                batcher: &mut batcher,
-            },
-            None,
-        )
-        .expect("without a size limit every read has a result");
-        record(&mut content, &mut batcher, scan, job, result)?;
+        let result = read_with_retry(&job, keys, &mut Stream { batcher }, None)
+            .expect("without a size limit every read has a result");
+        record(content, batcher, scan, job, result)?;
     }
-    tracing::debug!(
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "files read"
-    );
-    batcher.flush()?;
-    Ok(content)
+    Ok(())
 }
 
 /// The files of a directory this checkpoint works out itself.
@@ -728,7 +796,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let keys = keys();
         std::thread::scope(|s| {
-            let reader = s.spawn(|| read_all(scan, cache, &TreeBases::default(), &keys, None, tx));
+            let reader = s.spawn(|| read_all(scan, cache, TreeBases::default, &keys, None, tx));
             let mut blobs = Vec::new();
             while let Some(batch) = rx.blocking_recv() {
                 blobs.extend(batch.blobs);
@@ -832,6 +900,78 @@ mod tests {
         forgetful.insert_file(b"old".to_vec(), old_entry);
         let (third, _) = read(&scan, &forgetful);
         assert_eq!(third.files_read, 2);
+    }
+
+    /// A directory listed again since the last checkpoint takes what that
+    /// one found for each file still the same, even from a cache that knows
+    /// none of its files (only where their blobs are); the changed file and
+    /// a file that was racy then are read.
+    #[test]
+    fn a_directory_listed_again_takes_its_unchanged_files_from_the_memo() {
+        let tmp = tempfile::tempdir().unwrap();
+        for name in ["a", "b", "c"] {
+            fs::write(tmp.path().join(name), name).unwrap();
+        }
+        let later = SystemTime::now() + Duration::from_secs(60);
+        let mut first_scan = scan_of(tmp.path());
+        first_scan.started = later;
+        let (first, _) = read(&first_scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        assert_eq!(first.files_read, 3);
+        let known = |_: &BlobId| false;
+        let trees = super::super::trees::build(&first_scan, &first.files, &keys(), &known, &[]);
+        let packs: Vec<Arc<[cairn_proto::ids::PackId]>> =
+            vec![Arc::from(Vec::new()); first_scan.dirs.len()];
+        let workspace = cairn_proto::ids::WorkspaceId::generate();
+        let memo = Memo::new(
+            workspace,
+            "k".into(),
+            &first_scan,
+            &first.files,
+            &trees.dirs,
+            &packs,
+            None,
+        );
+
+        fs::write(tmp.path().join("b"), "changed").unwrap();
+        fs::File::options()
+            .write(true)
+            .open(tmp.path().join("c"))
+            .unwrap()
+            .set_modified(later + Duration::from_secs(1))
+            .unwrap();
+        let mut second_scan = scan_of(tmp.path());
+        second_scan.started = later;
+        let mut blobs_only = cache_of(&first_scan, &first, tmp.path());
+        blobs_only.replace_files(Default::default());
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let keys = keys();
+        let memo = Some(&memo);
+        let second = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                read_all(
+                    &second_scan,
+                    &blobs_only,
+                    TreeBases::default,
+                    &keys,
+                    memo,
+                    tx,
+                )
+            });
+            while rx.blocking_recv().is_some() {}
+            reader.join().unwrap().unwrap()
+        });
+        assert_eq!(second.files_read, 2, "b changed, c has other times");
+        assert_eq!(
+            second.files[0][0].as_ref().unwrap().chunks,
+            first.files[0][0].as_ref().unwrap().chunks
+        );
+        assert_ne!(
+            second.files[0][1].as_ref().unwrap().chunks,
+            first.files[0][1].as_ref().unwrap().chunks
+        );
+        // Without the memo, the same cache has every file read.
+        let (third, _) = read(&second_scan, &blobs_only);
+        assert_eq!(third.files_read, 3);
     }
 
     /// A cache that knows everything `content` holds, as a committed checkpoint leaves it.

@@ -27,7 +27,7 @@ use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 
 use super::content::{DirFiles, FileContent};
 use super::trees::{self, DirTree};
-use crate::cache::{Cache, FastMap};
+use crate::cache::{Cache, FastMap, Fingerprint};
 use crate::format::TenantKeys;
 use crate::gitobj::GitStored;
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
@@ -48,12 +48,48 @@ pub struct DirOutcome {
     pub uncached: bool,
 }
 
+impl DirOutcome {
+    /// What was found for the file `name` when it had `fingerprint` too, and
+    /// was stable then (so cacheable, as the cache would have it). `from`
+    /// is a cursor into the listing for callers that ask in name order.
+    pub fn same_file(
+        &self,
+        name: &[u8],
+        fingerprint: &Fingerprint,
+        from: &mut usize,
+    ) -> Option<&FileContent> {
+        let nodes = &self.listing.nodes;
+        while *from < nodes.len() && nodes[*from].name[..] < *name {
+            *from += 1;
+        }
+        let node = nodes.get(*from).filter(|node| node.name == name)?;
+        let NodeKind::File(was) = &node.kind else {
+            return None;
+        };
+        let file = self.files.get(*from)?.as_ref()?;
+        (was == fingerprint && file.cacheable.as_ref() == Some(fingerprint)).then_some(file)
+    }
+
+    fn of(listing: Arc<ScannedDir>, files: DirFiles, tree: DirTree, packs: Arc<[PackId]>) -> Self {
+        Self {
+            has_tree_deltas: files.iter().flatten().any(FileContent::is_tree_delta),
+            uncached: files.iter().flatten().any(|f| f.cacheable.is_none()),
+            listing,
+            files,
+            tree,
+            packs,
+        }
+    }
+}
+
 /// The outcomes of a workspace's last checkpoint, by listing.
 #[derive(Debug, Default)]
 pub struct Memo {
     workspace: Option<WorkspaceId>,
     key_id: String,
     by_listing: FastMap<usize, DirOutcome>,
+    /// The keys of `by_listing`, by the listing's path.
+    by_path: Vec<(Arc<ScannedDir>, usize)>,
 }
 
 fn key(listing: &Arc<ScannedDir>) -> usize {
@@ -62,7 +98,9 @@ fn key(listing: &Arc<ScannedDir>) -> usize {
 
 impl Memo {
     /// Remembers a checkpoint of `workspace` (tenant key `key_id`) cut from
-    /// `scan`; the other slices are indexed like `scan.dirs`.
+    /// `scan`; the other slices are indexed like `scan.dirs`. What
+    /// `previous` (the memo this checkpoint was cut with) says of a listing
+    /// whose files this checkpoint took from it is not worked out again.
     pub fn new(
         workspace: WorkspaceId,
         key_id: String,
@@ -70,15 +108,48 @@ impl Memo {
         files: &[DirFiles],
         trees: &[DirTree],
         packs: &[Arc<[PackId]>],
+        previous: Option<&Memo>,
     ) -> Self {
         let outcomes = scan.dirs.iter().zip(files).zip(trees).zip(packs);
-        Self::of(
-            workspace,
+        let by_listing = outcomes
+            .map(|(((listing, files), tree), packs)| {
+                let taken = previous
+                    .and_then(|memo| memo.get(listing))
+                    .filter(|was| Arc::ptr_eq(&was.files, files));
+                let outcome = match taken {
+                    Some(was) => DirOutcome {
+                        listing: listing.clone(),
+                        files: files.clone(),
+                        tree: tree.clone(),
+                        packs: packs.clone(),
+                        ..*was
+                    },
+                    None => {
+                        DirOutcome::of(listing.clone(), files.clone(), tree.clone(), packs.clone())
+                    }
+                };
+                (key(listing), outcome)
+            })
+            .collect();
+        Self::with(workspace, key_id, by_listing)
+    }
+
+    fn with(
+        workspace: WorkspaceId,
+        key_id: String,
+        by_listing: FastMap<usize, DirOutcome>,
+    ) -> Self {
+        let mut by_path: Vec<_> = by_listing
+            .iter()
+            .map(|(key, outcome)| (outcome.listing.clone(), *key))
+            .collect();
+        by_path.sort_unstable_by(|a, b| a.0.path.cmp(&b.0.path));
+        Self {
+            workspace: Some(workspace),
             key_id,
-            outcomes.map(|(((listing, files), tree), packs)| {
-                (listing.clone(), files.clone(), tree.clone(), packs.clone())
-            }),
-        )
+            by_listing,
+            by_path,
+        }
     }
 
     fn of(
@@ -88,22 +159,11 @@ impl Memo {
     ) -> Self {
         let by_listing = outcomes
             .map(|(listing, files, tree, packs)| {
-                let outcome = DirOutcome {
-                    has_tree_deltas: files.iter().flatten().any(FileContent::is_tree_delta),
-                    uncached: files.iter().flatten().any(|f| f.cacheable.is_none()),
-                    listing,
-                    files,
-                    tree,
-                    packs,
-                };
+                let outcome = DirOutcome::of(listing, files, tree, packs);
                 (key(&outcome.listing), outcome)
             })
             .collect();
-        Self {
-            workspace: Some(workspace),
-            key_id,
-            by_listing,
-        }
+        Self::with(workspace, key_id, by_listing)
     }
 
     /// What the newest checkpoint of `workspace` held for the listings of
@@ -148,6 +208,17 @@ impl Memo {
         self.by_listing
             .get(&key(listing))
             .filter(|outcome| Arc::ptr_eq(&outcome.listing, listing))
+    }
+
+    /// What the last checkpoint found for the directory at `path`, listed
+    /// as it was then: for a directory listed again since, what it found
+    /// for each file that is still the same.
+    pub fn earlier(&self, path: &[u8]) -> Option<&DirOutcome> {
+        let at = self
+            .by_path
+            .binary_search_by(|(listing, _)| listing.path[..].cmp(path))
+            .ok()?;
+        self.by_listing.get(&self.by_path[at].1)
     }
 
     /// How many listings it remembers.

@@ -445,11 +445,20 @@ async fn run(
     let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
     let reader = {
         let (scan, cache, keys, memo) = (scan.clone(), cache.clone(), keys.clone(), memo.clone());
+        let git_trees = inspector.trees();
         tokio::task::spawn_blocking(move || {
-            let bases = TreeBases::find(&scan, &cache, memo.as_deref());
-            let elapsed_ms = started.elapsed().as_millis() as u64;
-            tracing::debug!(elapsed_ms, "git tree bases found");
-            content::read_all(&scan, &cache, &bases, &keys, memo.as_deref(), batches)
+            std::thread::scope(|s| {
+                let finding = s.spawn(|| {
+                    let bases = TreeBases::find(&scan, &cache, memo.as_deref(), &git_trees);
+                    let elapsed_ms = started.elapsed().as_millis() as u64;
+                    tracing::debug!(elapsed_ms, "git tree bases found");
+                    bases
+                });
+                // Without bases (the thread panicked) loose trees are
+                // stored as the files they are.
+                let bases = || finding.join().unwrap_or_default();
+                content::read_all(&scan, &cache, bases, &keys, memo.as_deref(), batches)
+            })
         })
     };
     let mut stored = Ok(());
@@ -506,16 +515,21 @@ async fn run(
         "trees stored, uploads finished"
     );
     let placed = place(&scan, &content, &trees, &located, &cache, memo.as_deref())?;
-    let next_memo = opts.resident.as_ref().map(|_| {
-        Memo::new(
-            session.workspace_id.clone(),
-            keys.key_id().to_owned(),
-            &scan,
-            &content.files,
-            &trees.dirs,
-            &placed.per_dir,
-        )
-    });
+    let next_memo = {
+        let (workspace, key_id) = (session.workspace_id.clone(), keys.key_id().to_owned());
+        let previous = memo.clone();
+        move |scan: &Scan, content: &Content, trees: &[trees::DirTree], placed: &Placed| {
+            Memo::new(
+                workspace,
+                key_id,
+                scan,
+                &content.files,
+                trees,
+                &placed.per_dir,
+                previous.as_deref(),
+            )
+        }
+    };
     let tree_dirs = std::mem::take(&mut trees.dirs);
     let inspected = blocking(move || inspector.finish()).await?;
     tracing::debug!(
@@ -537,7 +551,7 @@ async fn run(
     {
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
         if let Some(resident) = &opts.resident {
-            let memo = next_memo.expect("a resident runner remembers");
+            let memo = next_memo(&scan, &content, &tree_dirs, &placed);
             resident.remember(baseline.clone(), walked.clone(), memo);
             resident.put_back(cache).await;
         }
@@ -591,8 +605,17 @@ async fn run(
                     return Err(e);
                 }
             };
-            let scan = scan.clone();
+            let baseline = Baseline {
+                checkpoint_id: committed.id.clone(),
+                root_tree: trees.root,
+            };
+            // What this checkpoint found is worked out for the next one
+            // after the answer, with the cache, which the next checkpoint
+            // waits for first.
+            resident.remember_cut(baseline, walked.clone());
+            let (scan, resident_now) = (scan.clone(), resident.clone());
             let saving = tokio::task::spawn_blocking(move || {
+                resident_now.remember_memo(next_memo(&scan, &content, &tree_dirs, &placed));
                 save_cache(cache, &scan, content, &tree_dirs, &located)
             });
             resident.keep(saving).await;
@@ -633,14 +656,6 @@ async fn run(
         }
     };
     tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
-    if let Some(resident) = &opts.resident {
-        let baseline = Baseline {
-            checkpoint_id: committed.id.clone(),
-            root_tree: trees.root,
-        };
-        let memo = next_memo.expect("a resident runner remembers");
-        resident.remember(baseline, walked.clone(), memo);
-    }
     drop(spool);
     Ok(Some(CheckpointReport {
         checkpoint_id: committed.id,
@@ -696,7 +711,7 @@ fn place(
     memo: Option<&Memo>,
 ) -> Result<Placed, CheckpointError> {
     let mut per_dir = Vec::with_capacity(scan.dirs.len());
-    let mut referenced = BTreeSet::new();
+    let mut referenced = crate::cache::FastSet::default();
     let dirs = scan.dirs.iter().zip(&content.files).zip(&content.from_memo);
     for (((dir, files), &from_memo), tree) in dirs.zip(&trees.dirs) {
         let remembered = memo
@@ -709,12 +724,16 @@ fn place(
             })
             .map_err(CheckpointError::UnlocatedBlob)?,
         };
-        referenced.extend(packs.iter().cloned());
+        for pack in packs.iter() {
+            if !referenced.contains(pack) {
+                referenced.insert(pack.clone());
+            }
+        }
         per_dir.push(packs);
     }
     Ok(Placed {
         per_dir,
-        referenced,
+        referenced: referenced.into_iter().collect(),
     })
 }
 

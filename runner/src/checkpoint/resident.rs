@@ -79,7 +79,21 @@ impl Resident {
     /// Remembers that `baseline` holds the workspace as `walk` saw it, and
     /// what it found per listing.
     pub fn remember(&self, baseline: Baseline, walk: Arc<Scan>, memo: Memo) {
+        self.remember_cut(baseline, walk);
+        self.remember_memo(memo);
+    }
+
+    /// Remembers that `baseline` holds the workspace as `walk` saw it, and
+    /// forgets what the checkpoint before found until
+    /// [`Resident::remember_memo`] tells what this one did: a listing
+    /// unchanged since both must not be taken from the older one.
+    pub fn remember_cut(&self, baseline: Baseline, walk: Arc<Scan>) {
         *self.last_cut.lock().expect("last-cut lock") = Some((baseline, walk));
+        *self.memo.lock().expect("memo lock") = None;
+    }
+
+    /// Remembers what the last checkpoint found per listing.
+    pub fn remember_memo(&self, memo: Memo) {
         *self.memo.lock().expect("memo lock") = Some(Arc::new(memo));
     }
 

@@ -30,12 +30,13 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
 
-use git2::{ObjectType, Oid, Repository};
+use git2::{Oid, Repository};
 
 use super::memo::Memo;
 use crate::cache::Cache;
-use crate::gitobj::{self, GitStored};
+use crate::gitobj::{self, GitStored, TreeCache};
 use crate::scan::{NodeKind, Scan, join_rel};
 
 /// How far back the first-parent history is followed for a base.
@@ -68,7 +69,7 @@ pub struct Base {
     pub id: [u8; 20],
     /// Its content; empty when the loose tree is known as it is (then only
     /// the id is compared).
-    pub content: Vec<u8>,
+    pub content: Arc<[u8]>,
 }
 
 /// Loose tree file (path relative to the root) → its base.
@@ -86,7 +87,7 @@ impl TreeBases {
     /// checkpoint stored (`memo` for the listings it remembers, else the
     /// cache) is kept while every pack is as it was then; only newer
     /// commits are walked, and contents are loaded only for their trees.
-    pub fn find(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> Self {
+    pub fn find(scan: &Scan, cache: &Cache, memo: Option<&Memo>, trees: &TreeCache) -> Self {
         let mut bases = Self::default();
         for (objects, loose) in loose_objects(scan, cache, memo) {
             let packs_unchanged = packs_unchanged(scan, &objects, cache, memo);
@@ -95,7 +96,7 @@ impl TreeBases {
                     object.rel.clone(),
                     Base {
                         id,
-                        content: Vec::new(),
+                        content: Arc::default(),
                     },
                 )),
                 _ => None,
@@ -112,7 +113,7 @@ impl TreeBases {
             let Some(git_dir) = objects_dir.parent() else {
                 continue;
             };
-            match bases_in(git_dir, &loose, packs_unchanged) {
+            match bases_in(git_dir, &loose, packs_unchanged, trees) {
                 Ok(found) => {
                     if packs_unchanged {
                         bases.by_path.extend(known_bases);
@@ -202,6 +203,7 @@ fn bases_in(
     git_dir: &std::path::Path,
     loose: &Loose,
     trust_known: bool,
+    trees: &TreeCache,
 ) -> Result<HashMap<Vec<u8>, Base>, git2::Error> {
     let known = |oid: &Oid| match loose.get(oid) {
         Some(object) if trust_known => object.known,
@@ -209,6 +211,7 @@ fn bases_in(
     };
     crate::git::init();
     let repo = Repository::open_bare(git_dir)?;
+    let odb = repo.odb()?;
     let mut previous: HashMap<Oid, Oid> = HashMap::new();
     let mut commit = repo.head()?.peel_to_commit()?;
     for _ in 0..MAX_COMMITS {
@@ -219,14 +222,14 @@ fn bases_in(
             break;
         };
         let pair = Pair {
-            repo: &repo,
+            odb: &odb,
+            trees,
             loose,
             known: &known,
         };
         pair.trees(commit.tree_id(), parent.tree_id(), &mut previous)?;
         commit = parent;
     }
-    let odb = repo.odb()?;
     let mut bases = HashMap::new();
     for (&tree, &earlier) in &previous {
         // Back along the same path to a version only a pack holds, or to
@@ -249,13 +252,12 @@ fn bases_in(
         let object = &loose[&tree];
         let id: [u8; 20] = base.as_bytes().try_into().expect("a SHA-1 id");
         let content = if object.known == Known::Delta(id) {
-            Vec::new()
+            Arc::default()
         } else {
-            let object = odb.read(base)?;
-            if object.kind() != ObjectType::Tree {
-                continue;
+            match trees.read(&odb, base) {
+                Ok(content) => content,
+                Err(_) => continue,
             }
-            object.data().to_vec()
         };
         bases.insert(object.rel.clone(), Base { id, content });
     }
@@ -264,7 +266,8 @@ fn bases_in(
 
 /// Pairs loose trees with their versions one commit earlier.
 struct Pair<'a> {
-    repo: &'a Repository,
+    odb: &'a git2::Odb<'a>,
+    trees: &'a TreeCache,
     loose: &'a Loose,
     known: &'a dyn Fn(&Oid) -> Known,
 }
@@ -286,19 +289,21 @@ impl Pair<'_> {
             return Ok(());
         }
         previous.insert(new, old);
-        let (new_tree, old_tree) = (self.repo.find_tree(new)?, self.repo.find_tree(old)?);
-        let old_subtrees: HashMap<Vec<u8>, Oid> = old_tree
-            .iter()
-            .filter(|e| e.kind() == Some(ObjectType::Tree))
-            .map(|e| (e.name_bytes().to_vec(), e.id()))
-            .collect();
-        let pairs: Vec<(Oid, Oid)> = new_tree
-            .iter()
-            .filter(|e| e.kind() == Some(ObjectType::Tree))
-            .filter_map(|e| Some((e.id(), *old_subtrees.get(e.name_bytes())?)))
-            .collect();
-        for (new, old) in pairs {
-            self.trees(new, old, previous)?;
+        let (new_tree, old_tree) = (
+            self.trees.read(self.odb, new)?,
+            self.trees.read(self.odb, old)?,
+        );
+        let (new_entries, old_entries) = (
+            gitobj::parse_tree(Some(&new_tree))?,
+            gitobj::parse_tree(Some(&old_tree))?,
+        );
+        let mut old_subtrees = old_entries.iter().filter(|e| e.is_tree()).peekable();
+        for new in new_entries.iter().filter(|e| e.is_tree()) {
+            let before = |old: &&gitobj::TreeEntry<'_>| old.git_order(new).is_lt();
+            while old_subtrees.next_if(before).is_some() {}
+            if let Some(old) = old_subtrees.next_if(|old| old.name == new.name) {
+                self.trees(Oid::from_bytes(new.id)?, Oid::from_bytes(old.id)?, previous)?;
+            }
         }
         Ok(())
     }

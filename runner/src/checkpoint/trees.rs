@@ -7,11 +7,13 @@
 //! an unchanged subtree: an incremental checkpoint re-sends only the trees on
 //! the paths to what changed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+use std::sync::Arc;
 
 use cairn_proto::ids::BlobId;
 
 use super::content::{DirFiles, FileContent};
+use crate::cache::{FastMap, FastSet};
 use crate::format::{Entry, EntryKind, TenantKeys, Tree};
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
 
@@ -42,7 +44,7 @@ pub struct DirTree {
     /// The tree of each subdirectory, in entry order (None: it vanished
     /// during the walk, and is left out): the tree can be taken again only
     /// while these are the same.
-    pub subtrees: Vec<Option<BlobId>>,
+    pub subtrees: Arc<[Option<BlobId>]>,
     /// Its own entries, not those below its subdirectories.
     pub counts: Counts,
 }
@@ -63,7 +65,13 @@ pub struct Trees {
 /// Encodes every directory of `scan`, with file contents from `files`
 /// (indexed like `scan.dirs[d].nodes[n]`; None leaves the file out).
 /// `remembered[d]`, when set, is the tree directory `d` had with these very
-/// files; it is taken as it is if its subdirectories' trees are unchanged.
+/// files (the same listing); it is taken as it is if its subdirectories'
+/// trees are unchanged.
+///
+/// Only the directories on the paths to a change are looked at entry by
+/// entry: a remembered directory none of whose subdirectories got another
+/// tree is taken without listing its subdirectories' trees. (Its listing
+/// being the one remembered, it has the same subdirectories, each listed.)
 pub fn build(
     scan: &Scan,
     files: &[DirFiles],
@@ -71,7 +79,10 @@ pub fn build(
     known: &dyn Fn(&BlobId) -> bool,
     remembered: &[Option<&DirTree>],
 ) -> Trees {
-    let mut by_dir: HashMap<&[u8], BlobId> = HashMap::with_capacity(scan.dirs.len());
+    let mut by_dir: FastMap<&[u8], BlobId> = FastMap::default();
+    by_dir.reserve(scan.dirs.len());
+    // Directories with a subdirectory whose tree is not the remembered one.
+    let mut changed_below: FastSet<&[u8]> = FastSet::default();
     let mut dirs = Vec::with_capacity(scan.dirs.len());
     let mut unknown = Vec::new();
     let mut sent = HashSet::new();
@@ -81,25 +92,37 @@ pub fn build(
     // Sorted by path bytes, a directory comes before everything below it;
     // walking backwards meets children first.
     for (d, dir) in scan.dirs.iter().enumerate().rev() {
-        let mut subtrees = Vec::new();
-        for node in &dir.nodes {
-            if let NodeKind::Dir = node.kind {
-                join_rel_into(&mut path, &dir.path, &node.name);
-                // A directory without a listing vanished during the walk.
-                subtrees.push(by_dir.get(&path[..]).copied());
-            }
-        }
-        let tree = match remembered.get(d).copied().flatten() {
-            Some(tree) if tree.subtrees == subtrees => {
-                reused += 1;
-                tree.clone()
-            }
-            _ => encode(dir, &files[d], subtrees, keys, &mut |id, bytes| {
-                if !known(&id) && sent.insert(id) {
-                    unknown.push((id, bytes));
-                }
-            }),
+        let remembered = remembered.get(d).copied().flatten();
+        let taken = match remembered {
+            Some(tree) if !changed_below.contains(&dir.path[..]) => Some(tree.clone()),
+            _ => None,
         };
+        let tree = match taken {
+            Some(tree) => tree,
+            None => {
+                let mut subtrees = Vec::new();
+                for node in &dir.nodes {
+                    if let NodeKind::Dir = node.kind {
+                        join_rel_into(&mut path, &dir.path, &node.name);
+                        // A directory without a listing vanished during the walk.
+                        subtrees.push(by_dir.get(&path[..]).copied());
+                    }
+                }
+                match remembered {
+                    Some(tree) if *tree.subtrees == subtrees[..] => tree.clone(),
+                    _ => encode(dir, &files[d], subtrees, keys, &mut |id, bytes| {
+                        if !known(&id) && sent.insert(id) {
+                            unknown.push((id, bytes));
+                        }
+                    }),
+                }
+            }
+        };
+        if remembered.is_some_and(|was| was.id == tree.id) {
+            reused += 1;
+        } else if !dir.path.is_empty() {
+            changed_below.insert(parent_of(&dir.path));
+        }
         counts += tree.counts;
         by_dir.insert(&dir.path, tree.id);
         dirs.push(tree);
@@ -113,6 +136,13 @@ pub fn build(
         counts,
         reused,
     }
+}
+
+/// The path of the directory `rel` (not the root) is in.
+fn parent_of(rel: &[u8]) -> &[u8] {
+    rel.iter()
+        .rposition(|b| *b == b'/')
+        .map_or(&[][..], |slash| &rel[..slash])
 }
 
 /// Encodes one directory whose subdirectories have the trees `subtrees`
@@ -183,7 +213,7 @@ pub(super) fn encode(
     DirTree {
         id,
         pages,
-        subtrees,
+        subtrees: subtrees.into(),
         counts,
     }
 }
@@ -192,6 +222,8 @@ pub(super) fn encode(
 mod tests {
     use std::fs;
     use std::os::unix::fs::symlink;
+
+    use std::collections::HashMap;
 
     use super::*;
     use crate::format::{ChunkRef, TreeObject};

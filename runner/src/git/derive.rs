@@ -47,12 +47,13 @@ use std::io::Read as _;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::Path;
 
-use git2::{Oid, Repository, Tree};
+use git2::{Oid, Repository};
 use ring::digest;
 
 use super::RepoState;
 use super::index::{Entry, IndexEntries};
 use super::narrow::{Records, RepoStatus, STAGED, UNSTAGED, UNTRACKED, parent, work_tree_path};
+use crate::gitobj::TreeCache;
 use crate::scan::{Node, NodeKind, Scan, ScannedDir, join_rel};
 
 /// Why a reading is left to git.
@@ -95,6 +96,7 @@ pub fn derive(
     new: &Scan,
     previous: &RepoStatus,
     covered: &Covered<'_>,
+    trees: &TreeCache,
 ) -> Result<(RepoState, Records), LeftToGit> {
     let index = covered
         .index
@@ -114,11 +116,14 @@ pub fn derive(
     let head_tree = match covered.head {
         Some(head) => Some(
             repo.find_commit(head)
-                .and_then(|commit| commit.tree())
+                .map(|commit| commit.tree_id())
                 .map_err(|_| LeftToGit("HEAD's tree cannot be read"))?,
         ),
         None => None,
     };
+    let odb = repo
+        .odb()
+        .map_err(|_| LeftToGit("its objects cannot be read"))?;
     // The changed paths by the directory they are in.
     let mut paths_in: HashMap<&[u8], Vec<&[u8]>> = HashMap::new();
     for path in covered.paths {
@@ -132,7 +137,9 @@ pub fn derive(
         previous,
         covered,
         index,
-        head_tree: head_tree.as_ref(),
+        head_tree,
+        odb: &odb,
+        trees,
         settings,
         conversions: HashMap::new(),
         ignored_dirs: HashMap::new(),
@@ -247,7 +254,9 @@ struct Reader<'a> {
     previous: &'a RepoStatus,
     covered: &'a Covered<'a>,
     index: &'a IndexEntries,
-    head_tree: Option<&'a Tree<'a>>,
+    head_tree: Option<Oid>,
+    odb: &'a git2::Odb<'a>,
+    trees: &'a TreeCache,
     settings: Settings,
     /// What the `.gitattributes` files at and above a directory may do,
     /// by directory (relative to the work tree).
@@ -421,19 +430,13 @@ impl<'a> Reader<'a> {
         let Some(tree) = self.head_tree else {
             return Ok(entry.is_some());
         };
-        let in_head = match tree.get_path(Path::new(OsStr::from_bytes(path))) {
-            Ok(found) if found.kind() != Some(git2::ObjectType::Tree) => {
-                Some((found.id(), found.filemode()))
-            }
-            Ok(_) => None,
-            Err(e) if e.code() == git2::ErrorCode::NotFound => None,
-            Err(_) => return Err(LeftToGit("HEAD's tree cannot be read")),
-        };
+        let in_head = self
+            .trees
+            .entry_at(self.odb, tree, path)
+            .map_err(|_| LeftToGit("HEAD's tree cannot be read"))?;
         Ok(match (entry, in_head) {
             (None, None) => false,
-            (Some(entry), Some((id, mode))) => {
-                id.as_bytes() != entry.oid || u32::try_from(mode).ok() != Some(entry.mode)
-            }
+            (Some(entry), Some((id, mode))) => id.as_bytes() != entry.oid || mode != entry.mode,
             _ => true,
         })
     }

@@ -37,6 +37,7 @@ use serde::Serialize;
 
 use self::index::IndexEntries;
 use self::narrow::{Records, RepoStatus};
+use crate::gitobj;
 use crate::scan::{RepoFound, Scan, display_rel};
 
 /// The state of one repository.
@@ -128,12 +129,20 @@ fn inspect_following(
     found: &RepoFound,
     rel: &str,
     since: Option<&Since>,
+    trees: &gitobj::TreeCache,
 ) -> Result<(RepoState, Option<Arc<RepoStatus>>), GitError> {
     let dir = &found.dir;
     let started = std::time::Instant::now();
     let ms = || started.elapsed().as_millis() as u64;
     let reading = match since {
-        Some(since) => narrow::plan(&since.previous, &since.old, &since.new, &found.rel, dir),
+        Some(since) => narrow::plan(
+            &since.previous,
+            &since.old,
+            &since.new,
+            &found.rel,
+            dir,
+            trees,
+        ),
         None => narrow::Reading::Full {
             why: "the first reading",
         },
@@ -197,7 +206,14 @@ fn inspect_following(
                 old: &since.old,
             };
             let derived = match since.derive {
-                true => derive::derive(dir, &found.rel, &since.new, &since.previous, &covered),
+                true => derive::derive(
+                    dir,
+                    &found.rel,
+                    &since.new,
+                    &since.previous,
+                    &covered,
+                    trees,
+                ),
                 false => Err(derive::LeftToGit("only git reads it")),
             };
             let (mut state, fresh, read_by) = match derived {
@@ -524,11 +540,14 @@ pub struct Inspected {
 pub struct Inspector {
     sender: mpsc::Sender<Job>,
     thread: thread::JoinHandle<Inspected>,
+    trees: Arc<gitobj::TreeCache>,
 }
 
 impl Inspector {
     pub fn start() -> Self {
         let (sender, receiver) = mpsc::channel::<Job>();
+        let trees = Arc::new(crate::gitobj::TreeCache::default());
+        let shared = trees.clone();
         let thread = thread::Builder::new()
             .name("cairn-git".into())
             .spawn(move || {
@@ -536,7 +555,7 @@ impl Inspector {
                 for job in receiver {
                     let rel = String::from_utf8_lossy(&job.found.rel).into_owned();
                     let read = if job.remember {
-                        inspect_following(&job.found, &rel, job.since.as_ref())
+                        inspect_following(&job.found, &rel, job.since.as_ref(), &shared)
                     } else {
                         inspect(&job.found.dir, &rel).map(|state| (state, None))
                     };
@@ -557,7 +576,16 @@ impl Inspector {
                 inspected
             })
             .expect("spawning a thread only fails when the process is out of resources");
-        Self { sender, thread }
+        Self {
+            sender,
+            thread,
+            trees,
+        }
+    }
+
+    /// The git trees its readings read, for the checkpoint's other readers.
+    pub fn trees(&self) -> Arc<gitobj::TreeCache> {
+        self.trees.clone()
     }
 
     /// Queues a repository (called from the walk's threads).
@@ -687,7 +715,9 @@ pub(crate) mod testing {
                 rel: b"repo".to_vec(),
             };
             let walk = Self::scan(root);
-            let (_, status) = inspect_following(&found, "repo", None).unwrap();
+            let (_, status) =
+                inspect_following(&found, "repo", None, &crate::gitobj::TreeCache::default())
+                    .unwrap();
             Self {
                 root: root.to_path_buf(),
                 repo,
@@ -711,7 +741,14 @@ pub(crate) mod testing {
         /// What the next reading asks git.
         pub fn plan(&self) -> Reading {
             let new = Self::scan(&self.root);
-            plan(&self.status, &self.walk, &new, b"repo", &self.repo)
+            plan(
+                &self.status,
+                &self.walk,
+                &new,
+                b"repo",
+                &self.repo,
+                &crate::gitobj::TreeCache::default(),
+            )
         }
 
         /// Reads the status against the last reading, checks it against a
@@ -719,7 +756,14 @@ pub(crate) mod testing {
         /// to (None for a full reading).
         pub fn read(&mut self) -> Option<Vec<String>> {
             let new = Self::scan(&self.root);
-            let narrowed = match plan(&self.status, &self.walk, &new, b"repo", &self.repo) {
+            let narrowed = match plan(
+                &self.status,
+                &self.walk,
+                &new,
+                b"repo",
+                &self.repo,
+                &crate::gitobj::TreeCache::default(),
+            ) {
                 Reading::Narrow { dirs, .. } => {
                     let mut dirs: Vec<String> = dirs
                         .iter()
@@ -737,7 +781,9 @@ pub(crate) mod testing {
                 new: new.clone(),
                 derive: self.derive,
             };
-            let (state, status) = inspect_following(&self.found, "repo", Some(&since)).unwrap();
+            let trees = crate::gitobj::TreeCache::default();
+            let (state, status) =
+                inspect_following(&self.found, "repo", Some(&since), &trees).unwrap();
             let status = status.unwrap();
             let (full_state, full_records) =
                 status_with_cli(&self.repo, "repo", &[]).unwrap().unwrap();

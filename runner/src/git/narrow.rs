@@ -44,6 +44,7 @@ use git2::{Oid, Repository};
 
 use super::RepoState;
 use super::index::IndexEntries;
+use crate::gitobj;
 use crate::scan::{Node, NodeKind, Scan, ScannedDir, is_at_or_below};
 
 /// Above this many directories and paths, one full reading is cheaper
@@ -117,7 +118,14 @@ pub enum Reading {
 
 /// Works out what to ask git about the repository at `rel` (`dir` on
 /// disk), which `previous` read after the walk `old`; `new` is this walk.
-pub fn plan(previous: &RepoStatus, old: &Scan, new: &Scan, rel: &[u8], dir: &Path) -> Reading {
+pub fn plan(
+    previous: &RepoStatus,
+    old: &Scan,
+    new: &Scan,
+    rel: &[u8],
+    dir: &Path,
+    trees: &gitobj::TreeCache,
+) -> Reading {
     if previous.narrowed >= MAX_NARROWED {
         return Reading::Full {
             why: "the periodic full reading",
@@ -191,7 +199,7 @@ pub fn plan(previous: &RepoStatus, old: &Scan, new: &Scan, rel: &[u8], dir: &Pat
         if head != previous.head {
             let repo = repo.expect("HEAD was read from it");
             match (previous.head, head) {
-                (Some(before), Some(now)) => match tree_changes(&repo, before, now) {
+                (Some(before), Some(now)) => match tree_changes(&repo, before, now, trees) {
                     Ok(changed) if changed.len() <= MAX_PATHSPECS => paths.extend(changed),
                     _ => {
                         return Reading::Full {
@@ -449,18 +457,28 @@ fn same_for_status(a: &ScannedDir, b: &ScannedDir) -> bool {
 /// Paths whose entry differs between the trees of two commits. Subtrees
 /// with the same id are skipped (libgit2's own tree diff reads them all:
 /// ~50 ms on 80k files for a one-file commit).
-fn tree_changes(repo: &Repository, before: Oid, now: Oid) -> Result<Vec<Vec<u8>>, git2::Error> {
+fn tree_changes(
+    repo: &Repository,
+    before: Oid,
+    now: Oid,
+    trees: &gitobj::TreeCache,
+) -> Result<Vec<Vec<u8>>, git2::Error> {
     let old_tree = repo.find_commit(before)?.tree_id();
     let new_tree = repo.find_commit(now)?.tree_id();
     let mut paths = Vec::new();
-    diff_trees(repo, Some(old_tree), Some(new_tree), &[], &mut paths)?;
+    let odb = repo.odb()?;
+    diff_trees(&odb, trees, Some(old_tree), Some(new_tree), &[], &mut paths)?;
     paths.sort_unstable();
     paths.dedup();
     Ok(paths)
 }
 
+/// Walks both trees' entries side by side in git's order, borrowed from
+/// the raw objects: a commit's trees on a changed path hold thousands of
+/// entries of which a few differ.
 fn diff_trees(
-    repo: &Repository,
+    odb: &git2::Odb<'_>,
+    trees: &gitobj::TreeCache,
     old: Option<Oid>,
     new: Option<Oid>,
     prefix: &[u8],
@@ -469,34 +487,45 @@ fn diff_trees(
     if old == new || paths.len() > MAX_PATHSPECS {
         return Ok(());
     }
-    // name → (id, mode): a changed executable bit is a change too.
-    let entries = |tree: Option<Oid>| -> Result<BTreeMap<Vec<u8>, (Oid, i32)>, git2::Error> {
-        let Some(tree) = tree else {
-            return Ok(BTreeMap::new());
+    let read = |tree: Option<Oid>| tree.map(|tree| trees.read(odb, tree)).transpose();
+    let (old_content, new_content) = (read(old)?, read(new)?);
+    let (before, after) = (
+        gitobj::parse_tree(old_content.as_deref())?,
+        gitobj::parse_tree(new_content.as_deref())?,
+    );
+    let (mut was, mut is) = (before.iter().peekable(), after.iter().peekable());
+    loop {
+        let (removed, added) = match (was.peek(), is.peek()) {
+            (None, None) => break,
+            (Some(_), None) => (was.next(), None),
+            (None, Some(_)) => (None, is.next()),
+            (Some(a), Some(b)) => match a.git_order(b) {
+                Ordering::Less => (was.next(), None),
+                Ordering::Greater => (None, is.next()),
+                Ordering::Equal => (was.next(), is.next()),
+            },
         };
-        let tree = repo.find_tree(tree)?;
-        Ok(tree
-            .iter()
-            .map(|e| (e.name_bytes().to_vec(), (e.id(), e.filemode())))
-            .collect())
-    };
-    let (before, after) = (entries(old)?, entries(new)?);
-    let names: std::collections::BTreeSet<&Vec<u8>> = before.keys().chain(after.keys()).collect();
-    for name in names {
-        let (was, is) = (before.get(name), after.get(name));
-        if was == is {
+        // A changed executable bit is a change too.
+        if let (Some(a), Some(b)) = (removed, added)
+            && (a.id, a.mode) == (b.id, b.mode)
+        {
             continue;
         }
+        let name = removed.or(added).expect("one side has the entry").name;
         let path = join(prefix, name);
-        let is_tree = |entry: &&(Oid, i32)| entry.1 == i32::from(git2::FileMode::Tree);
-        let subtree = |entry: Option<&(Oid, i32)>| entry.filter(is_tree).map(|(id, _)| *id);
-        let (old_sub, new_sub) = (subtree(was), subtree(is));
+        let subtree = |entry: Option<&gitobj::TreeEntry<'_>>| {
+            entry
+                .filter(|e| e.is_tree())
+                .map(|e| Oid::from_bytes(e.id))
+                .transpose()
+        };
+        let (old_sub, new_sub) = (subtree(removed)?, subtree(added)?);
         // A file (or link, or submodule) on either side is a changed path.
-        if was.is_some_and(|e| !is_tree(&e)) || is.is_some_and(|e| !is_tree(&e)) {
+        if removed.is_some_and(|e| !e.is_tree()) || added.is_some_and(|e| !e.is_tree()) {
             paths.push(path.clone());
         }
         if old_sub.is_some() || new_sub.is_some() {
-            diff_trees(repo, old_sub, new_sub, &path, paths)?;
+            diff_trees(odb, trees, old_sub, new_sub, &path, paths)?;
         }
     }
     Ok(())
@@ -508,6 +537,48 @@ mod tests {
 
     use super::super::testing::{Workspace, git};
     use super::*;
+
+    /// The paths a commit changed, as `git diff --name-only` lists them,
+    /// through names git orders by a subtree's trailing `/` and a file
+    /// that became a directory.
+    #[test]
+    fn the_paths_a_commit_changed_are_the_ones_git_lists() {
+        let tmp = tempfile::tempdir().unwrap();
+        let repo = fs::canonicalize(tmp.path()).unwrap();
+        git(&repo, &["init", "-q"]);
+        let write = |path: &str, content: &str| {
+            let path = repo.join(path);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, content).unwrap();
+        };
+        for path in ["a/x.rs", "a/y.rs", "a-b", "a.c", "a0/z", "f", "same/s.rs"] {
+            write(path, path);
+        }
+        git(&repo, &["add", "-A"]);
+        git(&repo, &["commit", "-qm", "one"]);
+        fs::remove_file(repo.join("f")).unwrap();
+        write("f/inside.rs", "now a directory");
+        write("a/x.rs", "changed");
+        write("a-b", "changed");
+        fs::remove_file(repo.join("a0/z")).unwrap();
+        write("a0/w", "new");
+        git(&repo, &["add", "-A"]);
+        git(&repo, &["commit", "-qm", "two"]);
+
+        super::super::init();
+        let opened = Repository::open(&repo).unwrap();
+        let head = opened.head().unwrap().peel_to_commit().unwrap();
+        let parent = head.parent_id(0).unwrap();
+        let trees = gitobj::TreeCache::default();
+        let ours = tree_changes(&opened, parent, head.id(), &trees).unwrap();
+        let listed = git(
+            &repo,
+            &["diff", "--name-only", "--no-renames", "HEAD~1", "HEAD"],
+        );
+        let mut theirs: Vec<Vec<u8>> = listed.lines().map(|l| l.as_bytes().to_vec()).collect();
+        theirs.sort_unstable();
+        assert_eq!(ours, theirs);
+    }
 
     #[test]
     fn a_narrowed_reading_lists_what_a_full_one_does_through_edits_commits_resets_and_ignores() {
