@@ -23,7 +23,12 @@ one run, side by side, for each method:
   restore-cold-cache, restore-warm-cache
                cairn only: two restores into empty directories sharing one
                host pack cache (--pack-cache), each with a fresh runner cache,
-               as two sandboxes of one host; the peers have no such cache
+               as two sandboxes of one host; the peers have no such cache.
+               The store is reached over a --store-mib-s link (default 100
+               MiB/s; bench/store_link.py, a pacing HTTP proxy the runner
+               uses through HTTP_PROXY): a host cache saves downloads, which
+               cost nothing on loopback. The same pair on loopback is shown
+               as restore-cold-cache-loopback, restore-warm-cache-loopback
   full-4x, incremental-4x
                after the repeats above, on a second workspace with 4x the
                files (--large-files 80000 --large-ignored 120000, 4x
@@ -81,6 +86,8 @@ import sys
 import tempfile
 import time
 
+from store_link import StoreLink
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_BENCH = os.path.normpath(os.path.join(REPO, "..", "shared", "bench"))
 MAKE_WORKSPACE = os.path.join(SHARED_BENCH, "make_workspace.py")
@@ -90,13 +97,16 @@ UNCHANGED_WALL_TARGET_S = 0.020
 INCREMENTAL_EXCLUDING_UPLOAD_TARGET_S = 0.100
 FULL_PEAK_RSS_TARGET = 200 << 20
 LARGE_INCREMENTAL_FACTOR = 2.0
+# A sandbox host's share of a regional object store: about a gigabit.
+STORE_LINK_MIB_S = 100
 RACY_GUARD_S = 3.1
 # make_workspace.py's defaults are 20000 tracked and 30000 ignored files.
 LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
 STEPS = ["full", "incremental", "unchanged", "restore"]
-RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache"]
+RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache",
+                       "restore-cold-cache-loopback", "restore-warm-cache-loopback"]
 STEPS += RESTORE_SPEED_STEPS
 LARGE_STEPS = ["full-4x", "incremental-4x"]
 STEPS += LARGE_STEPS
@@ -372,7 +382,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
             shutil.rmtree(target)
 
         restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
-                           have_restic, expected_files)
+                           have_restic, expected_files, args.store_mib_s << 20)
     finally:
         coordinator.stop()
     if not args.keep:
@@ -481,7 +491,7 @@ def stale_note(target, expected_files):
 
 
 def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
-                       have_restic, expected_files):
+                       have_restic, expected_files, link_bytes_per_s):
     """Issue 5: restore onto a baked older copy, and a second restore with a warm host cache."""
     log("restores onto a baked older copy")
     target = os.path.join(rep, "baked-cairn")
@@ -518,22 +528,50 @@ def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, 
             results.na("restore-baked", "restic", "restic cannot restore over a pre-filled directory: " + " ".join(last)[:200])
         shutil.rmtree(target)
 
-    log("two restores sharing a host pack cache")
-    pack_cache = os.path.join(rep, "host-pack-cache")
-    for step, name in [("restore-cold-cache", "first"), ("restore-warm-cache", "second")]:
-        target = os.path.join(rep, f"cached-{name}")
-        seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
-                            "--pack-cache", pack_cache, "--output", "json"],
-                           env=coordinator.env(os.path.join(rep, f"cached-{name}-cache")))
-        report = json.loads(out)
-        check_restored("cairn", target, expected_files)
-        results.add(step, "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
-                    note=f"{human_bytes(report.get('bytes_from_cache', 0))} from the host cache")
-        shutil.rmtree(target)
-    shutil.rmtree(pack_cache, ignore_errors=True)
-    for step in ["restore-cold-cache", "restore-warm-cache"]:
+    pairs = [("restore-cold-cache", "restore-warm-cache", link_bytes_per_s)]
+    if link_bytes_per_s:
+        pairs.append(("restore-cold-cache-loopback", "restore-warm-cache-loopback", 0))
+    for cold, warm, rate in pairs:
+        log("two restores sharing a host pack cache" +
+            (f", the store behind a {human_bytes(rate)}/s link" if rate else ", the store on loopback"))
+        cached_restores(bins, coordinator, rep, expected_files, results, cold, warm, rate)
+    for step in ["restore-cold-cache", "restore-warm-cache"] + [s for pair in pairs[1:] for s in pair[:2]]:
         for method in ["tar-gz", "parts", "restic"]:
             results.na(step, method, "no host-level cache: every restore is a cold one")
+
+
+def cached_restores(bins, coordinator, rep, expected_files, results, cold, warm, link_bytes_per_s):
+    """Two restores into empty directories sharing a host pack cache; with a link rate, every
+    signed-URL transfer goes through a StoreLink of that bandwidth (HTTP_PROXY)."""
+    pack_cache = os.path.join(rep, "host-pack-cache")
+    link = StoreLink(link_bytes_per_s) if link_bytes_per_s else None
+    try:
+        for step, name in [(cold, "first"), (warm, "second")]:
+            target = os.path.join(rep, f"cached-{name}")
+            env = coordinator.env(os.path.join(rep, f"cached-{name}-cache"))
+            for var in ["NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]:
+                env.pop(var, None)
+            if link:
+                env.update(HTTP_PROXY=link.url, http_proxy=link.url)
+            relayed_before = link.relayed_bytes if link else 0
+            seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
+                                "--pack-cache", pack_cache, "--output", "json"], env=env)
+            report = json.loads(out)
+            check_restored("cairn", target, expected_files)
+            note = f"{human_bytes(report.get('bytes_from_cache', 0))} from the host cache"
+            if link:
+                relayed = link.relayed_bytes - relayed_before
+                if name == "first" and report.get("bytes_downloaded") and not relayed:
+                    raise BenchError("the restore's downloads did not go through the store link (HTTP_PROXY)")
+                note += f"; {human_bytes(relayed)} over the {human_bytes(link_bytes_per_s)}/s link"
+            else:
+                note += "; store on loopback"
+            results.add(step, "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"), note=note)
+            shutil.rmtree(target)
+    finally:
+        if link:
+            link.stop()
+        shutil.rmtree(pack_cache, ignore_errors=True)
 
 
 def restore_speed_targets(results):
@@ -547,8 +585,18 @@ def restore_speed_targets(results):
                         "note": "not measured"})
             continue
         value = mine / theirs
+        note = f"cairn {mine:.2f} s vs cairn {baseline_step} {theirs:.2f} s"
+        if step == "restore-warm-cache":
+            links = [n for n in results.details(step, "cairn", "note") if n and "link" in n]
+            local = results.median("restore-warm-cache-loopback", "cairn"), \
+                results.median("restore-cold-cache-loopback", "cairn")
+            if links:
+                note += "; the store behind " + links[0].split(" over the ")[-1]
+            if local[0] is not None and local[1]:
+                note += (f"; on loopback {local[0] / local[1]:.2f} x "
+                         f"({local[0]:.2f} s vs {local[1]:.2f} s: nothing left to save)")
         out.append({"target": name, "limit": f"<= {limit} x", "value": round(value, 4), "pass": value <= limit,
-                    "note": f"cairn {mine:.2f} s vs cairn {baseline_step} {theirs:.2f} s"})
+                    "note": note})
     return out
 
 
@@ -731,6 +779,9 @@ def main():
     ap.add_argument("--ignored", type=int, help="ignored files (make_workspace.py default when omitted)")
     ap.add_argument("--transcript-mb", type=int, help="transcript size (make_workspace.py default when omitted)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of every measurement (default 3)")
+    ap.add_argument("--store-mib-s", type=int, default=STORE_LINK_MIB_S,
+                    help="bandwidth of the link to the blob store for the two restores sharing a host pack cache, "
+                         f"in MiB/s (default {STORE_LINK_MIB_S}; 0: loopback only)")
     ap.add_argument("--large-files", type=int, default=LARGE_FILES,
                     help=f"tracked files of the 4x workspace (default {LARGE_FILES})")
     ap.add_argument("--large-ignored", type=int, default=LARGE_IGNORED,

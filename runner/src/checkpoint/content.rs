@@ -25,7 +25,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cairn_proto::ids::BlobId;
+use cairn_proto::ids::{BlobId, PackId};
 use rayon::prelude::*;
 
 use crate::cache::{Cache, CachedFile, Fingerprint};
@@ -99,9 +99,23 @@ pub struct Content {
     /// Per scanned directory: whether its files are the memo's (only
     /// newly cacheable fingerprints may differ), so its tree can be too.
     pub from_memo: Vec<bool>,
+    /// Per scanned directory listed again: the files taken from what the
+    /// last checkpoint found for its earlier listing.
+    pub from_earlier: Vec<Option<TakenEarlier>>,
     pub warnings: Vec<String>,
     pub files_read: u64,
     pub bytes_read: u64,
+}
+
+/// Files of a directory listed again that are what the last checkpoint
+/// found for them: their chunks are in the packs it placed that listing
+/// in, so they are placed without a lookup each.
+#[derive(Debug)]
+pub struct TakenEarlier {
+    /// Every pack of the earlier listing (a superset of what they need).
+    pub packs: Arc<[PackId]>,
+    /// Per node of the new listing: whether it was taken.
+    pub nodes: Vec<bool>,
 }
 
 /// The receiving side went away (the checkpoint failed elsewhere).
@@ -126,6 +140,7 @@ pub fn read_all(
     let mut content = Content {
         files: vec![unread; scan.dirs.len()],
         from_memo: vec![false; scan.dirs.len()],
+        from_earlier: (0..scan.dirs.len()).map(|_| None).collect(),
         warnings: Vec::new(),
         files_read: 0,
         bytes_read: 0,
@@ -224,16 +239,17 @@ fn compare_dir(
             continue;
         };
         let same = earlier.and_then(|was| was.same_file(&node.name, fingerprint, &mut cursor));
-        // A delta is only as good as its base, found again below; and
-        // the checkpoint places every chunk through the cache.
-        let placeable = |file: &&FileContent| {
-            !file.is_tree_delta() && file.chunks.iter().all(|c| cache.knows_blob(&c.id))
-        };
-        if let Some(same) = same.filter(placeable) {
+        // A delta is only as good as its base, found again below.
+        if let (Some(same), Some(was)) = (same.filter(|f| !f.is_tree_delta()), earlier) {
             fresh(&mut content.files[d])[n] = Some(FileContent {
                 meta: node.meta,
                 ..same.clone()
             });
+            let taken = content.from_earlier[d].get_or_insert_with(|| TakenEarlier {
+                packs: was.packs.clone(),
+                nodes: vec![false; dir.nodes.len()],
+            });
+            taken.nodes[n] = true;
             continue;
         }
         join_rel_into(&mut rel, &dir.path, &node.name);
@@ -903,9 +919,9 @@ mod tests {
     }
 
     /// A directory listed again since the last checkpoint takes what that
-    /// one found for each file still the same, even from a cache that knows
-    /// none of its files (only where their blobs are); the changed file and
-    /// a file that was racy then are read.
+    /// one found for each file still the same, with a cache that knows
+    /// nothing, and places them in that listing's packs; the changed file
+    /// and a file with other times are read.
     #[test]
     fn a_directory_listed_again_takes_its_unchanged_files_from_the_memo() {
         let tmp = tempfile::tempdir().unwrap();
@@ -941,22 +957,13 @@ mod tests {
             .unwrap();
         let mut second_scan = scan_of(tmp.path());
         second_scan.started = later;
-        let mut blobs_only = cache_of(&first_scan, &first, tmp.path());
-        blobs_only.replace_files(Default::default());
+        let nothing = Cache::empty(tmp.path().join("unused"), "k");
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let keys = keys();
         let memo = Some(&memo);
         let second = std::thread::scope(|s| {
-            let reader = s.spawn(|| {
-                read_all(
-                    &second_scan,
-                    &blobs_only,
-                    TreeBases::default,
-                    &keys,
-                    memo,
-                    tx,
-                )
-            });
+            let reader =
+                s.spawn(|| read_all(&second_scan, &nothing, TreeBases::default, &keys, memo, tx));
             while rx.blocking_recv().is_some() {}
             reader.join().unwrap().unwrap()
         });
@@ -969,8 +976,12 @@ mod tests {
             second.files[0][1].as_ref().unwrap().chunks,
             first.files[0][1].as_ref().unwrap().chunks
         );
+        let taken = second.from_earlier[0]
+            .as_ref()
+            .expect("files taken from the memo");
+        assert_eq!(taken.nodes, [true, false, false]);
         // Without the memo, the same cache has every file read.
-        let (third, _) = read(&second_scan, &blobs_only);
+        let (third, _) = read(&second_scan, &nothing);
         assert_eq!(third.files_read, 3);
     }
 
@@ -1096,6 +1107,7 @@ mod tests {
         let mut content = Content {
             files: vec![vec![None].into()],
             from_memo: vec![false],
+            from_earlier: vec![None],
             warnings: vec![],
             files_read: 0,
             bytes_read: 0,
@@ -1217,6 +1229,7 @@ mod tests {
         let mut content = Content {
             files: vec![vec![None].into()],
             from_memo: vec![false],
+            from_earlier: vec![None],
             warnings: vec![],
             files_read: 0,
             bytes_read: 0,

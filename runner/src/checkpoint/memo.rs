@@ -189,11 +189,12 @@ impl Memo {
             if !committed {
                 continue;
             }
-            let Ok(packs) = packs_of(&files, &tree, |id| cache.blob_pack(id)) else {
+            let located = packs_of(files.iter().flatten(), &tree, |id| cache.blob_pack(id));
+            let Ok(packs) = located else {
                 continue;
             };
             trees.insert(&listing.path, tree.id);
-            outcomes.push((listing.clone(), Arc::new(files), tree, packs));
+            outcomes.push((listing.clone(), Arc::new(files), tree, packs.into()));
         }
         Self::of(workspace, keys.key_id().to_owned(), outcomes.into_iter())
     }
@@ -274,15 +275,12 @@ fn known_entries(
 
 /// The packs holding a directory's file chunks, its tree and its pages, as
 /// `locate` places them; Err names a blob it cannot place.
-pub fn packs_of<'a>(
-    files: &[Option<FileContent>],
+pub fn packs_of<'a, 'f>(
+    files: impl Iterator<Item = &'f FileContent>,
     tree: &DirTree,
     locate: impl Fn(&BlobId) -> Option<&'a PackId>,
-) -> Result<Arc<[PackId]>, BlobId> {
-    let chunks = files
-        .iter()
-        .flatten()
-        .flat_map(|f| f.chunks.iter().map(|c| &c.id));
+) -> Result<Vec<PackId>, BlobId> {
+    let chunks = files.flat_map(|f| f.chunks.iter().map(|c| &c.id));
     let trees = std::iter::once(&tree.id).chain(&tree.pages);
     let mut packs: Vec<PackId> = Vec::new();
     for id in chunks.chain(trees) {
@@ -291,5 +289,5 @@ pub fn packs_of<'a>(
             packs.push(pack.clone());
         }
     }
-    Ok(packs.into())
+    Ok(packs)
 }

@@ -713,16 +713,28 @@ fn place(
     let mut per_dir = Vec::with_capacity(scan.dirs.len());
     let mut referenced = crate::cache::FastSet::default();
     let dirs = scan.dirs.iter().zip(&content.files).zip(&content.from_memo);
-    for (((dir, files), &from_memo), tree) in dirs.zip(&trees.dirs) {
+    for (d, (((dir, files), &from_memo), tree)) in dirs.zip(&trees.dirs).enumerate() {
         let remembered = memo
             .and_then(|memo| memo.get(dir))
             .filter(|outcome| from_memo && outcome.tree == *tree);
         let packs = match remembered {
             Some(outcome) => outcome.packs.clone(),
-            None => memo::packs_of(files, tree, |id| {
-                located.get(id).or_else(|| cache.blob_pack(id))
-            })
-            .map_err(CheckpointError::UnlocatedBlob)?,
+            None => {
+                let taken = content.from_earlier[d].as_ref();
+                let read = files.iter().enumerate().filter_map(|(n, file)| {
+                    let taken = taken.is_some_and(|taken| taken.nodes[n]);
+                    file.as_ref().filter(|_| !taken)
+                });
+                let locate = |id: &BlobId| located.get(id).or_else(|| cache.blob_pack(id));
+                let mut packs =
+                    memo::packs_of(read, tree, locate).map_err(CheckpointError::UnlocatedBlob)?;
+                for pack in taken.iter().flat_map(|taken| taken.packs.iter()) {
+                    if !packs.contains(pack) {
+                        packs.push(pack.clone());
+                    }
+                }
+                packs.into()
+            }
         };
         for pack in packs.iter() {
             if !referenced.contains(pack) {
