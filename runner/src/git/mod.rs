@@ -740,15 +740,12 @@ pub(crate) mod testing {
 
         /// What the next reading asks git.
         pub fn plan(&self) -> Reading {
-            let new = Self::scan(&self.root);
-            plan(
-                &self.status,
-                &self.walk,
-                &new,
-                b"repo",
-                &self.repo,
-                &crate::gitobj::TreeCache::default(),
-            )
+            self.plan_for(&Self::scan(&self.root))
+        }
+
+        fn plan_for(&self, new: &Scan) -> Reading {
+            let trees = crate::gitobj::TreeCache::default();
+            plan(&self.status, &self.walk, new, b"repo", &self.repo, &trees)
         }
 
         /// Reads the status against the last reading, checks it against a
@@ -756,14 +753,7 @@ pub(crate) mod testing {
         /// to (None for a full reading).
         pub fn read(&mut self) -> Option<Vec<String>> {
             let new = Self::scan(&self.root);
-            let narrowed = match plan(
-                &self.status,
-                &self.walk,
-                &new,
-                b"repo",
-                &self.repo,
-                &crate::gitobj::TreeCache::default(),
-            ) {
+            let narrowed = match self.plan_for(&new) {
                 Reading::Narrow { dirs, .. } => {
                     let mut dirs: Vec<String> = dirs
                         .iter()
