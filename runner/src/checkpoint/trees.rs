@@ -39,7 +39,8 @@ impl std::ops::AddAssign for Counts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirTree {
     pub id: BlobId,
-    /// Its pages, when it is a large directory (see format::tree).
+    /// Its pages, when it is a large directory, and the chunk-list parts of
+    /// its long files (see format::tree).
     pub pages: Vec<BlobId>,
     /// The tree of each subdirectory, in entry order (None: it vanished
     /// during the walk, and is left out): the tree can be taken again only
@@ -203,8 +204,8 @@ pub(super) fn encode(
         });
     }
     let encoded = Tree { entries }.encode_paged(&|bytes| keys.blob_id(bytes));
-    let mut pages = Vec::with_capacity(encoded.pages.len());
-    for (page, bytes) in encoded.pages {
+    let mut pages = Vec::with_capacity(encoded.pages.len() + encoded.parts.len());
+    for (page, bytes) in encoded.pages.into_iter().chain(encoded.parts) {
         pages.push(page);
         offer(page, bytes);
     }

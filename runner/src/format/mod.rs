@@ -59,7 +59,7 @@ pub use seal::{SEAL_OVERHEAD, open, seal};
 pub use tree::{ChunkRef, EncodedTree, Entry, EntryKind, PAGED_ABOVE, Tree, TreeObject};
 
 /// Version of the checkpoint format written by this build.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Largest plaintext a single blob may hold (a chunk or a tree object).
 pub const MAX_BLOB_LEN: usize = 64 << 20;

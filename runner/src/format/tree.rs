@@ -1,7 +1,7 @@
 //! Tree objects: one per directory, split into pages when it is large.
 //!
 //! ```text
-//! v2+: "CTRE" │ version u8 (2, 3 or 4) │ layout u8 │ body
+//! v2+: "CTRE" │ version u8 (2 to 5) │ layout u8 │ body
 //!        layout 0 (entries): count varint │ entry*
 //!        layout 1 (pages):   page count varint │ page blob id[32]*
 //!                            each page is a layout-0 tree object; the
@@ -23,6 +23,11 @@
 //!                  against the SHA-1 tree `base`, which a pack of the same
 //!                  repository holds; the file is zlib(level, "tree <len>\0"
 //!                  ‖ the tree), `size` bytes long
+//!         file in parts (v5): size varint │ part count varint │ part blob id[32]*
+//!                  a file of more than 256 chunks: its chunk list is cut
+//!                  into parts (after a chunk whose id's first byte has its
+//!                  low 4 bits clear, 4 to 64 chunks each), each its own blob
+//!                  "CCKL" │ version u8 │ chunk count varint │ (blob id[32] │ len varint)*
 //!         fifo/char/block/socket: empty (never written by cairn; readers refuse them)
 //! bytes = len varint │ raw
 //! ```
@@ -34,6 +39,9 @@
 //! the whole ~20 KiB listing. Pages end where an entry name's hash says so
 //! (content-defined, like file chunks), so adding, removing or changing an
 //! entry rewrites one page of a few dozen entries and the short page list.
+//! A long chunk list is cut into parts for the same reason: a git index of
+//! 80k entries is 3,500 chunks, 120 KiB of ids, of which a commit changes a
+//! few dozen chunks; in parts it re-sends those parts and the part list.
 
 use cairn_proto::ids::BlobId;
 
@@ -44,6 +52,16 @@ use crate::gitobj::GitStored;
 const MAGIC: &[u8; 4] = b"CTRE";
 const LAYOUT_ENTRIES: u8 = 0;
 const LAYOUT_PAGES: u8 = 1;
+/// Files with more chunks than this have their chunk list written in parts.
+pub const PARTED_ABOVE: usize = 256;
+/// Fewest chunks in a part (but the last).
+const PART_MIN: usize = 4;
+/// Most chunks in a part.
+const PART_MAX: usize = 64;
+/// A part ends after a chunk whose id's first byte has these bits clear
+/// (past PART_MIN): about 16 chunks on average.
+const PART_CUT_MASK: u8 = 15;
+const PART_MAGIC: &[u8; 4] = b"CCKL";
 /// Directories with more entries than this are written as pages.
 pub const PAGED_ABOVE: usize = 64;
 /// Fewest entries in a page (but the last).
@@ -80,6 +98,13 @@ pub enum EntryKind {
         stored: GitStored,
         chunks: Vec<ChunkRef>,
     },
+    /// A file whose chunk list is in parts (format v5), as decoded: a
+    /// reader turns it into [`EntryKind::File`] with [`Tree::resolve_parts`].
+    /// Writers give the whole chunk list as a `File`; encoding cuts it.
+    Parted {
+        size: u64,
+        parts: Vec<BlobId>,
+    },
     Dir {
         tree: BlobId,
     },
@@ -110,13 +135,14 @@ impl EntryKind {
                 stored: GitStored::TreeDelta { .. },
                 ..
             } => 9,
+            Self::Parted { .. } => 10,
         }
     }
 
     /// A word for messages.
     pub fn describe(&self) -> &'static str {
         match self {
-            Self::File { .. } | Self::Git { .. } => "file",
+            Self::File { .. } | Self::Git { .. } | Self::Parted { .. } => "file",
             Self::Dir { .. } => "directory",
             Self::Symlink { .. } => "symlink",
             Self::Fifo => "fifo",
@@ -180,6 +206,8 @@ pub enum TreeObject {
 pub struct EncodedTree {
     pub root: Vec<u8>,
     pub pages: Vec<(BlobId, Vec<u8>)>,
+    /// The chunk-list parts of its long files, each once.
+    pub parts: Vec<(BlobId, Vec<u8>)>,
 }
 
 /// FNV-1a: a fixed, fast hash of an entry name for page boundaries. Not a
@@ -194,17 +222,20 @@ impl Tree {
     /// Encodes the tree. Callers keep entries sorted; the encoder writes what
     /// it is given so that tests can build hostile trees.
     pub fn encode(&self) -> Vec<u8> {
-        Self::encode_entries(&self.entries)
+        Self::encode_entries(&self.entries, None)
     }
 
     /// Encodes the tree as the store keeps it: one object, or, above
-    /// [`PAGED_ABOVE`] entries, a page list and its pages (`id_of` names a
-    /// page by its bytes).
+    /// [`PAGED_ABOVE`] entries, a page list and its pages; a file of more
+    /// than [`PARTED_ABOVE`] chunks with its chunk list in parts (`id_of`
+    /// names a page or a part by its bytes).
     pub fn encode_paged(&self, id_of: &dyn Fn(&[u8]) -> BlobId) -> EncodedTree {
+        let mut parts = Vec::new();
         if self.entries.len() <= PAGED_ABOVE {
             return EncodedTree {
-                root: self.encode(),
+                root: Self::encode_entries(&self.entries, Some((id_of, &mut parts))),
                 pages: Vec::new(),
+                parts,
             };
         }
         let mut pages = Vec::new();
@@ -214,7 +245,8 @@ impl Tree {
             let last = i + 1 == self.entries.len();
             let cut = len >= PAGE_MIN && name_hash(&entry.name) & PAGE_CUT_MASK == 0;
             if last || cut || len == PAGE_MAX {
-                let bytes = Self::encode_entries(&self.entries[start..=i]);
+                let bytes =
+                    Self::encode_entries(&self.entries[start..=i], Some((id_of, &mut parts)));
                 pages.push((id_of(&bytes), bytes));
                 start = i + 1;
             }
@@ -227,10 +259,16 @@ impl Tree {
         for (id, _) in &pages {
             root.extend_from_slice(id.as_bytes());
         }
-        EncodedTree { root, pages }
+        EncodedTree { root, pages, parts }
     }
 
-    fn encode_entries(entries: &[Entry]) -> Vec<u8> {
+    /// With `parting`, a long chunk list is written in parts, each added
+    /// to the list (once).
+    #[allow(clippy::type_complexity)]
+    fn encode_entries(
+        entries: &[Entry],
+        mut parting: Option<(&dyn Fn(&[u8]) -> BlobId, &mut Vec<(BlobId, Vec<u8>)>)>,
+    ) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + entries.len() * 64);
         out.extend_from_slice(MAGIC);
         out.push(FORMAT_VERSION as u8);
@@ -238,22 +276,53 @@ impl Tree {
         put_u64(&mut out, entries.len() as u64);
         for e in entries {
             put_bytes(&mut out, &e.name);
-            out.push(e.kind.code());
+            let parted = match (&e.kind, parting.as_mut()) {
+                (EntryKind::File { chunks, .. }, Some((id_of, found)))
+                    if chunks.len() > PARTED_ABOVE =>
+                {
+                    let mut ids = Vec::new();
+                    for part in cut_parts(chunks) {
+                        let mut bytes = Vec::with_capacity(8 + part.len() * 36);
+                        bytes.extend_from_slice(PART_MAGIC);
+                        bytes.push(FORMAT_VERSION as u8);
+                        put_chunks(&mut bytes, part);
+                        let id = id_of(&bytes);
+                        if !found.iter().any(|(known, _)| *known == id) {
+                            found.push((id, bytes));
+                        }
+                        ids.push(id);
+                    }
+                    Some(ids)
+                }
+                _ => None,
+            };
+            out.push(if parted.is_some() { 10 } else { e.kind.code() });
             put_u64(&mut out, u64::from(e.mode));
             put_i64(&mut out, e.mtime_sec);
             put_u64(&mut out, u64::from(e.mtime_nsec));
             put_u64(&mut out, u64::from(e.uid));
             put_u64(&mut out, u64::from(e.gid));
-            match &e.kind {
-                EntryKind::File { size, chunks } => {
+            match (&e.kind, parted) {
+                (EntryKind::File { size, .. }, Some(ids)) => {
+                    put_u64(&mut out, *size);
+                    put_part_ids(&mut out, &ids);
+                }
+                (EntryKind::File { size, chunks }, None) => {
                     put_u64(&mut out, *size);
                     put_chunks(&mut out, chunks);
                 }
-                EntryKind::Git {
-                    size,
-                    stored,
-                    chunks,
-                } => {
+                (EntryKind::Parted { size, parts }, _) => {
+                    put_u64(&mut out, *size);
+                    put_part_ids(&mut out, parts);
+                }
+                (
+                    EntryKind::Git {
+                        size,
+                        stored,
+                        chunks,
+                    },
+                    _,
+                ) => {
                     put_u64(&mut out, *size);
                     out.push(stored.level());
                     if let GitStored::TreeDelta { base, .. } = stored {
@@ -261,15 +330,69 @@ impl Tree {
                     }
                     put_chunks(&mut out, chunks);
                 }
-                EntryKind::Dir { tree } => out.extend_from_slice(tree.as_bytes()),
-                EntryKind::Symlink { target } => put_bytes(&mut out, target),
-                EntryKind::Fifo
-                | EntryKind::CharDevice
-                | EntryKind::BlockDevice
-                | EntryKind::Socket => {}
+                (EntryKind::Dir { tree }, _) => out.extend_from_slice(tree.as_bytes()),
+                (EntryKind::Symlink { target }, _) => put_bytes(&mut out, target),
+                (
+                    EntryKind::Fifo
+                    | EntryKind::CharDevice
+                    | EntryKind::BlockDevice
+                    | EntryKind::Socket,
+                    _,
+                ) => {}
             }
         }
         out
+    }
+
+    /// Turns every file whose chunk list is in parts into a plain file,
+    /// with the parts `open` gives (their decrypted bytes).
+    pub fn resolve_parts<E: From<FormatError>>(
+        &mut self,
+        mut open: impl FnMut(&BlobId) -> Result<Vec<u8>, E>,
+    ) -> Result<(), E> {
+        for entry in &mut self.entries {
+            let EntryKind::Parted { size, parts } = &entry.kind else {
+                continue;
+            };
+            let mut chunks = Vec::new();
+            for part in parts {
+                let bytes = open(part)?;
+                let mut r = Reader::new(&bytes);
+                if r.take(4)? != PART_MAGIC {
+                    return Err(FormatError::MalformedTree(
+                        "a chunk-list part has a bad magic".into(),
+                    )
+                    .into());
+                }
+                let version = u32::from(r.u8()?);
+                if !(5..=FORMAT_VERSION).contains(&version) {
+                    return Err(FormatError::MalformedTree(format!(
+                        "a chunk-list part of version {version}"
+                    ))
+                    .into());
+                }
+                let part_chunks = read_chunks(&bytes, &mut r)?;
+                if part_chunks.is_empty() || !r.is_empty() {
+                    return Err(FormatError::MalformedTree(
+                        "a chunk-list part is empty or has trailing bytes".into(),
+                    )
+                    .into());
+                }
+                chunks.extend(part_chunks);
+            }
+            let sum: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+            if sum != *size {
+                return Err(FormatError::MalformedTree(format!(
+                    "file declares {size} bytes but its chunks hold {sum}"
+                ))
+                .into());
+            }
+            entry.kind = EntryKind::File {
+                size: *size,
+                chunks,
+            };
+        }
+        Ok(())
     }
 
     /// Decodes a listing (a small directory's tree or one page), checking
@@ -333,6 +456,17 @@ impl Tree {
                         stored,
                         chunks,
                     }
+                }
+                10 if version >= 5 => {
+                    let size = r.u64()?;
+                    let n = r.u64()?;
+                    if n > (bytes.len() as u64) / 32 || n == 0 {
+                        return Err(FormatError::MalformedTree(format!("{n} chunk-list parts")));
+                    }
+                    let parts = (0..n)
+                        .map(|_| Ok(BlobId::from_slice(r.take(32)?).expect("32 bytes")))
+                        .collect::<Result<Vec<_>, FormatError>>()?;
+                    EntryKind::Parted { size, parts }
                 }
                 2 => EntryKind::Dir {
                     tree: BlobId::from_slice(r.take(32)?).expect("32 bytes"),
@@ -409,6 +543,29 @@ impl Tree {
             previous = Some(&e.name);
         }
         Ok(())
+    }
+}
+
+/// The parts a long chunk list is cut into: content-defined, so a changed
+/// chunk changes its own part (and, at most, where the next one begins).
+fn cut_parts(chunks: &[ChunkRef]) -> Vec<&[ChunkRef]> {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (i, chunk) in chunks.iter().enumerate() {
+        let len = i + 1 - start;
+        let cut = len >= PART_MIN && chunk.id.as_bytes()[0] & PART_CUT_MASK == 0;
+        if i + 1 == chunks.len() || cut || len == PART_MAX {
+            parts.push(&chunks[start..=i]);
+            start = i + 1;
+        }
+    }
+    parts
+}
+
+fn put_part_ids(out: &mut Vec<u8>, parts: &[BlobId]) {
+    put_u64(out, parts.len() as u64);
+    for id in parts {
+        out.extend_from_slice(id.as_bytes());
     }
 }
 
@@ -571,7 +728,7 @@ mod tests {
                 entries: vec![entry("loose", kind)],
             };
             let mut bytes = tree.encode();
-            assert_eq!(bytes[4], 4);
+            assert_eq!(bytes[4], FORMAT_VERSION as u8);
             bytes[4] = first_version;
             assert_eq!(Tree::decode(&bytes).unwrap(), tree);
             bytes[4] = first_version - 1;
@@ -717,6 +874,84 @@ mod tests {
             ),
         );
         assert!(changed_page(&grown) <= 2, "an insertion stays local");
+    }
+
+    /// A file of thousands of chunks (a git index) keeps its chunk list in
+    /// parts: one changed chunk re-sends its part and the short part list,
+    /// and a reader gets the whole list back from the parts.
+    #[test]
+    fn a_long_chunk_list_is_kept_in_parts_and_a_change_rewrites_one() {
+        let chunks: Vec<ChunkRef> = (0..3500u32)
+            .map(|i| ChunkRef {
+                id: id_of(&i.to_le_bytes()),
+                len: 2048,
+            })
+            .collect();
+        let file = |chunks: &[ChunkRef]| {
+            entry(
+                "index",
+                EntryKind::File {
+                    size: chunks.iter().map(|c| u64::from(c.len)).sum(),
+                    chunks: chunks.to_vec(),
+                },
+            )
+        };
+        let tree = Tree {
+            entries: vec![file(&chunks), file(&chunks[..PARTED_ABOVE])],
+        };
+        let tree = Tree {
+            entries: vec![
+                Entry {
+                    name: b"a-short".to_vec(),
+                    ..tree.entries[1].clone()
+                },
+                tree.entries[0].clone(),
+            ],
+        };
+        let encoded = tree.encode_paged(&id_of);
+        assert!(encoded.pages.is_empty());
+        let parts = encoded.parts.len();
+        assert!(
+            (3500 / PART_MAX..=3500 / PART_MIN).contains(&parts),
+            "{parts} parts"
+        );
+        assert!(
+            encoded.root.len() < 3500 * 33 / 4,
+            "{} bytes",
+            encoded.root.len()
+        );
+        let mut decoded = Tree::decode(&encoded.root).unwrap();
+        assert!(
+            matches!(decoded.entries[0].kind, EntryKind::File { .. }),
+            "256 chunks stay inline"
+        );
+        assert!(matches!(decoded.entries[1].kind, EntryKind::Parted { .. }));
+        let open = |id: &BlobId| -> Result<Vec<u8>, FormatError> {
+            let (_, bytes) = encoded.parts.iter().find(|(i, _)| i == id).unwrap();
+            Ok(bytes.clone())
+        };
+        decoded.resolve_parts(open).unwrap();
+        assert_eq!(decoded, tree);
+
+        let mut changed = chunks.clone();
+        changed[1700].id = id_of(b"changed");
+        let again = Tree {
+            entries: vec![tree.entries[0].clone(), file(&changed)],
+        }
+        .encode_paged(&id_of);
+        let new_parts = again
+            .parts
+            .iter()
+            .filter(|p| !encoded.parts.contains(p))
+            .count();
+        assert!((1..=2).contains(&new_parts), "{new_parts} parts rewritten");
+
+        // A part whose chunks do not add up to the file is refused.
+        let mut short = Tree::decode(&encoded.root).unwrap();
+        if let EntryKind::Parted { parts, .. } = &mut short.entries[1].kind {
+            parts.pop();
+        }
+        assert!(short.resolve_parts(open).is_err());
     }
 
     #[test]

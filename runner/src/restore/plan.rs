@@ -312,6 +312,12 @@ pub fn build_plan(
                         target: target.clone(),
                     }
                 }
+                // open_tree resolved every part it could open.
+                EntryKind::Parted { .. } => {
+                    return Err(unsafe_entry(
+                        "its chunk list is in parts that were not read".into(),
+                    ));
+                }
                 special @ (EntryKind::Fifo
                 | EntryKind::CharDevice
                 | EntryKind::BlockDevice
@@ -367,7 +373,7 @@ fn open_tree(
             })?
             .map_err(corrupt)
     };
-    let tree = match TreeObject::decode(&open(id)?).map_err(corrupt)? {
+    let mut tree = match TreeObject::decode(&open(id)?).map_err(corrupt)? {
         TreeObject::Entries(tree) => tree,
         TreeObject::Pages(pages) => {
             let pages = pages
@@ -377,12 +383,29 @@ fn open_tree(
             Tree::concat(pages).map_err(corrupt)?
         }
     };
+    tree.resolve_parts(|part| open(part).map_err(PartError::Plan))
+        .map_err(|e| match e {
+            PartError::Plan(e) => e,
+            PartError::Format(e) => corrupt(e),
+        })?;
     tree.validate()
         .map_err(|(name, reason)| PlanError::Unsafe {
             path: shown(&join(dir_path, name.as_bytes())),
             reason,
         })?;
     Ok(tree)
+}
+
+/// Why a chunk-list part could not be had.
+enum PartError {
+    Plan(PlanError),
+    Format(FormatError),
+}
+
+impl From<FormatError> for PartError {
+    fn from(e: FormatError) -> Self {
+        Self::Format(e)
+    }
 }
 
 fn is_own_ancestor(plan: &Plan, dir: Option<usize>, tree: &BlobId, root: &BlobId) -> bool {
