@@ -679,13 +679,12 @@ def targets(results):
 
 def excluding_upload(results, step):
     """Median over repeats of cairn's wall less what it waited for uploads: (seconds, why not)."""
-    walls = results.data[step]["cairn"]["wall_s"] if step in results.data else []
-    if not walls:
+    per_repeat = per_repeat_excluding_upload(results, step)
+    if not per_repeat:
         return None, f"{step} not measured"
-    waits = results.details(step, "cairn", "upload_wait_ms")
-    if any(w is None for w in waits):
+    if any(s is None for s in per_repeat):
         return None, "the runner's stats have no upload_wait_ms"
-    return statistics.median(w - ms / 1000 for w, ms in zip(walls, waits)), None
+    return statistics.median(per_repeat), None
 
 
 def per_repeat_excluding_upload(results, step):

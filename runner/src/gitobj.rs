@@ -253,14 +253,9 @@ pub fn tree_entries(tree: &[u8]) -> Option<Vec<TreeEntry<'_>>> {
     Some(entries)
 }
 
-/// The entries of `tree` (none without one), or an error for libgit2's callers.
-pub fn parse_tree(tree: Option<&[u8]>) -> Result<Vec<TreeEntry<'_>>, git2::Error> {
-    match tree {
-        Some(tree) => {
-            tree_entries(tree).ok_or_else(|| git2::Error::from_str("a git tree cannot be parsed"))
-        }
-        None => Ok(Vec::new()),
-    }
+/// The entries of `tree`, or an error for libgit2's callers.
+pub fn parse_tree(tree: &[u8]) -> Result<Vec<TreeEntry<'_>>, git2::Error> {
+    tree_entries(tree).ok_or_else(|| git2::Error::from_str("a git tree cannot be parsed"))
 }
 
 /// The git trees read during one checkpoint, by id, for whoever reads them
@@ -305,7 +300,7 @@ impl TreeCache {
         let mut names = path.split(|b| *b == b'/').peekable();
         while let Some(name) = names.next() {
             let content = self.read(odb, tree)?;
-            let entries = parse_tree(Some(&content))?;
+            let entries = parse_tree(&content)?;
             let Some(entry) = entries.iter().find(|e| e.name == name) else {
                 return Ok(None);
             };

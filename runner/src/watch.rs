@@ -199,7 +199,7 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     );
     serve(listener, checkpointer, args.interval, shutdown_signal()).await;
     let _ = std::fs::remove_file(&socket);
-    resident.flush().await;
+    resident.settle().await;
     tracing::info!("watcher stopped");
     Ok(())
 }

@@ -155,21 +155,14 @@ pub fn read_all(
     };
     let (loose, other): (Vec<usize>, Vec<usize>) =
         (0..scan.dirs.len()).partition(|&d| gitobj::is_loose_object_dir(&scan.dirs[d].path));
+    let compare = Comparer {
+        scan,
+        cache,
+        keys,
+        memo,
+    };
     // No file outside a loose-object directory has a base.
-    let no_bases = TreeBases::default();
-    let mut to_read = Vec::new();
-    for d in other {
-        compare_dir(
-            &mut content,
-            &mut to_read,
-            scan,
-            d,
-            cache,
-            &no_bases,
-            keys,
-            memo,
-        );
-    }
+    let to_read = compare.dirs(&mut content, other, &TreeBases::default());
     tracing::debug!(
         files = to_read.len(),
         dirs_reused = content.from_memo.iter().filter(|reused| **reused).count(),
@@ -177,20 +170,7 @@ pub fn read_all(
         "fingerprints compared with the cache"
     );
     read_jobs(&mut content, &mut batcher, scan, keys, to_read)?;
-    let bases = bases();
-    let mut to_read = Vec::new();
-    for d in loose {
-        compare_dir(
-            &mut content,
-            &mut to_read,
-            scan,
-            d,
-            cache,
-            &bases,
-            keys,
-            memo,
-        );
-    }
+    let to_read = compare.dirs(&mut content, loose, &bases());
     read_jobs(&mut content, &mut batcher, scan, keys, to_read)?;
     tracing::debug!(
         elapsed_ms = started.elapsed().as_millis() as u64,
@@ -200,105 +180,128 @@ pub fn read_all(
     Ok(content)
 }
 
-/// Takes what `memo` or the cache knows of directory `d`'s files, and
-/// queues the others on `to_read`.
-#[allow(clippy::too_many_arguments)]
-fn compare_dir(
-    content: &mut Content,
-    to_read: &mut Vec<Job>,
-    scan: &Scan,
-    d: usize,
-    cache: &Cache,
-    bases: &TreeBases,
-    keys: &TenantKeys,
-    memo: Option<&Memo>,
-) {
-    let dir = &scan.dirs[d];
-    // One buffer for every path looked up: most files only are.
-    let mut rel = Vec::new();
-    let remembered = memo
-        .and_then(|memo| memo.get(dir))
-        .filter(|outcome| !outcome.has_tree_deltas || bases_hold(dir, &outcome.files, bases));
-    if let Some(outcome) = remembered {
-        let files = match outcome.uncached {
-            true => now_cacheable(dir, &outcome.files, scan.started),
-            false => None,
-        };
-        content.files[d] = files.unwrap_or_else(|| outcome.files.clone());
-        content.from_memo[d] = true;
-        return;
-    }
-    content.files[d] = Arc::new(vec![None; dir.nodes.len()]);
-    // Listed again since the last checkpoint: most of its files are
-    // still what that one found, which costs less to tell than a
-    // lookup of each in the cache.
-    let earlier = memo.and_then(|memo| memo.earlier(&dir.path));
-    let mut cursor = 0;
-    for (n, node) in dir.nodes.iter().enumerate() {
-        let NodeKind::File(fingerprint) = &node.kind else {
-            continue;
-        };
-        let same = earlier.and_then(|was| was.same_file(&node.name, fingerprint, &mut cursor));
-        // A delta is only as good as its base, found again below.
-        if let (Some(same), Some(was)) = (same.filter(|f| !f.is_tree_delta()), earlier) {
-            fresh(&mut content.files[d])[n] = Some(FileContent {
-                meta: node.meta,
-                ..same.clone()
-            });
-            let taken = content.from_earlier[d].get_or_insert_with(|| TakenEarlier {
-                packs: was.packs.clone(),
-                nodes: vec![false; dir.nodes.len()],
-            });
-            taken.nodes[n] = true;
-            continue;
+/// What the files of a directory are compared with: the memo, then the cache.
+struct Comparer<'a> {
+    scan: &'a Scan,
+    cache: &'a Cache,
+    keys: &'a TenantKeys,
+    memo: Option<&'a Memo>,
+}
+
+impl Comparer<'_> {
+    /// Takes what the memo or the cache knows of the files of directories
+    /// `dirs`, and returns the jobs that read the others.
+    fn dirs(&self, content: &mut Content, dirs: Vec<usize>, bases: &TreeBases) -> Vec<Job> {
+        let mut to_read = Vec::new();
+        // One buffer for every path looked up: most files only are.
+        let mut rel = Vec::new();
+        for d in dirs {
+            self.dir(content, &mut to_read, &mut rel, d, bases);
         }
-        join_rel_into(&mut rel, &dir.path, &node.name);
-        let rel = &rel[..];
-        let abs = || scan.root.join(OsStr::from_bytes(rel));
-        // A delta is only as good as its base, found again each time.
-        let committed = |known: &&CachedFile| {
-            known.chunks.iter().all(|c| cache.knows_blob(&c.id))
-                && match known.git {
-                    Some(GitStored::TreeDelta { base, .. }) => {
-                        bases.get(rel).is_some_and(|found| found.id == base)
-                    }
-                    _ => true,
-                }
-        };
-        // (what the cache knows, the fingerprint to remember it under)
-        let reusable = match cache.lookup(rel, fingerprint).filter(committed) {
-            Some(known) => Some((known, Some(*fingerprint))),
-            None => cache
-                .file(rel)
-                .filter(committed)
-                .filter(|known| gitobj::is_pack_path(rel) && known.git.is_none())
-                .and_then(|known| {
-                    let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
-                    content.bytes_read += tail;
-                    // Known by its bytes, and remembered under its new
-                    // times at once: a pack is never written in place.
-                    unchanged.then_some((known, Some(*fingerprint)))
-                }),
-        };
-        match reusable {
-            Some((known, cacheable)) => {
+        to_read
+    }
+
+    fn dir(
+        &self,
+        content: &mut Content,
+        to_read: &mut Vec<Job>,
+        rel: &mut Vec<u8>,
+        d: usize,
+        bases: &TreeBases,
+    ) {
+        let Self {
+            scan,
+            cache,
+            keys,
+            memo,
+        } = *self;
+        let dir = &scan.dirs[d];
+        let remembered = memo
+            .and_then(|memo| memo.get(dir))
+            .filter(|outcome| !outcome.has_tree_deltas || bases_hold(dir, &outcome.files, bases));
+        if let Some(outcome) = remembered {
+            let files = match outcome.uncached {
+                true => now_cacheable(dir, &outcome.files, scan.started),
+                false => None,
+            };
+            content.files[d] = files.unwrap_or_else(|| outcome.files.clone());
+            content.from_memo[d] = true;
+            return;
+        }
+        content.files[d] = Arc::new(vec![None; dir.nodes.len()]);
+        // Listed again since the last checkpoint: most of its files are
+        // still what that one found, which costs less to tell than a
+        // lookup of each in the cache.
+        let earlier = memo.and_then(|memo| memo.earlier(&dir.path));
+        let mut cursor = 0;
+        for (n, node) in dir.nodes.iter().enumerate() {
+            let NodeKind::File(fingerprint) = &node.kind else {
+                continue;
+            };
+            // A delta is only as good as its base, found again below.
+            if let Some(was) = earlier
+                && let Some(same) = was.same_file(&node.name, fingerprint, &mut cursor)
+                && !same.is_tree_delta()
+            {
                 fresh(&mut content.files[d])[n] = Some(FileContent {
-                    chunks: known.chunks.clone(),
-                    size: fingerprint.size,
                     meta: node.meta,
-                    cacheable,
-                    git: known.git,
+                    ..same.clone()
                 });
+                let taken = content.from_earlier[d].get_or_insert_with(|| TakenEarlier {
+                    packs: was.packs.clone(),
+                    nodes: vec![false; dir.nodes.len()],
+                });
+                taken.nodes[n] = true;
+                continue;
             }
-            None => {
-                to_read.push(Job {
-                    dir: d,
-                    node: n,
-                    abs: abs(),
-                    tree_base: bases.get(rel).cloned(),
-                    rel: rel.to_vec(),
-                    size: fingerprint.size,
-                });
+            join_rel_into(rel, &dir.path, &node.name);
+            let rel = &rel[..];
+            let abs = || scan.root.join(OsStr::from_bytes(rel));
+            // A delta is only as good as its base, found again each time.
+            let committed = |known: &&CachedFile| {
+                known.chunks.iter().all(|c| cache.knows_blob(&c.id))
+                    && match known.git {
+                        Some(GitStored::TreeDelta { base, .. }) => {
+                            bases.get(rel).is_some_and(|found| found.id == base)
+                        }
+                        _ => true,
+                    }
+            };
+            // (what the cache knows, the fingerprint to remember it under)
+            let reusable = match cache.lookup(rel, fingerprint).filter(committed) {
+                Some(known) => Some((known, Some(*fingerprint))),
+                None => cache
+                    .file(rel)
+                    .filter(committed)
+                    .filter(|known| gitobj::is_pack_path(rel) && known.git.is_none())
+                    .and_then(|known| {
+                        let (unchanged, tail) = pack_unchanged(&abs(), fingerprint, known, keys);
+                        content.bytes_read += tail;
+                        // Known by its bytes, and remembered under its new
+                        // times at once: a pack is never written in place.
+                        unchanged.then_some((known, Some(*fingerprint)))
+                    }),
+            };
+            match reusable {
+                Some((known, cacheable)) => {
+                    fresh(&mut content.files[d])[n] = Some(FileContent {
+                        chunks: known.chunks.clone(),
+                        size: fingerprint.size,
+                        meta: node.meta,
+                        cacheable,
+                        git: known.git,
+                    });
+                }
+                None => {
+                    to_read.push(Job {
+                        dir: d,
+                        node: n,
+                        abs: abs(),
+                        tree_base: bases.get(rel).cloned(),
+                        rel: rel.to_vec(),
+                        size: fingerprint.size,
+                    });
+                }
             }
         }
     }
@@ -809,10 +812,19 @@ mod tests {
 
     /// Reads everything, gathering the batches it sends.
     fn read(scan: &Scan, cache: &Cache) -> (Content, Vec<(BlobId, Vec<u8>)>) {
+        read_with(scan, cache, None)
+    }
+
+    /// Reads what neither `memo` nor `cache` knows, gathering the batches.
+    fn read_with(
+        scan: &Scan,
+        cache: &Cache,
+        memo: Option<&Memo>,
+    ) -> (Content, Vec<(BlobId, Vec<u8>)>) {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let keys = keys();
         std::thread::scope(|s| {
-            let reader = s.spawn(|| read_all(scan, cache, TreeBases::default, &keys, None, tx));
+            let reader = s.spawn(|| read_all(scan, cache, TreeBases::default, &keys, memo, tx));
             let mut blobs = Vec::new();
             while let Some(batch) = rx.blocking_recv() {
                 blobs.extend(batch.blobs);
@@ -931,12 +943,12 @@ mod tests {
         let later = SystemTime::now() + Duration::from_secs(60);
         let mut first_scan = scan_of(tmp.path());
         first_scan.started = later;
+        let first_scan = Arc::new(first_scan);
         let (first, _) = read(&first_scan, &Cache::empty(tmp.path().join("unused"), "k"));
         assert_eq!(first.files_read, 3);
         let known = |_: &BlobId| false;
         let trees = super::super::trees::build(&first_scan, &first.files, &keys(), &known, &[]);
-        let packs: Vec<Arc<[cairn_proto::ids::PackId]>> =
-            vec![Arc::from(Vec::new()); first_scan.dirs.len()];
+        let packs: Vec<Arc<[PackId]>> = vec![Arc::from(Vec::new()); first_scan.dirs.len()];
         let workspace = cairn_proto::ids::WorkspaceId::generate();
         let memo = Memo::new(
             workspace,
@@ -958,15 +970,7 @@ mod tests {
         let mut second_scan = scan_of(tmp.path());
         second_scan.started = later;
         let nothing = Cache::empty(tmp.path().join("unused"), "k");
-        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
-        let keys = keys();
-        let memo = Some(&memo);
-        let second = std::thread::scope(|s| {
-            let reader =
-                s.spawn(|| read_all(&second_scan, &nothing, TreeBases::default, &keys, memo, tx));
-            while rx.blocking_recv().is_some() {}
-            reader.join().unwrap().unwrap()
-        });
+        let (second, _) = read_with(&second_scan, &nothing, Some(&memo));
         assert_eq!(second.files_read, 2, "b changed, c has other times");
         assert_eq!(
             second.files[0][0].as_ref().unwrap().chunks,

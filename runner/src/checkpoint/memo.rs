@@ -70,10 +70,24 @@ impl DirOutcome {
         (was == fingerprint && file.cacheable.as_ref() == Some(fingerprint)).then_some(file)
     }
 
-    fn of(listing: Arc<ScannedDir>, files: DirFiles, tree: DirTree, packs: Arc<[PackId]>) -> Self {
+    /// `flags` (has_tree_deltas, uncached) when they are known already.
+    fn of(
+        listing: Arc<ScannedDir>,
+        files: DirFiles,
+        tree: DirTree,
+        packs: Arc<[PackId]>,
+        flags: Option<(bool, bool)>,
+    ) -> Self {
+        let (has_tree_deltas, uncached) = flags.unwrap_or_else(|| {
+            let mut found = files.iter().flatten();
+            (
+                found.clone().any(FileContent::is_tree_delta),
+                found.any(|f| f.cacheable.is_none()),
+            )
+        });
         Self {
-            has_tree_deltas: files.iter().flatten().any(FileContent::is_tree_delta),
-            uncached: files.iter().flatten().any(|f| f.cacheable.is_none()),
+            has_tree_deltas,
+            uncached,
             listing,
             files,
             tree,
@@ -88,8 +102,8 @@ pub struct Memo {
     workspace: Option<WorkspaceId>,
     key_id: String,
     by_listing: FastMap<usize, DirOutcome>,
-    /// The keys of `by_listing`, by the listing's path.
-    by_path: Vec<(Arc<ScannedDir>, usize)>,
+    /// The walk the listings are from, to find one by its path.
+    walk: Option<Arc<Scan>>,
 }
 
 fn key(listing: &Arc<ScannedDir>) -> usize {
@@ -104,7 +118,7 @@ impl Memo {
     pub fn new(
         workspace: WorkspaceId,
         key_id: String,
-        scan: &Scan,
+        scan: &Arc<Scan>,
         files: &[DirFiles],
         trees: &[DirTree],
         packs: &[Arc<[PackId]>],
@@ -113,57 +127,26 @@ impl Memo {
         let outcomes = scan.dirs.iter().zip(files).zip(trees).zip(packs);
         let by_listing = outcomes
             .map(|(((listing, files), tree), packs)| {
-                let taken = previous
+                let flags = previous
                     .and_then(|memo| memo.get(listing))
-                    .filter(|was| Arc::ptr_eq(&was.files, files));
-                let outcome = match taken {
-                    Some(was) => DirOutcome {
-                        listing: listing.clone(),
-                        files: files.clone(),
-                        tree: tree.clone(),
-                        packs: packs.clone(),
-                        ..*was
-                    },
-                    None => {
-                        DirOutcome::of(listing.clone(), files.clone(), tree.clone(), packs.clone())
-                    }
-                };
+                    .filter(|was| Arc::ptr_eq(&was.files, files))
+                    .map(|was| (was.has_tree_deltas, was.uncached));
+                let outcome = DirOutcome::of(
+                    listing.clone(),
+                    files.clone(),
+                    tree.clone(),
+                    packs.clone(),
+                    flags,
+                );
                 (key(listing), outcome)
             })
             .collect();
-        Self::with(workspace, key_id, by_listing)
-    }
-
-    fn with(
-        workspace: WorkspaceId,
-        key_id: String,
-        by_listing: FastMap<usize, DirOutcome>,
-    ) -> Self {
-        let mut by_path: Vec<_> = by_listing
-            .iter()
-            .map(|(key, outcome)| (outcome.listing.clone(), *key))
-            .collect();
-        by_path.sort_unstable_by(|a, b| a.0.path.cmp(&b.0.path));
         Self {
             workspace: Some(workspace),
             key_id,
             by_listing,
-            by_path,
+            walk: Some(scan.clone()),
         }
-    }
-
-    fn of(
-        workspace: WorkspaceId,
-        key_id: String,
-        outcomes: impl Iterator<Item = (Arc<ScannedDir>, DirFiles, DirTree, Arc<[PackId]>)>,
-    ) -> Self {
-        let by_listing = outcomes
-            .map(|(listing, files, tree, packs)| {
-                let outcome = DirOutcome::of(listing, files, tree, packs);
-                (key(&outcome.listing), outcome)
-            })
-            .collect();
-        Self::with(workspace, key_id, by_listing)
     }
 
     /// What the newest checkpoint of `workspace` held for the listings of
@@ -172,9 +155,14 @@ impl Memo {
     /// is now, with every chunk committed, every subdirectory is remembered
     /// too, and its tree is one the cache places in a pack. Loose git trees
     /// stored as deltas are left to the checkpoint, which finds their bases.
-    pub fn prime(workspace: WorkspaceId, scan: &Scan, cache: &Cache, keys: &TenantKeys) -> Self {
+    pub fn prime(
+        workspace: WorkspaceId,
+        scan: &Arc<Scan>,
+        cache: &Cache,
+        keys: &TenantKeys,
+    ) -> Self {
         let mut trees: HashMap<&[u8], BlobId> = HashMap::new();
-        let mut outcomes = Vec::new();
+        let mut by_listing = FastMap::default();
         let mut path = Vec::new();
         for listing in scan.dirs.iter().rev() {
             let Some(KnownEntries { files, subtrees }) =
@@ -189,14 +177,23 @@ impl Memo {
             if !committed {
                 continue;
             }
-            let located = packs_of(files.iter().flatten(), &tree, |id| cache.blob_pack(id));
+            let located = packs_of(Vec::new(), files.iter().flatten(), &tree, |id| {
+                cache.blob_pack(id)
+            });
             let Ok(packs) = located else {
                 continue;
             };
             trees.insert(&listing.path, tree.id);
-            outcomes.push((listing.clone(), Arc::new(files), tree, packs.into()));
+            let outcome =
+                DirOutcome::of(listing.clone(), Arc::new(files), tree, packs.into(), None);
+            by_listing.insert(key(listing), outcome);
         }
-        Self::of(workspace, keys.key_id().to_owned(), outcomes.into_iter())
+        Self {
+            workspace: Some(workspace),
+            key_id: keys.key_id().to_owned(),
+            by_listing,
+            walk: Some(scan.clone()),
+        }
     }
 
     /// Whether this memo is of `workspace` under tenant key `key_id`.
@@ -215,11 +212,7 @@ impl Memo {
     /// as it was then: for a directory listed again since, what it found
     /// for each file that is still the same.
     pub fn earlier(&self, path: &[u8]) -> Option<&DirOutcome> {
-        let at = self
-            .by_path
-            .binary_search_by(|(listing, _)| listing.path[..].cmp(path))
-            .ok()?;
-        self.by_listing.get(&self.by_path[at].1)
+        self.get(self.walk.as_ref()?.listing(path)?)
     }
 
     /// How many listings it remembers.
@@ -274,15 +267,16 @@ fn known_entries(
 }
 
 /// The packs holding a directory's file chunks, its tree and its pages, as
-/// `locate` places them; Err names a blob it cannot place.
+/// `locate` places them, after the packs already in `packs`; Err names a
+/// blob it cannot place.
 pub fn packs_of<'a, 'f>(
+    mut packs: Vec<PackId>,
     files: impl Iterator<Item = &'f FileContent>,
     tree: &DirTree,
     locate: impl Fn(&BlobId) -> Option<&'a PackId>,
 ) -> Result<Vec<PackId>, BlobId> {
     let chunks = files.flat_map(|f| f.chunks.iter().map(|c| &c.id));
     let trees = std::iter::once(&tree.id).chain(&tree.pages);
-    let mut packs: Vec<PackId> = Vec::new();
     for id in chunks.chain(trees) {
         let pack = locate(id).ok_or(*id)?;
         if !packs.contains(pack) {

@@ -518,7 +518,7 @@ async fn run(
     let next_memo = {
         let (workspace, key_id) = (session.workspace_id.clone(), keys.key_id().to_owned());
         let previous = memo.clone();
-        move |scan: &Scan, content: &Content, trees: &[trees::DirTree], placed: &Placed| {
+        move |scan: &Arc<Scan>, content: &Content, trees: &[trees::DirTree], placed: &Placed| {
             Memo::new(
                 workspace,
                 key_id,
@@ -726,14 +726,10 @@ fn place(
                     file.as_ref().filter(|_| !taken)
                 });
                 let locate = |id: &BlobId| located.get(id).or_else(|| cache.blob_pack(id));
-                let mut packs =
-                    memo::packs_of(read, tree, locate).map_err(CheckpointError::UnlocatedBlob)?;
-                for pack in taken.iter().flat_map(|taken| taken.packs.iter()) {
-                    if !packs.contains(pack) {
-                        packs.push(pack.clone());
-                    }
-                }
-                packs.into()
+                let earlier = taken.map_or_else(Vec::new, |taken| taken.packs.to_vec());
+                memo::packs_of(earlier, read, tree, locate)
+                    .map_err(CheckpointError::UnlocatedBlob)?
+                    .into()
             }
         };
         for pack in packs.iter() {

@@ -219,7 +219,8 @@ impl Resident {
     }
 
     /// Waits until a cache being loaded (and the memo being primed with
-    /// it) or written is in memory.
+    /// it) is in memory, or one being written is on disk (as before the
+    /// runner exits).
     pub async fn settle(&self) {
         let mut kept = self.cache.lock().await;
         if let Some(cache) = std::mem::take(&mut *kept).settle().await {
@@ -229,7 +230,7 @@ impl Resident {
 
     /// Keeps what `cache` tells of the newest checkpoint, unless a
     /// checkpoint got there first (it knows better).
-    fn prime(&self, workspace: WorkspaceId, scan: &Scan, cache: &Cache, keys: &TenantKeys) {
+    fn prime(&self, workspace: WorkspaceId, scan: &Arc<Scan>, cache: &Cache, keys: &TenantKeys) {
         let started = std::time::Instant::now();
         let memo = Memo::prime(workspace, scan, cache, keys);
         tracing::debug!(
@@ -241,14 +242,6 @@ impl Resident {
         let mut kept = self.memo.lock().expect("memo lock");
         if kept.is_none() {
             *kept = Some(Arc::new(memo));
-        }
-    }
-
-    /// Waits until the cache is on disk (before the runner exits).
-    pub async fn flush(&self) {
-        let mut kept = self.cache.lock().await;
-        if let Some(cache) = std::mem::take(&mut *kept).settle().await {
-            *kept = Kept::Ready(cache);
         }
     }
 }

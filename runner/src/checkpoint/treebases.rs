@@ -294,8 +294,8 @@ impl Pair<'_> {
             self.trees.read(self.odb, old)?,
         );
         let (new_entries, old_entries) = (
-            gitobj::parse_tree(Some(&new_tree))?,
-            gitobj::parse_tree(Some(&old_tree))?,
+            gitobj::parse_tree(&new_tree)?,
+            gitobj::parse_tree(&old_tree)?,
         );
         let mut old_subtrees = old_entries.iter().filter(|e| e.is_tree()).peekable();
         for new in new_entries.iter().filter(|e| e.is_tree()) {

@@ -94,13 +94,9 @@ pub fn build(
     // walking backwards meets children first.
     for (d, dir) in scan.dirs.iter().enumerate().rev() {
         let remembered = remembered.get(d).copied().flatten();
-        let taken = match remembered {
-            Some(tree) if !changed_below.contains(&dir.path[..]) => Some(tree.clone()),
-            _ => None,
-        };
-        let tree = match taken {
-            Some(tree) => tree,
-            None => {
+        let tree = match remembered {
+            Some(tree) if !changed_below.contains(&dir.path[..]) => tree.clone(),
+            _ => {
                 let mut subtrees = Vec::new();
                 for node in &dir.nodes {
                     if let NodeKind::Dir = node.kind {
@@ -221,10 +217,9 @@ pub(super) fn encode(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::fs;
     use std::os::unix::fs::symlink;
-
-    use std::collections::HashMap;
 
     use super::*;
     use crate::format::{ChunkRef, TreeObject};

@@ -56,7 +56,9 @@ pub use pack::{
     parse_pack_header, parse_trailer,
 };
 pub use seal::{SEAL_OVERHEAD, open, seal};
-pub use tree::{ChunkRef, EncodedTree, Entry, EntryKind, PAGED_ABOVE, Tree, TreeObject};
+pub use tree::{
+    ChunkRef, EncodedTree, Entry, EntryKind, PAGED_ABOVE, Tree, TreeObject, decode_part,
+};
 
 /// Version of the checkpoint format written by this build.
 pub const FORMAT_VERSION: u32 = 5;

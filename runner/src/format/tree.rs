@@ -99,7 +99,8 @@ pub enum EntryKind {
         chunks: Vec<ChunkRef>,
     },
     /// A file whose chunk list is in parts (format v5), as decoded: a
-    /// reader turns it into [`EntryKind::File`] with [`Tree::resolve_parts`].
+    /// reader turns it into [`EntryKind::File`] with [`EntryKind::file`]
+    /// over the chunks of its parts ([`decode_part`]).
     /// Writers give the whole chunk list as a `File`; encoding cuts it.
     Parted {
         size: u64,
@@ -118,6 +119,17 @@ pub enum EntryKind {
 }
 
 impl EntryKind {
+    /// A file of `size` bytes held by `chunks`, which must add up to it.
+    pub fn file(size: u64, chunks: Vec<ChunkRef>) -> Result<Self, FormatError> {
+        let sum: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+        if sum != size {
+            return Err(FormatError::MalformedTree(format!(
+                "file declares {size} bytes but its chunks hold {sum}"
+            )));
+        }
+        Ok(Self::File { size, chunks })
+    }
+
     fn code(&self) -> u8 {
         match self {
             Self::File { .. } => 1,
@@ -206,7 +218,7 @@ pub enum TreeObject {
 pub struct EncodedTree {
     pub root: Vec<u8>,
     pub pages: Vec<(BlobId, Vec<u8>)>,
-    /// The chunk-list parts of its long files, each once.
+    /// The chunk-list parts of its long files.
     pub parts: Vec<(BlobId, Vec<u8>)>,
 }
 
@@ -263,7 +275,7 @@ impl Tree {
     }
 
     /// With `parting`, a long chunk list is written in parts, each added
-    /// to the list (once).
+    /// to the list.
     #[allow(clippy::type_complexity)]
     fn encode_entries(
         entries: &[Entry],
@@ -287,9 +299,7 @@ impl Tree {
                         bytes.push(FORMAT_VERSION as u8);
                         put_chunks(&mut bytes, part);
                         let id = id_of(&bytes);
-                        if !found.iter().any(|(known, _)| *known == id) {
-                            found.push((id, bytes));
-                        }
+                        found.push((id, bytes));
                         ids.push(id);
                     }
                     Some(ids)
@@ -344,57 +354,6 @@ impl Tree {
         out
     }
 
-    /// Turns every file whose chunk list is in parts into a plain file,
-    /// with the parts `open` gives (their decrypted bytes).
-    pub fn resolve_parts<E: From<FormatError>>(
-        &mut self,
-        mut open: impl FnMut(&BlobId) -> Result<Vec<u8>, E>,
-    ) -> Result<(), E> {
-        for entry in &mut self.entries {
-            let EntryKind::Parted { size, parts } = &entry.kind else {
-                continue;
-            };
-            let mut chunks = Vec::new();
-            for part in parts {
-                let bytes = open(part)?;
-                let mut r = Reader::new(&bytes);
-                if r.take(4)? != PART_MAGIC {
-                    return Err(FormatError::MalformedTree(
-                        "a chunk-list part has a bad magic".into(),
-                    )
-                    .into());
-                }
-                let version = u32::from(r.u8()?);
-                if !(5..=FORMAT_VERSION).contains(&version) {
-                    return Err(FormatError::MalformedTree(format!(
-                        "a chunk-list part of version {version}"
-                    ))
-                    .into());
-                }
-                let part_chunks = read_chunks(&bytes, &mut r)?;
-                if part_chunks.is_empty() || !r.is_empty() {
-                    return Err(FormatError::MalformedTree(
-                        "a chunk-list part is empty or has trailing bytes".into(),
-                    )
-                    .into());
-                }
-                chunks.extend(part_chunks);
-            }
-            let sum: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
-            if sum != *size {
-                return Err(FormatError::MalformedTree(format!(
-                    "file declares {size} bytes but its chunks hold {sum}"
-                ))
-                .into());
-            }
-            entry.kind = EntryKind::File {
-                size: *size,
-                chunks,
-            };
-        }
-        Ok(())
-    }
-
     /// Decodes a listing (a small directory's tree or one page), checking
     /// its structure (not its names; see [`Tree::validate`]).
     pub fn decode(bytes: &[u8]) -> Result<Tree, FormatError> {
@@ -426,14 +385,7 @@ impl Tree {
             let kind = match code {
                 1 => {
                     let size = r.u64()?;
-                    let chunks = read_chunks(bytes, &mut r)?;
-                    let sum: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
-                    if sum != size {
-                        return Err(FormatError::MalformedTree(format!(
-                            "file declares {size} bytes but its chunks hold {sum}"
-                        )));
-                    }
-                    EntryKind::File { size, chunks }
+                    EntryKind::file(size, read_chunks(bytes, &mut r)?)?
                 }
                 // git blobs from version 3, tree deltas from version 4
                 code @ (8 | 9) if version >= u32::from(code == 9) + 3 => {
@@ -544,6 +496,29 @@ impl Tree {
         }
         Ok(())
     }
+}
+
+/// The chunks a chunk-list part holds (see [`EntryKind::Parted`]).
+pub fn decode_part(bytes: &[u8]) -> Result<Vec<ChunkRef>, FormatError> {
+    let mut r = Reader::new(bytes);
+    if r.take(4)? != PART_MAGIC {
+        return Err(FormatError::MalformedTree(
+            "a chunk-list part has a bad magic".into(),
+        ));
+    }
+    let version = u32::from(r.u8()?);
+    if !(5..=FORMAT_VERSION).contains(&version) {
+        return Err(FormatError::MalformedTree(format!(
+            "a chunk-list part of version {version}"
+        )));
+    }
+    let chunks = read_chunks(bytes, &mut r)?;
+    if chunks.is_empty() || !r.is_empty() {
+        return Err(FormatError::MalformedTree(
+            "a chunk-list part is empty or has trailing bytes".into(),
+        ));
+    }
+    Ok(chunks)
 }
 
 /// The parts a long chunk list is cut into: content-defined, so a changed
@@ -926,11 +901,20 @@ mod tests {
             "256 chunks stay inline"
         );
         assert!(matches!(decoded.entries[1].kind, EntryKind::Parted { .. }));
-        let open = |id: &BlobId| -> Result<Vec<u8>, FormatError> {
-            let (_, bytes) = encoded.parts.iter().find(|(i, _)| i == id).unwrap();
-            Ok(bytes.clone())
+        let resolve = |tree: &mut Tree| -> Result<(), FormatError> {
+            for entry in &mut tree.entries {
+                if let EntryKind::Parted { size, parts } = &entry.kind {
+                    let mut chunks = Vec::new();
+                    for part in parts {
+                        let (_, bytes) = encoded.parts.iter().find(|(i, _)| i == part).unwrap();
+                        chunks.extend(decode_part(bytes)?);
+                    }
+                    entry.kind = EntryKind::file(*size, chunks)?;
+                }
+            }
+            Ok(())
         };
-        decoded.resolve_parts(open).unwrap();
+        resolve(&mut decoded).unwrap();
         assert_eq!(decoded, tree);
 
         let mut changed = chunks.clone();
@@ -951,7 +935,7 @@ mod tests {
         if let EntryKind::Parted { parts, .. } = &mut short.entries[1].kind {
             parts.pop();
         }
-        assert!(short.resolve_parts(open).is_err());
+        assert!(resolve(&mut short).is_err());
     }
 
     #[test]

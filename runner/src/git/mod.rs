@@ -546,7 +546,7 @@ pub struct Inspector {
 impl Inspector {
     pub fn start() -> Self {
         let (sender, receiver) = mpsc::channel::<Job>();
-        let trees = Arc::new(crate::gitobj::TreeCache::default());
+        let trees = Arc::new(gitobj::TreeCache::default());
         let shared = trees.clone();
         let thread = thread::Builder::new()
             .name("cairn-git".into())

@@ -489,10 +489,9 @@ fn diff_trees(
     }
     let read = |tree: Option<Oid>| tree.map(|tree| trees.read(odb, tree)).transpose();
     let (old_content, new_content) = (read(old)?, read(new)?);
-    let (before, after) = (
-        gitobj::parse_tree(old_content.as_deref())?,
-        gitobj::parse_tree(new_content.as_deref())?,
-    );
+    let before = old_content.as_deref().map(gitobj::parse_tree).transpose()?;
+    let after = new_content.as_deref().map(gitobj::parse_tree).transpose()?;
+    let (before, after) = (before.unwrap_or_default(), after.unwrap_or_default());
     let (mut was, mut is) = (before.iter().peekable(), after.iter().peekable());
     loop {
         let (removed, added) = match (was.peek(), is.peek()) {

@@ -383,29 +383,21 @@ fn open_tree(
             Tree::concat(pages).map_err(corrupt)?
         }
     };
-    tree.resolve_parts(|part| open(part).map_err(PartError::Plan))
-        .map_err(|e| match e {
-            PartError::Plan(e) => e,
-            PartError::Format(e) => corrupt(e),
-        })?;
+    for entry in &mut tree.entries {
+        if let EntryKind::Parted { size, parts } = &entry.kind {
+            let mut chunks = Vec::new();
+            for part in parts {
+                chunks.extend(format::decode_part(&open(part)?).map_err(corrupt)?);
+            }
+            entry.kind = EntryKind::file(*size, chunks).map_err(corrupt)?;
+        }
+    }
     tree.validate()
         .map_err(|(name, reason)| PlanError::Unsafe {
             path: shown(&join(dir_path, name.as_bytes())),
             reason,
         })?;
     Ok(tree)
-}
-
-/// Why a chunk-list part could not be had.
-enum PartError {
-    Plan(PlanError),
-    Format(FormatError),
-}
-
-impl From<FormatError> for PartError {
-    fn from(e: FormatError) -> Self {
-        Self::Format(e)
-    }
 }
 
 fn is_own_ancestor(plan: &Plan, dir: Option<usize>, tree: &BlobId, root: &BlobId) -> bool {

@@ -1164,7 +1164,7 @@ pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
     };
     let finished = run(control, &stores, options, shutdown).await;
     if let Some(resident) = resident.get() {
-        resident.flush().await;
+        resident.settle().await;
     }
     let finished = finished?;
     tracing::info!(?finished, "runner done");
