@@ -38,7 +38,16 @@ one run, side by side, for each method:
                through a resident watcher, restic; tar-gz would archive it all
                again: n/a; parts n/a), --large-repeat times (default
                --repeat). The 4x workspace (~1.3 GB) and each repeat's stores
-               are removed as soon as done, unless --keep
+               are removed at the end, unless --keep
+
+Nothing the run made is deleted before it ends: trees it is done with
+(restore targets, each repeat's stores) are set aside by a rename and deleted
+together at the end. On ext4 without a journal (these machines), the inode
+allocator skips inodes freed in the last minutes, scanning past every one of
+them for each new file, so a restore made right after deleting the previous
+restore's 50k files spent most of its wall in the kernel (tar-gz restores
+varied from 4.7 s to 20 s in one run); which method paid for it depended on
+the order of the steps.
 
 Methods: cairn (release cairn-coordinator on ephemeral ports, cairn-runner
 checkpoint / restore with a fresh runner cache for the restore, as on a new
@@ -105,6 +114,33 @@ RACY_GUARD_S = 3.1
 LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
+
+
+class SpentTrees:
+    """Trees the run is done with, renamed into one directory and deleted when
+    the run ends (see the module doc: deleting them in between would slow
+    down whatever creates files next)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.count = 0
+
+    def put(self, path):
+        if not os.path.lexists(path):
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        self.count += 1
+        os.rename(path, os.path.join(self.directory, str(self.count)))
+
+    def delete(self):
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+SPENT = SpentTrees(None)  # main() puts it inside the work directory
+
+
+def set_aside(path):
+    SPENT.put(path)
 STEPS = ["full", "incremental", "unchanged", "restore"]
 RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache",
                        "restore-cold-cache-loopback", "restore-warm-cache-loopback"]
@@ -364,13 +400,13 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
         restored = json.loads(out)
         check_restored("cairn", target, expected_files)
         results.add("restore", "cairn", seconds, None, bytes_downloaded=restored.get("bytes_downloaded"))
-        shutil.rmtree(target)
+        set_aside(target)
 
         target = os.path.join(rep, "restore-tar-gz")
         seconds, _ = run(["bash", BASELINES, "untar-gz", os.path.join(tgz_incr, "workspace.tgz"), target])
         check_restored("tar-gz", target, expected_files)
         results.add("restore", "tar-gz", seconds, None, bytes_downloaded=tree_bytes(tgz_incr))
-        shutil.rmtree(target)
+        set_aside(target)
         results.na("restore", "parts", "parts has no restore")
 
         if have_restic:
@@ -380,14 +416,14 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
             # restic recreates the absolute source path under the target.
             check_restored("restic", os.path.join(target, workspace_root.lstrip("/")), expected_files)
             results.add("restore", "restic", seconds, None)
-            shutil.rmtree(target)
+            set_aside(target)
 
         restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
                            have_restic, expected_files, args.store_mib_s << 20)
     finally:
         coordinator.stop()
     if not args.keep:
-        shutil.rmtree(rep, ignore_errors=True)
+        set_aside(rep)
 
 
 def restic_backup(root, restic_repo, results, step, init=False):
@@ -450,7 +486,7 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
         tgz_full = os.path.join(rep, "tar-gz-full")
         seconds, _ = run(["bash", BASELINES, "tar-gz", large_root, tgz_full])
         results.add("full-4x", "tar-gz", seconds, tree_bytes(tgz_full))
-        shutil.rmtree(tgz_full)
+        set_aside(tgz_full)
         restic_repo = os.path.join(rep, "restic-repo")
         if have_restic:
             restic_backup(large_root, restic_repo, results, "full-4x", init=True)
@@ -468,7 +504,7 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
     finally:
         coordinator.stop()
     if not args.keep:
-        shutil.rmtree(rep, ignore_errors=True)
+        set_aside(rep)
 
 
 def bake_before_turn(workspace_root, rep):
@@ -481,7 +517,7 @@ def bake_before_turn(workspace_root, rep):
 def prefill(baked, target):
     """Fills target (made anew) with a copy of the baked workspace."""
     if os.path.exists(target):
-        shutil.rmtree(target)
+        set_aside(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     run(["cp", "-a", baked, target])
 
@@ -504,14 +540,14 @@ def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, 
     results.add("restore-baked", "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
                 note=f"{report.get('files_reused')} files reused, {human_bytes(report.get('bytes_written'))} written, "
                      f"{report.get('entries_removed')} stale entries removed")
-    shutil.rmtree(target)
+    set_aside(target)
 
     target = os.path.join(rep, "baked-tar-gz")
     prefill(baked, target)
     seconds, _ = run(["tar", "-C", target, "-xzf", os.path.join(tgz_incr, "workspace.tgz")])
     results.add("restore-baked", "tar-gz", seconds, None, bytes_downloaded=tree_bytes(tgz_incr),
                 note="untars every file over the copy; " + (stale_note(target, expected_files) or "no stale files"))
-    shutil.rmtree(target)
+    set_aside(target)
     results.na("restore-baked", "parts", "parts has no restore")
     if have_restic:
         target = os.path.join(rep, "baked-restic")
@@ -527,7 +563,7 @@ def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, 
             # restic 0.14 cannot replace an existing symlink ("file exists") and exits 1.
             last = [line for line in str(e).splitlines() if line.strip()][-2:]
             results.na("restore-baked", "restic", "restic cannot restore over a pre-filled directory: " + " ".join(last)[:200])
-        shutil.rmtree(target)
+        set_aside(target)
 
     pairs = [("restore-cold-cache", "restore-warm-cache", link_bytes_per_s)]
     if link_bytes_per_s:
@@ -568,11 +604,11 @@ def cached_restores(bins, coordinator, rep, expected_files, results, cold, warm,
             else:
                 note += "; store on loopback"
             results.add(step, "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"), note=note)
-            shutil.rmtree(target)
+            set_aside(target)
     finally:
         if link:
             link.stop()
-        shutil.rmtree(pack_cache, ignore_errors=True)
+        set_aside(pack_cache)
 
 
 def restore_speed_targets(results):
@@ -830,6 +866,7 @@ def main():
 
     work = args.workdir or tempfile.mkdtemp(prefix="cairn-bench-")
     os.makedirs(work, exist_ok=True)
+    SPENT.directory = os.path.join(work, "spent")
     workspace_root = os.path.join(work, "workspace")
     flags = []
     for flag, value in [("--files", args.files), ("--ignored", args.ignored), ("--transcript-mb", args.transcript_mb)]:
@@ -864,11 +901,12 @@ def main():
             for i in range(args.large_repeat):
                 one_large_repeat(i, args, bins, work, large_root, results, have_restic)
             if not args.keep:
-                shutil.rmtree(large_root, ignore_errors=True)
-                shutil.rmtree(large_root + ".remote.git", ignore_errors=True)
+                set_aside(large_root)
+                set_aside(large_root + ".remote.git")
     except BenchError as e:
         sys.exit(f"benchmark failed: {e}")
     finally:
+        SPENT.delete()
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 

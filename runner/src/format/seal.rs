@@ -84,49 +84,110 @@ pub fn open(
     sealed: &[u8],
     plain_len: usize,
 ) -> Result<Vec<u8>, FormatError> {
-    let malformed = |reason: String| FormatError::MalformedBlob { id: *id, reason };
-    if plain_len > MAX_BLOB_LEN {
-        return Err(malformed(format!(
-            "declared length {plain_len} exceeds {MAX_BLOB_LEN}"
-        )));
+    Opener::with(|opener| opener.open(keys, id, sealed, plain_len).map(<[u8]>::to_vec))
+}
+
+/// Opens blobs one after another with one zstd context and two buffers, so
+/// that a restore writing tens of thousands of blobs neither sets up a
+/// decompressor nor allocates (and faults in) fresh memory per blob.
+pub struct Opener {
+    decompressor: zstd::bulk::Decompressor<'static>,
+    /// The sealed body, opened in place.
+    body: Vec<u8>,
+    /// Decompressed plaintext.
+    plain: Vec<u8>,
+}
+
+thread_local! {
+    static OPENER: std::cell::RefCell<Option<Opener>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Buffers grown past this are given back after use, so that one large blob
+/// does not pin its size on every thread that ever opened one.
+const KEPT_CAPACITY: usize = 4 << 20;
+
+impl Opener {
+    /// Runs `f` with this thread's opener.
+    pub fn with<T>(f: impl FnOnce(&mut Opener) -> T) -> T {
+        OPENER.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let opener = slot.get_or_insert_with(|| Opener {
+                decompressor: zstd::bulk::Decompressor::new()
+                    .expect("a zstd decompression context can always be made"),
+                body: Vec::new(),
+                plain: Vec::new(),
+            });
+            let out = f(opener);
+            for buffer in [&mut opener.body, &mut opener.plain] {
+                if buffer.capacity() > KEPT_CAPACITY {
+                    *buffer = Vec::new();
+                }
+            }
+            out
+        })
     }
-    if sealed.len() < SEAL_OVERHEAD {
-        return Err(malformed(format!(
-            "{} bytes is shorter than a seal",
-            sealed.len()
-        )));
+
+    /// [`open`], into this opener's buffers: the plaintext is valid until the
+    /// next call.
+    pub fn open(
+        &mut self,
+        keys: &TenantKeys,
+        id: &BlobId,
+        sealed: &[u8],
+        plain_len: usize,
+    ) -> Result<&[u8], FormatError> {
+        let malformed = |reason: String| FormatError::MalformedBlob { id: *id, reason };
+        if plain_len > MAX_BLOB_LEN {
+            return Err(malformed(format!(
+                "declared length {plain_len} exceeds {MAX_BLOB_LEN}"
+            )));
+        }
+        if sealed.len() < SEAL_OVERHEAD {
+            return Err(malformed(format!(
+                "{} bytes is shorter than a seal",
+                sealed.len()
+            )));
+        }
+        let flags = sealed[0];
+        if flags & !FLAG_ZSTD != 0 {
+            return Err(malformed(format!("unknown flags {flags:#04x}")));
+        }
+        let nonce: [u8; NONCE_LEN] = sealed[1..1 + NONCE_LEN].try_into().expect("length checked");
+        self.body.clear();
+        self.body.extend_from_slice(&sealed[1 + NONCE_LEN..]);
+        let opened_len = keys
+            .blob_key(id)
+            .open_in_place(
+                aead::Nonce::assume_unique_for_key(nonce),
+                aead::Aad::from(aad(id, flags)),
+                &mut self.body,
+            )
+            .map_err(|_| FormatError::Unauthentic { id: *id })?
+            .len();
+        let plaintext: &[u8] = if flags & FLAG_ZSTD != 0 {
+            self.plain.clear();
+            self.plain.reserve(plain_len);
+            // The buffer's room is bounded by declared lengths (at most
+            // MAX_BLOB_LEN): a frame that would decompress to more fails
+            // instead of growing it.
+            self.decompressor
+                .decompress_to_buffer(&self.body[..opened_len], &mut self.plain)
+                .map_err(|e| malformed(format!("zstd: {e}")))?;
+            &self.plain
+        } else {
+            &self.body[..opened_len]
+        };
+        if plaintext.len() != plain_len {
+            return Err(malformed(format!(
+                "holds {} bytes, expected {plain_len}",
+                plaintext.len()
+            )));
+        }
+        if !keys.verify_blob_id(id, plaintext) {
+            return Err(FormatError::DigestMismatch { id: *id });
+        }
+        Ok(plaintext)
     }
-    let flags = sealed[0];
-    if flags & !FLAG_ZSTD != 0 {
-        return Err(malformed(format!("unknown flags {flags:#04x}")));
-    }
-    let nonce: [u8; NONCE_LEN] = sealed[1..1 + NONCE_LEN].try_into().expect("length checked");
-    let mut body = sealed[1 + NONCE_LEN..].to_vec();
-    let opened_len = keys
-        .blob_key(id)
-        .open_in_place(
-            aead::Nonce::assume_unique_for_key(nonce),
-            aead::Aad::from(aad(id, flags)),
-            &mut body,
-        )
-        .map_err(|_| FormatError::Unauthentic { id: *id })?
-        .len();
-    body.truncate(opened_len);
-    let plaintext = if flags & FLAG_ZSTD != 0 {
-        zstd::bulk::decompress(&body, plain_len).map_err(|e| malformed(format!("zstd: {e}")))?
-    } else {
-        body
-    };
-    if plaintext.len() != plain_len {
-        return Err(malformed(format!(
-            "holds {} bytes, expected {plain_len}",
-            plaintext.len()
-        )));
-    }
-    if !keys.verify_blob_id(id, &plaintext) {
-        return Err(FormatError::DigestMismatch { id: *id });
-    }
-    Ok(plaintext)
 }
 
 #[cfg(test)]

@@ -328,20 +328,44 @@ pub(crate) struct Prepared {
     pub reused: Vec<(usize, Fingerprint)>,
     /// Empty files, created and finished by `prepare`.
     pub created_empty: Vec<(usize, Fingerprint)>,
+    pub created_dirs: CreatedDirs,
+}
+
+/// The directories `prepare` made: they hold nothing the restore did not
+/// put there, so [`finish`] need not list them for stale entries.
+#[derive(Debug, Default)]
+pub(crate) struct CreatedDirs {
+    root: bool,
+    /// Per plan entry.
+    entries: Vec<bool>,
+}
+
+impl CreatedDirs {
+    /// `dir`: a plan entry, or `None` for the root.
+    fn contains(&self, dir: Option<usize>) -> bool {
+        dir.map_or(self.root, |i| self.entries.get(i).copied().unwrap_or(false))
+    }
 }
 
 /// Creates the directory skeleton and readies every file for the download.
 pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, LocalError> {
     let plan = &target.plan;
-    if !survey.root_exists {
+    let mut created_dirs = CreatedDirs {
+        root: !survey.root_exists,
+        entries: vec![false; plan.entries.len()],
+    };
+    if created_dirs.root {
         fs::create_dir_all(&target.root).map_err(local("creating the root", &target.root))?;
     }
-    for entry in &plan.entries {
+    for (i, entry) in plan.entries.iter().enumerate() {
         if matches!(entry.kind, PlanKind::Dir { .. }) {
-            ensure_dir(&target.path(&entry.path))?;
+            created_dirs.entries[i] = ensure_dir(&target.path(&entry.path))?;
         }
     }
-    let mut prepared = Prepared::default();
+    let mut prepared = Prepared {
+        created_dirs,
+        ..Prepared::default()
+    };
     for (i, (entry, state)) in plan.entries.iter().zip(survey.files).enumerate() {
         let (PlanKind::File { size, chunks, git }, Some(state)) = (&entry.kind, state) else {
             continue;
@@ -373,7 +397,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
             fsops::remove_entry(&path).map_err(local("removing", &path))?;
         }
         if *size == 0 {
-            let file = fsops::create_new(&path).map_err(local("creating", &path))?;
+            let file = fsops::create_new(&path, &entry.meta).map_err(local("creating", &path))?;
             let fingerprint = finish_file(&file, &path, &entry.meta, target.set_owner)?;
             prepared.created_empty.push((i, fingerprint));
             continue;
@@ -381,7 +405,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
         let create_on_write = chunks.len() == 1;
         let content_len: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
         if !create_on_write {
-            let file = fsops::create_new(&path).map_err(local("creating", &path))?;
+            let file = fsops::create_new(&path, &entry.meta).map_err(local("creating", &path))?;
             file.set_len(content_len).map_err(local("sizing", &path))?;
         }
         prepared.jobs.push(FileJob {
@@ -398,8 +422,9 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     Ok(prepared)
 }
 
-/// Makes `path` a real directory the restore can write into.
-fn ensure_dir(path: &Path) -> Result<(), LocalError> {
+/// Makes `path` a real directory the restore can write into; `true` if it
+/// had to create it.
+fn ensure_dir(path: &Path) -> Result<bool, LocalError> {
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_dir() => {
             if meta.mode() & 0o700 != 0o700 {
@@ -410,7 +435,7 @@ fn ensure_dir(path: &Path) -> Result<(), LocalError> {
                 )
                 .map_err(local("making writable", path))?;
             }
-            return Ok(());
+            return Ok(false);
         }
         Ok(_) => fsops::remove_entry(path).map_err(local("removing", path))?,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -419,7 +444,8 @@ fn ensure_dir(path: &Path) -> Result<(), LocalError> {
     fs::DirBuilder::new()
         .mode(0o700)
         .create(path)
-        .map_err(local("creating directory", path))
+        .map_err(local("creating directory", path))?;
+    Ok(true)
 }
 
 fn fix_meta(path: &Path, meta: &EntryMeta, set_owner: bool) -> io::Result<Fingerprint> {
@@ -431,12 +457,21 @@ fn fix_meta(path: &Path, meta: &EntryMeta, set_owner: bool) -> io::Result<Finger
     Ok(Fingerprint::of(&file.metadata()?))
 }
 
+/// Gives a file this restore created ([`fsops::create_new`]) its mtime, and
+/// its owner and mode where creation did not already (a umask, set-id bits,
+/// another owner): most files need two calls here, not four.
 fn finish_file(
     file: &fs::File,
     path: &Path,
     meta: &EntryMeta,
     set_owner: bool,
 ) -> Result<Fingerprint, LocalError> {
+    file.set_modified(meta.mtime())
+        .map_err(local("setting the mtime of", path))?;
+    let after = file.metadata().map_err(local("inspecting", path))?;
+    if meta.matches(&after, set_owner) {
+        return Ok(Fingerprint::of(&after));
+    }
     fsops::apply_meta(file, meta, set_owner).map_err(local("setting metadata of", path))?;
     let after = file.metadata().map_err(local("inspecting", path))?;
     Ok(Fingerprint::of(&after))
@@ -498,68 +533,74 @@ pub(crate) fn write_span(
     items: &[(u64, u64, NeededBlob)],
     on_bad: BadBlob,
 ) -> Result<SpanDone, SpanError> {
-    let mut done = SpanDone::default();
-    let mut open_files: HashMap<usize, fs::File> = HashMap::new();
-    for (offset, sealed_len, blob) in items {
-        if writers.cancelled.load(Ordering::Relaxed) {
-            break;
-        }
-        let at = (offset - start) as usize;
-        let sealed = &bytes[at..at + *sealed_len as usize];
-        let plain = match format::open(&writers.keys, &blob.id, sealed, blob.plain_len as usize) {
-            Ok(plain) => plain,
-            Err(_) if on_bad == BadBlob::Collect => {
-                // Nothing of it was written; the store's copy will be.
-                done.bad.push((*offset, *sealed_len, blob.clone()));
-                continue;
+    format::Opener::with(|opener| {
+        let mut done = SpanDone::default();
+        let mut open_files: HashMap<usize, fs::File> = HashMap::new();
+        for (offset, sealed_len, blob) in items {
+            if writers.cancelled.load(Ordering::Relaxed) {
+                break;
             }
-            Err(source) => {
-                return Err(SpanError::Blob {
-                    pack: pack.clone(),
-                    source,
-                });
-            }
-        };
-        for &(job_index, file_offset) in &blob.targets {
-            let job = &writers.jobs[job_index];
-            if job.create_on_write {
-                let mut file =
-                    fsops::create_new(&job.path).map_err(local("creating", &job.path))?;
-                match job.git {
-                    Some(GitStored::Blob { level }) => file.write_all(
-                        &gitobj::pack(level, &plain)
-                            .map_err(local("compressing the git object", &job.path))?,
-                    ),
-                    Some(GitStored::TreeDelta { .. }) | None => file.write_all(&plain),
+            let at = (offset - start) as usize;
+            let sealed = &bytes[at..at + *sealed_len as usize];
+            let plain = match opener.open(&writers.keys, &blob.id, sealed, blob.plain_len as usize)
+            {
+                Ok(plain) => plain,
+                Err(_) if on_bad == BadBlob::Collect => {
+                    // Nothing of it was written; the store's copy will be.
+                    done.bad.push((*offset, *sealed_len, blob.clone()));
+                    continue;
                 }
-                .map_err(local("writing", &job.path))?;
-                if !job.waits_for_base() {
-                    let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
-                    let _ = job.fingerprint.set(fingerprint);
-                    done.files += 1;
+                Err(source) => {
+                    return Err(SpanError::Blob {
+                        pack: pack.clone(),
+                        source,
+                    });
                 }
-            } else {
-                let file = match open_files.entry(job_index) {
-                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::hash_map::Entry::Vacant(e) => e.insert(
-                        fsops::open_for_write(&job.path).map_err(local("opening", &job.path))?,
-                    ),
-                };
-                file.write_all_at(&plain, file_offset)
-                    .map_err(local("writing", &job.path))?;
-                if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 && !job.waits_for_base() {
-                    if let Some(GitStored::Blob { level }) = job.git {
-                        deflate_in_place(file, &job.path, level, job.content_len)?;
+            };
+            for &(job_index, file_offset) in &blob.targets {
+                let job = &writers.jobs[job_index];
+                if job.create_on_write {
+                    let mut file = fsops::create_new(&job.path, &job.meta)
+                        .map_err(local("creating", &job.path))?;
+                    match job.git {
+                        Some(GitStored::Blob { level }) => file.write_all(
+                            &gitobj::pack(level, plain)
+                                .map_err(local("compressing the git object", &job.path))?,
+                        ),
+                        Some(GitStored::TreeDelta { .. }) | None => file.write_all(plain),
                     }
-                    let fingerprint = finish_file(file, &job.path, &job.meta, writers.set_owner)?;
-                    let _ = job.fingerprint.set(fingerprint);
-                    done.files += 1;
+                    .map_err(local("writing", &job.path))?;
+                    if !job.waits_for_base() {
+                        let fingerprint =
+                            finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
+                        let _ = job.fingerprint.set(fingerprint);
+                        done.files += 1;
+                    }
+                } else {
+                    let file = match open_files.entry(job_index) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                            fsops::open_for_write(&job.path)
+                                .map_err(local("opening", &job.path))?,
+                        ),
+                    };
+                    file.write_all_at(plain, file_offset)
+                        .map_err(local("writing", &job.path))?;
+                    if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 && !job.waits_for_base() {
+                        if let Some(GitStored::Blob { level }) = job.git {
+                            deflate_in_place(file, &job.path, level, job.content_len)?;
+                        }
+                        let fingerprint =
+                            finish_file(file, &job.path, &job.meta, writers.set_owner)?;
+                        let _ = job.fingerprint.set(fingerprint);
+                        done.files += 1;
+                    }
                 }
+                done.bytes += plain.len() as u64;
             }
-            done.bytes += plain.len() as u64;
         }
-    }
-    Ok(done)
+        Ok(done)
+    })
 }
 
 impl FileJob {
@@ -674,7 +715,7 @@ fn deflate_in_place(
 
 /// Symlinks, removal of what the plan lacks, and directory metadata.
 /// Returns how many entries were removed.
-pub(crate) fn finish(target: &Target) -> Result<u64, LocalError> {
+pub(crate) fn finish(target: &Target, created_dirs: &CreatedDirs) -> Result<u64, LocalError> {
     let plan = &target.plan;
     for entry in &plan.entries {
         let PlanKind::Symlink {
@@ -712,7 +753,7 @@ pub(crate) fn finish(target: &Target) -> Result<u64, LocalError> {
             .filter(|(_, e)| matches!(e.kind, PlanKind::Dir { .. }))
             .map(|(i, _)| Some(i)),
     );
-    for dir in dirs {
+    for dir in dirs.filter(|&dir| !created_dirs.contains(dir)) {
         let rel: &[u8] = dir.map_or(&[], |i| &plan.entries[i].path);
         let dir_path = target.path(rel);
         let listing = fs::read_dir(&dir_path).map_err(local("listing", &dir_path))?;
@@ -749,9 +790,10 @@ pub(crate) fn finish(target: &Target) -> Result<u64, LocalError> {
 }
 
 /// Relative paths of `inner` and its ancestors below `root`, if `inner` lies
-/// inside `root` (compared after resolving both).
+/// inside `root` (compared after resolving both as far as they exist: the
+/// runner's cache directory may be made only when the restore saves it).
 pub(crate) fn protected_paths(root: &Path, inner: &Path) -> Vec<Vec<u8>> {
-    let (Ok(root), Ok(inner)) = (root.canonicalize(), inner.canonicalize()) else {
+    let (Some(root), Some(inner)) = (resolve_existing(root), resolve_existing(inner)) else {
         return Vec::new();
     };
     let Ok(rel) = inner.strip_prefix(&root) else {
@@ -769,6 +811,29 @@ pub(crate) fn protected_paths(root: &Path, inner: &Path) -> Vec<Vec<u8>> {
     paths
 }
 
+/// `path` made absolute with its longest existing ancestor resolved
+/// (symlinks followed) and the rest appended as written; `None` if the rest
+/// is not plain names.
+fn resolve_existing(path: &Path) -> Option<PathBuf> {
+    let absolute = std::path::absolute(path).ok()?;
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(resolved) = existing.canonicalize() {
+            let mut out = resolved;
+            for name in rest.iter().rev() {
+                out.push(name);
+            }
+            return Some(out);
+        }
+        match existing.components().next_back()? {
+            std::path::Component::Normal(name) => rest.push(name.to_owned()),
+            _ => return None,
+        }
+        existing = existing.parent()?;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -777,11 +842,26 @@ mod tests {
     fn a_cache_dir_inside_the_root_is_protected_with_its_ancestors() {
         let dir = tempfile::tempdir().unwrap();
         let inner = dir.path().join(".cache/cairn");
+        let expected = [b".cache".to_vec(), b".cache/cairn".to_vec()];
+        // Before the cache directory exists, and through a symlinked root.
+        assert_eq!(protected_paths(dir.path(), &inner), expected);
         fs::create_dir_all(&inner).unwrap();
-        let paths = protected_paths(dir.path(), &inner);
-        assert_eq!(paths, [b".cache".to_vec(), b".cache/cairn".to_vec()]);
+        assert_eq!(protected_paths(dir.path(), &inner), expected);
+        let link = tempfile::tempdir().unwrap();
+        let linked_root = link.path().join("root");
+        std::os::unix::fs::symlink(dir.path(), &linked_root).unwrap();
+        assert_eq!(protected_paths(&linked_root, &inner), expected);
+        assert_eq!(
+            protected_paths(dir.path(), &linked_root.join(".cache/cairn/x")),
+            [
+                b".cache".to_vec(),
+                b".cache/cairn".to_vec(),
+                b".cache/cairn/x".to_vec()
+            ]
+        );
         let elsewhere = tempfile::tempdir().unwrap();
         assert!(protected_paths(dir.path(), elsewhere.path()).is_empty());
+        assert!(protected_paths(dir.path(), &elsewhere.path().join("new")).is_empty());
     }
 
     #[test]

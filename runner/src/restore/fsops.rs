@@ -53,12 +53,15 @@ pub(crate) fn running_as_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Creates a new regular file for writing. Fails if anything is at `path`.
-pub(crate) fn create_new(path: &Path) -> io::Result<File> {
+/// Creates a new regular file for writing, with the permission bits of
+/// `meta` (less the umask) and always the owner's read and write, which
+/// later writes through a second descriptor need. Fails if anything is at
+/// `path`.
+pub(crate) fn create_new(path: &Path, meta: &EntryMeta) -> io::Result<File> {
     OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o600)
+        .mode((meta.mode & 0o777) | 0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
 }
@@ -181,7 +184,19 @@ mod tests {
         fs::write(&outside, b"keep").unwrap();
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&outside, &link).unwrap();
-        assert!(create_new(&link).is_err());
+        assert!(
+            create_new(
+                &link,
+                &EntryMeta {
+                    mode: 0o644,
+                    mtime_sec: 0,
+                    mtime_nsec: 0,
+                    uid: 0,
+                    gid: 0
+                }
+            )
+            .is_err()
+        );
         assert!(open_for_write(&link).is_err());
         assert!(open_for_read(&link).is_err());
         assert_eq!(fs::read(&outside).unwrap(), b"keep");

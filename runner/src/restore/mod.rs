@@ -3,11 +3,15 @@
 //! ```text
 //! GetRestoreManifest ─► candidates, newest first (or exactly --checkpoint)
 //!   for each candidate until one succeeds:
-//!     META packs, whole ─► verify ─► trees ─► plan     (plan.rs: refuses
-//!                                                        unsafe entries)
-//!     DATA pack indexes (ranged GETs) ─► every chunk located
+//!     at once: META packs, whole ─► verify ─► trees ─► plan (plan.rs:
+//!                                                 refuses unsafe entries)
+//!              DATA pack indexes (ranged GETs)
+//!              the runner's fingerprint cache (which files need no write)
+//!     every chunk located
 //!     ── nothing has been written up to here ──
-//!     survey, prepare, download + write, finish        (apply.rs)
+//!     survey, prepare, download + write, git trees rebuilt   (apply.rs)
+//!     at once: finish (links, stale entries, directory metadata) and the
+//!              fingerprint cache saved
 //!   (with a host pack cache, packcache.rs, every read above tries the cache
 //!    first; cached bytes pass the same checks, and what fails them is
 //!    dropped and fetched from the store)
@@ -15,9 +19,16 @@
 //!   blob that does not verify) is recorded and the next candidate restores
 //!   over what the failed one left; a local failure (disk full, permission)
 //!   stops the restore, since an older checkpoint would not fix it
-//! fingerprint cache updated with what was written, so the next checkpoint
+//! the fingerprint cache records what was written, so the next checkpoint
 //! does not read the restored files again
 //! ```
+//!
+//! A restore writes tens of thousands of files, so the per-file work is kept
+//! small: blobs are opened with one zstd context and reused buffers per
+//! thread ([`crate::format::Opener`]), cache pieces are read into one buffer
+//! per thread, and a file is created with its final permission bits and
+//! checked with the one `fstat` its fingerprint needs anyway; owner and mode
+//! are set only where that check shows creation did not give them.
 //!
 //! A restore never presents an empty directory as a restored workspace: no
 //! candidates is an error, and when every candidate fails the error lists
@@ -45,7 +56,7 @@ use cairn_proto::ids::{BlobId, CheckpointId, PackId, WorkspaceId};
 use cairn_proto::pb;
 use futures::{StreamExt, TryStreamExt, stream};
 
-use crate::cache::{Cache, CachedFile, Fingerprint};
+use crate::cache::{Cache, CachedFile, FastMap, Fingerprint};
 use crate::cli::{OutputFormat, RestoreArgs, default_cache_dir};
 use crate::client::{ConnectError, Coordinator};
 use crate::format::{IndexEntry, PackIndex};
@@ -511,6 +522,7 @@ pub async fn restore(
         workspace_id: &manifest.workspace_id,
         protected,
         set_owner: fsops::running_as_root(),
+        started_at,
     };
     let mut skipped = Vec::new();
     for candidate in &candidates {
@@ -524,17 +536,7 @@ pub async fn restore(
             Err(reason) => Err(AttemptError::Candidate(CandidateError::Manifest(reason))),
         };
         match outcome {
-            Ok((resolved, mut outcome)) => {
-                if let Some(cache_dir) = &opts.cache_dir {
-                    let dir = cache_dir.clone();
-                    let workspace_id = manifest.workspace_id.clone();
-                    let key_id = resolved.keys.key_id().to_owned();
-                    let update = std::mem::take(&mut outcome.cache_update);
-                    blocking(move || {
-                        update_cache(&dir, &workspace_id, &key_id, update, started_at)
-                    })
-                    .await;
-                }
+            Ok((resolved, outcome)) => {
                 return Ok(RestoreReport {
                     checkpoint_id: resolved.id,
                     workspace_id: manifest.workspace_id.clone(),
@@ -577,10 +579,11 @@ struct AttemptContext<'a> {
     workspace_id: &'a WorkspaceId,
     protected: Vec<Vec<u8>>,
     set_owner: bool,
+    started_at: SystemTime,
 }
 
 /// What the fingerprint cache learns from a restore.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct CacheUpdate {
     files: Vec<(Vec<u8>, CachedFile)>,
     blobs: Vec<(BlobId, PackId)>,
@@ -595,25 +598,28 @@ struct AttemptOutcome {
     bytes_written: u64,
     files_reused: u64,
     entries_removed: u64,
-    cache_update: CacheUpdate,
 }
 
 async fn attempt(
     ctx: &AttemptContext<'_>,
     candidate: &ResolvedCandidate,
 ) -> Result<AttemptOutcome, AttemptError> {
+    // The trees, the DATA packs' indexes and the runner's fingerprint cache
+    // do not depend on each other: read at once.
     let phase = Instant::now();
-    let (plan, mut blob_packs) = read_plan(ctx.fetcher, candidate, &ctx.opts.limits).await?;
-    tracing::debug!(checkpoint = %candidate.id, entries = plan.entries.len(), elapsed = ?phase.elapsed(), "trees read and checked");
-
-    let phase = Instant::now();
-    let located = locate_chunks(ctx.fetcher, candidate, &plan).await?;
+    let (plan, indexes, cache) = tokio::join!(
+        read_plan(ctx.fetcher, candidate, &ctx.opts.limits),
+        fetch_indexes(ctx.fetcher, candidate),
+        load_cache(ctx, candidate),
+    );
+    let (plan, mut blob_packs) = plan?;
+    let located = locate_chunks(&plan, indexes?)?;
     blob_packs.extend(located.blob_packs.iter().cloned());
-    tracing::debug!(blobs = located.blobs.len(), elapsed = ?phase.elapsed(), "pack indexes read");
+    tracing::debug!(checkpoint = %candidate.id, entries = plan.entries.len(), blobs = located.blobs.len(), elapsed = ?phase.elapsed(), "trees and pack indexes read and checked");
 
     // Nothing has been written so far; from here on the root changes.
     let phase = Instant::now();
-    let (target, prepared) = prepare_root(ctx, candidate, &plan).await?;
+    let (target, prepared) = prepare_root(ctx, candidate, &plan, cache).await?;
     tracing::debug!(reused = prepared.reused.len(), to_write = prepared.jobs.len(), elapsed = ?phase.elapsed(), "root surveyed and prepared");
 
     let phase = Instant::now();
@@ -622,6 +628,7 @@ async fn attempt(
         download(ctx, candidate, &plan, prepared.jobs, files_reused, &located).await?;
     tracing::debug!(bytes_written, elapsed = ?phase.elapsed(), "downloaded and written");
 
+    let phase = Instant::now();
     let rebuilding = writers.clone();
     let rebuilt = blocking(move || apply::rebuild_git_trees(&rebuilding))
         .await
@@ -630,12 +637,7 @@ async fn attempt(
             apply::RebuildError::Local(local) => AttemptError::local(local),
         })?;
     ctx.progress.written(0, rebuilt);
-
-    let phase = Instant::now();
-    let entries_removed = blocking(move || apply::finish(&target))
-        .await
-        .map_err(AttemptError::local)?;
-    tracing::debug!(entries_removed, elapsed = ?phase.elapsed(), "links, stale entries and directory metadata done");
+    tracing::debug!(rebuilt, elapsed = ?phase.elapsed(), "git trees rebuilt");
 
     let written = writers.jobs.iter().map(|job| {
         let fingerprint = *job
@@ -665,6 +667,26 @@ async fn attempt(
             }
         })
         .collect();
+
+    // Every file is final now, so the fingerprint cache is saved while the
+    // directories get their metadata. Should that fail, the files the cache
+    // lists are still on disk as it says.
+    let phase = Instant::now();
+    let created_dirs = prepared.created_dirs;
+    let (finished, ()) = tokio::join!(
+        blocking(move || apply::finish(&target, &created_dirs)),
+        save_cache(
+            ctx,
+            candidate,
+            CacheUpdate {
+                files,
+                blobs: blob_packs
+            }
+        ),
+    );
+    let entries_removed = finished.map_err(AttemptError::local)?;
+    tracing::debug!(entries_removed, elapsed = ?phase.elapsed(), "links, stale entries, directory metadata and the fingerprint cache done");
+
     Ok(AttemptOutcome {
         plan_files: plan.files,
         plan_directories: plan.directories,
@@ -673,10 +695,6 @@ async fn attempt(
         bytes_written,
         files_reused,
         entries_removed,
-        cache_update: CacheUpdate {
-            files,
-            blobs: blob_packs,
-        },
     })
 }
 
@@ -722,17 +740,16 @@ async fn read_plan(
 struct Located {
     packs: Vec<PackInfo>,
     /// Blob → (index into `packs`, where in that pack).
-    blobs: HashMap<BlobId, (usize, IndexEntry)>,
+    blobs: FastMap<BlobId, (usize, IndexEntry)>,
     blob_packs: Vec<(BlobId, PackId)>,
 }
 
-/// Reads every DATA pack's index and checks that each chunk the plan needs
-/// is in one, with the length the tree says.
-async fn locate_chunks(
+/// Reads every DATA pack's index: the candidate's DATA packs, and for each
+/// (by position among them) its index.
+async fn fetch_indexes(
     fetcher: &PackFetcher<'_>,
     candidate: &ResolvedCandidate,
-    plan: &Plan,
-) -> Result<Located, AttemptError> {
+) -> Result<(Vec<PackInfo>, Vec<(usize, PackIndex)>), AttemptError> {
     let packs: Vec<PackInfo> = candidate
         .packs
         .iter()
@@ -740,7 +757,7 @@ async fn locate_chunks(
         .cloned()
         .collect();
     let keys = &candidate.keys;
-    let indexes: Vec<(usize, PackIndex)> = stream::iter(packs.iter().enumerate())
+    let indexes = stream::iter(packs.iter().enumerate())
         .map(|(i, info)| async move {
             let index = fetch::fetch_index(fetcher, info, keys)
                 .await
@@ -750,7 +767,16 @@ async fn locate_chunks(
         .buffer_unordered(PARALLEL_REQUESTS)
         .try_collect()
         .await?;
-    let mut blobs: HashMap<BlobId, (usize, IndexEntry)> = HashMap::new();
+    Ok((packs, indexes))
+}
+
+/// Checks that each chunk the plan needs is in one of the DATA packs'
+/// indexes, with the length the tree says.
+fn locate_chunks(
+    plan: &Plan,
+    (packs, indexes): (Vec<PackInfo>, Vec<(usize, PackIndex)>),
+) -> Result<Located, AttemptError> {
+    let mut blobs: FastMap<BlobId, (usize, IndexEntry)> = FastMap::default();
     let mut blob_packs = Vec::new();
     for (i, index) in &indexes {
         for entry in &index.entries {
@@ -785,17 +811,8 @@ async fn prepare_root(
     ctx: &AttemptContext<'_>,
     candidate: &ResolvedCandidate,
     plan: &Arc<Plan>,
+    cache: Option<Arc<Cache>>,
 ) -> Result<(Arc<Target>, apply::Prepared), AttemptError> {
-    let cache = match &ctx.opts.cache_dir {
-        Some(dir) => {
-            let (dir, workspace_id) = (dir.clone(), ctx.workspace_id.clone());
-            let key_id = candidate.keys.key_id().to_owned();
-            Some(Arc::new(
-                blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await,
-            ))
-        }
-        None => None,
-    };
     let target = Arc::new(Target {
         root: ctx.opts.root.clone(),
         plan: plan.clone(),
@@ -835,6 +852,28 @@ async fn prepare_root(
     Ok((target, prepared))
 }
 
+/// Records what the restore left on disk in the runner's fingerprint cache.
+async fn save_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate, update: CacheUpdate) {
+    let Some(dir) = ctx.opts.cache_dir.clone() else {
+        return;
+    };
+    let workspace_id = ctx.workspace_id.clone();
+    let key_id = candidate.keys.key_id().to_owned();
+    let started_at = ctx.started_at;
+    blocking(move || update_cache(&dir, &workspace_id, &key_id, update, started_at)).await;
+}
+
+/// The runner's fingerprint cache, which tells files on disk that need no
+/// rewrite (`None` without a cache directory).
+async fn load_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate) -> Option<Arc<Cache>> {
+    let dir = ctx.opts.cache_dir.clone()?;
+    let workspace_id = ctx.workspace_id.clone();
+    let key_id = candidate.keys.key_id().to_owned();
+    Some(Arc::new(
+        blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await,
+    ))
+}
+
 /// Fetches the chunks of the files to write, coalesced per pack, and writes
 /// them. Returns the writers (with each file's final fingerprint) and the
 /// bytes written.
@@ -846,7 +885,7 @@ async fn download(
     files_reused: u64,
     located: &Located,
 ) -> Result<(Arc<Writers>, u64), AttemptError> {
-    let mut needed: HashMap<BlobId, NeededBlob> = HashMap::new();
+    let mut needed: FastMap<BlobId, NeededBlob> = FastMap::default();
     let mut bytes_to_write = 0;
     for (job_index, job) in jobs.iter().enumerate() {
         let plan::PlanKind::File { chunks, .. } = &plan.entries[job.plan_index].kind else {
@@ -1014,6 +1053,13 @@ fn refetch_spans(located: &Located, refetch: Vec<Refetch>) -> Vec<PlannedSpan> {
     spans
 }
 
+thread_local! {
+    /// The bytes of one cache piece read by a blocking writer: one buffer per
+    /// thread for the hundreds of pieces a restore reads (at most
+    /// [`MAX_REQUEST`] each), not a freshly faulted-in allocation per piece.
+    static PIECE_BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Reads the spans (store spans in parallel ranged GETs, cache spans from
 /// disk), verifies and writes every blob. Store bytes go into the pack cache
 /// once they verified. Returns the bytes written and the blobs of cache
@@ -1064,26 +1110,29 @@ async fn write_spans(
                     Source::Cache(piece) => {
                         let cache = cache.expect("cache spans are planned only with a cache");
                         let (done, bad, from_cache, dropped) = blocking(move || {
-                            let Some(bytes) = cache.read(&pack, piece, span.start, span.end) else {
-                                let all = span.items;
-                                return Ok::<_, SpanError>((SpanDone::default(), all, 0, None));
-                            };
-                            let mut done = apply::write_span(
-                                &writers,
-                                &pack,
-                                span.start,
-                                &bytes,
-                                &span.items,
-                                BadBlob::Collect,
-                            )?;
-                            let bad = std::mem::take(&mut done.bad);
-                            Ok(match bad.first() {
-                                Some((_, _, blob)) => {
-                                    let reason = format!("blob {} in it does not verify", blob.id);
-                                    cache.discard(&pack, piece, &reason);
-                                    (done, bad, 0, Some(piece))
+                            PIECE_BUFFER.with_borrow_mut(|bytes| {
+                                if !cache.read_into(&pack, piece, span.start, span.end, bytes) {
+                                    let all = span.items;
+                                    return Ok::<_, SpanError>((SpanDone::default(), all, 0, None));
                                 }
-                                None => (done, bad, bytes.len() as u64, None),
+                                let mut done = apply::write_span(
+                                    &writers,
+                                    &pack,
+                                    span.start,
+                                    bytes,
+                                    &span.items,
+                                    BadBlob::Collect,
+                                )?;
+                                let bad = std::mem::take(&mut done.bad);
+                                Ok(match bad.first() {
+                                    Some((_, _, blob)) => {
+                                        let reason =
+                                            format!("blob {} in it does not verify", blob.id);
+                                        cache.discard(&pack, piece, &reason);
+                                        (done, bad, 0, Some(piece))
+                                    }
+                                    None => (done, bad, bytes.len() as u64, None),
+                                })
                             })
                         })
                         .await

@@ -15,8 +15,8 @@
 //! counted every time they appear, so a small hostile tree cannot expand into
 //! billions of entries).
 
+use crate::cache::FastMap;
 use crate::gitobj::GitStored;
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -67,7 +67,7 @@ pub enum PlanError {
 #[derive(Debug, Default)]
 pub struct MetaBlobs {
     packs: Vec<Bytes>,
-    blobs: HashMap<BlobId, (usize, IndexEntry)>,
+    blobs: FastMap<BlobId, (usize, IndexEntry)>,
 }
 
 impl MetaBlobs {
@@ -213,7 +213,7 @@ pub fn build_plan(
     limits: &Limits,
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
-    let mut decoded: HashMap<BlobId, Arc<Tree>> = HashMap::new();
+    let mut decoded: FastMap<BlobId, Arc<Tree>> = FastMap::default();
     // (directory entry or root, its tree, its depth below the root)
     let mut queue = std::collections::VecDeque::from([(None::<usize>, root, 0usize)]);
     while let Some((dir, tree_id, depth)) = queue.pop_front() {

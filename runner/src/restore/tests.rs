@@ -378,10 +378,12 @@ fn sample(fixture: &Fixture) -> Published {
     refs.extend(parts.iter().rev().skip(3).map(|p| b.chunk(p)));
     refs.reverse();
     refs.push(refs[1]);
-    let big = b.file_of("big.bin", refs.clone(), 0o600);
-    let shared = b.file_of("shared.bin", vec![refs[2]], 0o644);
+    // Read-only, in several chunks: later chunks reopen it for writing.
+    let big = b.file_of("big.bin", refs.clone(), 0o444);
+    // Bits a usual umask (022) takes from a newly created file.
+    let shared = b.file_of("shared.bin", vec![refs[2]], 0o664);
     let readme = b.file("README.md", b"hello\n", 0o644);
-    let run = b.file("run.sh", b"#!/bin/sh\necho hi\n", 0o755);
+    let run = b.file("run.sh", b"#!/bin/sh\necho hi\n", 0o4755);
     let bin = b.dir("bin", vec![run]);
     let empty = b.file("empty", b"", 0o400);
     let empty_dir = b.dir("empty dir", vec![]);
@@ -420,9 +422,10 @@ fn assert_sample(root: &Path) {
         b"nested\n"
     );
     assert_eq!(fs::read(root.join("empty")).unwrap(), b"");
-    assert_eq!(mode(&root.join("bin/run.sh")), 0o755);
+    assert_eq!(mode(&root.join("bin/run.sh")), 0o4755);
     assert_eq!(mode(&root.join("empty")), 0o400);
-    assert_eq!(mode(&root.join("src/big.bin")), 0o600);
+    assert_eq!(mode(&root.join("src/big.bin")), 0o444);
+    assert_eq!(mode(&root.join("shared.bin")), 0o664);
     assert_eq!(mode(&root.join("src")), 0o750);
     assert_eq!(names(&root.join("empty dir")), Vec::<String>::new());
     assert_eq!(
