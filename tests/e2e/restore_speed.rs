@@ -219,4 +219,15 @@ fn a_restore_onto_a_baked_older_copy_downloads_and_writes_only_the_difference() 
         "most files were reused: {onto}"
     );
     assert!(json_u64(&onto, "entries_removed") >= 2, "{onto}");
+
+    // Onto an exact copy nothing is written, git trees stored as deltas
+    // included: a loose tree is checked by its name.
+    let again = coordinator.client().restore(&empty, &workspace);
+    assert_trees_equal(&root, &empty);
+    assert_eq!(json_u64(&again, "bytes_written"), 0, "{again}");
+    assert_eq!(
+        json_u64(&again, "files_reused"),
+        json_u64(&again, "files"),
+        "{again}"
+    );
 }

@@ -272,8 +272,17 @@ fn reusable(
     }
     let mut file = fsops::open_for_read(path).ok()?;
     let matches = match want.git {
-        // Small, and rebuilt from a base: always written again.
-        Some(GitStored::TreeDelta { .. }) => false,
+        // What the restore would write: the tree named by the file, at the
+        // same level. Its name is its SHA-1, so holding it is the check.
+        Some(GitStored::TreeDelta { level, .. }) => {
+            let mut stored = Vec::with_capacity(want.size as usize);
+            file.read_to_end(&mut stored).ok()?;
+            gitobj::unpack_tree(&stored).is_some_and(|(found, tree)| {
+                found == level
+                    && gitobj::loose_object_id(rel).is_some()
+                    && gitobj::tree_id(&tree) == gitobj::loose_object_id(rel)
+            })
+        }
         Some(GitStored::Blob { level }) => {
             let mut stored = Vec::with_capacity(want.size as usize);
             file.read_to_end(&mut stored).ok()?;
@@ -294,10 +303,20 @@ fn reusable(
 
 /// Whether `source` starts with exactly the chunks `chunks`, in order.
 fn holds_chunks(keys: &TenantKeys, chunks: &[ChunkRef], mut source: impl Read) -> bool {
-    let mut buf = Vec::new();
-    chunks.iter().all(|chunk| {
-        buf.resize(chunk.len as usize, 0);
-        source.read_exact(&mut buf).is_ok() && keys.verify_blob_id(&chunk.id, &buf)
+    thread_local! {
+        /// One buffer per survey thread for the tens of thousands of files
+        /// it checks, instead of an allocation (and zeroing) per file.
+        static CHUNK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    CHUNK.with_borrow_mut(|buf| {
+        let fits = chunks.iter().all(|chunk| {
+            buf.resize(chunk.len as usize, 0);
+            source.read_exact(buf).is_ok() && keys.verify_blob_id(&chunk.id, buf)
+        });
+        if buf.capacity() > 4 << 20 {
+            *buf = Vec::new();
+        }
+        fits
     })
 }
 
