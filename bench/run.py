@@ -87,6 +87,7 @@ and from issue 5:
                           grows with the tree), and <= 300 KB uploaded (worst repeat)
 """
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -114,39 +115,25 @@ RACY_GUARD_S = 3.1
 LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
-
-
-class SpentTrees:
-    """Trees the run is done with, renamed into one directory and deleted when
-    the run ends (see the module doc: deleting them in between would slow
-    down whatever creates files next)."""
-
-    def __init__(self, directory):
-        self.directory = directory
-        self.count = 0
-
-    def put(self, path):
-        if not os.path.lexists(path):
-            return
-        os.makedirs(self.directory, exist_ok=True)
-        self.count += 1
-        os.rename(path, os.path.join(self.directory, str(self.count)))
-
-    def delete(self):
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-SPENT = SpentTrees(None)  # main() puts it inside the work directory
-
-
-def set_aside(path):
-    SPENT.put(path)
 STEPS = ["full", "incremental", "unchanged", "restore"]
 RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache",
                        "restore-cold-cache-loopback", "restore-warm-cache-loopback"]
 STEPS += RESTORE_SPEED_STEPS
 LARGE_STEPS = ["full-4x", "incremental-4x"]
 STEPS += LARGE_STEPS
+
+# Where trees the run is done with wait for its end (main() puts it in the
+# work directory; see the module doc: deleting them in between would slow
+# down whatever creates files next).
+SPENT_DIR = None
+_spent = itertools.count(1)
+
+
+def set_aside(path):
+    """Moves path, if it exists, out of the way until the run ends."""
+    if os.path.lexists(path):
+        os.makedirs(SPENT_DIR, exist_ok=True)
+        os.rename(path, os.path.join(SPENT_DIR, str(next(_spent))))
 
 
 class BenchError(Exception):
@@ -866,7 +853,8 @@ def main():
 
     work = args.workdir or tempfile.mkdtemp(prefix="cairn-bench-")
     os.makedirs(work, exist_ok=True)
-    SPENT.directory = os.path.join(work, "spent")
+    global SPENT_DIR
+    SPENT_DIR = os.path.join(work, "spent")
     workspace_root = os.path.join(work, "workspace")
     flags = []
     for flag, value in [("--files", args.files), ("--ignored", args.ignored), ("--transcript-mb", args.transcript_mb)]:
@@ -906,7 +894,7 @@ def main():
     except BenchError as e:
         sys.exit(f"benchmark failed: {e}")
     finally:
-        SPENT.delete()
+        shutil.rmtree(SPENT_DIR, ignore_errors=True)
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 

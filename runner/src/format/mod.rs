@@ -55,7 +55,7 @@ pub use pack::{
     FinishedPack, IndexEntry, PACK_HEADER_LEN, PACK_TRAILER_LEN, PackBuilder, PackIndex,
     parse_pack_header, parse_trailer,
 };
-pub use seal::{Opener, SEAL_OVERHEAD, open, seal};
+pub use seal::{Opener, SEAL_OVERHEAD, open, seal, shrink_scratch};
 pub use tree::{
     ChunkRef, EncodedTree, Entry, EntryKind, PAGED_ABOVE, Tree, TreeObject, decode_part,
 };

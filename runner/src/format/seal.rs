@@ -106,6 +106,14 @@ thread_local! {
 /// does not pin its size on every thread that ever opened one.
 const KEPT_CAPACITY: usize = 4 << 20;
 
+/// Gives back a per-thread buffer that one large blob grew past
+/// [`KEPT_CAPACITY`]; smaller ones are kept for the next use.
+pub fn shrink_scratch(buffer: &mut Vec<u8>) {
+    if buffer.capacity() > KEPT_CAPACITY {
+        *buffer = Vec::new();
+    }
+}
+
 impl Opener {
     /// Runs `f` with this thread's opener.
     pub fn with<T>(f: impl FnOnce(&mut Opener) -> T) -> T {
@@ -118,11 +126,8 @@ impl Opener {
                 plain: Vec::new(),
             });
             let out = f(opener);
-            for buffer in [&mut opener.body, &mut opener.plain] {
-                if buffer.capacity() > KEPT_CAPACITY {
-                    *buffer = Vec::new();
-                }
-            }
+            shrink_scratch(&mut opener.body);
+            shrink_scratch(&mut opener.plain);
             out
         })
     }

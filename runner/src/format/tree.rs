@@ -62,6 +62,8 @@ const PART_MAX: usize = 64;
 /// (past PART_MIN): about 16 chunks on average.
 const PART_CUT_MASK: u8 = 15;
 const PART_MAGIC: &[u8; 4] = b"CCKL";
+/// The entry kind of a file whose chunk list is in parts.
+const CODE_PARTED: u8 = 10;
 /// Directories with more entries than this are written as pages.
 pub const PAGED_ABOVE: usize = 64;
 /// Fewest entries in a page (but the last).
@@ -147,7 +149,7 @@ impl EntryKind {
                 stored: GitStored::TreeDelta { .. },
                 ..
             } => 9,
-            Self::Parted { .. } => 10,
+            Self::Parted { .. } => CODE_PARTED,
         }
     }
 
@@ -306,7 +308,11 @@ impl Tree {
                 }
                 _ => None,
             };
-            out.push(if parted.is_some() { 10 } else { e.kind.code() });
+            out.push(if parted.is_some() {
+                CODE_PARTED
+            } else {
+                e.kind.code()
+            });
             put_u64(&mut out, u64::from(e.mode));
             put_i64(&mut out, e.mtime_sec);
             put_u64(&mut out, u64::from(e.mtime_nsec));
@@ -409,7 +415,7 @@ impl Tree {
                         chunks,
                     }
                 }
-                10 if version >= 5 => {
+                CODE_PARTED if version >= 5 => {
                     let size = r.u64()?;
                     let n = r.u64()?;
                     if n > (bytes.len() as u64) / 32 || n == 0 {
@@ -862,9 +868,9 @@ mod tests {
                 len: 2048,
             })
             .collect();
-        let file = |chunks: &[ChunkRef]| {
+        let file = |name: &str, chunks: &[ChunkRef]| {
             entry(
-                "index",
+                name,
                 EntryKind::File {
                     size: chunks.iter().map(|c| u64::from(c.len)).sum(),
                     chunks: chunks.to_vec(),
@@ -872,15 +878,9 @@ mod tests {
             )
         };
         let tree = Tree {
-            entries: vec![file(&chunks), file(&chunks[..PARTED_ABOVE])],
-        };
-        let tree = Tree {
             entries: vec![
-                Entry {
-                    name: b"a-short".to_vec(),
-                    ..tree.entries[1].clone()
-                },
-                tree.entries[0].clone(),
+                file("a-short", &chunks[..PARTED_ABOVE]),
+                file("index", &chunks),
             ],
         };
         let encoded = tree.encode_paged(&id_of);
@@ -920,7 +920,7 @@ mod tests {
         let mut changed = chunks.clone();
         changed[1700].id = id_of(b"changed");
         let again = Tree {
-            entries: vec![tree.entries[0].clone(), file(&changed)],
+            entries: vec![tree.entries[0].clone(), file("index", &changed)],
         }
         .encode_paged(&id_of);
         let new_parts = again

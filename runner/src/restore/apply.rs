@@ -63,7 +63,6 @@ pub(crate) struct Target {
     pub root: PathBuf,
     pub plan: Arc<Plan>,
     pub keys: Arc<TenantKeys>,
-    pub cache: Option<Arc<Cache>>,
     /// Restore uid/gid (only when running as root).
     pub set_owner: bool,
     /// Relative paths never removed as extras (the runner's own cache dir).
@@ -131,7 +130,9 @@ impl Survey {
 }
 
 /// Looks at the root without changing anything.
-pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
+/// `cache`: the runner's fingerprint cache, which vouches for the files it
+/// knows as they are without reading them.
+pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, LocalError> {
     let plan = &target.plan;
     // The root itself may be a symlink the operator chose; only below it is
     // nothing followed.
@@ -197,7 +198,9 @@ pub(crate) fn survey(target: &Target) -> Result<Survey, LocalError> {
                     chunks,
                     git: *git,
                 };
-                if let Some(fingerprint) = reusable(target, &entry.path, &path, &meta, &on_disk) {
+                if let Some(fingerprint) =
+                    reusable(target, cache, &entry.path, &path, &meta, &on_disk)
+                {
                     let meta_ok = entry.meta.matches(&meta, target.set_owner);
                     return Ok(Some(FileState::Reuse {
                         meta_ok,
@@ -252,6 +255,7 @@ struct OnDisk<'a> {
 /// The fingerprint of the file at `path` if it already holds what `want` says.
 fn reusable(
     target: &Target,
+    cache: Option<&Cache>,
     rel: &[u8],
     path: &Path,
     meta: &fs::Metadata,
@@ -263,7 +267,7 @@ fn reusable(
         return None;
     }
     let fingerprint = Fingerprint::of(meta);
-    if let Some(cache) = &target.cache
+    if let Some(cache) = cache
         && cache
             .lookup(rel, &fingerprint)
             .is_some_and(|known| *known.chunks == want.chunks[..] && known.git == want.git)
@@ -272,26 +276,28 @@ fn reusable(
     }
     let mut file = fsops::open_for_read(path).ok()?;
     let matches = match want.git {
-        // What the restore would write: the tree named by the file, at the
-        // same level. Its name is its SHA-1, so holding it is the check.
-        Some(GitStored::TreeDelta { level, .. }) => {
+        Some(git) => {
             let mut stored = Vec::with_capacity(want.size as usize);
             file.read_to_end(&mut stored).ok()?;
-            gitobj::unpack_tree(&stored).is_some_and(|(found, tree)| {
-                found == level
-                    && gitobj::loose_object_id(rel).is_some()
-                    && gitobj::tree_id(&tree) == gitobj::loose_object_id(rel)
-            })
-        }
-        Some(GitStored::Blob { level }) => {
-            let mut stored = Vec::with_capacity(want.size as usize);
-            file.read_to_end(&mut stored).ok()?;
-            gitobj::unpack(&stored).is_some_and(|(found, content)| {
-                let content_len: u64 = want.chunks.iter().map(|c| u64::from(c.len)).sum();
-                found == level
-                    && content.len() as u64 == content_len
-                    && holds_chunks(&target.keys, want.chunks, &content[..])
-            })
+            match git {
+                // What the restore would write: the tree the file is named
+                // after (its SHA-1), at the same level.
+                GitStored::TreeDelta { level, .. } => {
+                    gitobj::unpack_tree(&stored).is_some_and(|(found, tree)| {
+                        found == level
+                            && gitobj::loose_object_id(rel)
+                                .is_some_and(|id| gitobj::tree_id(&tree) == Some(id))
+                    })
+                }
+                GitStored::Blob { level } => {
+                    gitobj::unpack(&stored).is_some_and(|(found, content)| {
+                        let content_len: u64 = want.chunks.iter().map(|c| u64::from(c.len)).sum();
+                        found == level
+                            && content.len() as u64 == content_len
+                            && holds_chunks(&target.keys, want.chunks, &content[..])
+                    })
+                }
+            }
         }
         // The size check above makes the chunks cover the whole file.
         None => holds_chunks(&target.keys, want.chunks, &mut file),
@@ -313,9 +319,7 @@ fn holds_chunks(keys: &TenantKeys, chunks: &[ChunkRef], mut source: impl Read) -
             buf.resize(chunk.len as usize, 0);
             source.read_exact(buf).is_ok() && keys.verify_blob_id(&chunk.id, buf)
         });
-        if buf.capacity() > 4 << 20 {
-            *buf = Vec::new();
-        }
+        format::shrink_scratch(buf);
         fits
     })
 }

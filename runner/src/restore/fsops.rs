@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The metadata a restored entry gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct EntryMeta {
     pub mode: u32,
     pub mtime_sec: i64,
@@ -184,19 +184,11 @@ mod tests {
         fs::write(&outside, b"keep").unwrap();
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&outside, &link).unwrap();
-        assert!(
-            create_new(
-                &link,
-                &EntryMeta {
-                    mode: 0o644,
-                    mtime_sec: 0,
-                    mtime_nsec: 0,
-                    uid: 0,
-                    gid: 0
-                }
-            )
-            .is_err()
-        );
+        let meta = EntryMeta {
+            mode: 0o644,
+            ..EntryMeta::default()
+        };
+        assert!(create_new(&link, &meta).is_err());
         assert!(open_for_write(&link).is_err());
         assert!(open_for_read(&link).is_err());
         assert_eq!(fs::read(&outside).unwrap(), b"keep");

@@ -582,13 +582,6 @@ struct AttemptContext<'a> {
     started_at: SystemTime,
 }
 
-/// What the fingerprint cache learns from a restore.
-#[derive(Debug, Clone)]
-struct CacheUpdate {
-    files: Vec<(Vec<u8>, CachedFile)>,
-    blobs: Vec<(BlobId, PackId)>,
-}
-
 #[derive(Debug)]
 struct AttemptOutcome {
     plan_files: u64,
@@ -619,7 +612,7 @@ async fn attempt(
 
     // Nothing has been written so far; from here on the root changes.
     let phase = Instant::now();
-    let (target, prepared) = prepare_root(ctx, candidate, &plan, cache).await?;
+    let (target, prepared, cache) = prepare_root(ctx, candidate, &plan, cache).await?;
     tracing::debug!(reused = prepared.reused.len(), to_write = prepared.jobs.len(), elapsed = ?phase.elapsed(), "root surveyed and prepared");
 
     let phase = Instant::now();
@@ -673,16 +666,14 @@ async fn attempt(
     // lists are still on disk as it says.
     let phase = Instant::now();
     let created_dirs = prepared.created_dirs;
+    let started_at = ctx.started_at;
     let (finished, ()) = tokio::join!(
         blocking(move || apply::finish(&target, &created_dirs)),
-        save_cache(
-            ctx,
-            candidate,
-            CacheUpdate {
-                files,
-                blobs: blob_packs
+        blocking(move || {
+            if let Some(cache) = cache {
+                update_cache(cache, files, &blob_packs, started_at);
             }
-        ),
+        }),
     );
     let entries_removed = finished.map_err(AttemptError::local)?;
     tracing::debug!(entries_removed, elapsed = ?phase.elapsed(), "links, stale entries, directory metadata and the fingerprint cache done");
@@ -811,22 +802,20 @@ async fn prepare_root(
     ctx: &AttemptContext<'_>,
     candidate: &ResolvedCandidate,
     plan: &Arc<Plan>,
-    cache: Option<Arc<Cache>>,
-) -> Result<(Arc<Target>, apply::Prepared), AttemptError> {
+    cache: Option<Cache>,
+) -> Result<(Arc<Target>, apply::Prepared, Option<Cache>), AttemptError> {
     let target = Arc::new(Target {
         root: ctx.opts.root.clone(),
         plan: plan.clone(),
         keys: candidate.keys.clone(),
-        cache,
         set_owner: ctx.set_owner,
         protected: ctx.protected.clone(),
     });
-    let survey = {
+    let (survey, cache) = {
         let target = target.clone();
-        blocking(move || apply::survey(&target))
-            .await
-            .map_err(AttemptError::local)?
+        blocking(move || (apply::survey(&target, cache.as_ref()), cache)).await
     };
+    let survey = survey.map_err(AttemptError::local)?;
     let needed = survey.bytes_needed(plan);
     if needed > 0 {
         let root = ctx.opts.root.clone();
@@ -849,29 +838,17 @@ async fn prepare_root(
             .await
             .map_err(AttemptError::local)?
     };
-    Ok((target, prepared))
-}
-
-/// Records what the restore left on disk in the runner's fingerprint cache.
-async fn save_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate, update: CacheUpdate) {
-    let Some(dir) = ctx.opts.cache_dir.clone() else {
-        return;
-    };
-    let workspace_id = ctx.workspace_id.clone();
-    let key_id = candidate.keys.key_id().to_owned();
-    let started_at = ctx.started_at;
-    blocking(move || update_cache(&dir, &workspace_id, &key_id, update, started_at)).await;
+    Ok((target, prepared, cache))
 }
 
 /// The runner's fingerprint cache, which tells files on disk that need no
-/// rewrite (`None` without a cache directory).
-async fn load_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate) -> Option<Arc<Cache>> {
+/// rewrite (`None` without a cache directory). The restore records what it
+/// wrote in this copy and saves it.
+async fn load_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate) -> Option<Cache> {
     let dir = ctx.opts.cache_dir.clone()?;
     let workspace_id = ctx.workspace_id.clone();
     let key_id = candidate.keys.key_id().to_owned();
-    Some(Arc::new(
-        blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await,
-    ))
+    Some(blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await)
 }
 
 /// Fetches the chunks of the files to write, coalesced per pack, and writes
@@ -1190,25 +1167,22 @@ fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: Sy
 }
 
 fn update_cache(
-    dir: &Path,
-    workspace: &WorkspaceId,
-    key_id: &str,
-    update: CacheUpdate,
+    mut cache: Cache,
+    files: Vec<(Vec<u8>, CachedFile)>,
+    blobs: &[(BlobId, PackId)],
     restore_started: SystemTime,
 ) {
-    let mut cache = Cache::load(dir, workspace, key_id);
-    let files = update
-        .files
+    let files = files
         .into_iter()
         .filter(|(_, file)| restored_fingerprint_is_stable(&file.fingerprint, restore_started))
         .collect();
     cache.replace_files(files);
-    for (blob, pack) in &update.blobs {
+    for (blob, pack) in blobs {
         cache.insert_blob(*blob, pack);
     }
     if let Err(e) = cache.save() {
         // The cache only saves work; the restore itself succeeded.
-        tracing::warn!(dir = %dir.display(), error = %e, "cannot save the fingerprint cache");
+        tracing::warn!(path = %cache.path().display(), error = %e, "cannot save the fingerprint cache");
     }
 }
 
