@@ -7,6 +7,7 @@
 //! credential); errors show the path only.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -216,54 +217,136 @@ impl BlobTransfer {
         .await
     }
 
-    /// Downloads a whole object.
-    pub async fn get(&self, url: &str) -> Result<Bytes, TransferError> {
-        self.with_retry(url, || async move {
-            let response = self
-                .http
-                .get(url)
-                .send()
-                .await
-                .map_err(Self::network(url))?;
-            let response = Self::check(url, response).await?;
-            response.bytes().await.map_err(Self::network(url))
-        })
-        .await
+    /// Downloads a whole object into a buffer from `buffers`.
+    pub async fn get(&self, url: &str, buffers: &BodyBuffers) -> Result<Bytes, TransferError> {
+        self.read_body(url, None, buffers).await
     }
 
-    /// Downloads `len` bytes starting at `offset`.
+    /// Downloads `len` bytes starting at `offset` into a buffer from `buffers`.
     pub async fn get_range(
         &self,
         url: &str,
         offset: u64,
         len: u64,
+        buffers: &BodyBuffers,
     ) -> Result<Bytes, TransferError> {
         if len == 0 {
             return Ok(Bytes::new());
         }
+        self.read_body(url, Some((offset, len)), buffers).await
+    }
+
+    /// GETs `url` (the `range` of it: offset, length) and reads the body
+    /// chunk by chunk into one buffer. Each chunk is copied and dropped at
+    /// once, so hyper can reuse its read buffer too; collecting the chunks
+    /// first and joining them would fault in a second copy of every body.
+    async fn read_body(
+        &self,
+        url: &str,
+        range: Option<(u64, u64)>,
+        buffers: &BodyBuffers,
+    ) -> Result<Bytes, TransferError> {
         self.with_retry(url, || async move {
-            let response = self
-                .http
-                .get(url)
-                .header(
-                    reqwest::header::RANGE,
-                    format!("bytes={}-{}", offset, offset + len - 1),
-                )
-                .send()
-                .await
-                .map_err(Self::network(url))?;
-            let response = Self::check(url, response).await?;
-            let bytes = response.bytes().await.map_err(Self::network(url))?;
-            if bytes.len() as u64 != len {
-                return Err(TransferError::ShortRead {
-                    url: redact(url),
-                    got: bytes.len() as u64,
-                    expected: len,
-                });
+            let mut request = self.http.get(url);
+            if let Some((offset, len)) = range {
+                let range = format!("bytes={}-{}", offset, offset + len - 1);
+                request = request.header(reqwest::header::RANGE, range);
             }
-            Ok(bytes)
+            let response = request.send().await.map_err(Self::network(url))?;
+            let mut response = Self::check(url, response).await?;
+            let expected = range.map(|(_, len)| len);
+            let hint = expected.or(response.content_length()).unwrap_or(0);
+            let mut body = buffers.take(usize::try_from(hint).unwrap_or(0));
+            let short = |got: usize| TransferError::ShortRead {
+                url: redact(url),
+                got: got as u64,
+                expected: expected.unwrap_or_default(),
+            };
+            while let Some(chunk) = response.chunk().await.map_err(Self::network(url))? {
+                body.extend_from_slice(&chunk);
+                if expected.is_some_and(|len| body.len() as u64 > len) {
+                    return Err(short(body.len()));
+                }
+            }
+            if expected.is_some_and(|len| body.len() as u64 != len) {
+                return Err(short(body.len()));
+            }
+            Ok(buffers.share(body))
         })
         .await
+    }
+}
+
+/// Download buffers kept for the next download. A restore reads hundreds of
+/// MiB in ranges of up to 8 MiB; a fresh allocation per range is faulted in
+/// and zeroed page by page by the kernel, which was the largest single cost
+/// of a restore from a local store. A body handed out as [`Bytes`] gives its
+/// buffer back when its last clone drops. The buffers live as long as their
+/// owner (one restore), so an idle runner keeps none.
+#[derive(Debug, Clone, Default)]
+pub struct BodyBuffers(Arc<Mutex<Vec<Vec<u8>>>>);
+
+/// At most this many buffers wait for reuse (a restore has 8 reads in flight).
+const KEPT_BUFFERS: usize = 16;
+/// Larger buffers (whole packs) are freed rather than kept.
+const KEPT_BUFFER_BYTES: usize = 16 << 20;
+
+impl BodyBuffers {
+    /// An empty buffer with room for `len` bytes, reused when one is kept.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let reused = {
+            let mut kept = self.0.lock().expect("body buffer lock");
+            match kept.iter().position(|buf| buf.capacity() >= len) {
+                Some(fits) => Some(kept.swap_remove(fits)),
+                None => kept.pop(),
+            }
+        };
+        let mut buf = reused.unwrap_or_default();
+        buf.clear();
+        buf.reserve_exact(len);
+        buf
+    }
+
+    fn keep(&self, buf: Vec<u8>) {
+        if buf.capacity() > KEPT_BUFFER_BYTES {
+            return;
+        }
+        let mut kept = self.0.lock().expect("body buffer lock");
+        if kept.len() < KEPT_BUFFERS {
+            kept.push(buf);
+        }
+    }
+
+    /// `buf` as [`Bytes`] that return it here when dropped.
+    fn share(&self, buf: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Lent {
+            buf,
+            home: self.clone(),
+        })
+    }
+
+    /// How many buffers wait for reuse.
+    #[cfg(test)]
+    fn kept(&self) -> usize {
+        self.0.lock().expect("body buffer lock").len()
+    }
+}
+
+/// A body's buffer on loan to [`Bytes`].
+struct Lent {
+    buf: Vec<u8>,
+    home: BodyBuffers,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.home.keep(std::mem::take(&mut self.buf));
     }
 }
 
@@ -286,5 +369,42 @@ mod tests {
         assert!(p.backoff(0) <= Duration::from_millis(100));
         assert!(p.backoff(20) <= p.max_backoff);
         assert!(p.backoff(3) >= Duration::from_millis(400));
+    }
+
+    #[test]
+    fn a_body_buffer_is_reused_once_its_bytes_are_dropped() {
+        let buffers = BodyBuffers::default();
+        let mut first = buffers.take(1 << 20);
+        first.extend_from_slice(b"range one");
+        let at = first.as_ptr();
+        let body = buffers.share(first);
+        let clone = body.slice(6..);
+        drop(body);
+        assert_eq!(buffers.kept(), 0, "a clone still reads the buffer");
+        assert_eq!(&clone[..], b"one");
+        drop(clone);
+        assert_eq!(buffers.kept(), 1);
+        let second = buffers.take(4096);
+        assert!(second.is_empty());
+        assert_eq!(
+            second.as_ptr(),
+            at,
+            "the kept allocation is handed out again"
+        );
+    }
+
+    #[test]
+    fn whole_pack_sized_buffers_are_not_kept() {
+        let buffers = BodyBuffers::default();
+        drop(buffers.share(buffers.take(KEPT_BUFFER_BYTES + 1)));
+        assert_eq!(buffers.kept(), 0);
+        for _ in 0..KEPT_BUFFERS + 4 {
+            drop(buffers.share(buffers.take(16)));
+        }
+        let held: Vec<Bytes> = (0..KEPT_BUFFERS + 4)
+            .map(|_| buffers.share(buffers.take(16)))
+            .collect();
+        drop(held);
+        assert_eq!(buffers.kept(), KEPT_BUFFERS);
     }
 }

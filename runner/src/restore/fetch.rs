@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use crate::format::{
     PACK_HEADER_LEN, PACK_TRAILER_LEN, PackIndex, TenantKeys, parse_pack_header, parse_trailer,
 };
-use crate::transfer::{BlobTransfer, TransferError};
+use crate::transfer::{BlobTransfer, BodyBuffers, TransferError};
 
 use super::blocking;
 use super::manifest::{ManifestSource, PackInfo};
@@ -60,6 +60,8 @@ pub struct CorruptPack {
 /// Fetches pack bytes by pack id, refreshing expired URLs.
 pub struct PackFetcher<'a> {
     transfer: BlobTransfer,
+    /// Reused for every body this restore downloads.
+    buffers: BodyBuffers,
     urls: RwLock<HashMap<PackId, String>>,
     refreshes: tokio::sync::Mutex<u32>,
     source: &'a dyn ManifestSource,
@@ -85,6 +87,7 @@ impl<'a> PackFetcher<'a> {
     ) -> Self {
         Self {
             transfer,
+            buffers: BodyBuffers::default(),
             urls: RwLock::new(urls),
             refreshes: tokio::sync::Mutex::new(0),
             source,
@@ -127,7 +130,9 @@ impl<'a> PackFetcher<'a> {
     /// Downloads a whole pack.
     pub async fn get(&self, pack: &PackId) -> Result<Bytes, FetchError> {
         let bytes = self
-            .with_url(pack, |url| async move { self.transfer.get(&url).await })
+            .with_url(pack, |url| async move {
+                self.transfer.get(&url, &self.buffers).await
+            })
             .await?;
         self.downloaded
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -143,7 +148,9 @@ impl<'a> PackFetcher<'a> {
     ) -> Result<Bytes, FetchError> {
         let bytes = self
             .with_url(pack, |url| async move {
-                self.transfer.get_range(&url, offset, len).await
+                self.transfer
+                    .get_range(&url, offset, len, &self.buffers)
+                    .await
             })
             .await?;
         self.downloaded
