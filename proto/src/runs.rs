@@ -219,6 +219,101 @@ pub fn from_proto_duration(
     Ok(Duration::new(d.seconds as u64, d.nanos as u32))
 }
 
+/// What one checkpoint may hold ([`pb::CheckpointLimits`], and the runner's
+/// `--max-file-size` / `--max-total-size`); `None` is no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CheckpointLimits {
+    /// Files larger than this are left out.
+    pub max_file_bytes: Option<u64>,
+    /// The logical size of all file contents but repository and
+    /// conversation files; the largest files are left out until the rest
+    /// fits.
+    pub max_total_bytes: Option<u64>,
+}
+
+impl CheckpointLimits {
+    pub fn is_unlimited(&self) -> bool {
+        self.max_file_bytes.is_none() && self.max_total_bytes.is_none()
+    }
+
+    /// Each limit the lower of the two, where either sets it: a run's
+    /// limits can tighten a runner's, never loosen them.
+    pub fn stricter(self, other: Self) -> Self {
+        let lower = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Self {
+            max_file_bytes: lower(self.max_file_bytes, other.max_file_bytes),
+            max_total_bytes: lower(self.max_total_bytes, other.max_total_bytes),
+        }
+    }
+}
+
+impl From<pb::CheckpointLimits> for CheckpointLimits {
+    /// Every value is valid: 0 is "no limit" on the wire.
+    fn from(limits: pb::CheckpointLimits) -> Self {
+        let set = |bytes: u64| (bytes != 0).then_some(bytes);
+        Self {
+            max_file_bytes: set(limits.max_file_bytes),
+            max_total_bytes: set(limits.max_total_bytes),
+        }
+    }
+}
+
+impl From<CheckpointLimits> for pb::CheckpointLimits {
+    fn from(limits: CheckpointLimits) -> Self {
+        Self {
+            max_file_bytes: limits.max_file_bytes.unwrap_or(0),
+            max_total_bytes: limits.max_total_bytes.unwrap_or(0),
+        }
+    }
+}
+
+/// Parses a size for people: `10GiB`, `512MiB`, `1.5G`, `2000000`. `K`,
+/// `M`, `G`, `T` (alone or with `iB`) are powers of 1024; `KB`, `MB`, `GB`,
+/// `TB` powers of 1000; `B` or nothing are bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let unit = unit.trim();
+    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
+            ));
+        }
+    };
+    if number.is_empty() {
+        return Err(format!("{text:?} is not a size (e.g. 10GiB, 512MiB)"));
+    }
+    if let Ok(whole) = number.parse::<u64>() {
+        return whole
+            .checked_mul(multiplier)
+            .ok_or_else(|| format!("{text:?} is too large"));
+    }
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 10GiB, 512MiB)"))?;
+    let bytes = value * multiplier as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!("{text:?} is too large"));
+    }
+    Ok(bytes.round() as u64)
+}
+
 /// Stations: a task's stages (implement, review, …). Same rules as names.
 pub fn validate_station(station: &str) -> Result<(), ValidationError> {
     crate::domain::validate_name(station).map_err(|e| ValidationError::new("station", e.reason))
@@ -281,6 +376,44 @@ pub fn harness_settings(name: &str) -> Option<&'static [&'static str]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_read_like_people_write_them() {
+        assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("3MB").unwrap(), 3_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("0").unwrap(), 0);
+        assert!(parse_size("ten").is_err());
+        assert!(
+            parse_size("5 parsecs")
+                .unwrap_err()
+                .contains("unknown unit")
+        );
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn a_run_can_tighten_the_runners_limits_but_not_loosen_them() {
+        let runner = CheckpointLimits {
+            max_file_bytes: Some(100 << 20),
+            max_total_bytes: None,
+        };
+        let run = CheckpointLimits::from(pb::CheckpointLimits {
+            max_file_bytes: 1 << 30,
+            max_total_bytes: 2 << 30,
+        });
+        let kept = runner.stricter(run);
+        assert_eq!(kept.max_file_bytes, Some(100 << 20));
+        assert_eq!(kept.max_total_bytes, Some(2 << 30));
+        assert_eq!(kept, run.stricter(runner));
+        let none = CheckpointLimits::from(pb::CheckpointLimits::default());
+        assert!(none.is_unlimited());
+        assert_eq!(runner.stricter(none), runner);
+        assert_eq!(pb::CheckpointLimits::from(kept).max_file_bytes, 100 << 20);
+    }
 
     #[test]
     fn labels_parse_and_match() {

@@ -1,12 +1,16 @@
 //! Per-checkpoint limits and `--if-changed` without a resident runner:
 //! files above a limit are left out of the checkpoint with a warning that
 //! names them (on the runner's output and on the checkpoint's record);
-//! repository files are kept whatever their size; an unchanged workspace
-//! commits nothing when asked `--if-changed`.
+//! repository files are kept whatever their size; a run's own limits
+//! (`cairnctl runs create --max-file-size`) reach its runner; an unchanged
+//! workspace commits nothing when asked `--if-changed`.
 
+use cairn_e2e::fleet::{Fleet, HostOptions};
 use cairn_e2e::{
-    Coordinator, git, let_timestamps_settle, run, tempdir, write, write_pseudo_random,
+    Coordinator, git, ids_with_prefix, let_timestamps_settle, run, tempdir, write,
+    write_pseudo_random,
 };
+use cairn_proto::runs::RunState;
 
 #[test]
 fn files_above_the_limits_are_left_out_with_warnings_and_repositories_are_kept() {
@@ -104,6 +108,86 @@ fn files_above_the_limits_are_left_out_with_warnings_and_repositories_are_kept()
     assert_eq!(
         std::fs::read(restored.join("app/assets/model.bin")).unwrap(),
         std::fs::read(root.join("app/assets/model.bin")).unwrap()
+    );
+}
+
+#[test]
+fn a_runs_own_limits_leave_files_out_of_its_checkpoints() {
+    let mut fleet = Fleet::start();
+    fleet.start_host("a", HostOptions::default());
+    let client = fleet.coordinator.client();
+    let binary = format!("binary={}", fleet.agent_binary().display());
+    let prompt = "run mkdir -p data && head -c 300000 /dev/urandom > data/big.bin\n\
+                  untracked data/small.txt small enough";
+    let created = client.ctl_json(&[
+        "runs",
+        "create",
+        "--new-workspace",
+        "--name",
+        "limited-run",
+        "--harness",
+        "claude",
+        "--harness-config",
+        &binary,
+        "--prompt",
+        prompt,
+        "--max-file-size",
+        "100KiB",
+    ]);
+    let run_id = ids_with_prefix(&created, "run-")
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no run id in {created}"));
+    assert_eq!(
+        created["checkpoint_limits"]["max_file_bytes"], 102_400,
+        "{created}"
+    );
+    assert!(
+        created["checkpoint_limits"]["max_total_bytes"].is_null(),
+        "{created}"
+    );
+    let done = fleet.wait_for_state(&run_id, RunState::Succeeded);
+
+    let newest = fleet.checkpoints(&done.workspace_id)[0].clone();
+    assert_eq!(newest.id, done.last_checkpoint_id);
+    assert!(
+        newest
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("left out data/big.bin (")
+                && w.ends_with("larger than the per-file limit of 100 KiB")),
+        "the run's limit reached its runner: {:?}",
+        newest.warnings
+    );
+    let (_checkout, files) = fleet.checkout(&done.workspace_id, &newest.id);
+    assert!(!files.join("data/big.bin").exists());
+    assert_eq!(
+        std::fs::read_to_string(files.join("data/small.txt")).unwrap(),
+        "small enough\n"
+    );
+
+    let shown = run(client.ctl().args(["runs", "show", &run_id])).assert_success();
+    assert!(
+        shown
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("checkpoint limits") && l.ends_with("files up to 100.0 KiB")),
+        "{shown}"
+    );
+    let refused = run(client.ctl().args([
+        "runs",
+        "create",
+        "--new-workspace",
+        "--harness",
+        "claude",
+        "--prompt",
+        "hello",
+        "--max-total-size",
+        "0",
+    ]));
+    assert!(
+        !refused.status.success() && refused.stderr.contains("would leave out every file"),
+        "{refused}"
     );
 }
 

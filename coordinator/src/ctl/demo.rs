@@ -517,6 +517,7 @@ impl Demo {
             repos: Vec::new(),
             image: String::new(),
             checkpoint_interval: None,
+            checkpoint_limits: None,
             lay: Default::default(),
         };
         let run = runs::client(client)

@@ -318,6 +318,10 @@ pub fn run_json(r: &pb::Run) -> Value {
         "image": r.image,
         "laid_paths": r.laid_paths,
         "checkpoint_interval_ms": millis(duration(r.checkpoint_interval.as_ref())),
+        "checkpoint_limits": {
+            "max_file_bytes": r.checkpoint_limits.as_ref().map(|l| l.max_file_bytes).filter(|&b| b != 0),
+            "max_total_bytes": r.checkpoint_limits.as_ref().map(|l| l.max_total_bytes).filter(|&b| b != 0),
+        },
         "created_at": rfc3339(time_of!(r.created_at)),
         "updated_at": rfc3339(time_of!(r.updated_at)),
         "hold_until": rfc3339(time_of!(r.hold_until)),

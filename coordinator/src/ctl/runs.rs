@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use cairn_proto::pb;
 use cairn_proto::pb::run_service_client::RunServiceClient;
-use cairn_proto::runs::{Labels, RunState, to_proto_duration};
+use cairn_proto::runs::{CheckpointLimits, Labels, RunState, to_proto_duration};
 use cairn_runner::client::{AuthChannel, Coordinator, MAX_MESSAGE_BYTES};
 use futures::StreamExt as _;
 use serde_json::Value;
@@ -66,6 +66,16 @@ pub struct CreateArgs {
     /// Periodic checkpoints while something changed (e.g. 10m).
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub checkpoint_interval: Option<Duration>,
+    /// Leave out of this run's checkpoints any file larger than SIZE (e.g.
+    /// 512MiB), with a warning on the checkpoint. The runner keeps the
+    /// stricter of this and its own --max-file-size.
+    #[arg(long, value_name = "SIZE", value_parser = parse_limit)]
+    pub max_file_size: Option<u64>,
+    /// Keep at most SIZE of file contents per checkpoint of this run; above
+    /// it the largest files are left out, each with a warning. The runner
+    /// keeps the stricter of this and its own --max-total-size.
+    #[arg(long, value_name = "SIZE", value_parser = parse_limit)]
+    pub max_total_size: Option<u64>,
     /// Lay a file for this run's station before the harness starts: the
     /// content of the local file LOCALFILE at PATH, relative to the workspace
     /// (a skill, a harness profile file). The next run removes it again
@@ -224,6 +234,13 @@ impl CreateArgs {
                 .collect(),
             image: self.image.unwrap_or_default(),
             checkpoint_interval: self.checkpoint_interval.map(to_proto_duration),
+            checkpoint_limits: Some(
+                CheckpointLimits {
+                    max_file_bytes: self.max_file_size,
+                    max_total_bytes: self.max_total_size,
+                }
+                .into(),
+            ),
             lay,
         })
     }
@@ -396,6 +413,14 @@ pub fn run_details(run: &pb::Run) -> String {
     }
     pairs.extend([
         ("max attempts", run.max_attempts.to_string()),
+        (
+            "checkpoint every",
+            output::human_duration(output::duration(run.checkpoint_interval.as_ref())),
+        ),
+        (
+            "checkpoint limits",
+            limits_text(run.checkpoint_limits.unwrap_or_default().into()),
+        ),
         ("repos", repos),
         (
             "lays",
@@ -420,6 +445,33 @@ pub fn run_details(run: &pb::Run) -> String {
         text.push_str(&attempts_table(&run.attempts));
     }
     text
+}
+
+/// A run's own checkpoint limits, for people.
+fn limits_text(limits: CheckpointLimits) -> String {
+    let mut parts = Vec::new();
+    if let Some(bytes) = limits.max_file_bytes {
+        parts.push(format!("files up to {}", output::bytes(bytes)));
+    }
+    if let Some(bytes) = limits.max_total_bytes {
+        parts.push(format!("{} in all", output::bytes(bytes)));
+    }
+    if parts.is_empty() {
+        "- (the runner's own)".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// A size limit: like the runner's sizes, and more than nothing (0 would
+/// leave out every file that is not empty).
+fn parse_limit(text: &str) -> Result<u64, String> {
+    match cairn_proto::runs::parse_size(text)? {
+        0 => Err(format!(
+            "{text:?}: a limit of 0 bytes would leave out every file"
+        )),
+        bytes => Ok(bytes),
+    }
 }
 
 fn attempts_table(attempts: &[pb::Attempt]) -> String {
@@ -727,13 +779,38 @@ mod tests {
             ..Default::default()
         };
         let text = run_details(&run);
-        assert!(text.contains("state            queued"), "{text}");
-        assert!(
-            text.contains("why              no ready host has labels gpu=a100"),
+        let value_of = |key: &str| {
+            let line = text.lines().find(|l| l.starts_with(&format!("{key}  ")));
+            line.map(|l| l[key.len()..].trim().to_owned())
+        };
+        assert_eq!(value_of("state").as_deref(), Some("queued"), "{text}");
+        assert_eq!(
+            value_of("why").as_deref(),
+            Some("no ready host has labels gpu=a100"),
             "{text}"
         );
-        assert!(text.contains("hold             5m"), "{text}");
-        assert!(text.contains("question         Which colour?"), "{text}");
+        assert_eq!(value_of("hold").as_deref(), Some("5m"), "{text}");
+        assert_eq!(value_of("question").as_deref(), Some("Which colour?"));
+        assert_eq!(
+            value_of("checkpoint limits").as_deref(),
+            Some("- (the runner's own)"),
+            "{text}"
+        );
+        let limited = pb::Run {
+            checkpoint_limits: Some(pb::CheckpointLimits {
+                max_file_bytes: 1 << 20,
+                max_total_bytes: 2 << 30,
+            }),
+            ..run.clone()
+        };
+        assert!(
+            run_details(&limited)
+                .lines()
+                .any(|l| l.starts_with("checkpoint limits")
+                    && l.ends_with("files up to 1.0 MiB, 2.0 GiB in all")),
+            "{}",
+            run_details(&limited)
+        );
         let attempt_row = text.lines().last().unwrap();
         for cell in ["1", "4", "host-a", "ended", "host_lost", "restored ck-1"] {
             assert!(attempt_row.contains(cell), "{attempt_row}");

@@ -25,7 +25,9 @@ use std::time::{Duration, SystemTime};
 
 use cairn_proto::ids::{CheckpointId, Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
-use cairn_proto::runs::{AttemptPhase, AttemptState, Labels, Outcome, RunState, SandboxState};
+use cairn_proto::runs::{
+    AttemptPhase, AttemptState, CheckpointLimits, Labels, Outcome, RunState, SandboxState,
+};
 use cairn_proto::stations::{HandoffText, LaidFiles};
 use prost::Message;
 use sqlx::sqlite::SqliteRow;
@@ -115,6 +117,9 @@ pub struct Run {
     pub image: String,
     pub hold: Duration,
     pub checkpoint_interval: Duration,
+    /// The run's own limits on each checkpoint (the runner keeps the
+    /// stricter of these and its own).
+    pub checkpoint_limits: CheckpointLimits,
     pub max_attempts: u32,
     pub state: RunState,
     pub state_reason: String,
@@ -200,6 +205,7 @@ pub struct NewRun {
     pub repos: Vec<pb::RepoSpec>,
     pub image: String,
     pub checkpoint_interval: Duration,
+    pub checkpoint_limits: CheckpointLimits,
     /// Files laid for the run's station before its harness starts.
     pub lay: LaidFiles,
 }
@@ -280,6 +286,7 @@ fn encode_spec(new: &NewRun) -> Vec<u8> {
         labels: new.labels.0.clone().into_iter().collect(),
         repos: new.repos.clone(),
         laid_paths: new.lay.paths(),
+        checkpoint_limits: Some(new.checkpoint_limits.into()),
         ..Default::default()
     }
     .encode_to_vec()
@@ -321,6 +328,7 @@ fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
             row.try_get("checkpoint_interval_ms").map_err(read)?,
             "checkpoint interval",
         )?,
+        checkpoint_limits: spec.checkpoint_limits.map(Into::into).unwrap_or_default(),
         max_attempts: unsigned(row.try_get("max_attempts").map_err(read)?, "max attempts")?,
         state: parse_column::<RunState>(&state, "run state")?,
         state_reason: row.try_get("state_reason").map_err(read)?,

@@ -343,6 +343,7 @@ fn run_to_pb(r: &Run) -> pb::Run {
         repos: r.repos.clone(),
         image: r.image.clone(),
         checkpoint_interval: Some(to_proto_duration(r.checkpoint_interval)),
+        checkpoint_limits: Some(r.checkpoint_limits.into()),
         hold_until: r.hold_until.map(to_timestamp),
         laid_paths: r.laid_paths.clone(),
     }

@@ -137,6 +137,7 @@ impl RunnerService for RunnerApi {
             notes: started.notes.iter().map(handoff_note_to_pb).collect(),
             lay: started.lay.into_iter().collect(),
             station_session_harness: started.station_session_harness,
+            checkpoint_limits: Some(run.checkpoint_limits.into()),
         }))
     }
 

@@ -230,6 +230,7 @@ impl RunApi {
                     repos: req.repos,
                     image: req.image,
                     checkpoint_interval,
+                    checkpoint_limits: req.checkpoint_limits.map(Into::into).unwrap_or_default(),
                     lay,
                 },
             )

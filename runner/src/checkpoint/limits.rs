@@ -20,22 +20,9 @@ use std::sync::Arc;
 use super::human_bytes;
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel};
 
-/// Limits on what one checkpoint holds; `None` is no limit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Limits {
-    /// Files larger than this are left out.
-    pub max_file_bytes: Option<u64>,
-    /// The logical size of all file contents but repository and
-    /// conversation files; the largest files are left out until the rest
-    /// fits.
-    pub max_total_bytes: Option<u64>,
-}
-
-impl Limits {
-    pub fn is_unlimited(&self) -> bool {
-        self.max_file_bytes.is_none() && self.max_total_bytes.is_none()
-    }
-}
+/// What one checkpoint may hold; the run's limits and the runner's own,
+/// combined by [`Limits::stricter`].
+pub use cairn_proto::runs::CheckpointLimits as Limits;
 
 /// One regular file of the walk (its path is only made when it is named).
 struct Candidate {

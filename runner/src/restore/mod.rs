@@ -66,7 +66,7 @@ pub use apply::GitTreeError;
 use apply::{BadBlob, LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
 use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetcher, coalesce};
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
-pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig, parse_size};
+pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig};
 pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
 
 /// Ranged GETs in flight at once.

@@ -182,6 +182,7 @@ pub async fn run(
         workspace_id: spec.workspace_id.clone(),
         generation: spec.generation,
         excludes,
+        limits: spec.checkpoint_limits.map(Into::into).unwrap_or_default(),
     });
     let attempt = Attempt {
         control,

@@ -122,6 +122,8 @@ pub struct StoreTarget {
     pub generation: u64,
     /// Gitignore-style patterns (relative to the root) never checkpointed.
     pub excludes: Vec<String>,
+    /// The run's own limits on each checkpoint (AttemptSpec.checkpoint_limits).
+    pub limits: checkpoint::Limits,
 }
 
 /// The checkpoint engine against the coordinator.
@@ -134,7 +136,8 @@ pub struct RemoteStore {
     /// The host's pack cache, for the restore.
     pub pack_cache: Option<restore::PackCacheConfig>,
     pub target: StoreTarget,
-    /// What one checkpoint may hold.
+    /// What one checkpoint may hold, by the runner's own flags; the run's
+    /// limits ([`StoreTarget::limits`]) can only tighten them.
     pub limits: checkpoint::Limits,
     /// Made by the first checkpoint (after the restore, whose writes the
     /// change tracker need not see) and kept for the later ones.
@@ -182,7 +185,7 @@ impl RemoteStore {
             excludes: self.target.excludes.clone(),
             generation: self.target.generation,
             harness,
-            limits: self.limits,
+            limits: self.limits.stricter(self.target.limits),
             resident: Some(self.resident().await),
         }
     }
