@@ -50,15 +50,18 @@
 //! The bound is kept by evicting the least recently used pieces: a read sets
 //! a piece's mtime to now (the access time is unreliable under
 //! `relatime`/`noatime`), and eviction deletes the oldest mtimes first down
-//! to 90% of the bound, under an exclusive `flock` on `.lock` so that two
-//! evictions do not both delete. Each process knows the total from its last
-//! walk of the directory plus what it wrote since, and evicts before a write
-//! would take that past the bound; pieces written meanwhile by other
-//! processes are seen at their next walk, so concurrent restores can exceed
-//! the bound for a moment by what they write between walks. A lock held by
-//! someone else for more than a second skips the eviction (a hostile holder
-//! can stop eviction, never a restore). Temporary files older than an hour
-//! (left by a killed restore) are removed by the walk.
+//! to 90% of the bound. The bytes the directory holds are a ledger kept in
+//! `.lock` and changed only under an exclusive `flock` on it: a restore
+//! reserves a piece's bytes in the ledger before it writes the piece
+//! (evicting first when they would not fit), gives them back if the write
+//! fails, and every walk of the directory (at open, at each eviction) sets
+//! the ledger to what is really there. So restores of many sandboxes at once
+//! keep the bound together, as one would alone; a ledger that does not parse
+//! is rebuilt from a walk. A lock held by someone else for more than a second
+//! makes this process keep its own count and stop asking for the lock (a
+//! hostile holder can stop eviction, never a restore, and costs it one
+//! second). Temporary files older than an hour (left by a killed restore)
+//! are removed by the walk.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -160,8 +163,12 @@ struct Found {
 #[derive(Debug, Default)]
 struct State {
     pieces: HashMap<PackId, Vec<Piece>>,
-    /// Bytes at the last walk plus what this process wrote since.
+    /// The ledger's bytes as this process last saw them (with its own
+    /// reservation); without the lock, the last walk plus what this process
+    /// wrote since.
     total: u64,
+    /// The lock was not to be had once: this process keeps its own count.
+    lock_refused: bool,
 }
 
 impl State {
@@ -203,14 +210,20 @@ impl PackCache {
             state: Mutex::new(State::default()),
             temp_counter: AtomicU64::new(0),
         };
-        let found = cache.walk().map_err(error)?;
         let mut state = cache.state.lock().expect("pack cache state");
-        state.total = found.iter().map(|f| f.len).sum();
-        for f in found {
-            state.pieces.entry(f.pack).or_default().push(f.piece);
-        }
-        if state.total > cache.max_bytes {
-            cache.evict(&mut state, cache.low_water());
+        match cache.lock() {
+            Some(lock) => {
+                // The bound may have shrunk since the last restore.
+                let (over, target) = (cache.max_bytes, cache.low_water());
+                cache
+                    .resync(&mut state, &lock, over, target)
+                    .map_err(error)?;
+            }
+            None => {
+                state.lock_refused = true;
+                let found = cache.walk().map_err(error)?;
+                cache.remember(&mut state, found);
+            }
         }
         drop(state);
         Ok(cache)
@@ -377,10 +390,7 @@ impl PackCache {
             if held {
                 return;
             }
-            if state.total + len > self.max_bytes {
-                let target = self.low_water() - len;
-                self.evict(&mut state, target);
-            }
+            self.reserve(&mut state, len);
         }
         match self.write_piece(pack, piece, bytes) {
             Ok(()) => {
@@ -388,12 +398,58 @@ impl PackCache {
                 let pieces = state.pieces.entry(pack.clone()).or_default();
                 if !pieces.contains(&piece) {
                     pieces.push(piece);
-                    state.total += len;
                 }
             }
             Err(e) => {
                 tracing::warn!(dir = %self.dir.display(), %pack, error = %e, "cannot write to the host's pack cache");
+                self.release(len);
             }
+        }
+    }
+
+    /// Counts `len` more bytes in the ledger, evicting first when they
+    /// would take it past the bound.
+    fn reserve(&self, state: &mut State, len: u64) {
+        let Some(lock) = (!state.lock_refused).then(|| self.lock()).flatten() else {
+            if !state.lock_refused {
+                tracing::debug!(dir = %self.dir.display(), "another process holds the pack cache lock; keeping a count of this restore's own");
+                state.lock_refused = true;
+            }
+            state.total += len;
+            return;
+        };
+        let held = match read_ledger(&lock) {
+            Some(held) => held,
+            None => match self.resync(state, &lock, u64::MAX, u64::MAX) {
+                Ok(()) => state.total,
+                Err(e) => {
+                    tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to count what it holds");
+                    state.total
+                }
+            },
+        };
+        state.total = held;
+        if held + len > self.max_bytes {
+            let target = self.low_water().saturating_sub(len);
+            if let Err(e) = self.resync(state, &lock, target, target) {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to evict from it");
+            }
+        }
+        state.total += len;
+        write_ledger(&lock, state.total);
+    }
+
+    /// Takes back a reservation whose piece was not written.
+    fn release(&self, len: u64) {
+        let mut state = self.state.lock().expect("pack cache state");
+        state.total = state.total.saturating_sub(len);
+        if state.lock_refused {
+            return;
+        }
+        if let Some(lock) = self.lock()
+            && let Some(held) = read_ledger(&lock)
+        {
+            write_ledger(&lock, held.saturating_sub(len));
         }
     }
 
@@ -456,23 +512,15 @@ impl PackCache {
         Ok(found)
     }
 
-    /// Deletes least recently used pieces until at most `target` bytes
-    /// remain, and refreshes what this process knows from the walk.
-    fn evict(&self, state: &mut State, target: u64) {
-        let Some(_lock) = self.lock() else {
-            tracing::debug!(dir = %self.dir.display(), "another process holds the pack cache lock; not evicting now");
-            return;
-        };
-        let mut found = match self.walk() {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to evict from it");
-                return;
-            }
-        };
+    /// Under the lock: walks the directory and, when it holds more than
+    /// `over` bytes, deletes least recently used pieces until at most
+    /// `target` remain; then sets the ledger and what this process knows to
+    /// what is there.
+    fn resync(&self, state: &mut State, lock: &File, over: u64, target: u64) -> io::Result<()> {
+        let mut found = self.walk()?;
         let mut total: u64 = found.iter().map(|f| f.len).sum();
         let mut evicted = 0u64;
-        if total > target {
+        if total > over {
             found.sort_by(|a, b| a.mtime.cmp(&b.mtime).then_with(|| a.name.cmp(&b.name)));
             let mut kept = Vec::with_capacity(found.len());
             for f in found {
@@ -504,14 +552,21 @@ impl PackCache {
                 "pack cache evicted"
             );
         }
+        self.remember(state, found);
+        write_ledger(lock, total);
+        Ok(())
+    }
+
+    /// Replaces what this process knows with a walk's findings.
+    fn remember(&self, state: &mut State, found: Vec<Found>) {
         state.pieces.clear();
+        state.total = found.iter().map(|f| f.len).sum();
         for f in found {
             state.pieces.entry(f.pack).or_default().push(f.piece);
         }
-        state.total = total;
     }
 
-    /// The exclusive eviction lock, if it can be had within about a second.
+    /// The exclusive lock on the ledger, if it can be had within about a second.
     fn lock(&self) -> Option<File> {
         let file = OpenOptions::new()
             .read(true)
@@ -531,6 +586,21 @@ impl PackCache {
         }
         None
     }
+}
+
+/// The ledger's bytes, if `.lock` holds a number.
+fn read_ledger(lock: &File) -> Option<u64> {
+    let mut text = [0u8; 24];
+    let read = lock.read_at(&mut text, 0).ok()?;
+    std::str::from_utf8(&text[..read]).ok()?.trim().parse().ok()
+}
+
+/// Writes the ledger (a failure only means the next reader rebuilds it).
+fn write_ledger(lock: &File, bytes: u64) {
+    let text = format!("{bytes}\n");
+    let _ = lock
+        .set_len(0)
+        .and_then(|()| lock.write_all_at(text.as_bytes(), 0));
 }
 
 #[cfg(test)]
@@ -637,6 +707,70 @@ mod tests {
         // A piece larger than the cache could keep is not stored.
         small.insert(&pack(3), 0, &[1; 500]);
         assert!(small.get(&pack(3), 0, 500).is_none());
+    }
+
+    #[test]
+    fn restores_at_once_keep_the_bound_together() {
+        let tmp = tempfile::tempdir().unwrap();
+        let disk = || -> u64 {
+            fs::read_dir(tmp.path())
+                .unwrap()
+                .map(|e| e.unwrap())
+                .filter(|e| e.file_name().to_str().unwrap().starts_with(PIECE_PREFIX))
+                .map(|e| e.metadata().unwrap().len())
+                .sum()
+        };
+        // Two restores open the empty cache, then take turns writing: each
+        // alone would think it holds half of what is on disk.
+        let (a, b) = (open(tmp.path(), 1000), open(tmp.path(), 1000));
+        for i in 0..10u64 {
+            let (cache, writer) = if i % 2 == 0 { (&a, 1) } else { (&b, 2) };
+            cache.insert(&pack(writer), i * 1000, &[i as u8; 150]);
+            assert!(
+                disk() <= 1000,
+                "after write {i} the cache holds {} bytes",
+                disk()
+            );
+        }
+        assert!(disk() >= 750, "eviction went only as far as it had to");
+        // The ledger is what is there, for the next restore to trust.
+        let lock = File::open(tmp.path().join(LOCK_FILE)).unwrap();
+        assert_eq!(read_ledger(&lock), Some(disk()));
+
+        // A write that fails gives its reservation back: here a directory
+        // planted at the piece's name makes the rename fail.
+        let full = disk();
+        let planted = Piece { start: 0, end: 100 };
+        fs::create_dir_all(tmp.path().join(piece_name(&pack(3), planted)).join("x")).unwrap();
+        a.insert(&pack(3), 0, &[7; 100]);
+        assert_eq!(read_ledger(&lock), Some(full));
+        fs::remove_dir_all(tmp.path().join(piece_name(&pack(3), planted))).unwrap();
+
+        // A ledger that does not parse is rebuilt from the directory.
+        fs::write(tmp.path().join(LOCK_FILE), b"not a number").unwrap();
+        a.insert(&pack(4), 0, &[1; 10]);
+        assert_eq!(read_ledger(&lock), Some(disk()));
+    }
+
+    #[test]
+    fn a_held_lock_stops_eviction_but_never_a_restore() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = open(tmp.path(), 1000);
+        let holder = File::options()
+            .read(true)
+            .write(true)
+            .open(tmp.path().join(LOCK_FILE))
+            .unwrap();
+        // SAFETY: flock on a descriptor the test owns.
+        assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+        for i in 0..8u64 {
+            cache.insert(&pack(1), i * 1000, &[1; 200]);
+        }
+        assert_eq!(on_disk(tmp.path()).len(), 8, "every piece was written");
+        assert_eq!(cache.total_bytes(), 1600, "its own count, past the bound");
+        drop(holder);
+        // The next restore evicts at open.
+        assert!(open(tmp.path(), 1000).total_bytes() <= 900);
     }
 
     #[test]
