@@ -55,7 +55,9 @@
 //! reserves a piece's bytes in the ledger before it writes the piece
 //! (evicting first when they would not fit), gives them back if the write
 //! fails, and every walk of the directory (at open, at each eviction) sets
-//! the ledger to what is really there. So restores of many sandboxes at once
+//! the ledger to what is really there. A piece being written is counted by
+//! the walks too: its temporary file, created under the lock with the
+//! reservation, is named `.tmp-<length>-…`. So restores of many sandboxes at once
 //! keep the bound together, as one would alone; a ledger that does not parse
 //! is rebuilt from a walk. A lock held by someone else for more than a second
 //! makes this process keep its own count and stop asking for the lock (a
@@ -160,6 +162,20 @@ struct Found {
     mtime: SystemTime,
 }
 
+/// What a walk of the directory found.
+#[derive(Debug, Default)]
+struct Walked {
+    pieces: Vec<Found>,
+    /// Bytes reserved by pieces being written (their temporary files).
+    reserved: u64,
+}
+
+/// A piece's reserved temporary file.
+struct Reserved {
+    file: File,
+    path: PathBuf,
+}
+
 #[derive(Debug, Default)]
 struct State {
     pieces: HashMap<PackId, Vec<Piece>>,
@@ -221,8 +237,8 @@ impl PackCache {
             }
             None => {
                 state.lock_refused = true;
-                let found = cache.walk().map_err(error)?;
-                cache.remember(&mut state, found);
+                let walked = cache.walk().map_err(error)?;
+                cache.remember(&mut state, walked);
             }
         }
         drop(state);
@@ -381,7 +397,7 @@ impl PackCache {
         if len == 0 || len > self.low_water() {
             return;
         }
-        {
+        let temp = {
             let mut state = self.state.lock().expect("pack cache state");
             let held = state
                 .pieces
@@ -390,9 +406,16 @@ impl PackCache {
             if held {
                 return;
             }
-            self.reserve(&mut state, len);
-        }
-        match self.write_piece(pack, piece, bytes) {
+            self.reserve(&mut state, len)
+        };
+        let temp = match temp {
+            Ok(temp) => temp,
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), %pack, error = %e, "cannot write to the host's pack cache");
+                return;
+            }
+        };
+        match self.write_piece(pack, piece, bytes, temp) {
             Ok(()) => {
                 let mut state = self.state.lock().expect("pack cache state");
                 let pieces = state.pieces.entry(pack.clone()).or_default();
@@ -408,15 +431,18 @@ impl PackCache {
     }
 
     /// Counts `len` more bytes in the ledger, evicting first when they
-    /// would take it past the bound.
-    fn reserve(&self, state: &mut State, len: u64) {
+    /// would take it past the bound, and creates the temporary file the
+    /// piece is written to. Its name carries `len`, so that a walk by any
+    /// process counts the reservation until the piece is renamed into place.
+    fn reserve(&self, state: &mut State, len: u64) -> io::Result<Reserved> {
         let Some(lock) = (!state.lock_refused).then(|| self.lock()).flatten() else {
             if !state.lock_refused {
                 tracing::debug!(dir = %self.dir.display(), "another process holds the pack cache lock; keeping a count of this restore's own");
                 state.lock_refused = true;
             }
+            let temp = self.create_temp(len)?;
             state.total += len;
-            return;
+            return Ok(temp);
         };
         let held = match read_ledger(&lock) {
             Some(held) => held,
@@ -435,8 +461,28 @@ impl PackCache {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to evict from it");
             }
         }
+        let temp = self.create_temp(len)?;
         state.total += len;
         write_ledger(&lock, state.total);
+        Ok(temp)
+    }
+
+    fn create_temp(&self, len: u64) -> io::Result<Reserved> {
+        let path = self.dir.join(format!(
+            "{TEMP_PREFIX}{len}-{}-{}-{:016x}",
+            std::process::id(),
+            self.temp_counter.fetch_add(1, Ordering::Relaxed),
+            rand::random::<u64>()
+        ));
+        // Readable by every sandbox of the host, whatever its uid: the
+        // bytes are the store's ciphertext.
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)?;
+        Ok(Reserved { file, path })
     }
 
     /// Takes back a reservation whose piece was not written.
@@ -453,39 +499,33 @@ impl PackCache {
         }
     }
 
-    fn write_piece(&self, pack: &PackId, piece: Piece, bytes: &[u8]) -> io::Result<()> {
-        let temp = self.dir.join(format!(
-            "{TEMP_PREFIX}{}-{}-{:016x}",
-            std::process::id(),
-            self.temp_counter.fetch_add(1, Ordering::Relaxed),
-            rand::random::<u64>()
-        ));
+    fn write_piece(
+        &self,
+        pack: &PackId,
+        piece: Piece,
+        bytes: &[u8],
+        temp: Reserved,
+    ) -> io::Result<()> {
+        let Reserved { mut file, path } = temp;
         let written = (|| {
-            // Readable by every sandbox of the host, whatever its uid: the
-            // bytes are the store's ciphertext.
-            let mut file = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o644)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(&temp)?;
             file.write_all(bytes)?;
             // No fsync: after a crash a piece may be short or garbled, and
             // then it fails its checks like any damaged piece.
             drop(file);
             // rename replaces whatever holds the name, never following it.
-            fs::rename(&temp, self.dir.join(piece_name(pack, piece)))
+            fs::rename(&path, self.dir.join(piece_name(pack, piece)))
         })();
         if written.is_err() {
-            let _ = fs::remove_file(&temp);
+            let _ = fs::remove_file(&path);
         }
         written
     }
 
-    /// Lists the pieces on disk; removes stale temporary files.
-    fn walk(&self) -> io::Result<Vec<Found>> {
+    /// Lists the pieces on disk and counts the bytes reserved by pieces
+    /// being written; removes stale temporary files.
+    fn walk(&self) -> io::Result<Walked> {
         let now = SystemTime::now();
-        let mut found = Vec::new();
+        let mut walked = Walked::default();
         for entry in fs::read_dir(&self.dir)? {
             let entry = entry?;
             let name = entry.file_name();
@@ -495,7 +535,7 @@ impl PackCache {
             let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
             if let Some((pack, piece)) = parse_piece_name(name) {
                 if meta.file_type().is_file() {
-                    found.push(Found {
+                    walked.pieces.push(Found {
                         name: name.to_owned(),
                         pack,
                         piece,
@@ -503,13 +543,15 @@ impl PackCache {
                         mtime,
                     });
                 }
-            } else if name.starts_with(TEMP_PREFIX)
-                && now.duration_since(mtime).unwrap_or_default() > STALE_TEMP
-            {
-                let _ = fs::remove_file(entry.path());
+            } else if let Some(rest) = name.strip_prefix(TEMP_PREFIX) {
+                if now.duration_since(mtime).unwrap_or_default() > STALE_TEMP {
+                    let _ = fs::remove_file(entry.path());
+                } else if let Some(len) = rest.split('-').next().and_then(parse_decimal) {
+                    walked.reserved = walked.reserved.saturating_add(len);
+                }
             }
         }
-        Ok(found)
+        Ok(walked)
     }
 
     /// Under the lock: walks the directory and, when it holds more than
@@ -517,8 +559,12 @@ impl PackCache {
     /// `target` remain; then sets the ledger and what this process knows to
     /// what is there.
     fn resync(&self, state: &mut State, lock: &File, over: u64, target: u64) -> io::Result<()> {
-        let mut found = self.walk()?;
-        let mut total: u64 = found.iter().map(|f| f.len).sum();
+        let Walked {
+            pieces: mut found,
+            reserved,
+        } = self.walk()?;
+        // Pieces being written cannot be evicted, but they count.
+        let mut total = found.iter().map(|f| f.len).sum::<u64>() + reserved;
         let mut evicted = 0u64;
         if total > over {
             found.sort_by(|a, b| a.mtime.cmp(&b.mtime).then_with(|| a.name.cmp(&b.name)));
@@ -552,16 +598,22 @@ impl PackCache {
                 "pack cache evicted"
             );
         }
-        self.remember(state, found);
+        self.remember(
+            state,
+            Walked {
+                pieces: found,
+                reserved,
+            },
+        );
         write_ledger(lock, total);
         Ok(())
     }
 
     /// Replaces what this process knows with a walk's findings.
-    fn remember(&self, state: &mut State, found: Vec<Found>) {
+    fn remember(&self, state: &mut State, walked: Walked) {
         state.pieces.clear();
-        state.total = found.iter().map(|f| f.len).sum();
-        for f in found {
+        state.total = walked.pieces.iter().map(|f| f.len).sum::<u64>() + walked.reserved;
+        for f in walked.pieces {
             state.pieces.entry(f.pack).or_default().push(f.piece);
         }
     }
@@ -750,6 +802,26 @@ mod tests {
         fs::write(tmp.path().join(LOCK_FILE), b"not a number").unwrap();
         a.insert(&pack(4), 0, &[1; 10]);
         assert_eq!(read_ledger(&lock), Some(disk()));
+    }
+
+    #[test]
+    fn pieces_being_written_count_against_the_bound() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = open(tmp.path(), 1000);
+        cache.insert(&pack(1), 0, &[1; 300]);
+        cache.insert(&pack(1), 1000, &[1; 300]);
+        // Another restore is writing a 500-byte piece; the ledger is lost.
+        fs::write(tmp.path().join(format!("{TEMP_PREFIX}500-1-2-3")), b"half").unwrap();
+        fs::write(tmp.path().join(LOCK_FILE), b"").unwrap();
+        // 600 held + 500 being written + 100 > 1000: down to 900 - 100.
+        cache.insert(&pack(2), 0, &[2; 100]);
+        assert_eq!(
+            on_disk(tmp.path()).len(),
+            2,
+            "one old piece went to make room for the one being written"
+        );
+        let lock = File::open(tmp.path().join(LOCK_FILE)).unwrap();
+        assert_eq!(read_ledger(&lock), Some(300 + 500 + 100));
     }
 
     #[test]
