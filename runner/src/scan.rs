@@ -288,6 +288,20 @@ pub fn rescan(
         !opts.skip_ignored,
         "a partial rescan cannot apply git's ignore rules"
     );
+    // Adding or removing an entry of `d` moves `d`'s mtime, which its
+    // parent's listing carries (no event says so): that entry of the parent
+    // is stat'ed again, as a touched one.
+    let mut touched = touched.clone();
+    for path in dirty {
+        if let Some((parent, name)) = split_last(path)
+            && !dirty.contains(parent)
+        {
+            touched
+                .entry(parent.to_vec())
+                .or_default()
+                .insert(name.to_vec());
+        }
+    }
     let mut ancestors = HashSet::new();
     // A directory with touched entries is walked into, not taken whole.
     ancestors.extend(touched.keys().cloned());
@@ -306,11 +320,22 @@ pub fn rescan(
     let reuse = Reuse {
         previous,
         dirty,
-        touched,
+        touched: &touched,
         ancestors,
         reused_subtrees: Mutex::new(Vec::new()),
     };
     walk_root(opts, Some(&reuse), on_repo)
+}
+
+/// A relative path's parent and last name (`None` for the root).
+fn split_last(path: &[u8]) -> Option<(&[u8], &[u8])> {
+    if path.is_empty() {
+        return None;
+    }
+    Some(match path.iter().rposition(|b| *b == b'/') {
+        Some(slash) => (&path[..slash], &path[slash + 1..]),
+        None => (&[][..], path),
+    })
 }
 
 /// Per directory (relative path), the names of entries whose content or
@@ -1139,6 +1164,40 @@ mod tests {
         let after = rescan(&opts, &before, &dirty, &Touched::new(), &|_| {}).unwrap();
         assert_eq!(listing(&after), listing(&run(&opts)));
         assert!(listing(&after).contains_key("app/src/deep/lib.rs"));
+    }
+
+    #[test]
+    fn a_partial_rescan_records_the_new_mtime_of_a_directory_that_gained_an_entry() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(tmp.path()).unwrap();
+        fs::create_dir_all(root.join("app/src")).unwrap();
+        fs::write(root.join("app/src/lib.rs"), "lib").unwrap();
+        fs::write(root.join("top.txt"), "top").unwrap();
+        let opts = options(&root);
+        let before = run(&opts);
+        let old = filetime(&root.join("app/src"), 1_600_000_000);
+        fs::write(root.join("app/src/new.rs"), "new").unwrap();
+        fs::remove_file(root.join("top.txt")).unwrap();
+        assert_ne!(fs::metadata(root.join("app/src")).unwrap().mtime(), old);
+        let dirty = HashSet::from([b"app/src".to_vec(), Vec::new()]);
+        let after = rescan(&opts, &before, &dirty, &Touched::new(), &|_| {}).unwrap();
+        let full = run(&opts);
+        let dirs = |scan: &Scan| -> Vec<ScannedDir> {
+            scan.dirs.iter().map(|dir| (**dir).clone()).collect()
+        };
+        assert_eq!(
+            dirs(&after),
+            dirs(&full),
+            "a partial walk equals a full walk"
+        );
+        assert_ne!(dirs(&before), dirs(&full));
+    }
+
+    /// Sets `path`'s mtime to `secs` and returns it.
+    fn filetime(path: &Path, secs: i64) -> i64 {
+        let time = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs as u64);
+        fs::File::open(path).unwrap().set_modified(time).unwrap();
+        fs::metadata(path).unwrap().mtime()
     }
 
     #[test]
