@@ -7,6 +7,7 @@
 //!   works with. Every id is a newtype; messages received over the wire are
 //!   validated into domain types with `TryFrom`, so a malformed request is
 //!   refused at the edge with a [`ValidationError`] naming the field.
+//! - [`size`]: byte sizes read from flags and written in messages.
 //! - [`stations`]: the files a run lays for its station and the handoff
 //!   note it leaves, validated on receipt.
 //! - [`auth`]: how a bearer token travels in gRPC metadata.
@@ -56,6 +57,7 @@ pub mod auth;
 pub mod domain;
 pub mod ids;
 pub mod runs;
+pub mod size;
 pub mod stations;
 
 pub use domain::ValidationError;

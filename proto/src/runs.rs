@@ -270,50 +270,6 @@ impl From<CheckpointLimits> for pb::CheckpointLimits {
     }
 }
 
-/// Parses a size for people: `10GiB`, `512MiB`, `1.5G`, `2000000`. `K`,
-/// `M`, `G`, `T` (alone or with `iB`) are powers of 1024; `KB`, `MB`, `GB`,
-/// `TB` powers of 1000; `B` or nothing are bytes.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let unit = unit.trim();
-    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        _ => {
-            return Err(format!(
-                "{text:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
-            ));
-        }
-    };
-    if number.is_empty() {
-        return Err(format!("{text:?} is not a size (e.g. 10GiB, 512MiB)"));
-    }
-    if let Ok(whole) = number.parse::<u64>() {
-        return whole
-            .checked_mul(multiplier)
-            .ok_or_else(|| format!("{text:?} is too large"));
-    }
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (e.g. 10GiB, 512MiB)"))?;
-    let bytes = value * multiplier as f64;
-    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
-        return Err(format!("{text:?} is too large"));
-    }
-    Ok(bytes.round() as u64)
-}
-
 /// Stations: a task's stages (implement, review, …). Same rules as names.
 pub fn validate_station(station: &str) -> Result<(), ValidationError> {
     crate::domain::validate_name(station).map_err(|e| ValidationError::new("station", e.reason))
@@ -376,24 +332,6 @@ pub fn harness_settings(name: &str) -> Option<&'static [&'static str]> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_read_like_people_write_them() {
-        assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
-        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
-        assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_size("3MB").unwrap(), 3_000_000);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("0").unwrap(), 0);
-        assert!(parse_size("ten").is_err());
-        assert!(
-            parse_size("5 parsecs")
-                .unwrap_err()
-                .contains("unknown unit")
-        );
-        assert!(parse_size("99999999999TiB").is_err());
-    }
 
     #[test]
     fn a_run_can_tighten_the_runners_limits_but_not_loosen_them() {

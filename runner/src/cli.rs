@@ -111,13 +111,13 @@ impl WorkspaceArgs {
 pub struct LimitArgs {
     /// Leave out any file larger than SIZE (e.g. 512MiB, 2GB), with a
     /// warning on the checkpoint naming it. Default: no limit.
-    #[arg(long, env = "CAIRN_MAX_FILE_SIZE", value_name = "SIZE", value_parser = cairn_proto::runs::parse_size)]
+    #[arg(long, env = "CAIRN_MAX_FILE_SIZE", value_name = "SIZE", value_parser = cairn_proto::size::parse_size)]
     pub max_file_size: Option<u64>,
 
     /// Keep at most SIZE of file contents per checkpoint; above it the
     /// largest files are left out until the rest fits, each with a warning
     /// on the checkpoint. Default: no limit.
-    #[arg(long, env = "CAIRN_MAX_TOTAL_SIZE", value_name = "SIZE", value_parser = cairn_proto::runs::parse_size)]
+    #[arg(long, env = "CAIRN_MAX_TOTAL_SIZE", value_name = "SIZE", value_parser = cairn_proto::size::parse_size)]
     pub max_total_size: Option<u64>,
 }
 
@@ -194,7 +194,7 @@ pub struct PackCacheArgs {
         env = "CAIRN_PACK_CACHE_SIZE",
         value_name = "SIZE",
         default_value = "10GiB",
-        value_parser = cairn_proto::runs::parse_size
+        value_parser = cairn_proto::size::parse_size
     )]
     pub pack_cache_size: u64,
 }

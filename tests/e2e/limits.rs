@@ -69,7 +69,7 @@ fn files_above_the_limits_are_left_out_with_warnings_and_repositories_are_kept()
     );
     assert!(
         says(
-            "left out data/half-a.bin (900 KiB): the checkpoint would exceed its limit of 1.2 MiB"
+            "left out data/half-a.bin (900.0 KiB): the checkpoint would exceed its limit of 1.2 MiB"
         ),
         "{warnings:?}"
     );
@@ -155,7 +155,7 @@ fn a_runs_own_limits_leave_files_out_of_its_checkpoints() {
             .warnings
             .iter()
             .any(|w| w.starts_with("left out data/big.bin (")
-                && w.ends_with("larger than the per-file limit of 100 KiB")),
+                && w.ends_with("larger than the per-file limit of 100.0 KiB")),
         "the run's limit reached its runner: {:?}",
         newest.warnings
     );

@@ -9,7 +9,8 @@ use std::time::{Duration, SystemTime};
 use cairn_proto::domain::{CheckpointReason, WorkspaceState};
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptState, HostState, RunState, from_proto_duration};
-use cairn_runner::restore::{human_age, human_bytes};
+use cairn_proto::size::human_bytes;
+use cairn_runner::restore::human_age;
 use serde_json::{Value, json};
 
 /// Columns padded to their widest cell; the last column is not padded.

@@ -466,7 +466,7 @@ fn limits_text(limits: CheckpointLimits) -> String {
 /// A size limit: like the runner's sizes, and more than nothing (0 would
 /// leave out every file that is not empty).
 fn parse_limit(text: &str) -> Result<u64, String> {
-    match cairn_proto::runs::parse_size(text)? {
+    match cairn_proto::size::parse_size(text)? {
         0 => Err(format!(
             "{text:?}: a limit of 0 bytes would leave out every file"
         )),

@@ -17,7 +17,8 @@
 
 use std::sync::Arc;
 
-use super::human_bytes;
+use cairn_proto::size::human_bytes;
+
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel};
 
 /// What one checkpoint may hold; the run's limits and the runner's own,
@@ -249,7 +250,7 @@ mod tests {
         );
         assert!(
             warnings.contains(
-                &"left out data/bigger.bin (78 KiB): larger than the per-file limit of 59 KiB"
+                &"left out data/bigger.bin (78.1 KiB): larger than the per-file limit of 58.6 KiB"
                     .to_owned()
             ),
             "{warnings:?}"
@@ -257,7 +258,7 @@ mod tests {
         assert!(
             warnings
                 .iter()
-                .any(|w| w.starts_with("kept repo/.git/objects/pack/p.pack (117 KiB)")),
+                .any(|w| w.starts_with("kept repo/.git/objects/pack/p.pack (117.2 KiB)")),
             "{warnings:?}"
         );
     }

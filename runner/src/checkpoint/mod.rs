@@ -48,6 +48,7 @@ use std::time::Instant;
 use cairn_proto::domain::{CheckpointReason, PackKind};
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use cairn_proto::pb;
+use cairn_proto::size::human_bytes;
 use rayon::prelude::*;
 use serde::Serialize;
 use tonic::Code;
@@ -1077,21 +1078,6 @@ pub(crate) fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
-/// Bytes for people: `512 B`, `41 KiB`, `312.4 MiB`, `1.2 GiB`.
-pub fn human_bytes(bytes: u64) -> String {
-    const KIB: f64 = 1024.0;
-    let b = bytes as f64;
-    if bytes < 1024 {
-        format!("{bytes} B")
-    } else if b < KIB * KIB {
-        format!("{:.0} KiB", b / KIB)
-    } else if b < KIB * KIB * KIB {
-        format!("{:.1} MiB", b / (KIB * KIB))
-    } else {
-        format!("{:.1} GiB", b / (KIB * KIB * KIB))
-    }
-}
-
 /// The one-line text output.
 pub fn summary(report: &CheckpointReport) -> String {
     let s = &report.stats;
@@ -1138,8 +1124,8 @@ mod tests {
         };
         assert_eq!(
             summary(&report),
-            "checkpoint ck-1 of ws-1 (#3, manual): 50123 files, 312.4 MiB; read 10 files (41 KiB); \
-             uploaded 1 pack, 143 KiB, in 85 ms"
+            "checkpoint ck-1 of ws-1 (#3, manual): 50123 files, 312.4 MiB; read 10 files (41.0 KiB); \
+             uploaded 1 pack, 143.0 KiB, in 85 ms"
         );
         let json: serde_json::Value = serde_json::to_value(&report).unwrap();
         assert_eq!(json["reason"], "manual");

@@ -98,7 +98,7 @@ pub struct HostArgs {
 
     /// Bound of the pack cache (least recently used pieces are evicted), e.g.
     /// 10GiB, 512MiB; 0 turns the cache off.
-    #[arg(long, value_name = "SIZE", default_value = "10GiB", value_parser = cairn_proto::runs::parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "10GiB", value_parser = cairn_proto::size::parse_size)]
     pub pack_cache_size: u64,
 
     /// Log format on stderr.

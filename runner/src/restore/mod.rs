@@ -54,6 +54,7 @@ use bytes::Bytes;
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, CheckpointId, PackId, WorkspaceId};
 use cairn_proto::pb;
+use cairn_proto::size::human_bytes;
 use futures::{StreamExt, TryStreamExt, stream};
 
 use crate::cache::{Cache, CachedFile, FastMap, Fingerprint};
@@ -216,22 +217,6 @@ impl RestoreReport {
             ));
         }
         out
-    }
-}
-
-/// Binary-prefixed byte count, e.g. `312.4 MiB`.
-pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
     }
 }
 

@@ -1005,8 +1005,6 @@ fn statuses_read_as_words() {
     assert_eq!(describe_status(&status), "workspace \"x\" not found");
     let status = tonic::Status::permission_denied("unknown token");
     assert_eq!(describe_status(&status), "permission denied: unknown token");
-    assert_eq!(human_bytes(1536), "1.5 KiB");
-    assert_eq!(human_bytes(12), "12 B");
 }
 
 // ---------------------------------------------------------------------------

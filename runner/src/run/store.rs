@@ -18,7 +18,9 @@ use crate::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
 };
 use crate::client::Coordinator;
-use crate::restore::{self, NoProgress, RestoreError, RestoreOptions, human_bytes};
+use cairn_proto::size::human_bytes;
+
+use crate::restore::{self, NoProgress, RestoreError, RestoreOptions};
 use crate::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 
 /// What the workspace was prepared from.
