@@ -176,6 +176,18 @@ pub fn is_at_or_below(path: &[u8], dir: &[u8]) -> bool {
     dir.is_empty() || (path.starts_with(dir) && matches!(path.get(dir.len()), None | Some(b'/')))
 }
 
+/// A relative path's directory and last name (`None` for the root): the
+/// inverse of [`join_rel`].
+pub fn split_rel(rel: &[u8]) -> Option<(&[u8], &[u8])> {
+    if rel.is_empty() {
+        return None;
+    }
+    Some(match rel.iter().rposition(|b| *b == b'/') {
+        Some(slash) => (&rel[..slash], &rel[slash + 1..]),
+        None => (&[][..], rel),
+    })
+}
+
 /// `dir/name` for relative paths (`name` when `dir` is the root).
 pub fn join_rel(dir: &[u8], name: &[u8]) -> Vec<u8> {
     if dir.is_empty() {
@@ -293,13 +305,8 @@ pub fn rescan(
     // is stat'ed again, as a touched one.
     let mut touched = touched.clone();
     for path in dirty {
-        if let Some((parent, name)) = split_last(path)
-            && !dirty.contains(parent)
-        {
-            touched
-                .entry(parent.to_vec())
-                .or_default()
-                .insert(name.to_vec());
+        if split_rel(path).is_some_and(|(parent, _)| !dirty.contains(parent)) {
+            note_touched(&mut touched, path);
         }
     }
     let mut ancestors = HashSet::new();
@@ -327,20 +334,22 @@ pub fn rescan(
     walk_root(opts, Some(&reuse), on_repo)
 }
 
-/// A relative path's parent and last name (`None` for the root).
-fn split_last(path: &[u8]) -> Option<(&[u8], &[u8])> {
-    if path.is_empty() {
-        return None;
-    }
-    Some(match path.iter().rposition(|b| *b == b'/') {
-        Some(slash) => (&path[..slash], &path[slash + 1..]),
-        None => (&[][..], path),
-    })
-}
-
 /// Per directory (relative path), the names of entries whose content or
 /// attributes changed while its names stayed as they were.
 pub type Touched = HashMap<Vec<u8>, HashSet<Vec<u8>>>;
+
+/// Notes that the entry at `rel` changed in place; false for the root,
+/// which is no entry of a listing.
+pub fn note_touched(touched: &mut Touched, rel: &[u8]) -> bool {
+    let Some((parent, name)) = split_rel(rel) else {
+        return false;
+    };
+    touched
+        .entry(parent.to_vec())
+        .or_default()
+        .insert(name.to_vec());
+    true
+}
 
 /// `previous` with the entries `names` stat'ed again: all that a write or an
 /// attribute change, which leaves a directory's names as they are, can
@@ -1182,15 +1191,8 @@ mod tests {
         let dirty = HashSet::from([b"app/src".to_vec(), Vec::new()]);
         let after = rescan(&opts, &before, &dirty, &Touched::new(), &|_| {}).unwrap();
         let full = run(&opts);
-        let dirs = |scan: &Scan| -> Vec<ScannedDir> {
-            scan.dirs.iter().map(|dir| (**dir).clone()).collect()
-        };
-        assert_eq!(
-            dirs(&after),
-            dirs(&full),
-            "a partial walk equals a full walk"
-        );
-        assert_ne!(dirs(&before), dirs(&full));
+        assert_eq!(after.dirs, full.dirs, "a partial walk equals a full walk");
+        assert_ne!(before.dirs, full.dirs);
     }
 
     /// Sets `path`'s mtime to `secs` and returns it.

@@ -287,24 +287,8 @@ fn touch(pending: &mut Pending, root: &Path, path: &Path) {
     let Ok(rel) = path.strip_prefix(root) else {
         return;
     };
-    let rel = rel.as_os_str().as_bytes();
-    match rel.iter().rposition(|b| *b == b'/') {
-        Some(slash) => {
-            let (parent, name) = (&rel[..slash], &rel[slash + 1..]);
-            pending
-                .touched
-                .entry(parent.to_vec())
-                .or_default()
-                .insert(name.to_vec());
-        }
-        None if rel.is_empty() => mark(&mut pending.dirty, root, path),
-        None => {
-            pending
-                .touched
-                .entry(Vec::new())
-                .or_default()
-                .insert(rel.to_vec());
-        }
+    if !scan::note_touched(&mut pending.touched, rel.as_os_str().as_bytes()) {
+        mark(&mut pending.dirty, root, path);
     }
 }
 
@@ -315,10 +299,7 @@ fn mark(dirty: &mut HashSet<Vec<u8>>, root: &Path, path: &Path) {
         return;
     };
     let rel = rel.as_os_str().as_bytes();
-    let parent = match rel.iter().rposition(|b| *b == b'/') {
-        Some(slash) => &rel[..slash],
-        None => &[][..],
-    };
+    let parent = scan::split_rel(rel).map_or(&[][..], |(parent, _)| parent);
     if !dirty.contains(parent) {
         dirty.insert(parent.to_vec());
     }
@@ -473,15 +454,8 @@ mod tests {
         let (second, kind) = tracker.scan(&opts, &|_| {}).unwrap();
         assert!(matches!(kind, ScanKind::Partial { .. }), "{kind:?}");
         let full = scan::scan(&opts, &|_| {}).unwrap();
-        let dirs = |scan: &Scan| -> Vec<scan::ScannedDir> {
-            scan.dirs.iter().map(|dir| (**dir).clone()).collect()
-        };
-        assert_eq!(
-            dirs(&second),
-            dirs(&full),
-            "a partial walk equals a full walk"
-        );
-        assert_ne!(dirs(&first), dirs(&full));
+        assert_eq!(second.dirs, full.dirs, "a partial walk equals a full walk");
+        assert_ne!(first.dirs, full.dirs);
         let other = |scan: &Scan| {
             scan.dirs
                 .iter()

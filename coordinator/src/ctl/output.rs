@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use cairn_proto::domain::{CheckpointReason, WorkspaceState};
 use cairn_proto::pb;
+use cairn_proto::runs::CheckpointLimits;
 use cairn_proto::runs::{AttemptState, HostState, RunState, from_proto_duration};
 use cairn_proto::size::human_bytes;
 use cairn_runner::restore::human_age;
@@ -294,6 +295,7 @@ pub fn attempt_json(a: &pb::Attempt) -> Value {
 }
 
 pub fn run_json(r: &pb::Run) -> Value {
+    let limits = CheckpointLimits::from(r.checkpoint_limits.unwrap_or_default());
     let harness = r.harness.clone().unwrap_or_default();
     json!({
         "id": r.id,
@@ -320,8 +322,8 @@ pub fn run_json(r: &pb::Run) -> Value {
         "laid_paths": r.laid_paths,
         "checkpoint_interval_ms": millis(duration(r.checkpoint_interval.as_ref())),
         "checkpoint_limits": {
-            "max_file_bytes": r.checkpoint_limits.as_ref().map(|l| l.max_file_bytes).filter(|&b| b != 0),
-            "max_total_bytes": r.checkpoint_limits.as_ref().map(|l| l.max_total_bytes).filter(|&b| b != 0),
+            "max_file_bytes": limits.max_file_bytes,
+            "max_total_bytes": limits.max_total_bytes,
         },
         "created_at": rfc3339(time_of!(r.created_at)),
         "updated_at": rfc3339(time_of!(r.updated_at)),

@@ -15,7 +15,7 @@ use cairn_proto::ids::BlobId;
 use super::content::{DirFiles, FileContent};
 use crate::cache::{FastMap, FastSet};
 use crate::format::{Entry, EntryKind, TenantKeys, Tree};
-use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
+use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into, split_rel};
 
 /// What the tree holds, entry by entry.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -137,9 +137,7 @@ pub fn build(
 
 /// The path of the directory `rel` (not the root) is in.
 fn parent_of(rel: &[u8]) -> &[u8] {
-    rel.iter()
-        .rposition(|b| *b == b'/')
-        .map_or(&[][..], |slash| &rel[..slash])
+    split_rel(rel).map_or(&[][..], |(parent, _)| parent)
 }
 
 /// Encodes one directory whose subdirectories have the trees `subtrees`

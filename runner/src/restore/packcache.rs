@@ -188,6 +188,15 @@ struct State {
 }
 
 impl State {
+    /// Replaces what this process knows with a walk's findings.
+    fn remember(&mut self, walked: Walked) {
+        self.pieces.clear();
+        self.total = walked.pieces.iter().map(|f| f.len).sum::<u64>() + walked.reserved;
+        for f in walked.pieces {
+            self.pieces.entry(f.pack).or_default().push(f.piece);
+        }
+    }
+
     fn forget(&mut self, pack: &PackId, piece: Piece) {
         if let Some(pieces) = self.pieces.get_mut(pack)
             && let Some(at) = pieces.iter().position(|p| *p == piece)
@@ -237,8 +246,7 @@ impl PackCache {
             }
             None => {
                 state.lock_refused = true;
-                let walked = cache.walk().map_err(error)?;
-                cache.remember(&mut state, walked);
+                state.remember(cache.walk().map_err(error)?);
             }
         }
         drop(state);
@@ -444,18 +452,15 @@ impl PackCache {
             state.total += len;
             return Ok(temp);
         };
-        let held = match read_ledger(&lock) {
-            Some(held) => held,
-            None => match self.resync(state, &lock, u64::MAX, u64::MAX) {
-                Ok(()) => state.total,
-                Err(e) => {
+        match read_ledger(&lock) {
+            Some(held) => state.total = held,
+            None => {
+                if let Err(e) = self.resync(state, &lock, u64::MAX, u64::MAX) {
                     tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to count what it holds");
-                    state.total
                 }
-            },
-        };
-        state.total = held;
-        if held + len > self.max_bytes {
+            }
+        }
+        if state.total + len > self.max_bytes {
             let target = self.low_water().saturating_sub(len);
             if let Err(e) = self.resync(state, &lock, target, target) {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the pack cache to evict from it");
@@ -598,24 +603,12 @@ impl PackCache {
                 "pack cache evicted"
             );
         }
-        self.remember(
-            state,
-            Walked {
-                pieces: found,
-                reserved,
-            },
-        );
+        state.remember(Walked {
+            pieces: found,
+            reserved,
+        });
         write_ledger(lock, total);
         Ok(())
-    }
-
-    /// Replaces what this process knows with a walk's findings.
-    fn remember(&self, state: &mut State, walked: Walked) {
-        state.pieces.clear();
-        state.total = walked.pieces.iter().map(|f| f.len).sum::<u64>() + walked.reserved;
-        for f in walked.pieces {
-            state.pieces.entry(f.pack).or_default().push(f.piece);
-        }
     }
 
     /// The exclusive lock on the ledger, if it can be had within about a second.
