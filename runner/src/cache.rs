@@ -99,14 +99,21 @@ impl Fingerprint {
     /// changed within the timestamp granularity of the scan could change
     /// again without its fingerprint changing, so it is not cached ("racy").
     pub fn is_stable(&self, scan_start: SystemTime) -> bool {
-        let guard = scan_start
-            .checked_sub(Duration::from_secs(2))
-            .unwrap_or(UNIX_EPOCH)
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
+        let guard = settled_before(scan_start);
         self.mtime_sec < guard && self.ctime_sec < guard
     }
+}
+
+/// The second before which a file's timestamps must lie for a scan starting
+/// at `scan_start` to have read what they stand for: two seconds of margin
+/// cover coarse timestamp clocks (and filesystems that store whole seconds).
+pub fn settled_before(scan_start: SystemTime) -> i64 {
+    scan_start
+        .checked_sub(Duration::from_secs(2))
+        .unwrap_or(UNIX_EPOCH)
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 /// A file the cache knows.

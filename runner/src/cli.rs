@@ -236,8 +236,25 @@ pub struct RestoreArgs {
     #[command(flatten)]
     pub pack_cache: PackCacheArgs,
 
+    #[command(flatten)]
+    pub existing: ExistingFilesArgs,
+
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+}
+
+/// How a restore decides that a file already in its root can stay.
+#[derive(Debug, Clone, Copy, Default, Args)]
+pub struct ExistingFilesArgs {
+    /// Read every file already in the root to compare its content, unless
+    /// the runner's fingerprint cache knows it unchanged (inode and ctime
+    /// included). By default a file with the size and mtime the checkpoint
+    /// recorded is kept unread when that mtime lies safely before the
+    /// checkpoint was taken (an older copy baked into an image by COPY,
+    /// `cp -a` or a restore keeps both). Use this when a tool may have set
+    /// mtimes back on changed files.
+    #[arg(long)]
+    pub verify_existing: bool,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -176,6 +176,7 @@ fn a_restore_onto_a_baked_older_copy_downloads_and_writes_only_the_difference() 
             "2",
         ],
     );
+    write(&root.join("app/settled.txt"), "settled content\n");
     // The image baked the workspace as it was before the agent's turn, plus
     // files the checkpoint does not have.
     let baked = tmp.path().join("baked");
@@ -219,6 +220,32 @@ fn a_restore_onto_a_baked_older_copy_downloads_and_writes_only_the_difference() 
         "most files were reused: {onto}"
     );
     assert!(json_u64(&onto, "entries_removed") >= 2, "{onto}");
+
+    // A file changed behind its mtime (by a tool that sets mtimes back)
+    // passes the size-and-mtime check; --verify-existing reads it.
+    let settled = baked.join("app/settled.txt");
+    let mtime = fs::metadata(&settled).unwrap().modified().unwrap();
+    write(&settled, "SETTLED CONTENT\n");
+    fs::File::options()
+        .write(true)
+        .open(&settled)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let trusting = coordinator.client().restore(&baked, &workspace);
+    assert_eq!(json_u64(&trusting, "bytes_written"), 0, "{trusting}");
+    assert_eq!(fs::read_to_string(&settled).unwrap(), "SETTLED CONTENT\n");
+    let verifying = coordinator
+        .client()
+        .try_restore(
+            &baked,
+            &workspace,
+            &["--verify-existing", "--output", "json"],
+        )
+        .assert_success()
+        .json();
+    assert_trees_equal(&root, &baked);
+    assert_eq!(json_u64(&verifying, "bytes_written"), 16, "{verifying}");
 
     // Onto an exact copy nothing is written, git trees stored as deltas
     // included: a loose tree is checked by its name.

@@ -65,6 +65,7 @@ pub async fn run(
     dest: PathBuf,
     checkpoint: Option<&str>,
     pack_cache: Option<PackCacheConfig>,
+    verify_existing: bool,
     out: Output,
 ) -> anyhow::Result<ExitCode> {
     let checkpoint = checkpoint
@@ -74,6 +75,7 @@ pub async fn run(
     let opts = RestoreOptions {
         checkpoint,
         pack_cache,
+        verify_existing,
         ..RestoreOptions::new(&dest, workspace)
     };
     let bar = Bar(progress_bar(out));

@@ -105,6 +105,8 @@ pub enum Command {
         checkpoint: Option<String>,
         #[command(flatten)]
         pack_cache: cairn_runner::cli::PackCacheArgs,
+        #[command(flatten)]
+        existing: cairn_runner::cli::ExistingFilesArgs,
     },
     /// Check that every pack each checkpoint references is in the store.
     Verify {
@@ -372,6 +374,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             dest,
             checkpoint,
             pack_cache,
+            existing,
         } => {
             checkout::run(
                 &coordinator,
@@ -379,6 +382,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 dest,
                 checkpoint.as_deref(),
                 pack_cache.config(),
+                existing.verify_existing,
                 output,
             )
             .await

@@ -155,6 +155,9 @@ pub struct Stats {
     /// The part of `duration_ms` spent waiting for uploads to finish (all
     /// upload slots busy, or the last packs still on their way).
     pub upload_wait_ms: u64,
+    /// When the walk began ([`pb::CheckpointStats::scan_started_at`]).
+    #[serde(skip)]
+    pub scan_started: Option<std::time::SystemTime>,
 }
 
 impl From<&Stats> for pb::CheckpointStats {
@@ -171,6 +174,7 @@ impl From<&Stats> for pb::CheckpointStats {
             uploaded_bytes: s.uploaded_bytes,
             packs_uploaded: s.packs_uploaded,
             duration_ms: s.duration_ms,
+            scan_started_at: s.scan_started.map(cairn_proto::domain::to_timestamp),
         }
     }
 }
@@ -568,6 +572,7 @@ async fn run(
     stats.files_read = content.files_read;
     stats.bytes_read = content.bytes_read;
     stats.duration_ms = started.elapsed().as_millis() as u64;
+    stats.scan_started = Some(scan.started);
     let warnings = capped_warnings(
         scan.warnings
             .iter()

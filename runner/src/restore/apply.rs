@@ -67,6 +67,10 @@ pub(crate) struct Target {
     pub set_owner: bool,
     /// Relative paths never removed as extras (the runner's own cache dir).
     pub protected: Vec<Vec<u8>>,
+    /// A file on disk with the size and mtime the checkpoint recorded is
+    /// kept unread when that mtime lies before this second (see
+    /// [`survey`]); `None`: every file is read.
+    pub mtimes_settled_before: Option<i64>,
 }
 
 impl Target {
@@ -130,8 +134,17 @@ impl Survey {
 }
 
 /// Looks at the root without changing anything.
-/// `cache`: the runner's fingerprint cache, which vouches for the files it
-/// knows as they are without reading them.
+///
+/// A file already at a planned path stays when it holds the planned content.
+/// Two things vouch for that without reading it: `cache`, the runner's
+/// fingerprint cache (the file is as the runner last saw it), and the
+/// checkpoint itself when the file has the recorded size and mtime and that
+/// mtime lies safely before the checkpoint's scan (an older copy baked into
+/// an image with `COPY`, `cp -a` or a restore keeps both). That is rsync's
+/// quick check with the racy window closed: any write after the scan moved
+/// the mtime, so only a tool that sets mtimes back can fool it, and
+/// `--verify-existing` turns it off. Every other file is read and its chunk
+/// ids recomputed.
 pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, LocalError> {
     let plan = &target.plan;
     // The root itself may be a symlink the operator chose; only below it is
@@ -198,9 +211,15 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
                     chunks,
                     git: *git,
                 };
-                if let Some(fingerprint) =
-                    reusable(target, cache, &entry.path, &path, &meta, &on_disk)
-                {
+                if let Some(fingerprint) = reusable(
+                    target,
+                    cache,
+                    &entry.path,
+                    &path,
+                    &meta,
+                    &entry.meta,
+                    &on_disk,
+                ) {
                     let meta_ok = entry.meta.matches(&meta, target.set_owner);
                     return Ok(Some(FileState::Reuse {
                         meta_ok,
@@ -259,6 +278,7 @@ fn reusable(
     rel: &[u8],
     path: &Path,
     meta: &fs::Metadata,
+    planned: &EntryMeta,
     want: &OnDisk<'_>,
 ) -> Option<Fingerprint> {
     // A file with other links may be shared with something outside the
@@ -271,6 +291,13 @@ fn reusable(
         && cache
             .lookup(rel, &fingerprint)
             .is_some_and(|known| *known.chunks == want.chunks[..] && known.git == want.git)
+    {
+        return Some(fingerprint);
+    }
+    if target
+        .mtimes_settled_before
+        .is_some_and(|settled| planned.mtime_sec < settled)
+        && (meta.mtime(), meta.mtime_nsec()) == (planned.mtime_sec, i64::from(planned.mtime_nsec))
     {
         return Some(fingerprint);
     }

@@ -61,6 +61,8 @@ pub struct ResolvedCandidate {
     pub root_tree: BlobId,
     pub keys: Arc<TenantKeys>,
     pub packs: Vec<PackInfo>,
+    /// When the checkpoint's runner began reading the workspace, if it said.
+    pub scan_started: Option<std::time::SystemTime>,
 }
 
 /// A restore manifest, checked for shape.
@@ -179,6 +181,11 @@ impl Manifest {
             root_tree,
             keys,
             packs,
+            scan_started: checkpoint
+                .stats
+                .as_ref()
+                .and_then(|s| s.scan_started_at.as_ref())
+                .map(cairn_proto::domain::from_timestamp),
         })
     }
 }

@@ -90,6 +90,10 @@ pub struct RestoreOptions {
     pub limits: Limits,
     /// The host's pack cache, shared with other restores; `None`: none.
     pub pack_cache: Option<PackCacheConfig>,
+    /// Read every file already in the root that the fingerprint cache does
+    /// not vouch for, instead of keeping one whose size and mtime match the
+    /// checkpoint's (see [`apply::survey`]).
+    pub verify_existing: bool,
 }
 
 impl RestoreOptions {
@@ -102,6 +106,7 @@ impl RestoreOptions {
             max_candidates: 0,
             limits: Limits::default(),
             pack_cache: None,
+            verify_existing: false,
         }
     }
 }
@@ -795,6 +800,10 @@ async fn prepare_root(
         keys: candidate.keys.clone(),
         set_owner: ctx.set_owner,
         protected: ctx.protected.clone(),
+        mtimes_settled_before: candidate
+            .scan_started
+            .filter(|_| !ctx.opts.verify_existing)
+            .map(crate::cache::settled_before),
     });
     let (survey, cache) = {
         let target = target.clone();
@@ -1188,6 +1197,7 @@ pub async fn cli_main(args: RestoreArgs) -> anyhow::Result<()> {
         checkpoint,
         cache_dir: Some(args.cache_dir.unwrap_or_else(default_cache_dir)),
         pack_cache: args.pack_cache.config(),
+        verify_existing: args.existing.verify_existing,
         ..RestoreOptions::new(args.root, args.workspace)
     };
     let report = restore(&coordinator, &opts, &NoProgress).await?;

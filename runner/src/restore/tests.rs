@@ -8,6 +8,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, CheckpointId, PackId, WorkspaceId};
@@ -116,6 +117,8 @@ struct Build {
     data: PackBuilder<Vec<u8>>,
     finished_data: Vec<crate::format::FinishedPack<Vec<u8>>>,
     sealed: HashSet<BlobId>,
+    /// When the checkpoint's scan began, as its record says (`None`: it does not).
+    scan_started: Option<SystemTime>,
 }
 
 fn entry(name: &[u8], kind: EntryKind, mode: u32) -> Entry {
@@ -138,6 +141,7 @@ impl Build {
             data: PackBuilder::new(PackKind::Data, Vec::new()).unwrap(),
             finished_data: Vec::new(),
             sealed: HashSet::new(),
+            scan_started: None,
         }
     }
 
@@ -234,6 +238,10 @@ impl Build {
                 key_id: "k1".into(),
                 format_version: 1,
                 reason: pb::CheckpointReason::Manual as i32,
+                stats: self.scan_started.map(|t| pb::CheckpointStats {
+                    scan_started_at: Some(cairn_proto::domain::to_timestamp(t)),
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             packs: packs.iter().map(|p| p.to_string()).collect(),
@@ -371,7 +379,13 @@ fn big_content() -> Vec<Vec<u8>> {
 /// symlinks, and a multi-chunk file whose chunks lie in two packs in reverse
 /// order (one chunk twice, one shared with another file).
 fn sample(fixture: &Fixture) -> Published {
+    sample_scanned(fixture, None)
+}
+
+/// [`sample`], with the time its checkpoint's scan began in the record.
+fn sample_scanned(fixture: &Fixture, scan_started: Option<SystemTime>) -> Published {
     let mut b = Build::new();
+    b.scan_started = scan_started;
     let parts = big_content();
     let mut refs: Vec<ChunkRef> = parts.iter().rev().take(3).map(|p| b.chunk(p)).collect();
     b.next_data_pack();
@@ -793,6 +807,78 @@ async fn matching_files_are_reused_stale_ones_rewritten_and_extras_removed() {
         "{:?}",
         fixture.store.ranged_gets.lock().unwrap()
     );
+}
+
+/// Gives the file at `path` other content of the same size and sets its
+/// mtime back to the one the sample records: what only a tool that
+/// restores mtimes produces.
+fn change_behind_the_mtime(path: &Path, content: &[u8]) {
+    assert_eq!(fs::metadata(path).unwrap().len(), content.len() as u64);
+    fs::write(path, content).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(UNIX_EPOCH + Duration::new(MTIME as u64, 250))
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_older_copy_with_the_recorded_sizes_and_mtimes_is_kept_unread_unless_verified() {
+    let fixture = Fixture::new().await;
+    sample_scanned(&fixture, Some(SystemTime::now()));
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    // No fingerprint cache: like a copy baked into an image, nothing but
+    // the checkpoint vouches for these files.
+    let opts = fixture.options(&root);
+    restore(&fixture, &opts, &NoProgress).await.unwrap();
+    change_behind_the_mtime(&root.join("README.md"), b"HELLO\n");
+
+    let report = restore(&fixture, &opts, &NoProgress).await.unwrap();
+    assert_eq!(
+        (report.files_reused, report.bytes_written),
+        (6, 0),
+        "every file matched by size and mtime"
+    );
+    assert_eq!(
+        fs::read(root.join("README.md")).unwrap(),
+        b"HELLO\n",
+        "kept without being read"
+    );
+
+    let verifying = RestoreOptions {
+        verify_existing: true,
+        ..opts
+    };
+    let report = restore(&fixture, &verifying, &NoProgress).await.unwrap();
+    assert_sample(&root);
+    assert_eq!((report.files_reused, report.bytes_written), (5, 6));
+}
+
+#[tokio::test]
+async fn existing_files_are_read_when_the_checkpoint_cannot_vouch_for_their_mtimes() {
+    // Unknown: a checkpoint from a runner that did not record its scan.
+    // Racy: the recorded mtimes lie within two seconds of the scan, so a
+    // second write in the same timestamp tick may have followed the read.
+    let racy = UNIX_EPOCH + Duration::from_secs(MTIME as u64 + 1);
+    for scan_started in [None, Some(racy)] {
+        let fixture = Fixture::new().await;
+        sample_scanned(&fixture, scan_started);
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let opts = fixture.options(&root);
+        restore(&fixture, &opts, &NoProgress).await.unwrap();
+        change_behind_the_mtime(&root.join("README.md"), b"HELLO\n");
+
+        let report = restore(&fixture, &opts, &NoProgress).await.unwrap();
+        assert_sample(&root);
+        assert_eq!(
+            (report.files_reused, report.bytes_written),
+            (5, 6),
+            "scan started {scan_started:?}"
+        );
+    }
 }
 
 #[tokio::test]
