@@ -823,18 +823,29 @@ fn change_behind_the_mtime(path: &Path, content: &[u8]) {
         .unwrap();
 }
 
-#[tokio::test]
-async fn an_older_copy_with_the_recorded_sizes_and_mtimes_is_kept_unread_unless_verified() {
+/// The sample restored with its scan time `scan_started` and no
+/// fingerprint cache (like a copy baked into an image, nothing but the
+/// checkpoint vouches for these files), then README.md changed behind its
+/// mtime. Returns the fixture, the directory holding the root, the root.
+async fn restored_then_changed_behind_the_mtime(
+    scan_started: Option<SystemTime>,
+) -> (Fixture, tempfile::TempDir, std::path::PathBuf) {
     let fixture = Fixture::new().await;
-    sample_scanned(&fixture, Some(SystemTime::now()));
+    sample_scanned(&fixture, scan_started);
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");
-    // No fingerprint cache: like a copy baked into an image, nothing but
-    // the checkpoint vouches for these files.
-    let opts = fixture.options(&root);
-    restore(&fixture, &opts, &NoProgress).await.unwrap();
+    restore(&fixture, &fixture.options(&root), &NoProgress)
+        .await
+        .unwrap();
     change_behind_the_mtime(&root.join("README.md"), b"HELLO\n");
+    (fixture, tmp, root)
+}
 
+#[tokio::test]
+async fn an_older_copy_with_the_recorded_sizes_and_mtimes_is_kept_unread_unless_verified() {
+    let (fixture, _tmp, root) =
+        restored_then_changed_behind_the_mtime(Some(SystemTime::now())).await;
+    let opts = fixture.options(&root);
     let report = restore(&fixture, &opts, &NoProgress).await.unwrap();
     assert_eq!(
         (report.files_reused, report.bytes_written),
@@ -863,15 +874,10 @@ async fn existing_files_are_read_when_the_checkpoint_cannot_vouch_for_their_mtim
     // second write in the same timestamp tick may have followed the read.
     let racy = UNIX_EPOCH + Duration::from_secs(MTIME as u64 + 1);
     for scan_started in [None, Some(racy)] {
-        let fixture = Fixture::new().await;
-        sample_scanned(&fixture, scan_started);
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path().join("root");
-        let opts = fixture.options(&root);
-        restore(&fixture, &opts, &NoProgress).await.unwrap();
-        change_behind_the_mtime(&root.join("README.md"), b"HELLO\n");
-
-        let report = restore(&fixture, &opts, &NoProgress).await.unwrap();
+        let (fixture, _tmp, root) = restored_then_changed_behind_the_mtime(scan_started).await;
+        let report = restore(&fixture, &fixture.options(&root), &NoProgress)
+            .await
+            .unwrap();
         assert_sample(&root);
         assert_eq!(
             (report.files_reused, report.bytes_written),
