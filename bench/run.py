@@ -19,7 +19,13 @@ one run, side by side, for each method:
                the same onto a baked older copy: the target is first filled
                with `cp -a` of the workspace as it was before the agent turn
                (cairn with a fresh runner cache; tar-gz untars over it; restic
-               restores over it; neither of those removes stale entries)
+               restores over it; neither of those removes stale entries).
+               `cp -a` keeps mtimes, so cairn keeps every file whose size and
+               mtime are the checkpoint's without reading it
+  restore-baked-verify
+               cairn only: the same with --verify-existing, which reads and
+               hashes every file of the copy: the cost for a copy whose mtimes
+               differ (an image that ran `git clone`); the peers: n/a
   restore-cold-cache, restore-warm-cache
                cairn only: two restores into empty directories sharing one
                host pack cache (--pack-cache), each with a fresh runner cache,
@@ -116,7 +122,7 @@ LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
 STEPS = ["full", "incremental", "unchanged", "restore"]
-RESTORE_SPEED_STEPS = ["restore-baked", "restore-cold-cache", "restore-warm-cache",
+RESTORE_SPEED_STEPS = ["restore-baked", "restore-baked-verify", "restore-cold-cache", "restore-warm-cache",
                        "restore-cold-cache-loopback", "restore-warm-cache-loopback"]
 STEPS += RESTORE_SPEED_STEPS
 LARGE_STEPS = ["full-4x", "incremental-4x"]
@@ -518,16 +524,19 @@ def restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, 
                        have_restic, expected_files, link_bytes_per_s):
     """Issue 5: restore onto a baked older copy, and a second restore with a warm host cache."""
     log("restores onto a baked older copy")
-    target = os.path.join(rep, "baked-cairn")
-    prefill(baked, target)
-    seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
-                        "--output", "json"], env=coordinator.env(os.path.join(rep, "baked-cache")))
-    report = json.loads(out)
-    check_restored("cairn", target, expected_files)
-    results.add("restore-baked", "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
-                note=f"{report.get('files_reused')} files reused, {human_bytes(report.get('bytes_written'))} written, "
-                     f"{report.get('entries_removed')} stale entries removed")
-    set_aside(target)
+    for step, extra in [("restore-baked", []), ("restore-baked-verify", ["--verify-existing"])]:
+        target = os.path.join(rep, f"{step}-cairn")
+        prefill(baked, target)
+        seconds, out = run([bins["cairn-runner"], "restore", "--root", target, "--workspace", "bench",
+                            "--output", "json", *extra], env=coordinator.env(os.path.join(rep, f"{step}-cache")))
+        report = json.loads(out)
+        check_restored("cairn", target, expected_files)
+        results.add(step, "cairn", seconds, None, bytes_downloaded=report.get("bytes_downloaded"),
+                    note=f"{report.get('files_reused')} files reused, {human_bytes(report.get('bytes_written'))} "
+                         f"written, {report.get('entries_removed')} stale entries removed")
+        set_aside(target)
+    for method in ["tar-gz", "parts", "restic"]:
+        results.na("restore-baked-verify", method, "no such option: see its restore-baked row")
 
     target = os.path.join(rep, "baked-tar-gz")
     prefill(baked, target)
