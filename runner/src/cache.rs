@@ -244,6 +244,11 @@ impl Cache {
     }
 
     pub fn insert_blob(&mut self, id: BlobId, pack: &PackId) {
+        self.insert_blobs(pack, [id]);
+    }
+
+    /// Records that `pack` holds every blob of `ids`.
+    pub fn insert_blobs(&mut self, pack: &PackId, ids: impl IntoIterator<Item = BlobId>) {
         let ordinal = match self.pack_ordinals.get(pack) {
             Some(&o) => o,
             None => {
@@ -253,7 +258,7 @@ impl Cache {
                 o
             }
         };
-        self.blobs.insert(id, ordinal);
+        self.blobs.extend(ids.into_iter().map(|id| (id, ordinal)));
     }
 
     pub fn blob_count(&self) -> usize {

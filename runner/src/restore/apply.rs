@@ -414,14 +414,15 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     }
     let mut prepared = Prepared {
         created_dirs,
+        reused: Vec::with_capacity(plan.files as usize),
         ..Prepared::default()
     };
     for (i, (entry, state)) in plan.entries.iter().zip(survey.files).enumerate() {
         let (PlanKind::File { size, chunks, git }, Some(state)) = (&entry.kind, state) else {
             continue;
         };
-        let path = target.path(&entry.path);
         let existing = match state {
+            // Most files of a restore onto an older copy: not even a path.
             FileState::Reuse {
                 meta_ok: true,
                 fingerprint,
@@ -430,6 +431,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
                 continue;
             }
             FileState::Reuse { meta_ok: false, .. } => {
+                let path = target.path(&entry.path);
                 match fix_meta(&path, &entry.meta, target.set_owner) {
                     Ok(fingerprint) => {
                         prepared.reused.push((i, fingerprint));
@@ -443,6 +445,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
             }
             FileState::Write { existing } => existing,
         };
+        let path = target.path(&entry.path);
         if existing != Existing::Nothing {
             fsops::remove_entry(&path).map_err(local("removing", &path))?;
         }

@@ -596,8 +596,8 @@ async fn attempt(
         load_cache(ctx, candidate),
     );
     let (plan, mut blob_packs) = plan?;
-    let located = locate_chunks(&plan, indexes?)?;
-    blob_packs.extend(located.blob_packs.iter().cloned());
+    let mut located = locate_chunks(&plan, indexes?)?;
+    blob_packs.append(&mut located.blob_packs);
     tracing::debug!(checkpoint = %candidate.id, entries = plan.entries.len(), blobs = located.blobs.len(), elapsed = ?phase.elapsed(), "trees and pack indexes read and checked");
 
     // Nothing has been written so far; from here on the root changes.
@@ -685,7 +685,7 @@ async fn read_plan(
     fetcher: &PackFetcher<'_>,
     candidate: &ResolvedCandidate,
     limits: &Limits,
-) -> Result<(Arc<Plan>, Vec<(BlobId, PackId)>), AttemptError> {
+) -> Result<(Arc<Plan>, BlobPacks), AttemptError> {
     let meta_infos = candidate
         .packs
         .iter()
@@ -707,7 +707,7 @@ async fn read_plan(
     let mut meta = MetaBlobs::new();
     let mut blob_packs = Vec::new();
     for (info, bytes, index) in opened {
-        blob_packs.extend(index.entries.iter().map(|e| (e.id, info.id.clone())));
+        blob_packs.push((info.id, index.entries.iter().map(|e| e.id).collect()));
         meta.add_pack(bytes, &index);
     }
     let keys = candidate.keys.clone();
@@ -717,12 +717,16 @@ async fn read_plan(
     Ok((Arc::new(plan), blob_packs))
 }
 
+/// Every blob of some packs, by pack, for the fingerprint cache: one pack
+/// id per pack rather than a copy of it per blob.
+type BlobPacks = Vec<(PackId, Vec<BlobId>)>;
+
 /// Where every chunk of a plan lies in the candidate's DATA packs.
 struct Located {
     packs: Vec<PackInfo>,
     /// Blob → (index into `packs`, where in that pack).
     blobs: FastMap<BlobId, (usize, IndexEntry)>,
-    blob_packs: Vec<(BlobId, PackId)>,
+    blob_packs: BlobPacks,
 }
 
 /// Reads every DATA pack's index: the candidate's DATA packs, and for each
@@ -757,13 +761,16 @@ fn locate_chunks(
     plan: &Plan,
     (packs, indexes): (Vec<PackInfo>, Vec<(usize, PackIndex)>),
 ) -> Result<Located, AttemptError> {
-    let mut blobs: FastMap<BlobId, (usize, IndexEntry)> = FastMap::default();
-    let mut blob_packs = Vec::new();
+    let count = indexes.iter().map(|(_, index)| index.entries.len()).sum();
+    let mut blobs: FastMap<BlobId, (usize, IndexEntry)> =
+        FastMap::with_capacity_and_hasher(count, Default::default());
+    let mut blob_packs = Vec::with_capacity(indexes.len());
     for (i, index) in &indexes {
         for entry in &index.entries {
             blobs.entry(entry.id).or_insert((*i, *entry));
-            blob_packs.push((entry.id, packs[*i].id.clone()));
         }
+        let ids = index.entries.iter().map(|e| e.id).collect();
+        blob_packs.push((packs[*i].id.clone(), ids));
     }
     for chunk in plan.chunks() {
         let Some((pack, entry)) = blobs.get(&chunk.id) else {
@@ -1163,7 +1170,7 @@ fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: Sy
 fn update_cache(
     mut cache: Cache,
     files: Vec<(Vec<u8>, CachedFile)>,
-    blobs: &[(BlobId, PackId)],
+    blob_packs: &[(PackId, Vec<BlobId>)],
     restore_started: SystemTime,
 ) {
     let files = files
@@ -1171,8 +1178,8 @@ fn update_cache(
         .filter(|(_, file)| restored_fingerprint_is_stable(&file.fingerprint, restore_started))
         .collect();
     cache.replace_files(files);
-    for (blob, pack) in blobs {
-        cache.insert_blob(*blob, pack);
+    for (pack, blobs) in blob_packs {
+        cache.insert_blobs(pack, blobs.iter().copied());
     }
     if let Err(e) = cache.save() {
         // The cache only saves work; the restore itself succeeded.
