@@ -1170,7 +1170,7 @@ fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: Sy
 fn update_cache(
     mut cache: Cache,
     files: Vec<(Vec<u8>, CachedFile)>,
-    blob_packs: &[(PackId, Vec<BlobId>)],
+    blob_packs: &BlobPacks,
     restore_started: SystemTime,
 ) {
     let files = files
