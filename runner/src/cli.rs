@@ -250,8 +250,8 @@ pub struct ExistingFilesArgs {
     /// the runner's fingerprint cache knows it unchanged (inode and ctime
     /// included). By default a file with the size and mtime the checkpoint
     /// recorded is kept unread when that mtime lies safely before the
-    /// checkpoint was taken (an older copy baked into an image by COPY,
-    /// `cp -a` or a restore keeps both). Use this when a tool may have set
+    /// checkpoint was taken (an older copy made by `cp -a`, `rsync -a` or
+    /// a restore keeps both). Use this when a tool may have set
     /// mtimes back on changed files.
     #[arg(long)]
     pub verify_existing: bool,

@@ -188,6 +188,12 @@ pub fn split_rel(rel: &[u8]) -> Option<(&[u8], &[u8])> {
     })
 }
 
+/// The directory a relative path is in (the root, `""`, for a name at the
+/// top and for the root itself).
+pub fn parent_rel(rel: &[u8]) -> &[u8] {
+    split_rel(rel).map_or(&[][..], |(parent, _)| parent)
+}
+
 /// `dir/name` for relative paths (`name` when `dir` is the root).
 pub fn join_rel(dir: &[u8], name: &[u8]) -> Vec<u8> {
     if dir.is_empty() {

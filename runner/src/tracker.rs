@@ -299,7 +299,7 @@ fn mark(dirty: &mut HashSet<Vec<u8>>, root: &Path, path: &Path) {
         return;
     };
     let rel = rel.as_os_str().as_bytes();
-    let parent = scan::split_rel(rel).map_or(&[][..], |(parent, _)| parent);
+    let parent = scan::parent_rel(rel);
     if !dirty.contains(parent) {
         dirty.insert(parent.to_vec());
     }

@@ -280,9 +280,10 @@ impl BlobTransfer {
 /// Download buffers kept for the next download. A restore reads hundreds of
 /// MiB in ranges of up to 8 MiB; a fresh allocation per range is faulted in
 /// and zeroed page by page by the kernel (a third of a restore's page
-/// faults, and slow where a VM's host must back each page again). A body handed out as [`Bytes`] gives its
-/// buffer back when its last clone drops. The buffers live as long as their
-/// owner (one restore), so an idle runner keeps none.
+/// faults, and slow where a VM's host must back each page again). A body
+/// handed out as [`Bytes`] gives its buffer back when its last clone drops.
+/// The buffers live as long as their owner (one restore), so an idle runner
+/// keeps none.
 #[derive(Debug, Clone, Default)]
 pub struct BodyBuffers(Arc<Mutex<Vec<Vec<u8>>>>);
 

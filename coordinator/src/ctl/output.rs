@@ -8,8 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use cairn_proto::domain::{CheckpointReason, WorkspaceState};
 use cairn_proto::pb;
-use cairn_proto::runs::CheckpointLimits;
-use cairn_proto::runs::{AttemptState, HostState, RunState, from_proto_duration};
+use cairn_proto::runs::{AttemptState, CheckpointLimits, HostState, RunState, from_proto_duration};
 use cairn_proto::size::human_bytes;
 use cairn_runner::restore::human_age;
 use serde_json::{Value, json};

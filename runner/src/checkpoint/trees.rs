@@ -15,7 +15,7 @@ use cairn_proto::ids::BlobId;
 use super::content::{DirFiles, FileContent};
 use crate::cache::{FastMap, FastSet};
 use crate::format::{Entry, EntryKind, TenantKeys, Tree};
-use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into, split_rel};
+use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into, parent_rel};
 
 /// What the tree holds, entry by entry.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -118,7 +118,7 @@ pub fn build(
         if remembered.is_some_and(|was| was.id == tree.id) {
             reused += 1;
         } else if !dir.path.is_empty() {
-            changed_below.insert(parent_of(&dir.path));
+            changed_below.insert(parent_rel(&dir.path));
         }
         counts += tree.counts;
         by_dir.insert(&dir.path, tree.id);
@@ -133,11 +133,6 @@ pub fn build(
         counts,
         reused,
     }
-}
-
-/// The path of the directory `rel` (not the root) is in.
-fn parent_of(rel: &[u8]) -> &[u8] {
-    split_rel(rel).map_or(&[][..], |(parent, _)| parent)
 }
 
 /// Encodes one directory whose subdirectories have the trees `subtrees`

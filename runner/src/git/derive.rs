@@ -643,10 +643,7 @@ fn blob_id_of(content: &[u8]) -> digest::Digest {
 }
 
 fn file_name(path: &[u8]) -> &[u8] {
-    match path.iter().rposition(|b| *b == b'/') {
-        Some(slash) => &path[slash + 1..],
-        None => path,
-    }
+    crate::scan::split_rel(path).map_or(path, |(_, name)| name)
 }
 
 #[cfg(test)]

@@ -298,11 +298,7 @@ fn head_of(repo: &Repository) -> Result<Option<Oid>, git2::Error> {
 
 /// The directory a record is listed in ("" for the work tree's top).
 pub(super) fn parent(path: &[u8]) -> &[u8] {
-    let path = path.strip_suffix(b"/").unwrap_or(path);
-    match path.iter().rposition(|b| *b == b'/') {
-        Some(slash) => &path[..slash],
-        None => b"",
-    }
+    crate::scan::parent_rel(path.strip_suffix(b"/").unwrap_or(path))
 }
 
 fn escape_glob(path: &[u8], out: &mut Vec<u8>) {

@@ -140,7 +140,7 @@ impl Survey {
 /// fingerprint cache (the file is as the runner last saw it), and the
 /// checkpoint itself when the file has the recorded size and mtime and that
 /// mtime lies safely before the checkpoint's scan (an older copy baked into
-/// an image with `COPY`, `cp -a` or a restore keeps both). That is rsync's
+/// an image with `cp -a`, `rsync -a` or a restore keeps both). That is rsync's
 /// quick check with the racy window closed: any write after the scan moved
 /// the mtime, so only a tool that sets mtimes back can fool it, and
 /// `--verify-existing` turns it off. Every other file is read and its chunk
@@ -210,16 +210,11 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
                     size: *size,
                     chunks,
                     git: *git,
+                    meta: &entry.meta,
                 };
-                if let Some(fingerprint) = reusable(
-                    target,
-                    cache,
-                    &entry.path,
-                    &path,
-                    &meta,
-                    &entry.meta,
-                    &on_disk,
-                ) {
+                if let Some(fingerprint) =
+                    reusable(target, cache, &entry.path, &path, &meta, &on_disk)
+                {
                     let meta_ok = entry.meta.matches(&meta, target.set_owner);
                     return Ok(Some(FileState::Reuse {
                         meta_ok,
@@ -269,6 +264,7 @@ struct OnDisk<'a> {
     size: u64,
     chunks: &'a [ChunkRef],
     git: Option<GitStored>,
+    meta: &'a EntryMeta,
 }
 
 /// The fingerprint of the file at `path` if it already holds what `want` says.
@@ -278,7 +274,6 @@ fn reusable(
     rel: &[u8],
     path: &Path,
     meta: &fs::Metadata,
-    planned: &EntryMeta,
     want: &OnDisk<'_>,
 ) -> Option<Fingerprint> {
     // A file with other links may be shared with something outside the
@@ -296,8 +291,8 @@ fn reusable(
     }
     if target
         .mtimes_settled_before
-        .is_some_and(|settled| planned.mtime_sec < settled)
-        && (meta.mtime(), meta.mtime_nsec()) == (planned.mtime_sec, i64::from(planned.mtime_nsec))
+        .is_some_and(|settled| want.meta.mtime_sec < settled)
+        && want.meta.mtime_matches(meta)
     {
         return Some(fingerprint);
     }

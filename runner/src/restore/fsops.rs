@@ -41,9 +41,14 @@ impl EntryMeta {
     pub fn matches(&self, meta: &fs::Metadata, set_owner: bool) -> bool {
         use std::os::unix::fs::MetadataExt;
         meta.mode() & 0o7777 == self.mode & 0o7777
-            && meta.mtime() == self.mtime_sec
-            && meta.mtime_nsec() == i64::from(self.mtime_nsec)
+            && self.mtime_matches(meta)
             && (!set_owner || (meta.uid() == self.uid && meta.gid() == self.gid))
+    }
+
+    /// Whether an entry on disk has this mtime, to the nanosecond.
+    pub fn mtime_matches(&self, meta: &fs::Metadata) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        (meta.mtime(), meta.mtime_nsec()) == (self.mtime_sec, i64::from(self.mtime_nsec))
     }
 }
 

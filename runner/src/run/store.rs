@@ -11,6 +11,7 @@ use std::sync::Arc;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::ids::BlobId;
 use cairn_proto::pb;
+use cairn_proto::size::human_bytes;
 use futures::future::BoxFuture;
 use tonic::Code;
 
@@ -18,8 +19,6 @@ use crate::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
 };
 use crate::client::Coordinator;
-use cairn_proto::size::human_bytes;
-
 use crate::restore::{self, NoProgress, RestoreError, RestoreOptions};
 use crate::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 
