@@ -1,6 +1,7 @@
 //! `checkpoint_if_changed` against a real coordinator: an unchanged
 //! workspace commits nothing, a change commits, and a baseline that is no
-//! longer the newest checkpoint never suppresses a commit.
+//! longer the newest checkpoint never suppresses a commit; a resident
+//! runner, which keeps its connection, goes on across a coordinator restart.
 //!
 //! Needs the `cairn-coordinator` binary next to this test's target dir
 //! (`cargo build -p cairn-coordinator`); without it the test says so and
@@ -9,14 +10,52 @@
 mod attempt_support;
 
 use std::fs;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
-use attempt_support::{coordinator_binary, start_coordinator};
+use attempt_support::{coordinator_binary, start_coordinator, start_coordinator_on};
 
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb;
-use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions};
+use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions, Resident};
 use cairn_runner::client::Coordinator;
+use cairn_runner::tracker::ChangeTracker;
+
+async fn create_workspace(grpc: &str, token: &str, name: &str) -> String {
+    let coordinator = Coordinator::connect(grpc, Some(token)).await.unwrap();
+    coordinator
+        .workspaces
+        .clone()
+        .create_workspace(pb::CreateWorkspaceRequest { name: name.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .id
+}
+
+fn options(
+    grpc: &str,
+    token: &str,
+    workspace: String,
+    root: &Path,
+    cache: &Path,
+) -> CheckpointOptions {
+    CheckpointOptions {
+        coordinator: grpc.to_owned(),
+        token: Some(token.to_owned()),
+        workspace,
+        root: root.to_owned(),
+        reason: CheckpointReason::Interval,
+        cache_dir: cache.to_owned(),
+        skip_ignored: false,
+        excludes: vec![],
+        generation: 0,
+        harness: None,
+        limits: Default::default(),
+        resident: None,
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_changed_workspace_is_committed() {
@@ -29,17 +68,7 @@ async fn only_a_changed_workspace_is_committed() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, grpc, token) =
         start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
-    let coordinator = Coordinator::connect(&grpc, Some(&token)).await.unwrap();
-    let workspace = coordinator
-        .workspaces
-        .clone()
-        .create_workspace(pb::CreateWorkspaceRequest {
-            name: "if-changed".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-
+    let workspace = create_workspace(&grpc, &token, "if-changed").await;
     let root = dir.path().join("root");
     fs::create_dir_all(&root).unwrap();
     fs::write(root.join("a.txt"), "one\n").unwrap();
@@ -47,20 +76,7 @@ async fn only_a_changed_workspace_is_committed() {
         .unwrap()
         .modified()
         .unwrap();
-    let opts = CheckpointOptions {
-        coordinator: grpc.clone(),
-        token: Some(token.clone()),
-        workspace: workspace.id.clone(),
-        root: root.clone(),
-        reason: CheckpointReason::Interval,
-        cache_dir: dir.path().join("cache"),
-        skip_ignored: false,
-        excludes: vec![],
-        generation: 0,
-        harness: None,
-        limits: Default::default(),
-        resident: None,
-    };
+    let opts = options(&grpc, &token, workspace, &root, &dir.path().join("cache"));
     let first = checkpoint::checkpoint(opts.clone()).await.unwrap();
     let baseline = Baseline {
         checkpoint_id: first.checkpoint_id.clone(),
@@ -102,4 +118,49 @@ async fn only_a_changed_workspace_is_committed() {
         "equal content, equal root tree"
     );
     assert_eq!(reverted.sequence, changed.sequence + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resident_runner_goes_on_across_a_coordinator_restart() {
+    let Some(binary) = coordinator_binary() else {
+        println!(
+            "skipped: no cairn-coordinator binary next to the tests (cargo build -p cairn-coordinator)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (server, grpc, token) = start_coordinator(&binary, &data, Duration::from_secs(60));
+    let workspace = create_workspace(&grpc, &token, "restarted").await;
+    let root = dir.path().join("root");
+    fs::create_dir_all(&root).unwrap();
+    fs::write(root.join("a.txt"), "one\n").unwrap();
+    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
+    let opts = CheckpointOptions {
+        resident: Some(Arc::new(Resident::new(Some(tracker)))),
+        ..options(&grpc, &token, workspace, &root, &dir.path().join("cache"))
+    };
+    let first = checkpoint::checkpoint(opts.clone()).await.unwrap();
+    let baseline = Baseline {
+        checkpoint_id: first.checkpoint_id.clone(),
+        root_tree: first.root_tree,
+    };
+
+    // The same address and data dir: what a restarted coordinator is.
+    drop(server);
+    fs::remove_file(data.join("endpoints.json")).unwrap();
+    let listen = grpc.trim_start_matches("http://");
+    let (_server, again, _) = start_coordinator_on(&binary, &data, listen, Duration::from_secs(60));
+    assert_eq!(again, grpc);
+
+    let unchanged = checkpoint::checkpoint_if_changed(opts.clone(), &baseline)
+        .await
+        .expect("the runner's kept connection reaches the restarted coordinator");
+    assert!(unchanged.is_none(), "nothing changed, nothing committed");
+    fs::write(root.join("a.txt"), "two\n").unwrap();
+    let changed = checkpoint::checkpoint_if_changed(opts, &baseline)
+        .await
+        .unwrap()
+        .expect("a change commits");
+    assert_eq!(changed.sequence, first.sequence + 1);
 }

@@ -303,7 +303,14 @@ async fn cut(
     let started = Instant::now();
     let root = scan::resolve_root(&opts.root)?;
     scan::exclude_matcher(&root, &opts.excludes)?;
-    let coordinator = Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await?;
+    let coordinator = match &opts.resident {
+        Some(resident) => {
+            resident
+                .coordinator(&opts.coordinator, opts.token.as_deref())
+                .await?
+        }
+        None => Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await?,
+    };
     let mut lost: HashSet<PackId> = HashSet::new();
     let mut redos = 0;
     loop {
@@ -351,16 +358,13 @@ async fn run(
     lost: &HashSet<PackId>,
     started: Instant,
 ) -> Result<Option<CheckpointReport>, CheckpointError> {
-    let session = Session::begin(coordinator, &opts.workspace, opts.generation).await?;
     let cache_dir_error = |source| CheckpointError::CacheDir {
         path: opts.cache_dir.clone(),
         source,
     };
     fs::create_dir_all(&opts.cache_dir).map_err(cache_dir_error)?;
     let cache_dir = fs::canonicalize(&opts.cache_dir).map_err(cache_dir_error)?;
-    let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
     let ms = || started.elapsed().as_millis() as u64;
-    tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
 
     let scan_options = opts.scan_options(root, &cache_dir);
     let resident = opts.resident.clone();
@@ -370,7 +374,7 @@ async fn run(
     // Otherwise repositories are read while the walk goes on.
     let hold_repos = resident.as_ref().is_some_and(|r| r.has_status_memory())
         || (baseline.is_some() && resident.is_some());
-    let (scanned, inspector, held_repos) = blocking(move || {
+    let scanning = blocking(move || {
         let inspector = git::Inspector::start();
         let held_repos = std::sync::Mutex::new(Vec::new());
         let on_repo = |found| {
@@ -391,8 +395,22 @@ async fn run(
         };
         let held_repos = held_repos.into_inner().expect("held repos lock");
         (scanned, inspector, held_repos)
-    })
-    .await?;
+    });
+    let begin = Session::begin(coordinator, &opts.workspace, opts.generation);
+    let (session, (scanned, inspector, held_repos)) = if opts.resident.is_some() {
+        // A resident runner's walk is short (the tracker lists only what
+        // changed), so it goes on while the coordinator answers: an
+        // unchanged workspace is then settled in one round trip's time.
+        let (session, scanning) = tokio::join!(begin, scanning);
+        (session?, scanning?)
+    } else {
+        // A whole walk waits until the coordinator has vouched for the
+        // workspace, so a mistyped one is refused at once.
+        let session = begin.await?;
+        (session, scanning.await?)
+    };
+    let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
+    tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
     let (walked, scan_kind) = scanned?;
     tracing::debug!(
         files = walked.file_count(),
@@ -620,7 +638,7 @@ async fn run(
             // waits for first.
             resident.remember_cut(baseline, walked.clone());
             let (scan, resident_now) = (scan.clone(), resident.clone());
-            let saving = tokio::task::spawn_blocking(move || {
+            let saving = resident::in_background(move || {
                 resident_now.remember_memo(next_memo(&scan, &content, &tree_dirs, &placed));
                 save_cache(cache, &scan, content, &tree_dirs, &located)
             });

@@ -4,7 +4,8 @@
 //! - the fingerprint cache, in memory: a checkpoint neither loads it first
 //!   (~50k entries take a tenth of a second to decode) nor waits for it to
 //!   be written after the commit. It is still written after every
-//!   checkpoint, in the background, so a restarted runner starts warm;
+//!   checkpoint, in the background and at a lower CPU priority
+//!   ([`in_background`]), so a restarted runner starts warm;
 //! - the walk its last checkpoint was cut from: while the tracker has seen
 //!   no change since, a "only if changed" checkpoint is settled without
 //!   reading or hashing anything;
@@ -12,7 +13,9 @@
 //!   next one takes it for every listing the tracker hands back unchanged;
 //! - what the last `git status` of each repository listed, and the walk it
 //!   followed, so the next one asks git about only what changed since
-//!   ([`crate::git::narrow`]).
+//!   ([`crate::git::narrow`]);
+//! - the connection to the coordinator, so a checkpoint does not wait for a
+//!   TCP and HTTP/2 handshake first.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -23,6 +26,7 @@ use tokio::task::JoinHandle;
 use super::Baseline;
 use super::memo::Memo;
 use crate::cache::Cache;
+use crate::client::{ConnectError, Coordinator};
 use crate::format::TenantKeys;
 use crate::git::StatusMemory;
 use crate::scan::{Scan, ScanOptions};
@@ -42,6 +46,16 @@ pub struct Resident {
     status: Mutex<Option<StatusMemory>>,
     /// Whether [`Resident::read_repos_after`] was started (once is enough).
     status_read_started: std::sync::atomic::AtomicBool,
+    /// The last checkpoint's connection, with the address and token it was
+    /// made for.
+    coordinator: tokio::sync::Mutex<Option<KeptConnection>>,
+}
+
+#[derive(Debug)]
+struct KeptConnection {
+    address: String,
+    token: Option<String>,
+    coordinator: Coordinator,
 }
 
 #[derive(Debug, Default)]
@@ -65,7 +79,33 @@ impl Resident {
             memo: Mutex::new(None),
             status: Mutex::new(None),
             status_read_started: std::sync::atomic::AtomicBool::new(false),
+            coordinator: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// The connection to the coordinator at `address` with `token`: the one
+    /// the last checkpoint used if it was made for both, else a new one,
+    /// kept for the next. A kept connection that broke is made again by its
+    /// channel on the next call.
+    pub async fn coordinator(
+        &self,
+        address: &str,
+        token: Option<&str>,
+    ) -> Result<Coordinator, ConnectError> {
+        let mut kept = self.coordinator.lock().await;
+        if let Some(kept) = kept.as_ref()
+            && kept.address == address
+            && kept.token.as_deref() == token
+        {
+            return Ok(kept.coordinator.clone());
+        }
+        let coordinator = Coordinator::connect(address, token).await?;
+        *kept = Some(KeptConnection {
+            address: address.to_owned(),
+            token: token.map(str::to_owned),
+            coordinator: coordinator.clone(),
+        });
+        Ok(coordinator)
     }
 
     /// Whether `baseline` was cut from `scan` itself: the tracker handed
@@ -246,6 +286,49 @@ impl Resident {
     }
 }
 
+/// How much lower than the runner's the priority of background work is
+/// (a nice value: at 10 it gets about a tenth of a busy core).
+const BACKGROUND_NICENESS: libc::c_int = 10;
+
+/// Runs `work` on a thread of its own at a lower CPU priority: work done
+/// after an answer, which nothing waits for yet, then gives way on a busy
+/// machine to what is waited for (the next request, the agent, the
+/// coordinator) instead of sharing a core with it evenly. A thread of its
+/// own because a pooled one could not be given its priority back without
+/// privileges.
+pub fn in_background<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> JoinHandle<T> {
+    tokio::task::spawn_blocking(move || {
+        std::thread::Builder::new()
+            .name("cairn-background".into())
+            .spawn(move || {
+                lower_this_threads_priority();
+                work()
+            })
+            .expect("a thread for background work")
+            .join()
+            // A panic in `work` reaches whoever awaits the handle.
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+fn lower_this_threads_priority() {
+    // SAFETY: neither call touches memory; on Linux a thread id given to
+    // setpriority names that one thread.
+    let rc = unsafe {
+        let current = libc::getpriority(libc::PRIO_PROCESS, 0);
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::gettid() as libc::id_t,
+            current.saturating_add(BACKGROUND_NICENESS),
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "background work runs at the runner's own priority");
+    }
+}
+
 impl Kept {
     /// The cache, once any write of it has finished.
     async fn settle(self) -> Option<Cache> {
@@ -266,6 +349,35 @@ mod tests {
 
     use super::*;
     use crate::git::testing::git;
+
+    fn this_threads_niceness() -> libc::c_int {
+        // SAFETY: no memory is touched; a thread id names that thread.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
+    /// The cache written after a checkpoint gives way to what is waited
+    /// for; the threads that cut checkpoints keep the runner's priority.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn background_work_runs_at_a_lower_priority_and_leaves_the_rest_alone() {
+        // SAFETY: no memory is touched.
+        let runner = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let background = in_background(this_threads_niceness).await.unwrap();
+        assert_eq!(background, (runner + BACKGROUND_NICENESS).min(19));
+        let pooled = tokio::task::spawn_blocking(this_threads_niceness)
+            .await
+            .unwrap();
+        assert_eq!(
+            pooled, runner,
+            "the blocking pool keeps the runner's priority"
+        );
+        assert_eq!(this_threads_niceness(), runner);
+
+        let failed = in_background(|| panic!("while writing")).await;
+        assert!(
+            failed.unwrap_err().is_panic(),
+            "a panic reaches the awaiting task"
+        );
+    }
 
     /// A run's runner is made resident after its restore, not by a first
     /// walk of its own: preloading the cache starts the status reading

@@ -41,7 +41,7 @@
 //! hash that a filter, `ident` or an encoding would change on its way into
 //! git, or that a line-ending conversion applies to and that holds a CR.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::io::Read as _;
 use std::os::unix::ffi::OsStrExt as _;
@@ -54,7 +54,7 @@ use super::RepoState;
 use super::index::{Entry, IndexEntries};
 use super::narrow::{Records, RepoStatus, STAGED, UNSTAGED, UNTRACKED, parent, work_tree_path};
 use crate::gitobj::TreeCache;
-use crate::scan::{Node, NodeKind, Scan, ScannedDir, join_rel};
+use crate::scan::{Node, NodeKind, Scan, ScannedDir, join_rel, join_rel_into};
 
 /// Why a reading is left to git.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,55 +269,77 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     /// The records of everything directly in the directory `inside`, where
     /// the index or HEAD entries of `changed` changed.
+    ///
+    /// Every list this draws on is sorted by name (the index and the old
+    /// records by path, which within one directory is the same order), so
+    /// the names are merged once and each list is walked alongside: a
+    /// directory of a few thousand files costs no allocation per file and
+    /// no lookup per file in any of them.
     fn directory(&mut self, inside: &[u8], changed: &[&[u8]]) -> Result<(), LeftToGit> {
         if self.in_nested_repo(inside)? {
             return Ok(());
         }
         let listing = self.listing(inside);
-        let nodes: &[Node] = listing.map_or(&[], |l| &l.nodes);
-        // Every path that may have a record: tracked, or on disk.
-        let mut paths = BTreeSet::new();
-        for i in self.index.children(inside) {
-            paths.insert(self.index.entry(i).path.to_vec());
-        }
+        let nodes: &'a [Node] = listing.map_or(&[], |l| &l.nodes);
+        let old_nodes: &'a [Node] = self.old_listing(inside).map_or(&[], |l| &l.nodes);
+        let prefix = join_rel(inside, b"");
+        let name_of = |path: &'a [u8]| &path[prefix.len()..];
+        // What was listed here last time (a deletion staged leaves neither
+        // file nor entry, only its record).
+        let previous: Vec<(&'a [u8], u8)> = self
+            .previous
+            .records
+            .range::<[u8], _>((
+                std::ops::Bound::Included(&prefix[..]),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(|(path, _)| path.starts_with(&prefix))
+            .filter(|(path, _)| !path.ends_with(b"/") && parent(path) == inside)
+            .map(|(path, kinds)| (name_of(path), *kinds))
+            .collect();
+        let mut changed_names: Vec<&[u8]> =
+            changed.iter().map(|path| &path[prefix.len()..]).collect();
+        changed_names.sort_unstable();
+
+        // Every name that may have a record: tracked, on disk, listed last
+        // time, or changed in the index or HEAD.
+        let tracked = self.index.children(inside);
+        let mut names: Vec<&[u8]> =
+            Vec::with_capacity(tracked.len() + nodes.len() + previous.len() + changed.len());
+        names.extend(tracked.iter().map(|&i| name_of(self.index.entry(i).path)));
         for node in nodes {
-            let path = join_rel(inside, &node.name);
             match node.kind {
-                NodeKind::File(_) | NodeKind::Symlink(_) => {
-                    paths.insert(path);
-                }
+                NodeKind::File(_) | NodeKind::Symlink(_) => names.push(&node.name),
                 NodeKind::Dir => {
-                    if node.name != b".git" && self.nested_repo(&path)? {
-                        self.nested(path)?;
+                    if node.name != b".git" {
+                        let path = join_rel(inside, &node.name);
+                        if self.nested_repo(&path)? {
+                            self.nested(path)?;
+                        }
                     }
                 }
             }
         }
-        // What was listed here last time, and what changed in the index
-        // or HEAD here (a deletion staged leaves neither file nor entry).
-        let prefix = join_rel(inside, b"");
-        for path in self
-            .previous
-            .records
-            .range(prefix.clone()..)
-            .map(|(path, _)| path)
-        {
-            if !path.starts_with(&prefix) {
-                break;
-            }
-            if !path.ends_with(b"/") && parent(path) == inside {
-                paths.insert(path.clone());
-            }
-        }
-        paths.extend(changed.iter().map(|path| path.to_vec()));
-        let old_listing = self.old_listing(inside);
-        for path in paths {
-            let name = file_name(&path);
-            let node = listing.and_then(|l| l.node(name));
-            let before = old_listing.and_then(|l| l.node(name));
-            if self.unchanged_since_last_reading(&path, node, before) {
-                if let Some(kinds) = self.previous.records.get(&path) {
-                    self.records.insert(path, *kinds);
+        names.extend(previous.iter().map(|(name, _)| *name));
+        names.extend(changed_names.iter().copied());
+        // Sorted runs, one after another: merged in linear passes.
+        names.sort();
+        names.dedup();
+
+        let (mut now, mut before) = (Along::new(nodes), Along::new(old_nodes));
+        let (mut listed, mut changed_here) = (Along::new(&previous), Along::new(&changed_names));
+        let mut path = Vec::new();
+        for name in names {
+            let node = now.find(name, |n| &n.name);
+            let old = before.find(name, |n| &n.name);
+            let last_record = listed
+                .find(name, |(name, _)| *name)
+                .map(|(_, kinds)| *kinds);
+            let entry_changed = changed_here.find(name, |changed| *changed).is_some();
+            join_rel_into(&mut path, inside, name);
+            if !entry_changed && self.unchanged_since_last_reading(node, old) {
+                if let Some(kinds) = last_record {
+                    self.records.insert(path.clone(), kinds);
                 }
                 continue;
             }
@@ -326,22 +348,17 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// Whether nothing `path`'s record depends on changed since the last
-    /// reading: the same file in both walks (and not changed too recently
-    /// for its stat data to tell), the same entries in the index and HEAD,
-    /// the same ignore rules. Its last record then stands, unhashed.
-    fn unchanged_since_last_reading(
-        &self,
-        path: &[u8],
-        now: Option<&Node>,
-        before: Option<&Node>,
-    ) -> bool {
+    /// Whether nothing a path's record depends on, besides its index and
+    /// HEAD entries, changed since the last reading: the same file in both
+    /// walks (and not changed too recently for its stat data to tell), the
+    /// same ignore rules. Its last record then stands, unhashed.
+    fn unchanged_since_last_reading(&self, now: Option<&Node>, before: Option<&Node>) -> bool {
         let stable = match now.map(|n| &n.kind) {
             Some(NodeKind::File(fingerprint)) => fingerprint.is_stable(self.covered.old.started),
             Some(NodeKind::Symlink(_)) => true,
             _ => false,
         };
-        stable && now == before && !self.covered.rules_changed && !self.covered.paths.contains(path)
+        stable && now == before && !self.covered.rules_changed
     }
 
     /// The record of one path whose index or HEAD entry changed, outside
@@ -629,6 +646,33 @@ impl<'a> Reader<'a> {
 }
 
 /// Git's object hash of a blob of `len` bytes, its header hashed.
+/// A walk along a list sorted by name, asked for names in ascending order.
+struct Along<'l, T> {
+    items: &'l [T],
+}
+
+impl<'l, T> Along<'l, T> {
+    fn new(items: &'l [T]) -> Self {
+        Self { items }
+    }
+
+    /// The item called `name`, passing over those before it (never asked
+    /// for again).
+    fn find<'n>(&mut self, name: &[u8], name_of: impl Fn(&'l T) -> &'n [u8]) -> Option<&'l T>
+    where
+        'l: 'n,
+    {
+        while let Some((first, rest)) = self.items.split_first() {
+            match name_of(first).cmp(name) {
+                std::cmp::Ordering::Less => self.items = rest,
+                std::cmp::Ordering::Equal => return Some(first),
+                std::cmp::Ordering::Greater => return None,
+            }
+        }
+        None
+    }
+}
+
 fn blob_hasher(len: u64) -> digest::Context {
     let mut hash = digest::Context::new(&digest::SHA1_FOR_LEGACY_USE_ONLY);
     hash.update(format!("blob {len}\0").as_bytes());

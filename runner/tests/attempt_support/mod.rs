@@ -589,11 +589,23 @@ pub fn start_coordinator(
     data: &Path,
     patience: Duration,
 ) -> (Reaped, String, String) {
+    start_coordinator_on(binary, data, "127.0.0.1:0", patience)
+}
+
+/// [`start_coordinator`] with its gRPC listener on `listen` (to start one
+/// again where it was, on the same data dir, after removing the
+/// `endpoints.json` the last one left).
+pub fn start_coordinator_on(
+    binary: &Path,
+    data: &Path,
+    listen: &str,
+    patience: Duration,
+) -> (Reaped, String, String) {
     let server = Reaped(
         Command::new(binary)
             .args(["serve", "--data-dir"])
             .arg(data)
-            .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
+            .args(["--listen", listen, "--blob-listen", "127.0.0.1:0"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
