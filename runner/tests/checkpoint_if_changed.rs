@@ -22,6 +22,17 @@ use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions, Resident};
 use cairn_runner::client::Coordinator;
 use cairn_runner::tracker::ChangeTracker;
 
+/// The coordinator binary, or None after saying the test is skipped.
+fn coordinator_or_skip() -> Option<std::path::PathBuf> {
+    let binary = coordinator_binary();
+    if binary.is_none() {
+        println!(
+            "skipped: no cairn-coordinator binary next to the tests (cargo build -p cairn-coordinator)"
+        );
+    }
+    binary
+}
+
 async fn create_workspace(grpc: &str, token: &str, name: &str) -> String {
     let coordinator = Coordinator::connect(grpc, Some(token)).await.unwrap();
     coordinator
@@ -59,10 +70,7 @@ fn options(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_changed_workspace_is_committed() {
-    let Some(binary) = coordinator_binary() else {
-        println!(
-            "skipped: no cairn-coordinator binary next to the tests (cargo build -p cairn-coordinator)"
-        );
+    let Some(binary) = coordinator_or_skip() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -122,10 +130,7 @@ async fn only_a_changed_workspace_is_committed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resident_runner_goes_on_across_a_coordinator_restart() {
-    let Some(binary) = coordinator_binary() else {
-        println!(
-            "skipped: no cairn-coordinator binary next to the tests (cargo build -p cairn-coordinator)"
-        );
+    let Some(binary) = coordinator_or_skip() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
