@@ -204,11 +204,22 @@ impl ChangeTracker {
             )),
         };
         let Pending {
-            dirty,
-            touched,
+            mut dirty,
+            mut touched,
             lost,
             ..
         } = std::mem::take(&mut *self.pending.0.lock().expect("pending lock"));
+        // The walk leaves excluded paths out, so what happens there (the
+        // runner's own cache written after a commit, when it lies inside
+        // the root) changes nothing the walk would find.
+        let excluded = excluded_below(&self.root, &opts.exclude_paths);
+        if !excluded.is_empty() {
+            dirty.retain(|dir| !is_at_or_below_any(dir, &excluded));
+            touched.retain(|dir, names| {
+                names.retain(|name| !is_at_or_below_any(&scan::join_rel(dir, name), &excluded));
+                !names.is_empty() && !is_at_or_below_any(dir, &excluded)
+            });
+        }
         let lost = lost.or(unsynced);
         let previous = self.previous.lock().expect("previous lock").clone();
         let full_reason = match &previous {
@@ -273,6 +284,24 @@ impl ChangeTracker {
             Synced::Yes
         }
     }
+}
+
+/// `paths` that lie below `root`, relative to it.
+fn excluded_below(root: &Path, paths: &[PathBuf]) -> Vec<Vec<u8>> {
+    paths
+        .iter()
+        .filter_map(|path| path.strip_prefix(root).ok())
+        .map(|rel| rel.as_os_str().as_bytes().to_vec())
+        .filter(|rel| !rel.is_empty())
+        .collect()
+}
+
+/// Whether the relative path `rel` is one of `excluded` or inside one.
+fn is_at_or_below_any(rel: &[u8], excluded: &[Vec<u8>]) -> bool {
+    excluded.iter().any(|ex| {
+        rel.strip_prefix(&ex[..])
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
+    })
 }
 
 /// The cookie's name if `path` is a sync cookie in `root`.
@@ -355,6 +384,46 @@ mod tests {
                 })
             })
             .collect()
+    }
+
+    /// The runner's cache may lie inside the root; it is left out of the
+    /// walk, and writing it must not make the next walk a new one (an
+    /// unchanged workspace would then be compared file by file).
+    #[test]
+    fn changes_inside_an_excluded_directory_hand_back_the_same_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(tmp.path()).unwrap();
+        let cache = root.join(".cairn/cache");
+        fs::create_dir_all(cache.join("spool")).unwrap();
+        fs::write(cache.join("entries"), "0").unwrap();
+        fs::write(root.join("kept"), "0").unwrap();
+        let tracker = ChangeTracker::start(&root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = ScanOptions {
+            exclude_paths: vec![cache.clone()],
+            ..options(&root)
+        };
+        let (first, _) = tracker.scan(&opts, &|_| {}).unwrap();
+
+        fs::write(cache.join("entries.tmp"), "1").unwrap();
+        fs::rename(cache.join("entries.tmp"), cache.join("entries")).unwrap();
+        fs::write(cache.join("spool/pack"), "2").unwrap();
+        fs::remove_dir_all(cache.join("spool")).unwrap();
+        settle(&tracker);
+        let (second, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(kind, ScanKind::Partial { dirty: 0 });
+        assert!(Arc::ptr_eq(&first, &second), "the same walk, shared");
+
+        // A change beside the cache is still seen.
+        fs::write(root.join(".cairn/beside"), "3").unwrap();
+        settle(&tracker);
+        let (third, _) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert!(!Arc::ptr_eq(&second, &third));
+        let paths: Vec<String> = listing(&third).into_iter().map(|(p, _)| p).collect();
+        assert!(paths.contains(&".cairn/beside".to_owned()), "{paths:?}");
+        assert!(
+            !paths.iter().any(|p| p.starts_with(".cairn/cache")),
+            "{paths:?}"
+        );
     }
 
     #[test]
