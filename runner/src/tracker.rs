@@ -216,8 +216,11 @@ impl ChangeTracker {
         if !excluded.is_empty() {
             dirty.retain(|dir| !is_at_or_below_any(dir, &excluded));
             touched.retain(|dir, names| {
+                if is_at_or_below_any(dir, &excluded) {
+                    return false;
+                }
                 names.retain(|name| !is_at_or_below_any(&scan::join_rel(dir, name), &excluded));
-                !names.is_empty() && !is_at_or_below_any(dir, &excluded)
+                !names.is_empty()
             });
         }
         let lost = lost.or(unsynced);

@@ -289,10 +289,7 @@ impl<'a> Reader<'a> {
         let previous: Vec<(&'a [u8], u8)> = self
             .previous
             .records
-            .range::<[u8], _>((
-                std::ops::Bound::Included(&prefix[..]),
-                std::ops::Bound::Unbounded,
-            ))
+            .range(prefix.clone()..)
             .take_while(|(path, _)| path.starts_with(&prefix))
             .filter(|(path, _)| !path.ends_with(b"/") && parent(path) == inside)
             .map(|(path, kinds)| (name_of(path), *kinds))
@@ -645,7 +642,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Git's object hash of a blob of `len` bytes, its header hashed.
 /// A walk along a list sorted by name, asked for names in ascending order.
 struct Along<'l, T> {
     items: &'l [T],
@@ -658,10 +654,7 @@ impl<'l, T> Along<'l, T> {
 
     /// The item called `name`, passing over those before it (never asked
     /// for again).
-    fn find<'n>(&mut self, name: &[u8], name_of: impl Fn(&'l T) -> &'n [u8]) -> Option<&'l T>
-    where
-        'l: 'n,
-    {
+    fn find(&mut self, name: &[u8], name_of: impl Fn(&'l T) -> &'l [u8]) -> Option<&'l T> {
         while let Some((first, rest)) = self.items.split_first() {
             match name_of(first).cmp(name) {
                 std::cmp::Ordering::Less => self.items = rest,
@@ -673,6 +666,7 @@ impl<'l, T> Along<'l, T> {
     }
 }
 
+/// Git's object hash of a blob of `len` bytes, its header hashed.
 fn blob_hasher(len: u64) -> digest::Context {
     let mut hash = digest::Context::new(&digest::SHA1_FOR_LEGACY_USE_ONLY);
     hash.update(format!("blob {len}\0").as_bytes());
