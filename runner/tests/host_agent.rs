@@ -270,6 +270,7 @@ fn config(scratch: &Scratch, coordinator: &str, slots: u32) -> HostConfig {
         sandbox_coordinator: Some("http://coordinator-as-sandboxes-see-it:7400".into()),
         default_image: None,
         pack_cache: None,
+        kept: None,
     }
 }
 

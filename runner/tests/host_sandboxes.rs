@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cairn_proto::runs::SandboxState;
 use cairn_runner::host::driver::{Driver, SandboxSpec};
-use cairn_runner::host::sandbox::{Update, supervise};
+use cairn_runner::host::sandbox::{Cleanup, Update, supervise};
 use cairn_runner::host::{ExecDriver, ExecTemplates, LocalDriver, NamespaceMode};
 use host_support::*;
 use tokio::sync::{mpsc, oneshot};
@@ -36,7 +36,10 @@ impl Running {
             sandbox,
             grace,
             destroy_rx,
-            spec.paths.dir.clone(),
+            Cleanup {
+                paths: spec.paths.clone(),
+                keep: None,
+            },
             spec.log_file.clone(),
             updates_tx,
         ));

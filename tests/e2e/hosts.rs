@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use cairn_e2e::fleet::{
-    Fleet, HostOptions, checkpoint_reason, describe_event, event_state, is_alive, process_cmdline,
-    run_token_of, sandbox_processes, signal, state_of, state_of_host,
+    Fleet, HostOptions, checkpoint_reason, describe_event, event_state, is_alive, on_workspace,
+    process_cmdline, run_token_of, sandbox_processes, signal, state_of, state_of_host,
 };
 use cairn_e2e::{block_on, git, ids_with_prefix, json_str, run, tempdir, write};
 use cairn_proto::pb;
@@ -430,5 +430,88 @@ fn a_run_no_host_can_take_stays_queued_and_says_why() {
         state_of(&cancelled),
         Some(RunState::Cancelled),
         "a queued run is cancelled at once"
+    );
+}
+
+#[test]
+fn the_next_run_of_a_workspace_on_the_same_host_starts_on_the_tree_the_last_one_left() {
+    let mut fleet = Fleet::start();
+    fleet.start_host("a", HostOptions::default());
+
+    let first = fleet.create_run(fleet.run_request(
+        "kept",
+        "commit work/one.txt written by the first run\n\
+         untracked work/draft.txt drafted by the first run",
+    ));
+    let first = fleet.wait_for_state(&first.id, RunState::Succeeded);
+    let workspace = first.workspace_id.clone();
+    fleet.wait_for_sandbox_gone("a", &first.attempts[0].sandbox_id);
+    let kept = fleet.host("a").data_dir().join("kept").join(&workspace);
+    assert!(
+        kept.join("kept.json").is_file() && kept.join("workspace/work/one.txt").is_file(),
+        "the host kept the first sandbox's tree in {}",
+        kept.display()
+    );
+    // What happened to the tree after its last checkpoint must not come back.
+    write(
+        &kept.join("workspace/work/draft.txt"),
+        "changed after the checkpoint\n",
+    );
+    write(&kept.join("workspace/stray.txt"), "never checkpointed\n");
+
+    let second = fleet.create_run(on_workspace(
+        fleet.run_request("", "untracked work/two.txt written by the second run"),
+        &workspace,
+    ));
+    let second = fleet.wait_for_state(&second.id, RunState::Succeeded);
+    let restored = fleet
+        .events(&second.id)
+        .into_iter()
+        .find(|e| e.reason == "restored")
+        .unwrap_or_else(|| panic!("no restored event: {second:?}"));
+    let reused: u64 = restored
+        .detail
+        .split("reused ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no reuse count in {:?}", restored.detail));
+    assert!(
+        reused >= 2,
+        "the restore kept the files of the kept tree it could vouch for: {}",
+        restored.detail
+    );
+    assert!(
+        restored.detail.contains("removed 1 stale entries"),
+        "the file the checkpoint lacks was removed: {}",
+        restored.detail
+    );
+
+    let turns = fleet.agent_turns_in(&second.attempts[0].sandbox_id);
+    assert_eq!(turns.len(), 1, "one turn in the second run");
+    let seen = &turns[0].workspace;
+    assert_eq!(
+        std::fs::read_to_string(seen.join("work/one.txt")).unwrap(),
+        "written by the first run\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(seen.join("work/draft.txt")).unwrap(),
+        "drafted by the first run\n",
+        "the checkpoint's content, not the kept tree's later change"
+    );
+    assert!(
+        !seen.join("stray.txt").exists(),
+        "the stray file was removed"
+    );
+    assert!(
+        git(seen, &["log", "--format=%s"]).contains("demo agent: work/one.txt"),
+        "the commit is there"
+    );
+
+    // The second run's tree replaced the first one's.
+    fleet.wait_for_sandbox_gone("a", &second.attempts[0].sandbox_id);
+    assert_eq!(
+        std::fs::read_to_string(kept.join("workspace/work/two.txt")).unwrap(),
+        "written by the second run\n"
     );
 }

@@ -35,10 +35,14 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 use super::driver::{Driver, Sandbox, SandboxSpec};
+use super::kept::KeptWorkspaces;
 use super::layout::{Layout, SandboxRecord, valid_sandbox_id};
-use super::sandbox::{self, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
+use super::sandbox::{self, Cleanup, KeepOnEnd, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
 use super::{HostConfig, HostError};
 use crate::client::AuthChannel;
+
+/// How often kept workspace trees are checked against their age bound.
+const KEPT_PRUNE_EVERY: Duration = Duration::from_secs(600);
 
 /// Heartbeat interval used until the coordinator names one.
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
@@ -95,6 +99,8 @@ pub struct Agent<D: Driver> {
     config: HostConfig,
     driver: Arc<D>,
     layout: Layout,
+    kept: Option<Arc<KeptWorkspaces>>,
+    kept_pruned: Instant,
     client: HostServiceClient<AuthChannel>,
     sandboxes: BTreeMap<String, Tracked>,
     tasks: JoinSet<()>,
@@ -136,11 +142,22 @@ impl<D: Driver> Agent<D> {
             .map_err(|e| HostError::Config(e.to_string()))?;
         let client = HostServiceClient::new(InterceptedService::new(channel, interceptor));
         let host_id = layout.read_host_id()?;
+        let kept_dir = layout.root().join("kept");
+        let kept = match config.kept {
+            Some(bounds) => Some(Arc::new(KeptWorkspaces::open(kept_dir, bounds)?)),
+            None => {
+                // Keeping was on before: its plaintext trees go.
+                super::layout::remove_tree(&kept_dir)?;
+                None
+            }
+        };
         let (updates_tx, updates_rx) = mpsc::unbounded_channel();
         Ok(Self {
             config,
             driver: Arc::new(driver),
             layout,
+            kept,
+            kept_pruned: Instant::now(),
             client,
             sandboxes: BTreeMap::new(),
             tasks: JoinSet::new(),
@@ -211,6 +228,7 @@ impl<D: Driver> Agent<D> {
 
     /// One register-or-heartbeat exchange; returns the delay until the next.
     async fn exchange(&mut self) -> Duration {
+        self.prune_kept();
         if !self.registered {
             if self.shutting_down {
                 // Nothing to tell a coordinator we are not registered with; wait for the sandboxes.
@@ -458,6 +476,20 @@ impl<D: Driver> Agent<D> {
                 return;
             }
         };
+        if let Some(keep) = self.keep_on_end(&record) {
+            match keep.kept.take(&keep.workspace, &paths) {
+                Ok(Some(bytes)) => tracing::info!(
+                    sandbox = %id, workspace = %keep.workspace, size = %cairn_proto::size::human_bytes(bytes),
+                    "starting on the workspace tree an earlier sandbox of this workspace left"
+                ),
+                Ok(None) => {}
+                // The restore copes with whatever part arrived: it checks
+                // every file it finds against the checkpoint.
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot take the kept workspace tree")
+                }
+            }
+        }
         let coordinator = self
             .config
             .sandbox_coordinator
@@ -491,7 +523,8 @@ impl<D: Driver> Agent<D> {
                     log = %spec.log_file.display(), "sandbox started"
                 );
                 let (destroy_tx, destroy_rx) = oneshot::channel();
-                self.supervise(&spec, started, destroy_rx);
+                let keep = self.keep_on_end(&record);
+                self.supervise(&spec, keep, started, destroy_rx);
                 self.remember_live(record, destroy_tx);
             }
             Err(e) => {
@@ -506,9 +539,31 @@ impl<D: Driver> Agent<D> {
         }
     }
 
+    /// Deletes kept trees past their age every [`KEPT_PRUNE_EVERY`], off the
+    /// event loop.
+    fn prune_kept(&mut self) {
+        let Some(kept) = &self.kept else { return };
+        if self.kept_pruned.elapsed() < KEPT_PRUNE_EVERY {
+            return;
+        }
+        self.kept_pruned = Instant::now();
+        let kept = kept.clone();
+        drop(tokio::task::spawn_blocking(move || kept.prune()));
+    }
+
+    /// Where the tree of `record`'s sandbox is kept when it ends (`None`:
+    /// keeping is off, or the record names no valid workspace).
+    fn keep_on_end(&self, record: &SandboxRecord) -> Option<KeepOnEnd> {
+        Some(KeepOnEnd {
+            kept: self.kept.clone()?,
+            workspace: record.workspace_id.parse().ok()?,
+        })
+    }
+
     fn supervise(
         &mut self,
         spec: &SandboxSpec,
+        keep: Option<KeepOnEnd>,
         started: D::Sandbox,
         destroy_rx: oneshot::Receiver<String>,
     ) {
@@ -517,7 +572,10 @@ impl<D: Driver> Agent<D> {
             started,
             self.config.grace,
             destroy_rx,
-            spec.paths.dir.clone(),
+            Cleanup {
+                paths: spec.paths.clone(),
+                keep,
+            },
             spec.log_file.clone(),
             self.updates_tx.clone(),
         ));
@@ -711,7 +769,8 @@ impl<D: Driver> Agent<D> {
                     tracing::warn!(sandbox = %id, "a previous host agent process left this sandbox running; destroying it");
                     let (destroy_tx, destroy_rx) = oneshot::channel();
                     let _ = destroy_tx.send(REASON_HOST_RESTARTED.to_owned());
-                    self.supervise(&spec, adopted, destroy_rx);
+                    let keep = self.keep_on_end(&record);
+                    self.supervise(&spec, keep, adopted, destroy_rx);
                     self.sandboxes.insert(
                         id,
                         Tracked {

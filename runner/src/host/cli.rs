@@ -101,6 +101,17 @@ pub struct HostArgs {
     #[arg(long, value_name = "SIZE", default_value = "10GiB", value_parser = cairn_proto::size::parse_size)]
     pub pack_cache_size: u64,
 
+    /// Bound of the disk used by workspace trees kept after their sandbox
+    /// ended (DATA_DIR/kept): the next sandbox of the same workspace on this
+    /// host starts on the kept tree, and its restore writes only what differs
+    /// from the checkpoint. Oldest trees are evicted first; 0 turns keeping off.
+    #[arg(long, value_name = "SIZE", default_value = "10GiB", value_parser = cairn_proto::size::parse_size)]
+    pub kept_workspaces_size: u64,
+
+    /// A kept tree no sandbox took within this long is deleted.
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub kept_workspaces_for: Duration,
+
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -167,6 +178,10 @@ impl HostArgs {
             sandbox_coordinator: self.sandbox_coordinator,
             default_image: self.default_image,
             pack_cache,
+            kept: (self.kept_workspaces_size > 0).then_some(crate::host::KeptConfig {
+                max_bytes: self.kept_workspaces_size,
+                max_age: self.kept_workspaces_for,
+            }),
         })
     }
 }
@@ -286,6 +301,34 @@ mod tests {
         let cache = config.pack_cache.expect("the pack cache is on by default");
         assert_eq!(cache.dir, PathBuf::from("/tmp/d/pack-cache"));
         assert_eq!(cache.max_bytes, 10 << 30);
+        assert_eq!(
+            config.kept,
+            Some(crate::host::KeptConfig {
+                max_bytes: 10 << 30,
+                max_age: Duration::from_secs(24 * 3600)
+            }),
+            "keeping is on by default"
+        );
+        let kept = parse(&[
+            "--kept-workspaces-size",
+            "2GiB",
+            "--kept-workspaces-for",
+            "3d",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap()
+        .kept
+        .unwrap();
+        assert_eq!(
+            (kept.max_bytes, kept.max_age),
+            (2 << 30, Duration::from_secs(3 * 24 * 3600))
+        );
+        let off = parse(&["--kept-workspaces-size", "0"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!(off.kept, None);
         let config = parse(&[
             "--pack-cache",
             "/var/cache/packs",

@@ -8,6 +8,7 @@
 //! DIR/sandboxes/<id>/cache/        CAIRN_CACHE_DIR (fingerprint cache)
 //! DIR/records/<id>.json            what the agent knows about the sandbox
 //! DIR/logs/<id>.log                stdout and stderr of the sandbox's processes
+//! DIR/kept/<workspace>/            a tree kept from an ended sandbox (see kept.rs)
 //! ```
 //!
 //! A record is written before the sandbox starts and kept, with the sandbox's
@@ -343,7 +344,7 @@ fn make_dirs_writable(dir: &Path) {
 }
 
 /// A mount point at or below `path` in this process's mount namespace.
-fn mount_below(path: &Path) -> Option<PathBuf> {
+pub(crate) fn mount_below(path: &Path) -> Option<PathBuf> {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").ok()?;
     let base = path.canonicalize().ok()?;
     mountinfo

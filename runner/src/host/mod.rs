@@ -12,9 +12,11 @@
 //!   assignment ─► DIR/sandboxes/<id>/{workspace,home,cache} ─► driver.start
 //!                  (local: mount namespace, workspace at /workspace; exec: templates)
 //!                  every runner gets the host's pack cache (CAIRN_PACK_CACHE,
-//!                  default DIR/pack-cache), shared by all the host's restores
+//!                  default DIR/pack-cache), shared by all the host's restores;
+//!                  a tree kept from an earlier sandbox of the same workspace
+//!                  is moved into workspace/ and cache/ first (kept.rs)
 //!   runner exits by itself ──────────────┐
-//!   destroy order / host stop ─► SIGTERM ─► grace ─► SIGKILL ─► remove dir ─► report
+//!   destroy order / host stop ─► SIGTERM ─► grace ─► SIGKILL ─► keep tree? ─► remove dir ─► report
 //! ```
 //!
 //! Heartbeats are level-triggered both ways: the host reports every sandbox it
@@ -40,11 +42,13 @@
 //! - [`process`]: process sessions: start, SIGTERM/grace/SIGKILL, sweeping.
 //! - [`template`]: the exec driver's command templates.
 //! - [`layout`]: the data directory (host id, sandbox dirs, records, logs).
+//! - [`kept`]: workspace trees kept for the next sandbox of their workspace.
 
 pub mod agent;
 pub mod cli;
 pub mod driver;
 pub mod exec;
+pub mod kept;
 pub mod layout;
 pub mod local;
 pub mod process;
@@ -60,6 +64,7 @@ use cairn_proto::runs::Labels;
 use crate::restore::PackCacheConfig;
 
 pub use self::exec::{ExecDriver, ExecDriverError, ExecTemplates};
+pub use self::kept::{KeptConfig, KeptWorkspaces};
 pub use self::local::{LocalDriver, LocalDriverError, NamespaceMode};
 
 /// The default grace period between SIGTERM and SIGKILL.
@@ -99,6 +104,9 @@ pub struct HostConfig {
     /// The pack cache every runner of this host restores through
     /// (`CAIRN_PACK_CACHE`); `None` turns it off.
     pub pack_cache: Option<PackCacheConfig>,
+    /// Trees of ended sandboxes kept for the next sandbox of the same
+    /// workspace (`DIR/kept`, [`kept`]); `None` turns keeping off.
+    pub kept: Option<KeptConfig>,
 }
 
 /// Why the host agent stopped with an error.
@@ -112,6 +120,8 @@ pub enum HostError {
     Local(#[from] LocalDriverError),
     #[error(transparent)]
     Exec(#[from] ExecDriverError),
+    #[error("the kept workspace trees: {0}")]
+    Kept(#[from] kept::KeptError),
     #[error("the coordinator at {address} refused this host: {status}")]
     Refused {
         address: String,
@@ -263,6 +273,7 @@ mod tests {
             sandbox_coordinator: None,
             default_image: None,
             pack_cache: None,
+            kept: None,
         }
     }
 

@@ -1,6 +1,8 @@
 //! One sandbox's life on this host, from the driver's start to its removal:
 //! a task per sandbox waits for the sandbox to come up and to end, or for a
-//! destroy order, then removes the sandbox directory and reports the end.
+//! destroy order, then keeps its workspace tree for the next sandbox of the
+//! same workspace ([`super::kept`]), removes the sandbox directory and
+//! reports the end.
 //!
 //! Every way a sandbox ends goes through here: an order from the coordinator
 //! (hold expiry, cancel, suspend, drain, superseded), the host shutting down
@@ -8,12 +10,15 @@
 //! `host_restarted`), or the runner exiting by itself.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_proto::ids::WorkspaceId;
 use cairn_proto::runs::SandboxState;
 use tokio::sync::{mpsc, oneshot};
 
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
+use super::kept::{Keeping, KeptWorkspaces};
 use super::layout::{SandboxPaths, remove_tree};
 use super::process::{ExitCode, describe_exit};
 use crate::restore::PackCacheConfig;
@@ -92,6 +97,44 @@ pub enum Update {
 /// the best account of what ended the sandbox).
 pub const UNKNOWN_EXIT_CODE: i32 = -libc::SIGTERM;
 
+/// Where an ended sandbox's tree may be kept, and as whose.
+#[derive(Debug, Clone)]
+pub struct KeepOnEnd {
+    pub kept: Arc<KeptWorkspaces>,
+    pub workspace: WorkspaceId,
+}
+
+/// What becomes of a sandbox's directories once it has ended.
+#[derive(Debug, Clone)]
+pub struct Cleanup {
+    pub paths: SandboxPaths,
+    /// Keep the workspace tree first, if it qualifies; `None`: just remove.
+    pub keep: Option<KeepOnEnd>,
+}
+
+impl Cleanup {
+    /// Keeps the tree if it can, then removes the sandbox directory. A tree
+    /// that is not kept goes with the directory, as without keeping.
+    fn run(self, sandbox_id: &str) -> Result<(), super::layout::LayoutError> {
+        if let Some(keep) = &self.keep {
+            match keep.kept.keep(&keep.workspace, sandbox_id, &self.paths) {
+                Ok(Keeping::Kept { bytes }) => tracing::info!(
+                    sandbox = %sandbox_id, workspace = %keep.workspace,
+                    size = %cairn_proto::size::human_bytes(bytes),
+                    "kept the workspace tree for the next sandbox of this workspace"
+                ),
+                Ok(Keeping::Passed(reason)) => tracing::debug!(
+                    sandbox = %sandbox_id, %reason, "the workspace tree is not kept"
+                ),
+                Err(e) => tracing::warn!(
+                    sandbox = %sandbox_id, error = %e, "cannot keep the workspace tree; removing it"
+                ),
+            }
+        }
+        remove_tree(&self.paths.dir)
+    }
+}
+
 /// Supervises one started sandbox until it is gone and its directory removed.
 ///
 /// `destroy` carries the destroy reason; if its sender is dropped, the
@@ -101,7 +144,7 @@ pub async fn supervise<S: Sandbox>(
     mut sandbox: S,
     grace: Duration,
     mut destroy: oneshot::Receiver<String>,
-    sandbox_dir: PathBuf,
+    cleanup: Cleanup,
     log_file: PathBuf,
     updates: mpsc::UnboundedSender<Update>,
 ) {
@@ -130,7 +173,13 @@ pub async fn supervise<S: Sandbox>(
             },
         }
     };
-    if let Err(e) = remove_tree(&sandbox_dir) {
+    // Walking and moving a workspace of tens of thousands of files is no
+    // work for the agent's event loop.
+    let id = sandbox_id.clone();
+    let removed = tokio::task::spawn_blocking(move || cleanup.run(&id))
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    if let Err(e) = removed {
         tracing::error!(sandbox = %sandbox_id, error = %e, "cannot remove the sandbox directory");
         detail.push_str(&format!("; the sandbox directory was not removed: {e}"));
     }
