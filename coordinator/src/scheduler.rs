@@ -5,9 +5,10 @@
 //!    their attempts end and their runs are requeued, suspended or failed;
 //! 2. waiting runs whose hold ran out get their sandbox destroyed;
 //! 3. queued runs, oldest first, are assigned to ready hosts whose labels
-//!    satisfy theirs and that have a free slot, least-loaded first; a run no
-//!    host can take keeps a `state_reason` saying why (an event when it
-//!    changes).
+//!    satisfy theirs and that have a free slot: a host that keeps the run's
+//!    workspace tree from an earlier sandbox first (its restore writes only
+//!    what differs), else least-loaded first; a run no host can take keeps a
+//!    `state_reason` saying why (an event when it changes).
 //!
 //! A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
 //! an answer, a freed slot, a host) and at least every [`MAX_PASS_INTERVAL`].
@@ -81,11 +82,16 @@ pub fn place(queued: &[QueuedRun], hosts: &[HostCapacity]) -> Vec<Placement> {
             .filter(|(_, h)| h.tenant == run.tenant && run.labels.satisfied_by(&h.labels))
             .map(|(i, _)| i)
             .collect();
+        let keeps = |i: usize| hosts[i].kept.contains(&run.workspace);
         let best = matching
             .iter()
             .copied()
             .filter(|&i| hosts[i].used < hosts[i].slots)
-            .min_by(|&a, &b| load_order(&hosts[a], &hosts[b]));
+            .min_by(|&a, &b| {
+                keeps(b)
+                    .cmp(&keeps(a))
+                    .then_with(|| load_order(&hosts[a], &hosts[b]))
+            });
         match best {
             Some(i) => {
                 hosts[i].used += 1;
@@ -200,7 +206,7 @@ async fn pass(
 
 #[cfg(test)]
 mod tests {
-    use cairn_proto::ids::TenantId;
+    use cairn_proto::ids::{TenantId, WorkspaceId};
     use cairn_proto::runs::Labels;
 
     use super::*;
@@ -209,6 +215,7 @@ mod tests {
         QueuedRun {
             id: RunId::generate(),
             tenant: TenantId::default_tenant(),
+            workspace: WorkspaceId::generate(),
             labels: labels.parse().unwrap(),
             state_reason: String::new(),
             attempt_count: 0,
@@ -222,6 +229,7 @@ mod tests {
             labels: labels.parse::<Labels>().unwrap(),
             slots,
             used,
+            kept: Vec::new(),
         }
     }
 
@@ -242,6 +250,30 @@ mod tests {
         let hosts: Vec<_> = placements.iter().map(assigned_host).collect();
         // idle (0/2) → idle (1/2 beats busy's 3/4) → busy (3/4 beats idle's full 2/2).
         assert_eq!(hosts, [Some(&idle.id), Some(&idle.id), Some(&busy.id)]);
+    }
+
+    #[test]
+    fn a_run_goes_to_the_host_that_keeps_its_workspace_tree_while_it_has_a_slot() {
+        let resumed = run("");
+        let idle = host("", 2, 0);
+        let mut keeper = host("", 2, 1);
+        keeper.kept = vec![WorkspaceId::generate(), resumed.workspace.clone()];
+        let other = run("");
+        let placements = place(
+            &[other.clone(), resumed.clone()],
+            &[idle.clone(), keeper.clone()],
+        );
+        let hosts: Vec<_> = placements.iter().map(assigned_host).collect();
+        // The other run goes by load; the resumed one to the busier keeper.
+        assert_eq!(hosts, [Some(&idle.id), Some(&keeper.id)]);
+
+        keeper.used = 2;
+        let placements = place(&[resumed], &[idle.clone(), keeper]);
+        assert_eq!(
+            assigned_host(&placements[0]),
+            Some(&idle.id),
+            "a full keeper does not hold the run back"
+        );
     }
 
     #[test]

@@ -58,6 +58,7 @@ impl Host {
             host_id: self.id.clone(),
             sandboxes: reports,
             stopping: false,
+            kept_workspaces: Vec::new(),
         };
         let answer = self.client.heartbeat(request).await.unwrap().into_inner();
         self.ended

@@ -434,9 +434,20 @@ fn a_run_no_host_can_take_stays_queued_and_says_why() {
 }
 
 #[test]
-fn the_next_run_of_a_workspace_on_the_same_host_starts_on_the_tree_the_last_one_left() {
+fn the_next_run_of_a_workspace_goes_to_the_host_that_kept_its_tree_and_starts_on_it() {
     let mut fleet = Fleet::start();
-    fleet.start_host("a", HostOptions::default());
+    let host_a = fleet
+        .start_host(
+            "a",
+            HostOptions {
+                slots: 2,
+                ..HostOptions::default()
+            },
+        )
+        .id
+        .clone();
+    fleet.start_host("b", HostOptions::default());
+    fleet.cordon("b");
 
     let first = fleet.create_run(fleet.run_request(
         "kept",
@@ -458,12 +469,25 @@ fn the_next_run_of_a_workspace_on_the_same_host_starts_on_the_tree_the_last_one_
         "changed after the checkpoint\n",
     );
     write(&kept.join("workspace/stray.txt"), "never checkpointed\n");
+    // a is now busier than b: by load alone, the next run would go to b.
+    let busy = fleet.create_run(fleet.run_request("busy", "sleep 600"));
+    let busy_attempt = wait_for_sandbox(&fleet, &busy.id, 1);
+    assert_eq!(busy_attempt.host_id, host_a);
+    fleet.uncordon("b");
+    // The coordinator hears of the kept tree in a's heartbeats.
+    fleet.wait_for_host("a", "listing the kept workspace", |h| {
+        h.kept_workspaces == [workspace.clone()]
+    });
 
     let second = fleet.create_run(on_workspace(
         fleet.run_request("", "untracked work/two.txt written by the second run"),
         &workspace,
     ));
     let second = fleet.wait_for_state(&second.id, RunState::Succeeded);
+    assert_eq!(
+        second.attempts[0].host_id, host_a,
+        "the run went to the host that keeps its workspace's tree"
+    );
     let restored = fleet
         .events(&second.id)
         .into_iter()
@@ -514,4 +538,5 @@ fn the_next_run_of_a_workspace_on_the_same_host_starts_on_the_tree_the_last_one_
         std::fs::read_to_string(kept.join("workspace/work/two.txt")).unwrap(),
         "written by the second run\n"
     );
+    fleet.cancel(&busy.id);
 }

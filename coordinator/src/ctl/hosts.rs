@@ -38,7 +38,7 @@ pub async fn list(coordinator: &Coordinator, out: Output) -> anyhow::Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-/// One row per host: state, capacity, labels, liveness, runs.
+/// One row per host: state, capacity, labels, liveness, runs, kept trees.
 pub fn hosts_table(hosts: &[pb::Host]) -> String {
     let rows: Vec<Vec<String>> = hosts
         .iter()
@@ -56,6 +56,7 @@ pub fn hosts_table(hosts: &[pb::Host]) -> String {
                 } else {
                     h.run_ids.join(",")
                 },
+                h.kept_workspaces.len().to_string(),
             ]
         })
         .collect();
@@ -69,6 +70,7 @@ pub fn hosts_table(hosts: &[pb::Host]) -> String {
             "LABELS",
             "HEARTBEAT",
             "RUNS",
+            "KEPT",
         ],
         &rows,
     )
@@ -145,6 +147,7 @@ mod tests {
             .into_iter()
             .collect(),
             run_ids: vec!["run-1".into()],
+            kept_workspaces: vec!["ws-a".into(), "ws-b".into()],
             ..Default::default()
         }
     }
@@ -156,6 +159,8 @@ mod tests {
         for cell in ["host-1", "box", "ready", "1/2", "gpu=a100,zone=eu", "run-1"] {
             assert!(row.contains(cell), "{row}");
         }
+        assert!(text.lines().next().unwrap().ends_with("KEPT"), "{text}");
+        assert!(row.ends_with(" 2"), "two kept trees: {row}");
         assert_eq!(
             output::host_json(&host(pb::HostState::Lost, 0))["state"],
             "lost"

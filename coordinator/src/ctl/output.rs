@@ -394,6 +394,7 @@ pub fn host_json(h: &pb::Host) -> Value {
         "registered_at": rfc3339(time_of!(h.registered_at)),
         "last_heartbeat_at": rfc3339(time_of!(h.last_heartbeat_at)),
         "run_ids": h.run_ids,
+        "kept_workspaces": h.kept_workspaces,
     })
 }
 

@@ -58,6 +58,8 @@ pub struct Host {
     pub used_slots: u32,
     /// Runs with such a sandbox.
     pub run_ids: Vec<RunId>,
+    /// Workspaces whose tree the host keeps (its last heartbeat's list).
+    pub kept_workspaces: Vec<WorkspaceId>,
 }
 
 impl Host {
@@ -116,7 +118,16 @@ pub struct HeartbeatAnswer {
 }
 
 const HOST_COLUMNS: &str = "id, tenant, name, labels, slots, driver, admin_state, lost_at,
-     registered_at, last_heartbeat_at, stopping_at";
+     registered_at, last_heartbeat_at, stopping_at, kept_workspaces";
+
+/// A host's stored `kept_workspaces` (a JSON array of workspace ids).
+pub(super) fn parse_kept_workspaces(stored: &str, host: &str) -> Result<Vec<WorkspaceId>, DbError> {
+    let ids: Vec<String> = serde_json::from_str(stored)
+        .map_err(|e| DbError::Corrupt(format!("stored kept workspaces of host {host}: {e}")))?;
+    ids.iter()
+        .map(|w| parse_column(w, "kept workspace id"))
+        .collect()
+}
 
 fn host_from_row(row: &SqliteRow) -> Result<Host, DbError> {
     let read = |source| DbError::Query {
@@ -129,7 +140,9 @@ fn host_from_row(row: &SqliteRow) -> Result<Host, DbError> {
     let admin_state: String = row.try_get("admin_state").map_err(read)?;
     let lost_at: Option<i64> = row.try_get("lost_at").map_err(read)?;
     let stopping_at: Option<i64> = row.try_get("stopping_at").map_err(read)?;
+    let kept: String = row.try_get("kept_workspaces").map_err(read)?;
     Ok(Host {
+        kept_workspaces: parse_kept_workspaces(&kept, &id)?,
         labels: Labels(
             serde_json::from_str(&labels)
                 .map_err(|e| DbError::Corrupt(format!("stored labels of host {id}: {e}")))?,
@@ -353,7 +366,7 @@ impl MetadataStore {
                     .clone()
                     .unwrap_or_else(HostId::generate);
                 sqlx::query(&format!(
-                    "INSERT INTO hosts ({HOST_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, $8, $8, NULL)"
+                    "INSERT INTO hosts ({HOST_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, $8, $8, NULL, '[]')"
                 ))
                 .bind(id.as_str())
                 .bind(tenant.as_str())
@@ -384,6 +397,7 @@ impl MetadataStore {
         host_id: &HostId,
         reports: &[ReportedSandbox],
         stopping: bool,
+        kept: &[WorkspaceId],
     ) -> Result<HeartbeatAnswer, DbError> {
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
@@ -398,8 +412,10 @@ impl MetadataStore {
             stop_host(&mut tx, &host, now).await?;
             host.stopping_at = Some(from_millis(now));
         }
-        sqlx::query("UPDATE hosts SET last_heartbeat_at = $1 WHERE id = $2")
+        let kept: Vec<&str> = kept.iter().map(WorkspaceId::as_str).collect();
+        sqlx::query("UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3")
             .bind(now)
+            .bind(serde_json::to_string(&kept).expect("strings always serialise"))
             .bind(host_id.as_str())
             .execute(tx.conn())
             .await

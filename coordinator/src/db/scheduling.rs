@@ -4,7 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use cairn_proto::ids::{Generation, HostId, RunId, TenantId};
+use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
@@ -21,6 +21,7 @@ use crate::tokens::Scope;
 pub struct QueuedRun {
     pub id: RunId,
     pub tenant: TenantId,
+    pub workspace: WorkspaceId,
     pub labels: Labels,
     pub state_reason: String,
     /// Attempts so far; the next one is this plus one.
@@ -36,13 +37,15 @@ pub struct HostCapacity {
     pub slots: u32,
     /// Sandboxes not yet reported gone.
     pub used: u32,
+    /// Workspaces whose tree the host keeps (its last heartbeat's list).
+    pub kept: Vec<WorkspaceId>,
 }
 
 impl MetadataStore {
     /// Queued runs, oldest first.
     pub async fn queued_runs(&self) -> Result<Vec<QueuedRun>, DbError> {
         let rows = sqlx::query(
-            "SELECT id, tenant, spec, state_reason, attempt_count FROM runs
+            "SELECT id, tenant, workspace_id, spec, state_reason, attempt_count FROM runs
              WHERE state = $1 ORDER BY created_at, id",
         )
         .bind(RunState::Queued.as_str())
@@ -57,12 +60,14 @@ impl MetadataStore {
                 };
                 let id: String = row.try_get("id").map_err(read)?;
                 let tenant: String = row.try_get("tenant").map_err(read)?;
+                let workspace: String = row.try_get("workspace_id").map_err(read)?;
                 let spec: Vec<u8> = row.try_get("spec").map_err(read)?;
                 let spec = cairn_proto::pb::Run::decode(spec.as_slice())
                     .map_err(|e| DbError::Corrupt(format!("stored spec of run {id}: {e}")))?;
                 Ok(QueuedRun {
                     id: parse_column(&id, "run id")?,
                     tenant: parse_column(&tenant, "tenant")?,
+                    workspace: parse_column(&workspace, "workspace id")?,
                     labels: Labels(spec.labels.into_iter().collect()),
                     state_reason: row.try_get("state_reason").map_err(read)?,
                     attempt_count: unsigned(
@@ -77,7 +82,7 @@ impl MetadataStore {
     /// Hosts that are ready (not cordoned, draining or lost), with their usage.
     pub async fn ready_hosts(&self) -> Result<Vec<HostCapacity>, DbError> {
         let rows = sqlx::query(
-            "SELECT h.id, h.tenant, h.labels, h.slots,
+            "SELECT h.id, h.tenant, h.labels, h.slots, h.kept_workspaces,
                     (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL) AS used
              FROM hosts h WHERE h.admin_state = $1 AND h.lost_at IS NULL AND h.stopping_at IS NULL ORDER BY h.registered_at, h.id",
         )
@@ -94,7 +99,9 @@ impl MetadataStore {
                 let id: String = row.try_get("id").map_err(read)?;
                 let tenant: String = row.try_get("tenant").map_err(read)?;
                 let labels: String = row.try_get("labels").map_err(read)?;
+                let kept: String = row.try_get("kept_workspaces").map_err(read)?;
                 Ok(HostCapacity {
+                    kept: super::hosts::parse_kept_workspaces(&kept, &id)?,
                     labels: Labels(serde_json::from_str(&labels).map_err(|e| {
                         DbError::Corrupt(format!("stored labels of host {id}: {e}"))
                     })?),

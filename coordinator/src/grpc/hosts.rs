@@ -5,7 +5,7 @@
 use std::time::SystemTime;
 
 use cairn_proto::domain::{to_timestamp, validate_name};
-use cairn_proto::ids::HostId;
+use cairn_proto::ids::{HostId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_server::HostService;
 use cairn_proto::runs::{HostState, Labels, SandboxState, to_proto_duration};
@@ -132,7 +132,13 @@ impl HostService for HostApi {
         let answer = self
             .shared
             .db
-            .heartbeat(&principal.tenant, &host_id, &reports, req.stopping)
+            .heartbeat(
+                &principal.tenant,
+                &host_id,
+                &reports,
+                req.stopping,
+                &kept_workspaces(req.kept_workspaces)?,
+            )
             .await
             .map_err(ServiceError::from)?;
         let state = answer.state.unwrap_or(HostState::Ready);
@@ -167,6 +173,25 @@ impl HostService for HostApi {
             forget: answer.forget,
         }))
     }
+}
+
+/// Most kept workspaces a heartbeat may list.
+const MAX_KEPT_WORKSPACES: usize = 10_000;
+
+/// Checks a heartbeat's `kept_workspaces`: valid workspace ids, not too many.
+fn kept_workspaces(ids: Vec<String>) -> Result<Vec<WorkspaceId>, Status> {
+    if ids.len() > MAX_KEPT_WORKSPACES {
+        return Err(Status::invalid_argument(format!(
+            "kept_workspaces lists {} workspaces; at most {MAX_KEPT_WORKSPACES}",
+            ids.len()
+        )));
+    }
+    ids.iter()
+        .map(|id| {
+            id.parse::<WorkspaceId>()
+                .map_err(|e| Status::invalid_argument(format!("kept_workspaces: {e}")))
+        })
+        .collect()
 }
 
 #[cfg(test)]

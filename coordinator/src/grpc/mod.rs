@@ -390,6 +390,7 @@ fn host_to_pb(h: &Host) -> pb::Host {
         registered_at: Some(to_timestamp(h.registered_at)),
         last_heartbeat_at: Some(to_timestamp(h.last_heartbeat_at)),
         run_ids: h.run_ids.iter().map(ToString::to_string).collect(),
+        kept_workspaces: h.kept_workspaces.iter().map(ToString::to_string).collect(),
     }
 }
 

@@ -223,6 +223,8 @@ pub struct FakeHost {
     pub last: pb::HeartbeatResponse,
     /// Whether the next beats say the host agent is shutting down.
     pub stopping: bool,
+    /// Workspaces the next beats say the host keeps a tree of.
+    pub kept: Vec<String>,
 }
 
 impl FakeHost {
@@ -248,6 +250,7 @@ impl FakeHost {
             handed_out: BTreeSet::new(),
             last: pb::HeartbeatResponse::default(),
             stopping: false,
+            kept: Vec::new(),
         };
         host.register_again().await;
         host
@@ -277,6 +280,19 @@ impl FakeHost {
         response
     }
 
+    /// One heartbeat as it is, without acting on the answer.
+    pub async fn client_heartbeat(&mut self) -> Result<pb::HeartbeatResponse, tonic::Status> {
+        self.client
+            .heartbeat(pb::HeartbeatRequest {
+                host_id: self.id.clone(),
+                sandboxes: self.sandboxes.values().cloned().collect(),
+                stopping: self.stopping,
+                kept_workspaces: self.kept.clone(),
+            })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
     /// One heartbeat: reports every sandbox, starts new assignments (as
     /// running sandboxes), forgets what the coordinator says to forget.
     pub async fn beat(&mut self) -> pb::HeartbeatResponse {
@@ -286,6 +302,7 @@ impl FakeHost {
                 host_id: self.id.clone(),
                 sandboxes: self.sandboxes.values().cloned().collect(),
                 stopping: self.stopping,
+                kept_workspaces: self.kept.clone(),
             })
             .await
             .unwrap()

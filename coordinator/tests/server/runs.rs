@@ -83,6 +83,45 @@ async fn runs_go_to_hosts_with_their_labels_and_a_free_slot_or_say_why_not() {
     );
 }
 
+#[tokio::test]
+async fn a_run_goes_to_the_host_that_keeps_its_workspace_tree() {
+    let dir = data_dir();
+    let server = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&server).await;
+    let mut a = FakeHost::register(&server, &server.admin_token, "a", &[], 2).await;
+    let mut b = FakeHost::register(&server, &server.admin_token, "b", &[], 2).await;
+
+    // Equally loaded: the first run goes to the host registered first.
+    let first = clients.create_run(&[]).await;
+    let (assignment, mut runner) = a.launch(&server, &first.id).await;
+    runner.start().await;
+    runner.outcome(pb::Outcome::Succeeded, &[]).await.unwrap();
+    a.sandbox_gone(&assignment.sandbox_id, pb::SandboxState::Exited, 0);
+    a.beat().await;
+
+    // b says it keeps the workspace's tree (as if the run had been there).
+    b.kept = vec![first.workspace_id.clone()];
+    b.beat().await;
+    let second = clients.create(run_on(&first.workspace_id)).await;
+    let placed = b.beat_until_assigned(&second.id).await;
+    assert_eq!(placed.workspace_id, first.workspace_id);
+    assert!(a.beat().await.assignments.is_empty());
+    assert_eq!(clients.get(&second.id).await.attempts[0].host_id, b.id);
+
+    // Another workspace's run still goes by load: a is idle, b is not.
+    let other = clients.create_run(&[]).await;
+    a.beat_until_assigned(&other.id).await;
+
+    // A heartbeat that names no workspace is refused with the cause.
+    b.kept = vec!["not-a-workspace".into()];
+    let refused = b
+        .client_heartbeat()
+        .await
+        .expect_err("an invalid kept workspace id");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("kept_workspaces"), "{refused}");
+}
+
 impl FakeHost {
     /// A heartbeat that reports nothing (as if the answer was lost and the
     /// host had not started anything yet).

@@ -338,6 +338,11 @@ impl<D: Driver> Agent<D> {
             host_id: self.host_id.clone().unwrap_or_default(),
             sandboxes: self.sandboxes.values().map(Tracked::report).collect(),
             stopping: self.shutting_down,
+            kept_workspaces: self
+                .kept
+                .as_ref()
+                .map(|kept| kept.workspaces().iter().map(ToString::to_string).collect())
+                .unwrap_or_default(),
         };
         let mut client = self.client.clone();
         match tokio::time::timeout(timeout, client.heartbeat(request)).await {

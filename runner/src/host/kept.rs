@@ -9,6 +9,9 @@
 //!    rename ─► DIR/kept/ws-A/      (replacing an older tree of ws-A)
 //!    oldest trees evicted until the total is within --kept-workspaces-size
 //!
+//! every heartbeat lists the workspaces in DIR/kept; the coordinator's
+//! scheduler sends a queued run of one of them here while a slot is free
+//!
 //! next sandbox of ws-A ─► rename DIR/kept/ws-A/{workspace,cache}
 //!                         onto its fresh, empty workspace/ and cache/
 //!    the runner restores the newest checkpoint onto that tree: a file its
@@ -267,6 +270,21 @@ impl KeptWorkspaces {
         Ok(Some(record.bytes))
     }
 
+    /// The workspaces a tree is kept for, for the coordinator to send their
+    /// runs here. A listing error lists nothing (and is logged).
+    pub fn workspaces(&self) -> Vec<WorkspaceId> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the kept trees");
+                return Vec::new();
+            }
+        };
+        entries
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+            .collect()
+    }
+
     /// Deletes trees past the age bound, then the oldest until the total is
     /// within the size bound. Failures are logged: they leave a tree behind,
     /// which the next prune tries again.
@@ -457,8 +475,14 @@ mod tests {
         let Keeping::Kept { bytes } = host.kept.keep(&a, "sbx-5", &newer).unwrap() else {
             panic!("not kept")
         };
+        assert_eq!(
+            host.kept.workspaces(),
+            vec![a.clone()],
+            "what the heartbeat lists"
+        );
         let next = host.layout.create_sandbox_dirs("sbx-3").unwrap();
         assert_eq!(host.kept.take(&a, &next).unwrap(), Some(bytes));
+        assert!(host.kept.workspaces().is_empty());
         assert_eq!(
             read(&next.workspace, "src/main.rs").as_deref(),
             Some("fn main() { 2 }"),

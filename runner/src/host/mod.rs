@@ -6,7 +6,8 @@
 //! ```text
 //!   coordinator ◄── RegisterHost(name, labels, slots, driver, old host id)
 //!        │      ◄── Heartbeat(every sandbox: state, exit status)  every interval,
-//!        │                                 and at once when a sandbox changes
+//!        │                                 and at once when a sandbox changes;
+//!        │                 also the workspaces whose tree DIR/kept holds
 //!        └──► assignments · destroy orders · forget · host state (LOST?)
 //!
 //!   assignment ─► DIR/sandboxes/<id>/{workspace,home,cache} ─► driver.start
