@@ -680,67 +680,86 @@ pub(crate) enum RebuildError {
 /// holding their bases are written: base from the restored repository,
 /// delta applied, id checked against the file's name, deflated, finished.
 /// Returns how many files it finished.
+///
+/// Trees are rebuilt in parallel (inflating the base and deflating the tree
+/// is CPU work, and nothing else is left to overlap it with); each thread
+/// opens its own object database per repository.
 pub(crate) fn rebuild_git_trees(writers: &Writers) -> Result<u64, RebuildError> {
-    let mut odbs: HashMap<PathBuf, git2::Odb<'static>> = HashMap::new();
-    let mut finished = 0;
-    for job in writers.jobs.iter().filter(|job| job.waits_for_base()) {
-        let Some(GitStored::TreeDelta { level, base }) = job.git else {
-            continue;
-        };
-        let fail = |reason: String| GitTreeError {
-            path: job.path.display().to_string(),
-            reason,
-        };
-        let objects = job
-            .path
-            .parent()
-            .and_then(Path::parent)
-            .ok_or_else(|| fail("not inside an objects directory".into()))?;
-        let odb = match odbs.entry(objects.to_path_buf()) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                // Objects are read from this repository's own packs only.
-                if objects.join("info/alternates").exists() {
-                    return Err(
-                        fail("the repository borrows objects (info/alternates)".into()).into(),
-                    );
-                }
-                let odb = git2::Odb::new().map_err(|e| fail(e.to_string()))?;
-                odb.add_disk_alternate(&objects.to_string_lossy())
-                    .map_err(|e| fail(e.to_string()))?;
-                e.insert(odb)
+    let waiting: Vec<&FileJob> = writers
+        .jobs
+        .iter()
+        .filter(|job| job.waits_for_base())
+        .collect();
+    waiting
+        .par_iter()
+        .map_init(HashMap::new, |odbs, job| {
+            rebuild_git_tree(writers, odbs, job)
+        })
+        .try_fold(
+            || 0u64,
+            |finished, rebuilt| Ok(finished + u64::from(rebuilt?)),
+        )
+        .try_reduce(|| 0, |a, b| Ok(a + b))
+}
+
+/// Rebuilds one tree (see [`rebuild_git_trees`]); false if `job` is none.
+fn rebuild_git_tree(
+    writers: &Writers,
+    odbs: &mut HashMap<PathBuf, git2::Odb<'static>>,
+    job: &FileJob,
+) -> Result<bool, RebuildError> {
+    let Some(GitStored::TreeDelta { level, base }) = job.git else {
+        return Ok(false);
+    };
+    let fail = |reason: String| GitTreeError {
+        path: job.path.display().to_string(),
+        reason,
+    };
+    let objects = job
+        .path
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(|| fail("not inside an objects directory".into()))?;
+    let odb = match odbs.entry(objects.to_path_buf()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            // Objects are read from this repository's own packs only.
+            if objects.join("info/alternates").exists() {
+                return Err(fail("the repository borrows objects (info/alternates)".into()).into());
             }
-        };
-        let base_id = git2::Oid::from_bytes(&base).map_err(|e| fail(e.to_string()))?;
-        let base_tree = odb.read(base_id).map_err(|e| {
-            fail(format!(
-                "its base tree {base_id} is not in the restored repository: {e}"
-            ))
-        })?;
-        let file = fsops::open_for_write(&job.path).map_err(local("opening", &job.path))?;
-        let mut delta = vec![0; job.content_len as usize];
-        file.read_exact_at(&mut delta, 0)
-            .map_err(local("reading back", &job.path))?;
-        let tree = gitobj::apply_delta(base_tree.data(), &delta, gitobj::MAX_CONTENT as usize)
-            .map_err(|e| fail(e.to_string()))?;
-        let rel = job.path.as_os_str().as_bytes();
-        if gitobj::tree_id(&tree) != gitobj::loose_object_id(rel) {
-            return Err(fail(
-                "the rebuilt tree does not have the id the file is named after".into(),
-            )
-            .into());
+            let odb = git2::Odb::new().map_err(|e| fail(e.to_string()))?;
+            odb.add_disk_alternate(&objects.to_string_lossy())
+                .map_err(|e| fail(e.to_string()))?;
+            e.insert(odb)
         }
-        let stored = gitobj::pack_object("tree", level, &tree)
-            .map_err(local("compressing the git object", &job.path))?;
-        file.write_all_at(&stored, 0)
-            .map_err(local("writing", &job.path))?;
-        file.set_len(stored.len() as u64)
-            .map_err(local("sizing", &job.path))?;
-        let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
-        let _ = job.fingerprint.set(fingerprint);
-        finished += 1;
+    };
+    let base_id = git2::Oid::from_bytes(&base).map_err(|e| fail(e.to_string()))?;
+    let base_tree = odb.read(base_id).map_err(|e| {
+        fail(format!(
+            "its base tree {base_id} is not in the restored repository: {e}"
+        ))
+    })?;
+    let file = fsops::open_for_write(&job.path).map_err(local("opening", &job.path))?;
+    let mut delta = vec![0; job.content_len as usize];
+    file.read_exact_at(&mut delta, 0)
+        .map_err(local("reading back", &job.path))?;
+    let tree = gitobj::apply_delta(base_tree.data(), &delta, gitobj::MAX_CONTENT as usize)
+        .map_err(|e| fail(e.to_string()))?;
+    let rel = job.path.as_os_str().as_bytes();
+    if gitobj::tree_id(&tree) != gitobj::loose_object_id(rel) {
+        return Err(
+            fail("the rebuilt tree does not have the id the file is named after".into()).into(),
+        );
     }
-    Ok(finished)
+    let stored = gitobj::pack_object("tree", level, &tree)
+        .map_err(local("compressing the git object", &job.path))?;
+    file.write_all_at(&stored, 0)
+        .map_err(local("writing", &job.path))?;
+    file.set_len(stored.len() as u64)
+        .map_err(local("sizing", &job.path))?;
+    let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
+    let _ = job.fingerprint.set(fingerprint);
+    Ok(true)
 }
 
 /// Turns a file holding a git blob's content into its loose object.
