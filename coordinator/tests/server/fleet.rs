@@ -296,17 +296,7 @@ impl FakeHost {
     /// One heartbeat: reports every sandbox, starts new assignments (as
     /// running sandboxes), forgets what the coordinator says to forget.
     pub async fn beat(&mut self) -> pb::HeartbeatResponse {
-        let response = self
-            .client
-            .heartbeat(pb::HeartbeatRequest {
-                host_id: self.id.clone(),
-                sandboxes: self.sandboxes.values().cloned().collect(),
-                stopping: self.stopping,
-                kept_workspaces: self.kept.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let response = self.client_heartbeat().await.unwrap();
         for assignment in &response.assignments {
             self.sandboxes
                 .entry(assignment.sandbox_id.clone())
