@@ -264,7 +264,13 @@ impl KeptWorkspaces {
         for (name, to) in [("workspace", &sandbox.workspace), ("cache", &sandbox.cache)] {
             let from = entry.join(name);
             // rename(2) replaces an empty directory.
-            fs::rename(&from, to).map_err(io_error("cannot take the kept tree", &from))?;
+            if let Err(e) = fs::rename(&from, to) {
+                // What did not move is of no use to a later sandbox either.
+                if let Err(e) = layout::remove_tree(&entry) {
+                    tracing::warn!(error = %e, "cannot remove a half-taken kept tree");
+                }
+                return Err(io_error("cannot take the kept tree", &from)(e));
+            }
         }
         layout::remove_tree(&entry)?;
         Ok(Some(record.bytes))
@@ -491,6 +497,24 @@ mod tests {
         assert!(crate::cache::Cache::path_for(&next.cache, &a).is_file());
         let again = host.layout.create_sandbox_dirs("sbx-4").unwrap();
         assert_eq!(host.kept.take(&a, &again).unwrap(), None, "taken once");
+    }
+
+    #[test]
+    fn a_tree_that_cannot_be_taken_whole_is_dropped_with_the_cause() {
+        let host = host(KeptConfig::default());
+        let ws = WorkspaceId::generate();
+        let ended = ended_sandbox(&host, "sbx-1", &ws, true, &[("f", "x")]);
+        host.kept.keep(&ws, "sbx-1", &ended).unwrap();
+        let next = host.layout.create_sandbox_dirs("sbx-2").unwrap();
+        // The cache cannot replace a directory that is not empty.
+        fs::write(next.cache.join("in-the-way"), "x").unwrap();
+        let err = host.kept.take(&ws, &next).unwrap_err();
+        assert!(
+            err.to_string().contains("cannot take the kept tree"),
+            "{err}"
+        );
+        assert_eq!(host.kept.take(&ws, &next).unwrap(), None, "dropped");
+        assert!(host.kept.workspaces().is_empty());
     }
 
     #[test]
