@@ -229,7 +229,7 @@ mod tests {
             labels: labels.parse::<Labels>().unwrap(),
             slots,
             used,
-            kept: Vec::new(),
+            kept: Default::default(),
         }
     }
 
@@ -257,7 +257,7 @@ mod tests {
         let resumed = run("");
         let idle = host("", 2, 0);
         let mut keeper = host("", 2, 1);
-        keeper.kept = vec![WorkspaceId::generate(), resumed.workspace.clone()];
+        keeper.kept = [WorkspaceId::generate(), resumed.workspace.clone()].into();
         let other = run("");
         let placements = place(
             &[other.clone(), resumed.clone()],

@@ -290,21 +290,18 @@ impl ChangeTracker {
 }
 
 /// `paths` that lie below `root`, relative to it.
-fn excluded_below(root: &Path, paths: &[PathBuf]) -> Vec<Vec<u8>> {
+fn excluded_below<'p>(root: &Path, paths: &'p [PathBuf]) -> Vec<&'p Path> {
     paths
         .iter()
         .filter_map(|path| path.strip_prefix(root).ok())
-        .map(|rel| rel.as_os_str().as_bytes().to_vec())
-        .filter(|rel| !rel.is_empty())
+        .filter(|rel| !rel.as_os_str().is_empty())
         .collect()
 }
 
 /// Whether the relative path `rel` is one of `excluded` or inside one.
-fn is_at_or_below_any(rel: &[u8], excluded: &[Vec<u8>]) -> bool {
-    excluded.iter().any(|ex| {
-        rel.strip_prefix(&ex[..])
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
-    })
+fn is_at_or_below_any(rel: &[u8], excluded: &[&Path]) -> bool {
+    let rel = Path::new(std::ffi::OsStr::from_bytes(rel));
+    excluded.iter().any(|ex| rel.starts_with(ex))
 }
 
 /// The cookie's name if `path` is a sync cookie in `root`.

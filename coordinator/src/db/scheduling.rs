@@ -2,6 +2,7 @@
 //! assignments (a new attempt, generation and run token), why a run stays
 //! queued, lost hosts and expired holds.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
@@ -37,8 +38,9 @@ pub struct HostCapacity {
     pub slots: u32,
     /// Sandboxes not yet reported gone.
     pub used: u32,
-    /// Workspaces whose tree the host keeps (its last heartbeat's list).
-    pub kept: Vec<WorkspaceId>,
+    /// Workspaces whose tree the host keeps (its last heartbeat's list; a
+    /// set, as every queued run asks every matching host).
+    pub kept: BTreeSet<WorkspaceId>,
 }
 
 impl MetadataStore {
@@ -101,7 +103,9 @@ impl MetadataStore {
                 let labels: String = row.try_get("labels").map_err(read)?;
                 let kept: String = row.try_get("kept_workspaces").map_err(read)?;
                 Ok(HostCapacity {
-                    kept: super::hosts::parse_kept_workspaces(&kept, &id)?,
+                    kept: super::hosts::parse_kept_workspaces(&kept, &id)?
+                        .into_iter()
+                        .collect(),
                     labels: Labels(serde_json::from_str(&labels).map_err(|e| {
                         DbError::Corrupt(format!("stored labels of host {id}: {e}"))
                     })?),

@@ -481,7 +481,8 @@ impl<D: Driver> Agent<D> {
                 return;
             }
         };
-        if let Some(keep) = self.keep_on_end(&record) {
+        let keep = self.keep_on_end(&record);
+        if let Some(keep) = &keep {
             match keep.kept.take(&keep.workspace, &paths) {
                 Ok(Some(bytes)) => tracing::info!(
                     sandbox = %id, workspace = %keep.workspace, size = %cairn_proto::size::human_bytes(bytes),
@@ -528,7 +529,6 @@ impl<D: Driver> Agent<D> {
                     log = %spec.log_file.display(), "sandbox started"
                 );
                 let (destroy_tx, destroy_rx) = oneshot::channel();
-                let keep = self.keep_on_end(&record);
                 self.supervise(&spec, keep, started, destroy_rx);
                 self.remember_live(record, destroy_tx);
             }

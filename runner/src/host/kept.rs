@@ -107,7 +107,6 @@ pub enum Keeping {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct KeptRecord {
     workspace_id: String,
-    sandbox_id: String,
     /// Disk use of the tree (allocated blocks).
     bytes: u64,
     /// Nanoseconds since the epoch when it was kept.
@@ -126,7 +125,7 @@ pub struct KeptWorkspaces {
 
 impl KeptWorkspaces {
     /// Opens (creating, mode 0700) `dir`, clearing what an interrupted keep
-    /// left and what is past the bounds.
+    /// left and what is past the bounds ([`Self::prune`]).
     pub fn open(dir: PathBuf, config: KeptConfig) -> Result<Self, KeptError> {
         fs::DirBuilder::new()
             .recursive(true)
@@ -138,21 +137,12 @@ impl KeptWorkspaces {
             config,
             lock: Mutex::new(()),
         };
-        for entry in fs::read_dir(&kept.dir).map_err(io_error("cannot list", &kept.dir))? {
-            let entry = entry.map_err(io_error("cannot list", &kept.dir))?;
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(STAGING_PREFIX)
-            {
-                layout::remove_tree(&entry.path())?;
-            }
-        }
         kept.prune();
         Ok(kept)
     }
 
-    pub fn dir(&self) -> &Path {
+    #[cfg(test)]
+    fn dir(&self) -> &Path {
         &self.dir
     }
 
@@ -196,7 +186,6 @@ impl KeptWorkspaces {
         let staging = self.dir.join(format!("{STAGING_PREFIX}{sandbox_id}"));
         let record = KeptRecord {
             workspace_id: workspace.to_string(),
-            sandbox_id: sandbox_id.to_owned(),
             bytes,
             kept_at_ns: unix_now_ns(),
         };
@@ -334,20 +323,22 @@ impl KeptWorkspaces {
         }
     }
 
-    /// Every kept tree with its record; an entry without a readable record
-    /// (not a kept tree) is deleted.
+    /// Every kept tree with its record. Called with the lock held, so a
+    /// staging directory is what a keep interrupted by a crash left; it is
+    /// deleted, as is an entry without a readable record (not a kept tree).
     fn entries(&self) -> Result<Vec<(PathBuf, KeptRecord)>, KeptError> {
         let mut out = Vec::new();
         for entry in fs::read_dir(&self.dir).map_err(io_error("cannot list", &self.dir))? {
             let entry = entry.map_err(io_error("cannot list", &self.dir))?;
+            let path = entry.path();
             if entry
                 .file_name()
                 .to_string_lossy()
                 .starts_with(STAGING_PREFIX)
             {
+                layout::remove_tree(&path)?;
                 continue;
             }
-            let path = entry.path();
             match read_record(&path) {
                 Ok(Some(record)) => out.push((path, record)),
                 Ok(None) | Err(_) => {

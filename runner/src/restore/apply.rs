@@ -685,32 +685,31 @@ pub(crate) enum RebuildError {
 /// is CPU work, and nothing else is left to overlap it with); each thread
 /// opens its own object database per repository.
 pub(crate) fn rebuild_git_trees(writers: &Writers) -> Result<u64, RebuildError> {
-    let waiting: Vec<&FileJob> = writers
+    let waiting: Vec<(&FileJob, u8, [u8; 20])> = writers
         .jobs
         .iter()
-        .filter(|job| job.waits_for_base())
+        .filter_map(|job| match job.git {
+            Some(GitStored::TreeDelta { level, base }) => Some((job, level, base)),
+            _ => None,
+        })
         .collect();
     waiting
         .par_iter()
-        .map_init(HashMap::new, |odbs, job| {
-            rebuild_git_tree(writers, odbs, job)
-        })
-        .try_fold(
-            || 0u64,
-            |finished, rebuilt| Ok(finished + u64::from(rebuilt?)),
-        )
-        .try_reduce(|| 0, |a, b| Ok(a + b))
+        .try_for_each_init(HashMap::new, |odbs, &(job, level, base)| {
+            rebuild_git_tree(writers, odbs, job, level, base)
+        })?;
+    Ok(waiting.len() as u64)
 }
 
-/// Rebuilds one tree (see [`rebuild_git_trees`]); false if `job` is none.
+/// Rebuilds one tree (see [`rebuild_git_trees`]) from the tree `base` of
+/// its repository, deflating it at `level`.
 fn rebuild_git_tree(
     writers: &Writers,
     odbs: &mut HashMap<PathBuf, git2::Odb<'static>>,
     job: &FileJob,
-) -> Result<bool, RebuildError> {
-    let Some(GitStored::TreeDelta { level, base }) = job.git else {
-        return Ok(false);
-    };
+    level: u8,
+    base: [u8; 20],
+) -> Result<(), RebuildError> {
     let fail = |reason: String| GitTreeError {
         path: job.path.display().to_string(),
         reason,
@@ -759,7 +758,7 @@ fn rebuild_git_tree(
         .map_err(local("sizing", &job.path))?;
     let fingerprint = finish_file(&file, &job.path, &job.meta, writers.set_owner)?;
     let _ = job.fingerprint.set(fingerprint);
-    Ok(true)
+    Ok(())
 }
 
 /// Turns a file holding a git blob's content into its loose object.
