@@ -14,7 +14,13 @@ one run, side by side, for each method:
                checkpoint when the workspace equals its newest one (it prints
                {"unchanged_since": ID, "duration_ms": N}); the peers have no
                such check (n/a)
-  restore      the incremental checkpoint into an empty directory
+  restore      the incremental checkpoint into an empty directory; below its
+               rows, the write floor: the same files written from memory by
+               cairn-write-floor (bench/write-floor: create, write, set the
+               mtime, close, on one thread per core), nothing downloaded,
+               decompressed or checked, which no restore on this
+               filesystem can beat; the restore target's note gives cairn's
+               and tar-gz's restores as multiples of it
   restore-baked
                the same onto a baked older copy: the target is first filled
                with `cp -a` of the workspace as it was before the agent turn
@@ -226,7 +232,8 @@ def human_bytes(n):
 
 
 def binaries(profile_dir):
-    paths = {name: os.path.join(profile_dir, name) for name in ["cairn-coordinator", "cairn-runner", "cairnctl"]}
+    paths = {name: os.path.join(profile_dir, name)
+             for name in ["cairn-coordinator", "cairn-runner", "cairnctl", "cairn-write-floor"]}
     missing = [p for p in paths.values() if not os.access(p, os.X_OK)]
     if missing:
         sys.exit(f"missing {', '.join(missing)}: run `cargo build --release --bins` first")
@@ -285,6 +292,8 @@ class Results:
         self.steps = steps
         self.data = {step: {m: {"wall_s": [], "bytes": [], "detail": []} for m in METHODS} for step in steps}
         self.not_applicable = {}
+        # cairn-write-floor's write of the restored tree, per repeat: {"wall_s", "threads"}.
+        self.write_floor = {"wall_s": [], "threads": []}
 
     def add(self, step, method, seconds, stored=None, **detail):
         cell = self.data[step][method]
@@ -420,6 +429,14 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
             check_restored("restic", os.path.join(target, workspace_root.lstrip("/")), expected_files)
             results.add("restore", "restic", seconds, None)
             set_aside(target)
+
+        target = os.path.join(rep, "write-floor")
+        _, out = run([bins["cairn-write-floor"], "--from", workspace_root, "--to", target])
+        floor = json.loads(out)
+        check_restored("cairn-write-floor", target, expected_files)
+        results.write_floor["wall_s"].append(round(floor["seconds"], 4))
+        results.write_floor["threads"].append(floor["threads"])
+        set_aside(target)
 
         restore_speed_rows(bins, coordinator, rep, workspace_root, baked, tgz_incr, restic_repo, results,
                            have_restic, expected_files, args.store_mib_s << 20)
@@ -709,6 +726,11 @@ def table(results):
             if extra:
                 notes.append(extra[-1])
             lines.append(f"| {step} | {method} | {fmt_seconds(cell['wall_s'])} | {shown} | {'; '.join(notes)} |")
+        if step == "restore" and results.write_floor["wall_s"]:
+            threads = max(results.write_floor["threads"])
+            lines.append(f"| {step} | write floor | {fmt_seconds(results.write_floor['wall_s'])} | n/a | "
+                         f"the same files from memory, {threads} threads: nothing downloaded, decompressed "
+                         f"or checked |")
     return "\n".join(lines)
 
 
@@ -732,6 +754,11 @@ def targets(results):
                 "value": worst, "pass": None if worst is None else worst <= INCREMENTAL_BYTES_TARGET,
                 "note": "worst repeat"})
     ratio("restore wall vs tar-gz restore", "restore", "restore", "tar-gz", 0.5)
+    floor = statistics.median(results.write_floor["wall_s"]) if results.write_floor["wall_s"] else None
+    if floor:
+        multiples = [f"{method}'s restore {results.median('restore', method) / floor:.2f} x it"
+                     for method in ["cairn", "tar-gz"] if results.median("restore", method) is not None]
+        out[-1]["note"] += f"; write floor {floor:.2f} s (" + ", ".join(multiples) + ")"
     out.extend(restore_speed_targets(results))
     out.extend(issue5_targets(results))
     return out
@@ -954,6 +981,7 @@ def main():
                 "make_workspace_flags": large_flags, "repeat": args.large_repeat},
             "repeat": args.repeat,
             "results": results.data,
+            "write_floor": results.write_floor,
             "not_applicable": {f"{s}/{m}": why for (s, m), why in results.not_applicable.items()},
             "targets": rows,
         }

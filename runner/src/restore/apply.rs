@@ -404,7 +404,12 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     }
     for (i, entry) in plan.entries.iter().enumerate() {
         if matches!(entry.kind, PlanKind::Dir { .. }) {
-            created_dirs.entries[i] = ensure_dir(&target.path(&entry.path))?;
+            let path = target.path(&entry.path);
+            created_dirs.entries[i] = if created_dirs.contains(entry.parent) {
+                create_dir_in_new_parent(&path)?
+            } else {
+                ensure_dir(&path)?
+            };
         }
     }
     let mut prepared = Prepared {
@@ -494,6 +499,18 @@ fn ensure_dir(path: &Path) -> Result<bool, LocalError> {
         .create(path)
         .map_err(local("creating directory", path))?;
     Ok(true)
+}
+
+/// [`ensure_dir`] for a directory whose parent this restore created: that
+/// parent holds only what the restore put there, so the path is free and
+/// one `mkdir` does (a restore into an empty root makes thousands).
+fn create_dir_in_new_parent(path: &Path) -> Result<bool, LocalError> {
+    match fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => Ok(true),
+        // Something else wrote into the root meanwhile: look at what it is.
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => ensure_dir(path),
+        Err(e) => Err(local("creating directory", path)(e)),
+    }
 }
 
 fn fix_meta(path: &Path, meta: &EntryMeta, set_owner: bool) -> io::Result<Fingerprint> {
@@ -941,5 +958,27 @@ mod tests {
         assert!(fs::symlink_metadata(&link).unwrap().file_type().is_dir());
         assert!(outside.is_dir(), "the link's target stays");
         assert_eq!(fs::read_dir(&outside).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_directory_in_a_new_parent_is_made_and_whatever_appeared_there_is_inspected() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(create_dir_in_new_parent(&dir.path().join("fresh")).unwrap());
+        assert!(dir.path().join("fresh").is_dir());
+
+        // Something put a symlink there after the parent was made.
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        let link = dir.path().join("raced");
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        assert!(create_dir_in_new_parent(&link).unwrap());
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_dir());
+        assert!(outside.is_dir(), "the link's target stays");
+
+        fs::create_dir(dir.path().join("there")).unwrap();
+        assert!(
+            !create_dir_in_new_parent(&dir.path().join("there")).unwrap(),
+            "a real directory already there is kept, not counted as made"
+        );
     }
 }
