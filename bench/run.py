@@ -17,7 +17,8 @@ one run, side by side, for each method:
   restore      the incremental checkpoint into an empty directory; below its
                rows, the write floor: the same files written from memory by
                cairn-write-floor (bench/write-floor: create, write, set the
-               mtime, close, on one thread per core), nothing downloaded,
+               mtime, close, on 8 threads, as many as a restore writes
+               with; fewer were slower here), nothing downloaded,
                decompressed or checked, which no restore on this
                filesystem can beat; the restore target's note gives cairn's
                and tar-gz's restores as multiples of it
