@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 const FILES_PER_TAKE: usize = 16;
 
 /// What an entry gets besides its content.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Entry {
     rel: PathBuf,
     mode: u32,
@@ -115,9 +115,10 @@ impl Tree {
             std::os::unix::fs::symlink(link_target, target.join(&link.rel))?;
         }
         for dir in self.dirs.iter().rev() {
-            let path = target.join(&dir.rel);
-            fs::set_permissions(&path, fs::Permissions::from_mode(dir.mode))?;
-            File::open(&path)?.set_modified(dir.mtime)?;
+            // One descriptor for both, opened while the owner can still read.
+            let opened = File::open(target.join(&dir.rel))?;
+            opened.set_modified(dir.mtime)?;
+            opened.set_permissions(fs::Permissions::from_mode(dir.mode))?;
         }
         Ok(started.elapsed())
     }
@@ -126,16 +127,11 @@ impl Tree {
     fn write_files(&self, target: &Path, next: &AtomicUsize) -> io::Result<()> {
         loop {
             let first = next.fetch_add(FILES_PER_TAKE, Ordering::Relaxed);
-            let Some(run) = self
-                .files
-                .get(first..(first + FILES_PER_TAKE).min(self.files.len()))
-            else {
-                return Ok(());
-            };
-            if run.is_empty() {
+            if first >= self.files.len() {
                 return Ok(());
             }
-            for (entry, content) in run {
+            let end = (first + FILES_PER_TAKE).min(self.files.len());
+            for (entry, content) in &self.files[first..end] {
                 // The permission bits go in at creation, as a restore does;
                 // a umask may take some away.
                 let mut file = OpenOptions::new()
@@ -187,10 +183,10 @@ mod tests {
         let copy = dir.path().join("copy");
         tree.write(&copy, 3).unwrap();
 
-        for (rel, _) in tree.files.iter().map(|(e, c)| (&e.rel, c)) {
+        for (entry, _) in &tree.files {
             assert_eq!(
-                fs::read(copy.join(rel)).unwrap(),
-                fs::read(source.join(rel)).unwrap()
+                fs::read(copy.join(&entry.rel)).unwrap(),
+                fs::read(source.join(&entry.rel)).unwrap()
             );
         }
         let readme = fs::metadata(copy.join("README")).unwrap();

@@ -404,12 +404,8 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     }
     for (i, entry) in plan.entries.iter().enumerate() {
         if matches!(entry.kind, PlanKind::Dir { .. }) {
-            let path = target.path(&entry.path);
-            created_dirs.entries[i] = if created_dirs.contains(entry.parent) {
-                create_dir_in_new_parent(&path)?
-            } else {
-                ensure_dir(&path)?
-            };
+            let parent_made = created_dirs.contains(entry.parent);
+            created_dirs.entries[i] = ensure_dir(&target.path(&entry.path), parent_made)?;
         }
     }
     let mut prepared = Prepared {
@@ -476,8 +472,20 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
 }
 
 /// Makes `path` a real directory the restore can write into; `true` if it
-/// had to create it.
-fn ensure_dir(path: &Path) -> Result<bool, LocalError> {
+/// had to create it. When its parent is one this restore made
+/// (`parent_made`), which holds only what the restore put there, one
+/// `mkdir` does without a look first (a restore into an empty root makes
+/// thousands); what is found there anyway is inspected like any other path.
+fn ensure_dir(path: &Path, parent_made: bool) -> Result<bool, LocalError> {
+    let mkdir = || fs::DirBuilder::new().mode(0o700).create(path);
+    if parent_made {
+        match mkdir() {
+            Ok(()) => return Ok(true),
+            // Something else wrote into the root meanwhile.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(local("creating directory", path)(e)),
+        }
+    }
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_dir() => {
             if meta.mode() & 0o700 != 0o700 {
@@ -494,23 +502,8 @@ fn ensure_dir(path: &Path) -> Result<bool, LocalError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(local("inspecting", path)(e)),
     }
-    fs::DirBuilder::new()
-        .mode(0o700)
-        .create(path)
-        .map_err(local("creating directory", path))?;
+    mkdir().map_err(local("creating directory", path))?;
     Ok(true)
-}
-
-/// [`ensure_dir`] for a directory whose parent this restore created: that
-/// parent holds only what the restore put there, so the path is free and
-/// one `mkdir` does (a restore into an empty root makes thousands).
-fn create_dir_in_new_parent(path: &Path) -> Result<bool, LocalError> {
-    match fs::DirBuilder::new().mode(0o700).create(path) {
-        Ok(()) => Ok(true),
-        // Something else wrote into the root meanwhile: look at what it is.
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => ensure_dir(path),
-        Err(e) => Err(local("creating directory", path)(e)),
-    }
 }
 
 fn fix_meta(path: &Path, meta: &EntryMeta, set_owner: bool) -> io::Result<Fingerprint> {
@@ -954,7 +947,7 @@ mod tests {
         fs::create_dir(&outside).unwrap();
         let link = dir.path().join("a");
         std::os::unix::fs::symlink(&outside, &link).unwrap();
-        ensure_dir(&link).unwrap();
+        ensure_dir(&link, false).unwrap();
         assert!(fs::symlink_metadata(&link).unwrap().file_type().is_dir());
         assert!(outside.is_dir(), "the link's target stays");
         assert_eq!(fs::read_dir(&outside).unwrap().count(), 0);
@@ -963,7 +956,7 @@ mod tests {
     #[test]
     fn a_directory_in_a_new_parent_is_made_and_whatever_appeared_there_is_inspected() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(create_dir_in_new_parent(&dir.path().join("fresh")).unwrap());
+        assert!(ensure_dir(&dir.path().join("fresh"), true).unwrap());
         assert!(dir.path().join("fresh").is_dir());
 
         // Something put a symlink there after the parent was made.
@@ -971,13 +964,13 @@ mod tests {
         fs::create_dir(&outside).unwrap();
         let link = dir.path().join("raced");
         std::os::unix::fs::symlink(&outside, &link).unwrap();
-        assert!(create_dir_in_new_parent(&link).unwrap());
+        assert!(ensure_dir(&link, true).unwrap());
         assert!(fs::symlink_metadata(&link).unwrap().file_type().is_dir());
         assert!(outside.is_dir(), "the link's target stays");
 
         fs::create_dir(dir.path().join("there")).unwrap();
         assert!(
-            !create_dir_in_new_parent(&dir.path().join("there")).unwrap(),
+            !ensure_dir(&dir.path().join("there"), true).unwrap(),
             "a real directory already there is kept, not counted as made"
         );
     }
