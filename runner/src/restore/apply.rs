@@ -232,31 +232,32 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
             })
             .collect::<Result<Vec<_>, LocalError>>()
     };
-    let files = match survey_pool() {
-        Some(pool) => pool.install(inspect),
-        None => inspect(),
-    }?;
+    let files = on_io_pool(inspect)?;
     Ok(Survey { root_exists, files })
 }
 
-/// Files the survey reads at once. More than the cores: an older copy baked
-/// into an image is often not in the page cache, and then the survey waits
-/// on the disk rather than on hashing.
-const SURVEY_THREADS: usize = 8;
+/// Threads for filesystem work on many entries at once: the survey, and
+/// listing and finishing directories. More than the cores: an older copy
+/// baked into an image is often not in the page cache, and then the work
+/// waits on the disk rather than on the CPU.
+const IO_THREADS: usize = 8;
 
-/// The survey's thread pool (`None` if it cannot be made: rayon's global
-/// pool does the work then).
-fn survey_pool() -> Option<&'static rayon::ThreadPool> {
+/// Runs `f` (rayon work) on the restore's I/O pool, or on rayon's global
+/// pool if that pool cannot be made.
+fn on_io_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let threads = SURVEY_THREADS.max(rayon::current_num_threads());
+    let pool = POOL.get_or_init(|| {
+        let threads = IO_THREADS.max(rayon::current_num_threads());
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("cairn-survey-{i}"))
+            .thread_name(|i| format!("cairn-restore-io-{i}"))
             .build()
             .ok()
-    })
-    .as_ref()
+    });
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
 }
 
 /// What a file of the plan must be on disk.
@@ -792,8 +793,14 @@ fn deflate_in_place(
 /// Symlinks, removal of what the plan lacks, and directory metadata.
 /// Returns how many entries were removed.
 pub(crate) fn finish(target: &Target, created_dirs: &CreatedDirs) -> Result<u64, LocalError> {
-    let plan = &target.plan;
-    for entry in &plan.entries {
+    place_symlinks(target)?;
+    let removed = on_io_pool(|| remove_stale(target, created_dirs))?;
+    on_io_pool(|| set_directory_metadata(target))?;
+    Ok(removed)
+}
+
+fn place_symlinks(target: &Target) -> Result<(), LocalError> {
+    for entry in &target.plan.entries {
         let PlanKind::Symlink {
             target: link_target,
         } = &entry.kind
@@ -820,49 +827,87 @@ pub(crate) fn finish(target: &Target, created_dirs: &CreatedDirs) -> Result<u64,
         fsops::set_symlink_mtime(&path, &entry.meta)
             .map_err(local("setting the mtime of", &path))?;
     }
+    Ok(())
+}
 
+/// Lists every directory the restore did not make and removes what the plan
+/// lacks, directories in parallel: an older copy has thousands of them, and
+/// each listing is a few system calls. A stale entry is never a directory of
+/// the plan, so no listing runs inside a tree another one removes.
+fn remove_stale(target: &Target, created_dirs: &CreatedDirs) -> Result<u64, LocalError> {
+    let plan = &target.plan;
+    let listed: Vec<Option<usize>> = std::iter::once(None)
+        .chain(
+            plan.entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| matches!(e.kind, PlanKind::Dir { .. }))
+                .map(|(i, _)| Some(i)),
+        )
+        .filter(|&dir| !created_dirs.contains(dir))
+        .collect();
+    listed
+        .into_par_iter()
+        .map(|dir| remove_stale_in(target, dir))
+        .try_reduce(|| 0, |a, b| Ok(a + b))
+}
+
+fn remove_stale_in(target: &Target, dir: Option<usize>) -> Result<u64, LocalError> {
+    let plan = &target.plan;
+    let rel: &[u8] = dir.map_or(&[], |i| &plan.entries[i].path);
+    let dir_path = target.path(rel);
+    let listing = fs::read_dir(&dir_path).map_err(local("listing", &dir_path))?;
     let mut removed = 0;
-    let dirs = std::iter::once(None).chain(
-        plan.entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| matches!(e.kind, PlanKind::Dir { .. }))
-            .map(|(i, _)| Some(i)),
-    );
-    for dir in dirs.filter(|&dir| !created_dirs.contains(dir)) {
-        let rel: &[u8] = dir.map_or(&[], |i| &plan.entries[i].path);
-        let dir_path = target.path(rel);
-        let listing = fs::read_dir(&dir_path).map_err(local("listing", &dir_path))?;
-        for item in listing {
-            let item = item.map_err(local("listing", &dir_path))?;
-            let name = item.file_name();
-            if plan.has_child(dir, name.as_bytes()) {
-                continue;
-            }
-            let child_rel = if rel.is_empty() {
-                name.as_bytes().to_vec()
-            } else {
-                [rel, b"/", name.as_bytes()].concat()
-            };
-            if target.protected.contains(&child_rel) {
-                continue;
-            }
-            let path = item.path();
-            fsops::remove_entry(&path).map_err(local("removing", &path))?;
-            removed += 1;
+    for item in listing {
+        let item = item.map_err(local("listing", &dir_path))?;
+        let name = item.file_name();
+        if plan.has_child(dir, name.as_bytes()) {
+            continue;
         }
+        let child_rel = if rel.is_empty() {
+            name.as_bytes().to_vec()
+        } else {
+            [rel, b"/", name.as_bytes()].concat()
+        };
+        if target.protected.contains(&child_rel) {
+            continue;
+        }
+        let path = item.path();
+        fsops::remove_entry(&path).map_err(local("removing", &path))?;
+        removed += 1;
     }
+    Ok(removed)
+}
 
-    for entry in plan.entries.iter().rev() {
+/// Gives every directory its mode, owner and mtime, deepest first: its
+/// contents are final, and a mode that takes away search permission must
+/// not come before the directories below it are reached by path. The
+/// directories of one depth go in parallel.
+fn set_directory_metadata(target: &Target) -> Result<(), LocalError> {
+    let plan = &target.plan;
+    // Plan entries come after their parent, so one pass gives every depth.
+    let mut depth = vec![0usize; plan.entries.len()];
+    let mut by_depth: Vec<Vec<usize>> = Vec::new();
+    for (i, entry) in plan.entries.iter().enumerate() {
         if !matches!(entry.kind, PlanKind::Dir { .. }) {
             continue;
         }
-        let path = target.path(&entry.path);
-        let dir = fsops::open_dir(&path).map_err(local("opening", &path))?;
-        fsops::apply_meta(&dir, &entry.meta, target.set_owner)
-            .map_err(local("setting metadata of", &path))?;
+        depth[i] = entry.parent.map_or(0, |p| depth[p] + 1);
+        if by_depth.len() <= depth[i] {
+            by_depth.resize_with(depth[i] + 1, Vec::new);
+        }
+        by_depth[depth[i]].push(i);
     }
-    Ok(removed)
+    for level in by_depth.iter().rev() {
+        level.par_iter().try_for_each(|&i| {
+            let entry = &plan.entries[i];
+            let path = target.path(&entry.path);
+            let dir = fsops::open_dir(&path).map_err(local("opening", &path))?;
+            fsops::apply_meta(&dir, &entry.meta, target.set_owner)
+                .map_err(local("setting metadata of", &path))
+        })?;
+    }
+    Ok(())
 }
 
 /// Relative paths of `inner` and its ancestors below `root`, if `inner` lies

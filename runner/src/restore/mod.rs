@@ -629,12 +629,13 @@ async fn attempt(
             .expect("every downloaded file was finished");
         (job.plan_index, fingerprint)
     });
-    let files = prepared
+    let restored = prepared
         .reused
         .iter()
         .chain(&prepared.created_empty)
         .copied()
         .chain(written)
+        .filter(|(_, fingerprint)| restored_fingerprint_is_stable(fingerprint, ctx.started_at))
         .filter_map(|(i, fingerprint)| {
             let entry = &plan.entries[i];
             match &entry.kind {
@@ -648,20 +649,22 @@ async fn attempt(
                 )),
                 _ => None,
             }
-        })
-        .collect();
+        });
+    // Sized up front: grown one insert at a time, a map of tens of thousands
+    // of paths is rehashed over and over (as long as the rest of this step).
+    let mut files = FastMap::with_capacity_and_hasher(plan.files as usize, Default::default());
+    files.extend(restored);
 
     // Every file is final now, so the fingerprint cache is saved while the
     // directories get their metadata. Should that fail, the files the cache
     // lists are still on disk as it says.
     let phase = Instant::now();
     let created_dirs = prepared.created_dirs;
-    let started_at = ctx.started_at;
     let (finished, ()) = tokio::join!(
         blocking(move || apply::finish(&target, &created_dirs)),
         blocking(move || {
             if let Some(cache) = cache {
-                update_cache(cache, files, &blob_packs, started_at);
+                update_cache(cache, files, &blob_packs);
             }
         }),
     );
@@ -1167,16 +1170,10 @@ fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: Sy
     fingerprint.mtime_sec < guard
 }
 
-fn update_cache(
-    mut cache: Cache,
-    files: Vec<(Vec<u8>, CachedFile)>,
-    blob_packs: &BlobPacks,
-    restore_started: SystemTime,
-) {
-    let files = files
-        .into_iter()
-        .filter(|(_, file)| restored_fingerprint_is_stable(&file.fingerprint, restore_started))
-        .collect();
+/// Records the restored files (only those whose fingerprint is stable: see
+/// [`restored_fingerprint_is_stable`]) and where their blobs live, and
+/// saves the cache.
+fn update_cache(mut cache: Cache, files: FastMap<Vec<u8>, CachedFile>, blob_packs: &BlobPacks) {
     cache.replace_files(files);
     for (pack, blobs) in blob_packs {
         cache.insert_blobs(pack, blobs.iter().copied());
