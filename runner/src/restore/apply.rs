@@ -403,10 +403,23 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     if created_dirs.root {
         fs::create_dir_all(&target.root).map_err(local("creating the root", &target.root))?;
     }
-    for (i, entry) in plan.entries.iter().enumerate() {
-        if matches!(entry.kind, PlanKind::Dir { .. }) {
-            let parent_made = created_dirs.contains(entry.parent);
-            created_dirs.entries[i] = ensure_dir(&target.path(&entry.path), parent_made)?;
+    // Parents before children; the directories of one depth in parallel (a
+    // restore into an empty root makes thousands, in different parents).
+    for level in directories_by_depth(plan) {
+        let made = on_io_pool(|| {
+            level
+                .par_iter()
+                .map(|&i| {
+                    let entry = &plan.entries[i];
+                    ensure_dir(
+                        &target.path(&entry.path),
+                        created_dirs.contains(entry.parent),
+                    )
+                })
+                .collect::<Result<Vec<bool>, LocalError>>()
+        })?;
+        for (i, made) in level.into_iter().zip(made) {
+            created_dirs.entries[i] = made;
         }
     }
     let mut prepared = Prepared {
@@ -885,6 +898,20 @@ fn remove_stale_in(target: &Target, dir: Option<usize>) -> Result<u64, LocalErro
 /// directories of one depth go in parallel.
 fn set_directory_metadata(target: &Target) -> Result<(), LocalError> {
     let plan = &target.plan;
+    for level in directories_by_depth(plan).iter().rev() {
+        level.par_iter().try_for_each(|&i| {
+            let entry = &plan.entries[i];
+            let path = target.path(&entry.path);
+            let dir = fsops::open_dir(&path).map_err(local("opening", &path))?;
+            fsops::apply_meta(&dir, &entry.meta, target.set_owner)
+                .map_err(local("setting metadata of", &path))
+        })?;
+    }
+    Ok(())
+}
+
+/// The plan's directories grouped by depth, the root's children first.
+fn directories_by_depth(plan: &Plan) -> Vec<Vec<usize>> {
     // Plan entries come after their parent, so one pass gives every depth.
     let mut depth = vec![0usize; plan.entries.len()];
     let mut by_depth: Vec<Vec<usize>> = Vec::new();
@@ -898,16 +925,7 @@ fn set_directory_metadata(target: &Target) -> Result<(), LocalError> {
         }
         by_depth[depth[i]].push(i);
     }
-    for level in by_depth.iter().rev() {
-        level.par_iter().try_for_each(|&i| {
-            let entry = &plan.entries[i];
-            let path = target.path(&entry.path);
-            let dir = fsops::open_dir(&path).map_err(local("opening", &path))?;
-            fsops::apply_meta(&dir, &entry.meta, target.set_owner)
-                .map_err(local("setting metadata of", &path))
-        })?;
-    }
-    Ok(())
+    by_depth
 }
 
 /// Relative paths of `inner` and its ancestors below `root`, if `inner` lies

@@ -866,7 +866,10 @@ async fn download(
     files_reused: u64,
     located: &Located,
 ) -> Result<(Arc<Writers>, u64), AttemptError> {
-    let mut needed: FastMap<BlobId, NeededBlob> = FastMap::default();
+    // Most files are one chunk: sized for that, the map is not regrown
+    // (and rehashed) a dozen times on the way to the download.
+    let mut needed: FastMap<BlobId, NeededBlob> =
+        FastMap::with_capacity_and_hasher(jobs.len(), Default::default());
     let mut bytes_to_write = 0;
     for (job_index, job) in jobs.iter().enumerate() {
         let plan::PlanKind::File { chunks, .. } = &plan.entries[job.plan_index].kind else {
