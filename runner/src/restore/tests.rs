@@ -453,6 +453,8 @@ fn assert_sample(root: &Path) {
     for path in [
         "README.md",
         "src",
+        "src/deep",
+        "bin",
         "src/big.bin",
         "empty dir",
         "link",
