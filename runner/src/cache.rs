@@ -127,6 +127,15 @@ pub struct CachedFile {
     pub git: Option<GitStored>,
 }
 
+/// One file of the cache, as [`Cache::save_with_files`] writes it.
+#[derive(Debug, Clone, Copy)]
+pub struct FileRecord<'a> {
+    pub path: &'a [u8],
+    pub fingerprint: &'a Fingerprint,
+    pub chunks: &'a [ChunkRef],
+    pub git: Option<GitStored>,
+}
+
 /// The per-workspace fingerprint cache.
 #[derive(Debug)]
 pub struct Cache {
@@ -276,13 +285,32 @@ impl Cache {
     /// a crash a torn file fails to decode and loads as empty, which costs
     /// one slow checkpoint, while an fsync here would cost every checkpoint.
     pub fn save(&self) -> std::io::Result<()> {
+        let files = self.files.iter().map(|(path, file)| FileRecord {
+            path,
+            fingerprint: &file.fingerprint,
+            chunks: &file.chunks,
+            git: file.git,
+        });
+        self.write(self.encode(files))
+    }
+
+    /// Saves the cache with `files` in place of its file map, without
+    /// building that map: a restore records tens of thousands of files it
+    /// never looks up, and a map of them costs more than the file it saves.
+    pub fn save_with_files<'a>(
+        &self,
+        files: impl ExactSizeIterator<Item = FileRecord<'a>>,
+    ) -> std::io::Result<()> {
+        self.write(self.encode(files))
+    }
+
+    fn write(&self, mut bytes: Vec<u8>) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
             fs::create_dir_all(dir)?;
         }
         let tmp = self
             .path
             .with_extension(format!("tmp{}", std::process::id()));
-        let mut bytes = self.encode();
         let sum = checksum(&bytes);
         bytes.extend_from_slice(&sum.to_le_bytes());
         let mut file = fs::File::create(&tmp)?;
@@ -290,9 +318,9 @@ impl Cache {
         fs::rename(&tmp, &self.path)
     }
 
-    fn encode(&self) -> Vec<u8> {
+    fn encode<'a>(&self, files: impl ExactSizeIterator<Item = FileRecord<'a>>) -> Vec<u8> {
         use crate::format::varint_pub::{put_bytes, put_i64, put_u64};
-        let mut out = Vec::with_capacity(64 + self.blobs.len() * 34 + self.files.len() * 120);
+        let mut out = Vec::with_capacity(64 + self.blobs.len() * 34 + files.len() * 120);
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
         put_bytes(&mut out, self.key_id.as_bytes());
@@ -318,10 +346,10 @@ impl Cache {
                 u64::from(live[ordinal as usize].expect("live pack")),
             );
         }
-        put_u64(&mut out, self.files.len() as u64);
-        for (path, file) in &self.files {
-            let fp = &file.fingerprint;
-            put_bytes(&mut out, path);
+        put_u64(&mut out, files.len() as u64);
+        for file in files {
+            let fp = file.fingerprint;
+            put_bytes(&mut out, file.path);
             put_u64(&mut out, fp.dev);
             put_u64(&mut out, fp.ino);
             put_u64(&mut out, fp.size);

@@ -1,18 +1,23 @@
 //! Writing a checked plan into the restore root.
 //!
 //! ```text
-//! survey   (read only)  which directories on disk are real; which files
-//!                       already hold the planned content (fingerprint cache,
-//!                       or the blob ids recomputed from disk) → reuse
-//! prepare  (top-down)   directories created, or replaced when something else
-//!                       sits there; stale files unlinked; multi-chunk files
-//!                       created and sized; metadata of reused files fixed
+//! survey   (read only)  each planned directory that is a real directory on
+//!                       disk listed once, parents first: names the plan
+//!                       lacks are stale; planned files there are stat'ed
+//!                       relative to the open directory, and those that
+//!                       hold the planned content (fingerprint cache, the
+//!                       recorded size and mtime, or the blob ids recomputed
+//!                       from disk) are reused
+//! prepare  (top-down)   stale entries removed; directories created, or
+//!                       replaced when something else sits there; files to
+//!                       rewrite unlinked; multi-chunk files created and
+//!                       sized; metadata of reused files fixed
 //! download (parallel)   coalesced ranged GETs per pack; each response opened
 //!                       (AEAD + keyed digest) and written at its offsets off
 //!                       the async threads; a file is finished (owner, mode,
 //!                       mtime) by whichever write completes it
-//! finish                symlinks (replacing what is there), entries the plan
-//!                       lacks removed, directory metadata bottom-up
+//! finish                symlinks (replacing what is there), directory
+//!                       metadata bottom-up
 //! ```
 //!
 //! Nothing is written through a symlink or a hard link: directories are
@@ -25,7 +30,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -37,7 +42,7 @@ use crate::cache::{Cache, Fingerprint};
 use crate::format::{self, ChunkRef, FormatError, TenantKeys};
 use crate::gitobj::{self, GitStored};
 
-use super::fsops::{self, EntryMeta};
+use super::fsops::{self, DiskKind, DiskStat, EntryMeta};
 use super::plan::{Plan, PlanKind};
 
 /// A problem on the local filesystem (not the checkpoint's fault).
@@ -112,6 +117,9 @@ pub(crate) struct Survey {
     pub root_exists: bool,
     /// Per plan entry; `None` for directories and symlinks.
     pub files: Vec<Option<FileState>>,
+    /// What the directories on disk hold that the plan lacks (and that is
+    /// not protected): `prepare` removes it.
+    pub stale: Vec<PathBuf>,
 }
 
 impl Survey {
@@ -135,6 +143,12 @@ impl Survey {
 
 /// Looks at the root without changing anything.
 ///
+/// Every directory of the plan that is a real directory on disk (as are all
+/// its ancestors) is listed once, parents before children and the
+/// directories of one depth in parallel: a name the plan lacks is stale, a
+/// planned file found there is looked at with a `stat` relative to the open
+/// directory, and a planned file the listing lacks needs no look at all.
+///
 /// A file already at a planned path stays when it holds the planned content.
 /// Two things vouch for that without reading it: `cache`, the runner's
 /// fingerprint cache (the file is as the runner last saw it), and the
@@ -147,10 +161,23 @@ impl Survey {
 /// ids recomputed.
 pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, LocalError> {
     let plan = &target.plan;
+    let mut survey = Survey {
+        root_exists: false,
+        files: plan
+            .entries
+            .iter()
+            .map(|entry| {
+                matches!(entry.kind, PlanKind::File { .. }).then_some(FileState::Write {
+                    existing: Existing::Nothing,
+                })
+            })
+            .collect(),
+        stale: Vec::new(),
+    };
     // The root itself may be a symlink the operator chose; only below it is
     // nothing followed.
-    let root_exists = match fs::metadata(&target.root) {
-        Ok(meta) if meta.is_dir() => true,
+    match fs::metadata(&target.root) {
+        Ok(meta) if meta.is_dir() => survey.root_exists = true,
         Ok(_) => {
             return Err(LocalError {
                 action: "restoring into",
@@ -158,82 +185,171 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
                 source: io::Error::new(io::ErrorKind::NotADirectory, "the root is not a directory"),
             });
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(survey),
         Err(e) => return Err(local("inspecting", &target.root)(e)),
-    };
-    // A directory is usable when it and all its ancestors are real
-    // directories on disk; below anything else, nothing on disk counts.
-    let mut usable = vec![false; plan.entries.len()];
-    for (i, entry) in plan.entries.iter().enumerate() {
-        if !matches!(entry.kind, PlanKind::Dir { .. }) {
-            continue;
-        }
-        let parent_usable = entry.parent.map_or(root_exists, |p| usable[p]);
-        if parent_usable {
-            let path = target.path(&entry.path);
-            usable[i] = match fs::symlink_metadata(&path) {
-                Ok(meta) => meta.file_type().is_dir(),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-                Err(e) => return Err(local("inspecting", &path)(e)),
-            };
+    }
+    // A directory is listed when the listing of its parent showed it as a
+    // directory; below anything else, nothing on disk counts.
+    let mut level = vec![None];
+    while !level.is_empty() {
+        let listed = on_io_pool(|| {
+            level
+                .par_iter()
+                .map(|&dir| survey_dir(target, cache, dir))
+                .collect::<Result<Vec<_>, LocalError>>()
+        })?;
+        level = Vec::new();
+        for found in listed {
+            for (i, state) in found.files {
+                survey.files[i] = Some(state);
+            }
+            level.extend(found.dirs.into_iter().map(Some));
+            survey.stale.extend(found.stale);
         }
     }
-    let inspect = || {
-        (0..plan.entries.len())
-            .into_par_iter()
-            .map(|i| {
-                let entry = &plan.entries[i];
-                let PlanKind::File { size, chunks, git } = &entry.kind else {
-                    return Ok(None);
-                };
-                if !entry.parent.map_or(root_exists, |p| usable[p]) {
-                    return Ok(Some(FileState::Write {
-                        existing: Existing::Nothing,
-                    }));
-                }
-                let path = target.path(&entry.path);
-                let meta = match fs::symlink_metadata(&path) {
-                    Ok(meta) => meta,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                        return Ok(Some(FileState::Write {
-                            existing: Existing::Nothing,
-                        }));
-                    }
-                    Err(e) => return Err(local("inspecting", &path)(e)),
-                };
-                if meta.file_type().is_dir() {
-                    return Ok(Some(FileState::Write {
-                        existing: Existing::Dir,
-                    }));
-                }
-                let on_disk = OnDisk {
-                    size: *size,
-                    chunks,
-                    git: *git,
-                    meta: &entry.meta,
-                };
-                if let Some(fingerprint) =
-                    reusable(target, cache, &entry.path, &path, &meta, &on_disk)
-                {
-                    let meta_ok = entry.meta.matches(&meta, target.set_owner);
-                    return Ok(Some(FileState::Reuse {
-                        meta_ok,
-                        fingerprint,
-                    }));
-                }
-                let bytes = if meta.file_type().is_file() && meta.nlink() == 1 {
-                    meta.len()
-                } else {
-                    0
-                };
-                Ok(Some(FileState::Write {
-                    existing: Existing::Other { bytes },
-                }))
-            })
-            .collect::<Result<Vec<_>, LocalError>>()
+    Ok(survey)
+}
+
+/// What the listing of one directory found.
+#[derive(Default)]
+struct DirFindings {
+    /// Planned files that are there, with their state.
+    files: Vec<(usize, FileState)>,
+    /// Planned directories that are real directories there.
+    dirs: Vec<usize>,
+    stale: Vec<PathBuf>,
+}
+
+/// Lists directory `dir` of the plan (`None`: the root) and looks at what
+/// it holds.
+fn survey_dir(
+    target: &Target,
+    cache: Option<&Cache>,
+    dir: Option<usize>,
+) -> Result<DirFindings, LocalError> {
+    let plan = &target.plan;
+    let rel = plan.dir_path(dir);
+    let path = target.path(rel);
+    let opened = match dir {
+        None => fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(&path),
+        Some(_) => fsops::open_dir(&path),
     };
-    let files = on_io_pool(inspect)?;
-    Ok(Survey { root_exists, files })
+    let handle = match opened {
+        Ok(handle) => handle,
+        // Gone or replaced since its parent was listed: `prepare` makes it
+        // anew, and it holds nothing yet.
+        Err(e) if is_gone(&e) => return Ok(DirFindings::default()),
+        Err(e) => return Err(local("listing", &path)(e)),
+    };
+    let mut listing = rustix::fs::Dir::new(std::os::fd::OwnedFd::from(handle))
+        .map_err(|e| local("listing", &path)(e.into()))?;
+    let children = plan.children(dir);
+    let planned = &plan.entries[children.clone()];
+    let mut found = DirFindings::default();
+    while let Some(item) = listing.read() {
+        let item = item.map_err(|e| local("listing", &path)(e.into()))?;
+        let name = item.file_name();
+        if matches!(name.to_bytes(), b"." | b"..") {
+            continue;
+        }
+        let Ok(k) = planned.binary_search_by(|e| e.name().cmp(name.to_bytes())) else {
+            let stale_rel = join_rel(rel, name.to_bytes());
+            if !target.protected.contains(&stale_rel) {
+                found.stale.push(target.path(&stale_rel));
+            }
+            continue;
+        };
+        let i = children.start + k;
+        let file_type = item.file_type();
+        let fd = listing
+            .fd()
+            .map_err(|e| local("listing", &path)(e.into()))?;
+        match &plan.entries[i].kind {
+            PlanKind::Dir { .. } => {
+                let is_dir = match file_type {
+                    rustix::fs::FileType::Directory => true,
+                    rustix::fs::FileType::Unknown => {
+                        fsops::stat_in(fd, name).is_ok_and(|stat| stat.kind == DiskKind::Dir)
+                    }
+                    _ => false,
+                };
+                if is_dir {
+                    found.dirs.push(i);
+                }
+            }
+            PlanKind::File { .. } => {
+                let state = if file_type == rustix::fs::FileType::Directory {
+                    FileState::Write {
+                        existing: Existing::Dir,
+                    }
+                } else {
+                    match fsops::stat_in(fd, name) {
+                        Ok(stat) => file_state(target, cache, i, &stat),
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                        Err(e) => {
+                            return Err(local("inspecting", &target.path(&plan.entries[i].path))(
+                                e,
+                            ));
+                        }
+                    }
+                };
+                found.files.push((i, state));
+            }
+            // `finish` looks at the few symlinks itself.
+            PlanKind::Symlink { .. } => {}
+        }
+    }
+    Ok(found)
+}
+
+/// Whether opening a directory failed because it is no longer one.
+fn is_gone(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP))
+}
+
+fn join_rel(dir: &[u8], name: &[u8]) -> Vec<u8> {
+    if dir.is_empty() {
+        name.to_vec()
+    } else {
+        [dir, b"/", name].concat()
+    }
+}
+
+/// What to do with plan file `i`, given what sits at its path.
+fn file_state(target: &Target, cache: Option<&Cache>, i: usize, stat: &DiskStat) -> FileState {
+    let entry = &target.plan.entries[i];
+    let PlanKind::File { size, chunks, git } = &entry.kind else {
+        unreachable!("only files are surveyed");
+    };
+    if stat.kind == DiskKind::Dir {
+        return FileState::Write {
+            existing: Existing::Dir,
+        };
+    }
+    let want = OnDisk {
+        size: *size,
+        chunks,
+        git: *git,
+        meta: &entry.meta,
+    };
+    if let Some(fingerprint) = reusable(target, cache, &entry.path, stat, &want) {
+        return FileState::Reuse {
+            meta_ok: entry.meta.matches(stat, target.set_owner),
+            fingerprint,
+        };
+    }
+    let bytes = if stat.kind == DiskKind::File && stat.nlink == 1 {
+        stat.fingerprint.size
+    } else {
+        0
+    };
+    FileState::Write {
+        existing: Existing::Other { bytes },
+    }
 }
 
 /// Threads for filesystem work on many entries at once: the survey, and
@@ -273,16 +389,15 @@ fn reusable(
     target: &Target,
     cache: Option<&Cache>,
     rel: &[u8],
-    path: &Path,
-    meta: &fs::Metadata,
+    stat: &DiskStat,
     want: &OnDisk<'_>,
 ) -> Option<Fingerprint> {
     // A file with other links may be shared with something outside the
     // root; it is replaced rather than kept and re-permissioned.
-    if !meta.file_type().is_file() || meta.len() != want.size || meta.nlink() != 1 {
+    let fingerprint = stat.fingerprint;
+    if stat.kind != DiskKind::File || fingerprint.size != want.size || stat.nlink != 1 {
         return None;
     }
-    let fingerprint = Fingerprint::of(meta);
     if let Some(cache) = cache
         && cache
             .lookup(rel, &fingerprint)
@@ -293,11 +408,11 @@ fn reusable(
     if target
         .mtimes_settled_before
         .is_some_and(|settled| want.meta.mtime_sec < settled)
-        && want.meta.mtime_matches(meta)
+        && want.meta.mtime_matches(stat)
     {
         return Some(fingerprint);
     }
-    let mut file = fsops::open_for_read(path).ok()?;
+    let mut file = fsops::open_for_read(&target.path(rel)).ok()?;
     let matches = match want.git {
         Some(git) => {
             let mut stored = Vec::with_capacity(want.size as usize);
@@ -374,13 +489,14 @@ pub(crate) struct Prepared {
     pub reused: Vec<(usize, Fingerprint)>,
     /// Empty files, created and finished by `prepare`.
     pub created_empty: Vec<(usize, Fingerprint)>,
-    pub created_dirs: CreatedDirs,
+    /// Stale entries removed.
+    pub removed: u64,
 }
 
-/// The directories `prepare` made: they hold nothing the restore did not
-/// put there, so [`finish`] need not list them for stale entries.
+/// The directories `prepare` made: they hold only what the restore puts
+/// there, so a directory inside one is made without a look first.
 #[derive(Debug, Default)]
-pub(crate) struct CreatedDirs {
+struct CreatedDirs {
     root: bool,
     /// Per plan entry.
     entries: Vec<bool>,
@@ -403,6 +519,14 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
     if created_dirs.root {
         fs::create_dir_all(&target.root).map_err(local("creating the root", &target.root))?;
     }
+    // Stale entries first: they may hold the space the new files need.
+    let removed = survey.stale.len() as u64;
+    on_io_pool(|| {
+        survey
+            .stale
+            .par_iter()
+            .try_for_each(|path| fsops::remove_entry(path).map_err(local("removing", path)))
+    })?;
     // Parents before children; the directories of one depth in parallel (a
     // restore into an empty root makes thousands, in different parents).
     for level in directories_by_depth(plan) {
@@ -423,7 +547,7 @@ pub(crate) fn prepare(target: &Target, survey: Survey) -> Result<Prepared, Local
         }
     }
     let mut prepared = Prepared {
-        created_dirs,
+        removed,
         reused: Vec::with_capacity(plan.files as usize),
         ..Prepared::default()
     };
@@ -540,9 +664,9 @@ fn finish_file(
 ) -> Result<Fingerprint, LocalError> {
     file.set_modified(meta.mtime())
         .map_err(local("setting the mtime of", path))?;
-    let after = file.metadata().map_err(local("inspecting", path))?;
+    let after = DiskStat::from(&file.metadata().map_err(local("inspecting", path))?);
     if meta.matches(&after, set_owner) {
-        return Ok(Fingerprint::of(&after));
+        return Ok(after.fingerprint);
     }
     fsops::apply_meta(file, meta, set_owner).map_err(local("setting metadata of", path))?;
     let after = file.metadata().map_err(local("inspecting", path))?;
@@ -803,13 +927,10 @@ fn deflate_in_place(
         .map_err(local("sizing", path))
 }
 
-/// Symlinks, removal of what the plan lacks, and directory metadata.
-/// Returns how many entries were removed.
-pub(crate) fn finish(target: &Target, created_dirs: &CreatedDirs) -> Result<u64, LocalError> {
+/// Symlinks and directory metadata.
+pub(crate) fn finish(target: &Target) -> Result<(), LocalError> {
     place_symlinks(target)?;
-    let removed = on_io_pool(|| remove_stale(target, created_dirs))?;
-    on_io_pool(|| set_directory_metadata(target))?;
-    Ok(removed)
+    on_io_pool(|| set_directory_metadata(target))
 }
 
 fn place_symlinks(target: &Target) -> Result<(), LocalError> {
@@ -841,55 +962,6 @@ fn place_symlinks(target: &Target) -> Result<(), LocalError> {
             .map_err(local("setting the mtime of", &path))?;
     }
     Ok(())
-}
-
-/// Lists every directory the restore did not make and removes what the plan
-/// lacks, directories in parallel: an older copy has thousands of them, and
-/// each listing is a few system calls. A stale entry is never a directory of
-/// the plan, so no listing runs inside a tree another one removes.
-fn remove_stale(target: &Target, created_dirs: &CreatedDirs) -> Result<u64, LocalError> {
-    let plan = &target.plan;
-    let listed: Vec<Option<usize>> = std::iter::once(None)
-        .chain(
-            plan.entries
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| matches!(e.kind, PlanKind::Dir { .. }))
-                .map(|(i, _)| Some(i)),
-        )
-        .filter(|&dir| !created_dirs.contains(dir))
-        .collect();
-    listed
-        .into_par_iter()
-        .map(|dir| remove_stale_in(target, dir))
-        .try_reduce(|| 0, |a, b| Ok(a + b))
-}
-
-fn remove_stale_in(target: &Target, dir: Option<usize>) -> Result<u64, LocalError> {
-    let plan = &target.plan;
-    let rel: &[u8] = dir.map_or(&[], |i| &plan.entries[i].path);
-    let dir_path = target.path(rel);
-    let listing = fs::read_dir(&dir_path).map_err(local("listing", &dir_path))?;
-    let mut removed = 0;
-    for item in listing {
-        let item = item.map_err(local("listing", &dir_path))?;
-        let name = item.file_name();
-        if plan.has_child(dir, name.as_bytes()) {
-            continue;
-        }
-        let child_rel = if rel.is_empty() {
-            name.as_bytes().to_vec()
-        } else {
-            [rel, b"/", name.as_bytes()].concat()
-        };
-        if target.protected.contains(&child_rel) {
-            continue;
-        }
-        let path = item.path();
-        fsops::remove_entry(&path).map_err(local("removing", &path))?;
-        removed += 1;
-    }
-    Ok(removed)
 }
 
 /// Gives every directory its mode, owner and mtime, deepest first: its

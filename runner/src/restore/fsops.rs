@@ -17,6 +17,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::cache::Fingerprint;
+
 /// The metadata a restored entry gets.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct EntryMeta {
@@ -38,18 +40,92 @@ impl EntryMeta {
     }
 
     /// Whether an entry on disk already carries this metadata.
-    pub fn matches(&self, meta: &fs::Metadata, set_owner: bool) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        meta.mode() & 0o7777 == self.mode & 0o7777
-            && self.mtime_matches(meta)
-            && (!set_owner || (meta.uid() == self.uid && meta.gid() == self.gid))
+    pub fn matches(&self, stat: &DiskStat, set_owner: bool) -> bool {
+        stat.fingerprint.mode & 0o7777 == self.mode & 0o7777
+            && self.mtime_matches(stat)
+            && (!set_owner || (stat.uid == self.uid && stat.gid == self.gid))
     }
 
     /// Whether an entry on disk has this mtime, to the nanosecond.
-    pub fn mtime_matches(&self, meta: &fs::Metadata) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        (meta.mtime(), meta.mtime_nsec()) == (self.mtime_sec, i64::from(self.mtime_nsec))
+    pub fn mtime_matches(&self, stat: &DiskStat) -> bool {
+        let fp = &stat.fingerprint;
+        (fp.mtime_sec, fp.mtime_nsec) == (self.mtime_sec, i64::from(self.mtime_nsec))
     }
+}
+
+/// What kind of entry sits on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DiskKind {
+    File,
+    Dir,
+    /// A symlink, fifo, socket or device.
+    Other,
+}
+
+/// The parts of an entry's `stat` a restore looks at, from
+/// [`fs::Metadata`] or from a `statat` relative to an open directory (which
+/// spares the kernel the walk of the whole path).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DiskStat {
+    pub kind: DiskKind,
+    pub nlink: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub fingerprint: Fingerprint,
+}
+
+impl From<&fs::Metadata> for DiskStat {
+    fn from(meta: &fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let file_type = meta.file_type();
+        Self {
+            kind: if file_type.is_file() {
+                DiskKind::File
+            } else if file_type.is_dir() {
+                DiskKind::Dir
+            } else {
+                DiskKind::Other
+            },
+            nlink: meta.nlink(),
+            uid: meta.uid(),
+            gid: meta.gid(),
+            fingerprint: Fingerprint::of(meta),
+        }
+    }
+}
+
+impl From<&rustix::fs::Stat> for DiskStat {
+    // The field types differ between targets.
+    #[allow(clippy::unnecessary_cast)]
+    fn from(stat: &rustix::fs::Stat) -> Self {
+        let kind = match rustix::fs::FileType::from_raw_mode(stat.st_mode as _) {
+            rustix::fs::FileType::RegularFile => DiskKind::File,
+            rustix::fs::FileType::Directory => DiskKind::Dir,
+            _ => DiskKind::Other,
+        };
+        Self {
+            kind,
+            nlink: stat.st_nlink as u64,
+            uid: stat.st_uid as u32,
+            gid: stat.st_gid as u32,
+            fingerprint: Fingerprint {
+                dev: stat.st_dev as u64,
+                ino: stat.st_ino as u64,
+                size: stat.st_size as u64,
+                mtime_sec: stat.st_mtime as i64,
+                mtime_nsec: stat.st_mtime_nsec as i64,
+                ctime_sec: stat.st_ctime as i64,
+                ctime_nsec: stat.st_ctime_nsec as i64,
+                mode: stat.st_mode as u32,
+            },
+        }
+    }
+}
+
+/// The `stat` of `name` in the open directory `dir`, not following a symlink.
+pub(crate) fn stat_in(dir: impl std::os::fd::AsFd, name: &std::ffi::CStr) -> io::Result<DiskStat> {
+    let stat = rustix::fs::statat(dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)?;
+    Ok(DiskStat::from(&stat))
 }
 
 /// Whether this process may give files away (restore uid/gid).
@@ -220,6 +296,37 @@ mod tests {
         let got = fs::symlink_metadata(&link).unwrap();
         assert_eq!((got.mtime(), got.mtime_nsec()), (1_000_000, 5));
         assert_eq!(fs::metadata(&target).unwrap().mtime(), before);
+    }
+
+    #[test]
+    fn a_stat_relative_to_a_directory_gives_the_fingerprint_a_checkpoint_scan_computes() {
+        // The survey records reused files with this fingerprint, and the
+        // next checkpoint compares it with `Fingerprint::of`: any field that
+        // differs would make it read the whole restored tree again.
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("file"), b"content").unwrap();
+        fs::create_dir(dir.path().join("dir")).unwrap();
+        std::os::unix::fs::symlink("file", dir.path().join("link")).unwrap();
+        let handle = open_dir(dir.path()).unwrap();
+        for (name, kind) in [
+            (c"file", DiskKind::File),
+            (c"dir", DiskKind::Dir),
+            (c"link", DiskKind::Other),
+        ] {
+            let path = dir.path().join(name.to_str().unwrap());
+            let meta = fs::symlink_metadata(&path).unwrap();
+            let stat = stat_in(&handle, name).unwrap();
+            assert_eq!(stat.kind, kind, "{path:?}");
+            assert_eq!(stat.fingerprint, Fingerprint::of(&meta), "{path:?}");
+            assert_eq!(
+                (stat.nlink, stat.uid, stat.gid),
+                (meta.nlink(), meta.uid(), meta.gid())
+            );
+        }
+        assert_eq!(
+            stat_in(&handle, c"missing").unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
     }
 
     #[test]

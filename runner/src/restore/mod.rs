@@ -10,8 +10,9 @@
 //!     every chunk located
 //!     ── nothing has been written up to here ──
 //!     survey, prepare, download + write, git trees rebuilt   (apply.rs)
-//!     at once: finish (links, stale entries, directory metadata) and the
-//!              fingerprint cache saved
+//!     at once: finish (links, directory metadata) and the fingerprint
+//!              cache saved (written straight from the plan, no map built)
+//!     the plan, maps and cache freed on a thread of their own, unwaited
 //!   (with a host pack cache, packcache.rs, every read above tries the cache
 //!    first; cached bytes pass the same checks, and what fails them is
 //!    dropped and fetched from the store)
@@ -57,7 +58,7 @@ use cairn_proto::pb;
 use cairn_proto::size::human_bytes;
 use futures::{StreamExt, TryStreamExt, stream};
 
-use crate::cache::{Cache, CachedFile, FastMap, Fingerprint};
+use crate::cache::{Cache, FastMap, FileRecord, Fingerprint};
 use crate::cli::{OutputFormat, RestoreArgs, default_cache_dir};
 use crate::client::{ConnectError, Coordinator};
 use crate::format::{IndexEntry, PackIndex};
@@ -590,23 +591,25 @@ async fn attempt(
     // The trees, the DATA packs' indexes and the runner's fingerprint cache
     // do not depend on each other: read at once.
     let phase = Instant::now();
-    let (plan, indexes, cache) = tokio::join!(
+    let (plan, located, cache) = tokio::join!(
         read_plan(ctx.fetcher, candidate, &ctx.opts.limits),
         fetch_indexes(ctx.fetcher, candidate),
         load_cache(ctx, candidate),
     );
     let (plan, mut blob_packs) = plan?;
-    let mut located = locate_chunks(&plan, indexes?)?;
+    let mut located = located?;
+    located.check(&plan)?;
     blob_packs.append(&mut located.blob_packs);
     tracing::debug!(checkpoint = %candidate.id, entries = plan.entries.len(), blobs = located.blobs.len(), elapsed = ?phase.elapsed(), "trees and pack indexes read and checked");
 
     // Nothing has been written so far; from here on the root changes.
     let phase = Instant::now();
     let (target, prepared, cache) = prepare_root(ctx, candidate, &plan, cache).await?;
-    tracing::debug!(reused = prepared.reused.len(), to_write = prepared.jobs.len(), elapsed = ?phase.elapsed(), "root surveyed and prepared");
+    tracing::debug!(reused = prepared.reused.len(), to_write = prepared.jobs.len(), stale_removed = prepared.removed, elapsed = ?phase.elapsed(), "root surveyed and prepared");
 
     let phase = Instant::now();
     let files_reused = prepared.reused.len() as u64;
+    let entries_removed = prepared.removed;
     let (writers, bytes_written) =
         download(ctx, candidate, &plan, prepared.jobs, files_reused, &located).await?;
     tracing::debug!(bytes_written, elapsed = ?phase.elapsed(), "downloaded and written");
@@ -622,56 +625,36 @@ async fn attempt(
     ctx.progress.written(0, rebuilt);
     tracing::debug!(rebuilt, elapsed = ?phase.elapsed(), "git trees rebuilt");
 
-    let written = writers.jobs.iter().map(|job| {
-        let fingerprint = *job
-            .fingerprint
-            .get()
-            .expect("every downloaded file was finished");
-        (job.plan_index, fingerprint)
-    });
-    let restored = prepared
-        .reused
-        .iter()
-        .chain(&prepared.created_empty)
-        .copied()
-        .chain(written)
-        .filter(|(_, fingerprint)| restored_fingerprint_is_stable(fingerprint, ctx.started_at))
-        .filter_map(|(i, fingerprint)| {
-            let entry = &plan.entries[i];
-            match &entry.kind {
-                plan::PlanKind::File { chunks, git, .. } => Some((
-                    entry.path.clone(),
-                    CachedFile {
-                        fingerprint,
-                        chunks: chunks.as_slice().into(),
-                        git: *git,
-                    },
-                )),
-                _ => None,
-            }
-        });
-    // Sized up front: grown one insert at a time, a map of tens of thousands
-    // of paths is rehashed over and over (as long as the rest of this step).
-    let mut files = FastMap::with_capacity_and_hasher(plan.files as usize, Default::default());
-    files.extend(restored);
-
-    // Every file is final now, so the fingerprint cache is saved while the
-    // directories get their metadata. Should that fail, the files the cache
-    // lists are still on disk as it says.
+    // Every file is final now, so the fingerprint cache is updated and
+    // saved while the directories get their metadata. Should that fail, the
+    // files the cache lists are still on disk as it says.
     let phase = Instant::now();
-    let created_dirs = prepared.created_dirs;
+    let restored = Restored {
+        plan: plan.clone(),
+        reused: prepared.reused,
+        created_empty: prepared.created_empty,
+        writers,
+        started_at: ctx.started_at,
+    };
     let (finished, ()) = tokio::join!(
-        blocking(move || apply::finish(&target, &created_dirs)),
+        blocking(move || {
+            let finished = apply::finish(&target);
+            drop_in_background(target);
+            finished
+        }),
         blocking(move || {
             if let Some(cache) = cache {
-                update_cache(cache, files, &blob_packs);
+                let started = Instant::now();
+                restored.save_in(cache, &blob_packs);
+                tracing::debug!(elapsed = ?started.elapsed(), "fingerprint cache saved");
             }
+            drop_in_background((restored, blob_packs));
         }),
     );
-    let entries_removed = finished.map_err(AttemptError::local)?;
-    tracing::debug!(entries_removed, elapsed = ?phase.elapsed(), "links, stale entries, directory metadata and the fingerprint cache done");
+    finished.map_err(AttemptError::local)?;
+    tracing::debug!(elapsed = ?phase.elapsed(), "links, directory metadata and the fingerprint cache done");
 
-    Ok(AttemptOutcome {
+    let outcome = AttemptOutcome {
         plan_files: plan.files,
         plan_directories: plan.directories,
         plan_symlinks: plan.symlinks,
@@ -679,7 +662,78 @@ async fn attempt(
         bytes_written,
         files_reused,
         entries_removed,
-    })
+    };
+    drop_in_background((plan, located));
+    Ok(outcome)
+}
+
+/// Frees `value` on a thread of its own. A restore's plan, maps and cache
+/// hold hundreds of thousands of small allocations, and freeing them takes
+/// tens of milliseconds the restore need not wait for: the command-line
+/// restore exits without waiting, a resident runner frees them meanwhile.
+fn drop_in_background<T: Send + 'static>(value: T) {
+    // Should no thread start, the value comes back and is freed here.
+    let _ = std::thread::Builder::new()
+        .name("cairn-free".into())
+        .spawn(move || drop(value));
+}
+
+/// The files a restore left as the plan says, for the fingerprint cache.
+struct Restored {
+    plan: Arc<Plan>,
+    reused: Vec<(usize, Fingerprint)>,
+    created_empty: Vec<(usize, Fingerprint)>,
+    writers: Arc<Writers>,
+    started_at: SystemTime,
+}
+
+impl Restored {
+    /// Each restored file whose fingerprint is stable (see
+    /// [`restored_fingerprint_is_stable`]): its plan entry and fingerprint.
+    fn stable(&self) -> Vec<(usize, Fingerprint)> {
+        let written = self.writers.jobs.iter().map(|job| {
+            let fingerprint = *job
+                .fingerprint
+                .get()
+                .expect("every downloaded file was finished");
+            (job.plan_index, fingerprint)
+        });
+        self.reused
+            .iter()
+            .chain(&self.created_empty)
+            .copied()
+            .chain(written)
+            .filter(|(_, fingerprint)| restored_fingerprint_is_stable(fingerprint, self.started_at))
+            .collect()
+    }
+
+    /// Records the restored files (only those whose fingerprint is stable)
+    /// and where their blobs live in `cache`, and saves it.
+    fn save_in(&self, mut cache: Cache, blob_packs: &BlobPacks) {
+        for (pack, blobs) in blob_packs {
+            cache.insert_blobs(pack, blobs.iter().copied());
+        }
+        let stable = self.stable();
+        let records = stable.iter().filter_map(|(i, fingerprint)| {
+            let entry = &self.plan.entries[*i];
+            match &entry.kind {
+                plan::PlanKind::File { chunks, git, .. } => Some(FileRecord {
+                    path: &entry.path,
+                    fingerprint,
+                    chunks,
+                    git: *git,
+                }),
+                _ => None,
+            }
+        });
+        // Only files are ever recorded as restored.
+        let records: Vec<FileRecord<'_>> = records.collect();
+        if let Err(e) = cache.save_with_files(records.into_iter()) {
+            // The cache only saves work; the restore itself succeeded.
+            tracing::warn!(path = %cache.path().display(), error = %e, "cannot save the fingerprint cache");
+        }
+        drop_in_background(cache);
+    }
 }
 
 /// Downloads and verifies the candidate's META packs and checks its trees.
@@ -707,6 +761,7 @@ async fn read_plan(
         .buffer_unordered(PARALLEL_REQUESTS)
         .try_collect()
         .await?;
+    let fetched = Instant::now();
     let mut meta = MetaBlobs::new();
     let mut blob_packs = Vec::new();
     for (info, bytes, index) in opened {
@@ -717,6 +772,7 @@ async fn read_plan(
     let root_tree = candidate.root_tree;
     let limits = limits.clone();
     let plan = blocking(move || build_plan(&meta, &keys, root_tree, &limits)).await?;
+    tracing::debug!(packs = blob_packs.len(), elapsed = ?fetched.elapsed(), "trees opened and checked");
     Ok((Arc::new(plan), blob_packs))
 }
 
@@ -732,12 +788,12 @@ struct Located {
     blob_packs: BlobPacks,
 }
 
-/// Reads every DATA pack's index: the candidate's DATA packs, and for each
-/// (by position among them) its index.
+/// Reads every DATA pack's index and maps each blob to where it lies; built
+/// off the async threads while the trees are opened.
 async fn fetch_indexes(
     fetcher: &PackFetcher<'_>,
     candidate: &ResolvedCandidate,
-) -> Result<(Vec<PackInfo>, Vec<(usize, PackIndex)>), AttemptError> {
+) -> Result<Located, AttemptError> {
     let packs: Vec<PackInfo> = candidate
         .packs
         .iter()
@@ -745,7 +801,7 @@ async fn fetch_indexes(
         .cloned()
         .collect();
     let keys = &candidate.keys;
-    let indexes = stream::iter(packs.iter().enumerate())
+    let indexes: Vec<(usize, PackIndex)> = stream::iter(packs.iter().enumerate())
         .map(|(i, info)| async move {
             let index = fetch::fetch_index(fetcher, info, keys)
                 .await
@@ -755,45 +811,49 @@ async fn fetch_indexes(
         .buffer_unordered(PARALLEL_REQUESTS)
         .try_collect()
         .await?;
-    Ok((packs, indexes))
+    Ok(blocking(move || Located::new(packs, &indexes)).await)
 }
 
-/// Checks that each chunk the plan needs is in one of the DATA packs'
-/// indexes, with the length the tree says.
-fn locate_chunks(
-    plan: &Plan,
-    (packs, indexes): (Vec<PackInfo>, Vec<(usize, PackIndex)>),
-) -> Result<Located, AttemptError> {
-    let count = indexes.iter().map(|(_, index)| index.entries.len()).sum();
-    let mut blobs: FastMap<BlobId, (usize, IndexEntry)> =
-        FastMap::with_capacity_and_hasher(count, Default::default());
-    let mut blob_packs = Vec::with_capacity(indexes.len());
-    for (i, index) in &indexes {
-        for entry in &index.entries {
-            blobs.entry(entry.id).or_insert((*i, *entry));
-        }
-        let ids = index.entries.iter().map(|e| e.id).collect();
-        blob_packs.push((packs[*i].id.clone(), ids));
-    }
-    for chunk in plan.chunks() {
-        let Some((pack, entry)) = blobs.get(&chunk.id) else {
-            return Err(CandidateError::MissingBlob { blob: chunk.id }.into());
-        };
-        if entry.plain_len != chunk.len {
-            return Err(CandidateError::BlobLength {
-                blob: chunk.id,
-                pack: packs[*pack].id.clone(),
-                actual: entry.plain_len,
-                expected: chunk.len,
+impl Located {
+    /// `indexes`: for some of `packs` (by position), its index.
+    fn new(packs: Vec<PackInfo>, indexes: &[(usize, PackIndex)]) -> Self {
+        let count = indexes.iter().map(|(_, index)| index.entries.len()).sum();
+        let mut blobs: FastMap<BlobId, (usize, IndexEntry)> =
+            FastMap::with_capacity_and_hasher(count, Default::default());
+        let mut blob_packs = Vec::with_capacity(indexes.len());
+        for (i, index) in indexes {
+            for entry in &index.entries {
+                blobs.entry(entry.id).or_insert((*i, *entry));
             }
-            .into());
+            let ids = index.entries.iter().map(|e| e.id).collect();
+            blob_packs.push((packs[*i].id.clone(), ids));
+        }
+        Self {
+            packs,
+            blobs,
+            blob_packs,
         }
     }
-    Ok(Located {
-        packs,
-        blobs,
-        blob_packs,
-    })
+
+    /// Checks that each chunk the plan needs is in one of the DATA packs,
+    /// with the length the tree says.
+    fn check(&self, plan: &Plan) -> Result<(), AttemptError> {
+        for chunk in plan.chunks() {
+            let Some((pack, entry)) = self.blobs.get(&chunk.id) else {
+                return Err(CandidateError::MissingBlob { blob: chunk.id }.into());
+            };
+            if entry.plain_len != chunk.len {
+                return Err(CandidateError::BlobLength {
+                    blob: chunk.id,
+                    pack: self.packs[*pack].id.clone(),
+                    actual: entry.plain_len,
+                    expected: chunk.len,
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Surveys the root, refuses a restore the filesystem cannot hold, and
@@ -815,11 +875,13 @@ async fn prepare_root(
             .filter(|_| !ctx.opts.verify_existing)
             .map(crate::cache::settled_before),
     });
+    let surveying = Instant::now();
     let (survey, cache) = {
         let target = target.clone();
         blocking(move || (apply::survey(&target, cache.as_ref()), cache)).await
     };
     let survey = survey.map_err(AttemptError::local)?;
+    tracing::debug!(stale = survey.stale.len(), elapsed = ?surveying.elapsed(), "root surveyed");
     let needed = survey.bytes_needed(plan);
     if needed > 0 {
         let root = ctx.opts.root.clone();
@@ -1171,20 +1233,6 @@ fn restored_fingerprint_is_stable(fingerprint: &Fingerprint, restore_started: Sy
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_secs() as i64);
     fingerprint.mtime_sec < guard
-}
-
-/// Records the restored files (only those whose fingerprint is stable: see
-/// [`restored_fingerprint_is_stable`]) and where their blobs live, and
-/// saves the cache.
-fn update_cache(mut cache: Cache, files: FastMap<Vec<u8>, CachedFile>, blob_packs: &BlobPacks) {
-    cache.replace_files(files);
-    for (pack, blobs) in blob_packs {
-        cache.insert_blobs(pack, blobs.iter().copied());
-    }
-    if let Err(e) = cache.save() {
-        // The cache only saves work; the restore itself succeeded.
-        tracing::warn!(path = %cache.path().display(), error = %e, "cannot save the fingerprint cache");
-    }
 }
 
 /// `cairn-runner restore`.

@@ -15,13 +15,14 @@
 //! counted every time they appear, so a small hostile tree cannot expand into
 //! billions of entries).
 
-use crate::cache::FastMap;
+use crate::cache::{FastMap, FastSet};
 use crate::gitobj::GitStored;
 use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use cairn_proto::ids::BlobId;
+use rayon::prelude::*;
 
 use crate::format::{
     self, ChunkRef, EntryKind, FormatError, IndexEntry, PackIndex, TenantKeys, Tree, TreeObject,
@@ -168,6 +169,11 @@ impl Plan {
         }
     }
 
+    /// The path of directory `dir` (`None`: the root, an empty path).
+    pub fn dir_path(&self, dir: Option<usize>) -> &[u8] {
+        dir.map_or(&[], |i| &self.entries[i].path)
+    }
+
     /// Whether directory `dir` has an entry called `name`.
     pub fn has_child(&self, dir: Option<usize>, name: &[u8]) -> bool {
         let range = self.children(dir);
@@ -214,144 +220,164 @@ pub fn build_plan(
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
     let mut decoded: FastMap<BlobId, Arc<Tree>> = FastMap::default();
-    // (directory entry or root, its tree, its depth below the root)
-    let mut queue = std::collections::VecDeque::from([(None::<usize>, root, 0usize)]);
-    while let Some((dir, tree_id, depth)) = queue.pop_front() {
-        let dir_path: Vec<u8> = dir
-            .map(|i| plan.entries[i].path.clone())
-            .unwrap_or_default();
+    // The directories of one depth, in plan order: (directory entry or
+    // root, its tree). Breadth-first, one depth at a time, so that the trees
+    // of a depth can be opened together.
+    let mut level = vec![(None::<usize>, root)];
+    let mut depth = 0usize;
+    while !level.is_empty() {
         if depth > limits.max_depth {
             return Err(PlanError::Unsafe {
-                path: shown(&dir_path),
+                path: shown(plan.dir_path(level[0].0)),
                 reason: format!(
                     "directories are nested deeper than {} levels",
                     limits.max_depth
                 ),
             });
         }
-        if is_own_ancestor(&plan, dir, &tree_id, &root) {
-            return Err(PlanError::Unsafe {
-                path: shown(&dir_path),
-                reason: "the directory contains itself (its tree is one of its ancestors)".into(),
-            });
-        }
-        let tree = match decoded.get(&tree_id) {
-            Some(tree) => tree.clone(),
-            None => {
-                let tree = Arc::new(open_tree(meta, keys, &tree_id, &dir_path)?);
-                decoded.insert(tree_id, tree.clone());
-                tree
+        for &(dir, tree_id) in &level {
+            if is_own_ancestor(&plan, dir, &tree_id, &root) {
+                return Err(PlanError::Unsafe {
+                    path: shown(plan.dir_path(dir)),
+                    reason: "the directory contains itself (its tree is one of its ancestors)"
+                        .into(),
+                });
             }
-        };
-        if plan.entries.len() as u64 + tree.entries.len() as u64 > limits.max_entries {
-            return Err(PlanError::TooManyEntries {
-                limit: limits.max_entries,
-            });
         }
-        let first = plan.entries.len();
-        for entry in &tree.entries {
-            let path = join(&dir_path, &entry.name);
-            let unsafe_entry = |reason: String| PlanError::Unsafe {
-                path: shown(&path),
-                reason,
-            };
-            let kind = match &entry.kind {
-                EntryKind::File { size, chunks } => {
-                    if *size > limits.max_file_size {
-                        return Err(unsafe_entry(format!(
-                            "the file declares {size} bytes, more than the limit of {}",
-                            limits.max_file_size
-                        )));
+        // Opening a tree (AEAD, keyed digest, zstd, decoding, validation) is
+        // most of a plan's work: the trees of a depth not opened before are
+        // opened in parallel, each once. The first failure in plan order is
+        // the one reported.
+        let mut listed = FastSet::default();
+        let to_open: Vec<(BlobId, Option<usize>)> = level
+            .iter()
+            .filter(|(_, id)| !decoded.contains_key(id) && listed.insert(*id))
+            .map(|&(dir, id)| (id, dir))
+            .collect();
+        let opened: Vec<Result<Tree, PlanError>> = to_open
+            .par_iter()
+            .map(|(id, dir)| open_tree(meta, keys, id, plan.dir_path(*dir)))
+            .collect();
+        for ((id, _), tree) in to_open.into_iter().zip(opened) {
+            decoded.insert(id, Arc::new(tree?));
+        }
+        let mut next_level = Vec::new();
+        for (dir, tree_id) in level {
+            let dir_path = plan.dir_path(dir).to_vec();
+            let tree = decoded[&tree_id].clone();
+            if plan.entries.len() as u64 + tree.entries.len() as u64 > limits.max_entries {
+                return Err(PlanError::TooManyEntries {
+                    limit: limits.max_entries,
+                });
+            }
+            let first = plan.entries.len();
+            for entry in &tree.entries {
+                let path = join(&dir_path, &entry.name);
+                let unsafe_entry = |reason: String| PlanError::Unsafe {
+                    path: shown(&path),
+                    reason,
+                };
+                let kind = match &entry.kind {
+                    EntryKind::File { size, chunks } => {
+                        if *size > limits.max_file_size {
+                            return Err(unsafe_entry(format!(
+                                "the file declares {size} bytes, more than the limit of {}",
+                                limits.max_file_size
+                            )));
+                        }
+                        plan.files += 1;
+                        plan.total_bytes += size;
+                        PlanKind::File {
+                            size: *size,
+                            chunks: chunks.clone(),
+                            git: None,
+                        }
                     }
-                    plan.files += 1;
-                    plan.total_bytes += size;
-                    PlanKind::File {
-                        size: *size,
-                        chunks: chunks.clone(),
-                        git: None,
+                    EntryKind::Git {
+                        size,
+                        stored,
+                        chunks,
+                    } => {
+                        if matches!(stored, GitStored::TreeDelta { .. })
+                            && crate::gitobj::loose_object_id(&path).is_none()
+                        {
+                            return Err(unsafe_entry(
+                                "a git tree delta that is not a SHA-1 loose object file".into(),
+                            ));
+                        }
+                        let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+                        if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED
+                        {
+                            return Err(unsafe_entry(format!(
+                                "the git object declares {content} bytes of content in {size} bytes, \
+                             more than a loose object cairn stores by content"
+                            )));
+                        }
+                        plan.files += 1;
+                        plan.total_bytes += size;
+                        PlanKind::File {
+                            size: *size,
+                            chunks: chunks.clone(),
+                            git: Some(*stored),
+                        }
                     }
-                }
-                EntryKind::Git {
-                    size,
-                    stored,
-                    chunks,
-                } => {
-                    if matches!(stored, GitStored::TreeDelta { .. })
-                        && crate::gitobj::loose_object_id(&path).is_none()
-                    {
+                    EntryKind::Dir { tree } => {
+                        plan.directories += 1;
+                        next_level.push((Some(plan.entries.len()), *tree));
+                        PlanKind::Dir {
+                            tree: *tree,
+                            children: 0..0,
+                        }
+                    }
+                    EntryKind::Symlink { target } => {
+                        plan.symlinks += 1;
+                        PlanKind::Symlink {
+                            target: target.clone(),
+                        }
+                    }
+                    // open_tree resolved every part it could open.
+                    EntryKind::Parted { .. } => {
                         return Err(unsafe_entry(
-                            "a git tree delta that is not a SHA-1 loose object file".into(),
+                            "its chunk list is in parts that were not read".into(),
                         ));
                     }
-                    let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
-                    if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED {
+                    special @ (EntryKind::Fifo
+                    | EntryKind::CharDevice
+                    | EntryKind::BlockDevice
+                    | EntryKind::Socket) => {
                         return Err(unsafe_entry(format!(
-                            "the git object declares {content} bytes of content in {size} bytes, \
-                             more than a loose object cairn stores by content"
+                            "it is a {}; restore creates only files, directories and symlinks",
+                            special.describe()
                         )));
                     }
-                    plan.files += 1;
-                    plan.total_bytes += size;
-                    PlanKind::File {
-                        size: *size,
-                        chunks: chunks.clone(),
-                        git: Some(*stored),
+                };
+                let name_start = path.len() - entry.name.len();
+                plan.entries.push(PlanEntry {
+                    path,
+                    name_start,
+                    parent: dir,
+                    kind,
+                    meta: EntryMeta {
+                        mode: entry.mode & 0o7777,
+                        mtime_sec: entry.mtime_sec,
+                        mtime_nsec: entry.mtime_nsec,
+                        uid: entry.uid,
+                        gid: entry.gid,
+                    },
+                });
+            }
+            let range = first..plan.entries.len();
+            match dir {
+                None => plan.root_children = range,
+                Some(i) => {
+                    if let PlanKind::Dir { children, .. } = &mut plan.entries[i].kind {
+                        *children = range;
                     }
-                }
-                EntryKind::Dir { tree } => {
-                    plan.directories += 1;
-                    queue.push_back((Some(plan.entries.len()), *tree, depth + 1));
-                    PlanKind::Dir {
-                        tree: *tree,
-                        children: 0..0,
-                    }
-                }
-                EntryKind::Symlink { target } => {
-                    plan.symlinks += 1;
-                    PlanKind::Symlink {
-                        target: target.clone(),
-                    }
-                }
-                // open_tree resolved every part it could open.
-                EntryKind::Parted { .. } => {
-                    return Err(unsafe_entry(
-                        "its chunk list is in parts that were not read".into(),
-                    ));
-                }
-                special @ (EntryKind::Fifo
-                | EntryKind::CharDevice
-                | EntryKind::BlockDevice
-                | EntryKind::Socket) => {
-                    return Err(unsafe_entry(format!(
-                        "it is a {}; restore creates only files, directories and symlinks",
-                        special.describe()
-                    )));
-                }
-            };
-            let name_start = path.len() - entry.name.len();
-            plan.entries.push(PlanEntry {
-                path,
-                name_start,
-                parent: dir,
-                kind,
-                meta: EntryMeta {
-                    mode: entry.mode & 0o7777,
-                    mtime_sec: entry.mtime_sec,
-                    mtime_nsec: entry.mtime_nsec,
-                    uid: entry.uid,
-                    gid: entry.gid,
-                },
-            });
-        }
-        let range = first..plan.entries.len();
-        match dir {
-            None => plan.root_children = range,
-            Some(i) => {
-                if let PlanKind::Dir { children, .. } = &mut plan.entries[i].kind {
-                    *children = range;
                 }
             }
         }
+        level = next_level;
+        depth += 1;
     }
     Ok(plan)
 }
