@@ -41,6 +41,7 @@ use rayon::prelude::*;
 use crate::cache::{Cache, Fingerprint};
 use crate::format::{self, ChunkRef, FormatError, TenantKeys};
 use crate::gitobj::{self, GitStored};
+use crate::scan::join_rel;
 
 use super::fsops::{self, DiskKind, DiskStat, EntryMeta};
 use super::plan::{Plan, PlanKind};
@@ -246,8 +247,6 @@ fn survey_dir(
     };
     let mut listing = rustix::fs::Dir::new(std::os::fd::OwnedFd::from(handle))
         .map_err(|e| local("listing", &path)(e.into()))?;
-    let children = plan.children(dir);
-    let planned = &plan.entries[children.clone()];
     let mut found = DirFindings::default();
     while let Some(item) = listing.read() {
         let item = item.map_err(|e| local("listing", &path)(e.into()))?;
@@ -255,14 +254,13 @@ fn survey_dir(
         if matches!(name.to_bytes(), b"." | b"..") {
             continue;
         }
-        let Ok(k) = planned.binary_search_by(|e| e.name().cmp(name.to_bytes())) else {
+        let Some(i) = plan.child(dir, name.to_bytes()) else {
             let stale_rel = join_rel(rel, name.to_bytes());
             if !target.protected.contains(&stale_rel) {
                 found.stale.push(target.path(&stale_rel));
             }
             continue;
         };
-        let i = children.start + k;
         let file_type = item.file_type();
         let fd = listing
             .fd()
@@ -309,14 +307,6 @@ fn survey_dir(
 fn is_gone(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::NotFound
         || matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP))
-}
-
-fn join_rel(dir: &[u8], name: &[u8]) -> Vec<u8> {
-    if dir.is_empty() {
-        name.to_vec()
-    } else {
-        [dir, b"/", name].concat()
-    }
 }
 
 /// What to do with plan file `i`, given what sits at its path.

@@ -636,19 +636,16 @@ async fn attempt(
         writers,
         started_at: ctx.started_at,
     };
-    let (finished, ()) = tokio::join!(
+    let ((finished, target), saved) = tokio::join!(
+        blocking(move || (apply::finish(&target), target)),
         blocking(move || {
-            let finished = apply::finish(&target);
-            drop_in_background(target);
-            finished
-        }),
-        blocking(move || {
-            if let Some(cache) = cache {
+            let mut cache = cache;
+            if let Some(cache) = &mut cache {
                 let started = Instant::now();
                 restored.save_in(cache, &blob_packs);
                 tracing::debug!(elapsed = ?started.elapsed(), "fingerprint cache saved");
             }
-            drop_in_background((restored, blob_packs));
+            (restored, blob_packs, cache)
         }),
     );
     finished.map_err(AttemptError::local)?;
@@ -663,7 +660,7 @@ async fn attempt(
         files_reused,
         entries_removed,
     };
-    drop_in_background((plan, located));
+    drop_in_background((plan, located, target, saved));
     Ok(outcome)
 }
 
@@ -688,51 +685,45 @@ struct Restored {
 }
 
 impl Restored {
-    /// Each restored file whose fingerprint is stable (see
-    /// [`restored_fingerprint_is_stable`]): its plan entry and fingerprint.
-    fn stable(&self) -> Vec<(usize, Fingerprint)> {
+    /// Records the restored files whose fingerprint is stable (see
+    /// [`restored_fingerprint_is_stable`]), and where their blobs live, in
+    /// `cache`, and saves it.
+    fn save_in(&self, cache: &mut Cache, blob_packs: &BlobPacks) {
+        for (pack, blobs) in blob_packs {
+            cache.insert_blobs(pack, blobs.iter().copied());
+        }
         let written = self.writers.jobs.iter().map(|job| {
-            let fingerprint = *job
+            let fingerprint = job
                 .fingerprint
                 .get()
                 .expect("every downloaded file was finished");
             (job.plan_index, fingerprint)
         });
-        self.reused
+        let records: Vec<FileRecord<'_>> = self
+            .reused
             .iter()
             .chain(&self.created_empty)
-            .copied()
+            .map(|(i, fingerprint)| (*i, fingerprint))
             .chain(written)
             .filter(|(_, fingerprint)| restored_fingerprint_is_stable(fingerprint, self.started_at))
-            .collect()
-    }
-
-    /// Records the restored files (only those whose fingerprint is stable)
-    /// and where their blobs live in `cache`, and saves it.
-    fn save_in(&self, mut cache: Cache, blob_packs: &BlobPacks) {
-        for (pack, blobs) in blob_packs {
-            cache.insert_blobs(pack, blobs.iter().copied());
-        }
-        let stable = self.stable();
-        let records = stable.iter().filter_map(|(i, fingerprint)| {
-            let entry = &self.plan.entries[*i];
-            match &entry.kind {
-                plan::PlanKind::File { chunks, git, .. } => Some(FileRecord {
+            .filter_map(|(i, fingerprint)| {
+                let entry = &self.plan.entries[i];
+                // Only files are restored with a fingerprint.
+                let plan::PlanKind::File { chunks, git, .. } = &entry.kind else {
+                    return None;
+                };
+                Some(FileRecord {
                     path: &entry.path,
                     fingerprint,
                     chunks,
                     git: *git,
-                }),
-                _ => None,
-            }
-        });
-        // Only files are ever recorded as restored.
-        let records: Vec<FileRecord<'_>> = records.collect();
+                })
+            })
+            .collect();
         if let Err(e) = cache.save_with_files(records.into_iter()) {
             // The cache only saves work; the restore itself succeeded.
             tracing::warn!(path = %cache.path().display(), error = %e, "cannot save the fingerprint cache");
         }
-        drop_in_background(cache);
     }
 }
 

@@ -17,6 +17,7 @@
 
 use crate::cache::{FastMap, FastSet};
 use crate::gitobj::GitStored;
+use crate::scan::join_rel;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -174,12 +175,13 @@ impl Plan {
         dir.map_or(&[], |i| &self.entries[i].path)
     }
 
-    /// Whether directory `dir` has an entry called `name`.
-    pub fn has_child(&self, dir: Option<usize>, name: &[u8]) -> bool {
+    /// The entry called `name` directly inside directory `dir`, if any.
+    pub fn child(&self, dir: Option<usize>, name: &[u8]) -> Option<usize> {
         let range = self.children(dir);
-        self.entries[range]
+        let k = self.entries[range.clone()]
             .binary_search_by(|e| e.name().cmp(name))
-            .is_ok()
+            .ok()?;
+        Some(range.start + k)
     }
 
     /// Every chunk the plan's files need, in plan order.
@@ -188,18 +190,6 @@ impl Plan {
             PlanKind::File { chunks, .. } => &chunks[..],
             _ => &[],
         })
-    }
-}
-
-fn join(parent: &[u8], name: &[u8]) -> Vec<u8> {
-    if parent.is_empty() {
-        name.to_vec()
-    } else {
-        let mut path = Vec::with_capacity(parent.len() + 1 + name.len());
-        path.extend_from_slice(parent);
-        path.push(b'/');
-        path.extend_from_slice(name);
-        path
     }
 }
 
@@ -264,122 +254,135 @@ pub fn build_plan(
         let mut next_level = Vec::new();
         for (dir, tree_id) in level {
             let dir_path = plan.dir_path(dir).to_vec();
-            let tree = decoded[&tree_id].clone();
+            let tree = &decoded[&tree_id];
             if plan.entries.len() as u64 + tree.entries.len() as u64 > limits.max_entries {
                 return Err(PlanError::TooManyEntries {
                     limit: limits.max_entries,
                 });
             }
-            let first = plan.entries.len();
-            for entry in &tree.entries {
-                let path = join(&dir_path, &entry.name);
-                let unsafe_entry = |reason: String| PlanError::Unsafe {
-                    path: shown(&path),
-                    reason,
-                };
-                let kind = match &entry.kind {
-                    EntryKind::File { size, chunks } => {
-                        if *size > limits.max_file_size {
-                            return Err(unsafe_entry(format!(
-                                "the file declares {size} bytes, more than the limit of {}",
-                                limits.max_file_size
-                            )));
-                        }
-                        plan.files += 1;
-                        plan.total_bytes += size;
-                        PlanKind::File {
-                            size: *size,
-                            chunks: chunks.clone(),
-                            git: None,
-                        }
-                    }
-                    EntryKind::Git {
-                        size,
-                        stored,
-                        chunks,
-                    } => {
-                        if matches!(stored, GitStored::TreeDelta { .. })
-                            && crate::gitobj::loose_object_id(&path).is_none()
-                        {
-                            return Err(unsafe_entry(
-                                "a git tree delta that is not a SHA-1 loose object file".into(),
-                            ));
-                        }
-                        let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
-                        if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED
-                        {
-                            return Err(unsafe_entry(format!(
-                                "the git object declares {content} bytes of content in {size} bytes, \
-                             more than a loose object cairn stores by content"
-                            )));
-                        }
-                        plan.files += 1;
-                        plan.total_bytes += size;
-                        PlanKind::File {
-                            size: *size,
-                            chunks: chunks.clone(),
-                            git: Some(*stored),
-                        }
-                    }
-                    EntryKind::Dir { tree } => {
-                        plan.directories += 1;
-                        next_level.push((Some(plan.entries.len()), *tree));
-                        PlanKind::Dir {
-                            tree: *tree,
-                            children: 0..0,
-                        }
-                    }
-                    EntryKind::Symlink { target } => {
-                        plan.symlinks += 1;
-                        PlanKind::Symlink {
-                            target: target.clone(),
-                        }
-                    }
-                    // open_tree resolved every part it could open.
-                    EntryKind::Parted { .. } => {
-                        return Err(unsafe_entry(
-                            "its chunk list is in parts that were not read".into(),
-                        ));
-                    }
-                    special @ (EntryKind::Fifo
-                    | EntryKind::CharDevice
-                    | EntryKind::BlockDevice
-                    | EntryKind::Socket) => {
-                        return Err(unsafe_entry(format!(
-                            "it is a {}; restore creates only files, directories and symlinks",
-                            special.describe()
-                        )));
-                    }
-                };
-                let name_start = path.len() - entry.name.len();
-                plan.entries.push(PlanEntry {
-                    path,
-                    name_start,
-                    parent: dir,
-                    kind,
-                    meta: EntryMeta {
-                        mode: entry.mode & 0o7777,
-                        mtime_sec: entry.mtime_sec,
-                        mtime_nsec: entry.mtime_nsec,
-                        uid: entry.uid,
-                        gid: entry.gid,
-                    },
-                });
-            }
-            let range = first..plan.entries.len();
-            match dir {
-                None => plan.root_children = range,
-                Some(i) => {
-                    if let PlanKind::Dir { children, .. } = &mut plan.entries[i].kind {
-                        *children = range;
-                    }
-                }
-            }
+            add_children(&mut plan, dir, &dir_path, tree, limits, &mut next_level)?;
         }
         level = next_level;
         depth += 1;
     }
     Ok(plan)
+}
+
+/// Adds the entries of `tree`, the tree of directory `dir` (at `dir_path`),
+/// to the plan, checking each; its directories go to `next_level`.
+fn add_children(
+    plan: &mut Plan,
+    dir: Option<usize>,
+    dir_path: &[u8],
+    tree: &Tree,
+    limits: &Limits,
+    next_level: &mut Vec<(Option<usize>, BlobId)>,
+) -> Result<(), PlanError> {
+    let first = plan.entries.len();
+    for entry in &tree.entries {
+        let path = join_rel(dir_path, &entry.name);
+        let unsafe_entry = |reason: String| PlanError::Unsafe {
+            path: shown(&path),
+            reason,
+        };
+        let kind = match &entry.kind {
+            EntryKind::File { size, chunks } => {
+                if *size > limits.max_file_size {
+                    return Err(unsafe_entry(format!(
+                        "the file declares {size} bytes, more than the limit of {}",
+                        limits.max_file_size
+                    )));
+                }
+                plan.files += 1;
+                plan.total_bytes += size;
+                PlanKind::File {
+                    size: *size,
+                    chunks: chunks.clone(),
+                    git: None,
+                }
+            }
+            EntryKind::Git {
+                size,
+                stored,
+                chunks,
+            } => {
+                if matches!(stored, GitStored::TreeDelta { .. })
+                    && crate::gitobj::loose_object_id(&path).is_none()
+                {
+                    return Err(unsafe_entry(
+                        "a git tree delta that is not a SHA-1 loose object file".into(),
+                    ));
+                }
+                let content: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+                if content > crate::gitobj::MAX_CONTENT || *size > crate::gitobj::MAX_STORED {
+                    return Err(unsafe_entry(format!(
+                        "the git object declares {content} bytes of content in {size} bytes, \
+                     more than a loose object cairn stores by content"
+                    )));
+                }
+                plan.files += 1;
+                plan.total_bytes += size;
+                PlanKind::File {
+                    size: *size,
+                    chunks: chunks.clone(),
+                    git: Some(*stored),
+                }
+            }
+            EntryKind::Dir { tree } => {
+                plan.directories += 1;
+                next_level.push((Some(plan.entries.len()), *tree));
+                PlanKind::Dir {
+                    tree: *tree,
+                    children: 0..0,
+                }
+            }
+            EntryKind::Symlink { target } => {
+                plan.symlinks += 1;
+                PlanKind::Symlink {
+                    target: target.clone(),
+                }
+            }
+            // open_tree resolved every part it could open.
+            EntryKind::Parted { .. } => {
+                return Err(unsafe_entry(
+                    "its chunk list is in parts that were not read".into(),
+                ));
+            }
+            special @ (EntryKind::Fifo
+            | EntryKind::CharDevice
+            | EntryKind::BlockDevice
+            | EntryKind::Socket) => {
+                return Err(unsafe_entry(format!(
+                    "it is a {}; restore creates only files, directories and symlinks",
+                    special.describe()
+                )));
+            }
+        };
+        let name_start = path.len() - entry.name.len();
+        plan.entries.push(PlanEntry {
+            path,
+            name_start,
+            parent: dir,
+            kind,
+            meta: EntryMeta {
+                mode: entry.mode & 0o7777,
+                mtime_sec: entry.mtime_sec,
+                mtime_nsec: entry.mtime_nsec,
+                uid: entry.uid,
+                gid: entry.gid,
+            },
+        });
+    }
+    let range = first..plan.entries.len();
+    match dir {
+        None => plan.root_children = range,
+        Some(i) => {
+            if let PlanKind::Dir { children, .. } = &mut plan.entries[i].kind {
+                *children = range;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn open_tree(
@@ -420,7 +423,7 @@ fn open_tree(
     }
     tree.validate()
         .map_err(|(name, reason)| PlanError::Unsafe {
-            path: shown(&join(dir_path, name.as_bytes())),
+            path: shown(&join_rel(dir_path, name.as_bytes())),
             reason,
         })?;
     Ok(tree)
@@ -541,9 +544,9 @@ pub(crate) mod tests {
             ),
             (2, 2, 1, 6)
         );
-        assert!(plan.has_child(None, b"link"));
-        assert!(plan.has_child(Some(1), b"f"));
-        assert!(!plan.has_child(Some(1), b"g"));
+        assert_eq!(plan.child(None, b"link"), Some(2));
+        assert_eq!(plan.child(Some(1), b"f"), Some(4), "b/f");
+        assert_eq!(plan.child(Some(1), b"g"), None);
         assert_eq!(plan.chunks().count(), 2);
     }
 
