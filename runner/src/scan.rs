@@ -134,8 +134,12 @@ pub struct Scan {
 impl Scan {
     /// The listing of the directory at `rel`.
     pub fn listing(&self, rel: &[u8]) -> Option<&Arc<ScannedDir>> {
-        let at = self.dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()?;
-        Some(&self.dirs[at])
+        Some(&self.dirs[self.position(rel)?])
+    }
+
+    /// Where the listing of the directory at `rel` is in `dirs`.
+    pub fn position(&self, rel: &[u8]) -> Option<usize> {
+        self.dirs.binary_search_by(|d| d.path[..].cmp(rel)).ok()
     }
 
     /// The listings of `rel` and of everything below it, in path order.
@@ -454,7 +458,10 @@ fn walk_root(
             }
         }
     }
-    dirs.sort_unstable_by(|a, b| a.path.cmp(&b.path));
+    // Stable sorting finds the runs already in order (every reused subtree
+    // is one) and merges them, instead of sorting every directory of a
+    // large workspace again after a partial walk.
+    dirs.sort_by(|a, b| a.path.cmp(&b.path));
     if dirs.first().is_none_or(|d| !d.path.is_empty()) {
         // The root itself vanished while the walk began.
         return Err(ScanError::RootMissing(opts.root.clone()));
@@ -482,8 +489,10 @@ pub fn announce_repos(scan: &Scan, on_repo: &(dyn Fn(RepoFound) + Sync)) {
 /// Announces `dir` if it is a repository taken from an earlier scan (a
 /// directory holding `.git`, not itself inside a `.git` directory).
 fn announce_repo(root: &Path, dir: &ScannedDir, on_repo: &(dyn Fn(RepoFound) + Sync)) {
-    let in_git_dir = dir.path.split(|b| *b == b'/').any(|part| part == b".git");
-    if !in_git_dir && dir.nodes.iter().any(|n| n.name == b".git") {
+    // Listings are sorted by name: a search, not a pass over every entry
+    // of every directory a partial walk takes over.
+    let in_git_dir = || dir.path.split(|b| *b == b'/').any(|part| part == b".git");
+    if dir.node(b".git").is_some() && !in_git_dir() {
         on_repo(RepoFound {
             dir: root.join(rel_path(&dir.path)),
             rel: dir.path.clone(),
@@ -529,7 +538,7 @@ impl<'a> Walk<'a> {
         });
         if let Some(previous) = kept {
             // Its names unchanged, but something in or below it changed.
-            if !ctx.in_git_dir && previous.nodes.iter().any(|n| n.name == b".git") {
+            if !ctx.in_git_dir && previous.node(b".git").is_some() {
                 (self.on_repo)(RepoFound {
                     dir: abs.clone(),
                     rel: rel.clone(),

@@ -9,8 +9,9 @@
 //!   ([`crate::socket`]).
 //!
 //! Checkpoints never overlap: the triggers queue on one lock. The socket is
-//! bound once the fingerprint cache is loaded and the memo primed, so that
-//! every checkpoint asked there is cut at resident speed.
+//! bound once the fingerprint cache is loaded, the memo primed and the
+//! repositories' status read, so that every checkpoint asked there is cut
+//! at resident speed.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -26,6 +27,11 @@ use crate::cli::WatchArgs;
 use crate::scan;
 use crate::socket::{self, Request, Response, Unchanged};
 use crate::tracker::ChangeTracker;
+
+/// How long a starting watcher waits for its first reading of the
+/// repositories' status before it listens anyway (a checkpoint asked then
+/// waits for the rest of it).
+const STATUS_READING_WAIT: Duration = Duration::from_secs(30);
 
 /// Cuts the watched workspace's checkpoints, one at a time.
 #[derive(Debug)]
@@ -183,10 +189,21 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
         checkpoint::prime(&options, workspace, key_id, cache_dir.clone()).await;
         // The socket is bound once the runner answers at resident speed: a
         // checkpoint asked sooner would wait for this anyway (~0.5 s on
-        // 200k files). Until it is there, `cairn-runner checkpoint` finds
-        // no resident runner: it cuts the checkpoint itself, or with
+        // 200k files), and for the first reading of the repositories'
+        // status, which its own narrows from (a second on 80k tracked
+        // files). Until it is there, `cairn-runner checkpoint` finds no
+        // resident runner: it cuts the checkpoint itself, or with
         // `--socket` says that none answers.
         resident.settle().await;
+        if !resident
+            .await_status_reading_for(Some(STATUS_READING_WAIT))
+            .await
+        {
+            tracing::info!(
+                waited = %humantime::format_duration(STATUS_READING_WAIT),
+                "the repositories' status is still being read; listening meanwhile"
+            );
+        }
     }
     let baseline = newest.map(|newest| newest.baseline);
     let listener = socket::bind(&socket)?;

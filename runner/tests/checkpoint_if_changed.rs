@@ -169,3 +169,104 @@ async fn a_resident_runner_goes_on_across_a_coordinator_restart() {
         .expect("a change commits");
     assert_eq!(changed.sequence, first.sequence + 1);
 }
+
+fn git(dir: &Path, args: &[&str]) {
+    let status = std::process::Command::new("git")
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .current_dir(dir)
+        .status()
+        .unwrap();
+    assert!(status.success(), "git {args:?}");
+}
+
+/// A workspace holding one committed repository, `app`.
+fn workspace_with_repo(root: &Path) {
+    let app = root.join("app");
+    fs::create_dir_all(app.join("src")).unwrap();
+    fs::write(app.join("src/lib.rs"), "one\n").unwrap();
+    git(&app, &["init", "-q"]);
+    git(&app, &["add", "."]);
+    git(&app, &["commit", "-qm", "first"]);
+}
+
+fn app_status(resident: &Resident) -> (cairn_runner::git::narrow::ReadBy, u32) {
+    let memory = resident.status_memory().expect("a status is remembered");
+    let app = &memory.repos[&b"app"[..]];
+    (app.read_by, app.narrowed)
+}
+
+/// A resident runner with nothing to narrow from reads each repository in
+/// full once, and remembers it: the checkpoint after asks only about what
+/// changed since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resident_runners_first_reading_of_a_repository_narrows_the_next() {
+    use cairn_runner::git::narrow::ReadBy;
+    let Some(binary) = coordinator_or_skip() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, grpc, token) =
+        start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
+    let workspace = create_workspace(&grpc, &token, "first-reading").await;
+    let root = dir.path().join("root");
+    workspace_with_repo(&root);
+    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
+    let resident = Arc::new(Resident::new(Some(tracker)));
+    let opts = CheckpointOptions {
+        resident: Some(resident.clone()),
+        ..options(&grpc, &token, workspace, &root, &dir.path().join("cache"))
+    };
+    let first = checkpoint::checkpoint(opts.clone()).await.unwrap();
+    assert_eq!(first.repos.len(), 1);
+    assert_eq!(app_status(&resident), (ReadBy::FullGit, 0));
+
+    fs::write(root.join("app/src/lib.rs"), "two\n").unwrap();
+    let second = checkpoint::checkpoint(opts).await.unwrap();
+    let (read_by, narrowed) = app_status(&resident);
+    assert_ne!(read_by, ReadBy::FullGit, "narrowed from the first reading");
+    assert_eq!(narrowed, 1);
+    assert_eq!(second.repos[0].unstaged, 1, "src/lib.rs");
+}
+
+/// A checkpoint that comes while the runner's first background reading of
+/// the repositories goes on waits for it and narrows its own from it,
+/// rather than reading every repository in full beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_during_the_runners_first_status_reading_narrows_from_it() {
+    use cairn_runner::git::narrow::ReadBy;
+    let Some(binary) = coordinator_or_skip() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, grpc, token) =
+        start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
+    let workspace = create_workspace(&grpc, &token, "during-reading").await;
+    let root = std::fs::canonicalize(dir.path()).unwrap().join("root");
+    workspace_with_repo(&root);
+    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
+    let resident = Arc::new(Resident::new(Some(tracker)));
+    let cache = dir.path().join("cache");
+    let opts = CheckpointOptions {
+        resident: Some(resident.clone()),
+        ..options(&grpc, &token, workspace, &root, &cache)
+    };
+    let walk_options = opts.scan_options(&root, &cache);
+    let (walk, _) = resident
+        .tracker()
+        .unwrap()
+        .scan(&walk_options, &|_| {})
+        .unwrap();
+    fs::write(root.join("app/src/lib.rs"), "two\n").unwrap();
+    resident.read_repos_after(walk);
+
+    let first = checkpoint::checkpoint(opts).await.unwrap();
+    let (read_by, narrowed) = app_status(&resident);
+    assert_ne!(
+        read_by,
+        ReadBy::FullGit,
+        "narrowed from the runner's reading"
+    );
+    assert_eq!(narrowed, 1);
+    assert_eq!(first.repos[0].unstaged, 1, "src/lib.rs");
+}

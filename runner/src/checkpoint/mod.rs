@@ -371,15 +371,22 @@ async fn run(
     // A resident runner reads each repository for what changed since its
     // last reading, which needs the whole walk; and it may settle an "only
     // if changed" checkpoint from the walk alone, reading no repository.
-    // Otherwise repositories are read while the walk goes on.
-    let hold_repos = resident.as_ref().is_some_and(|r| r.has_status_memory())
-        || (baseline.is_some() && resident.is_some());
+    // Otherwise repositories are read while the walk goes on (a resident
+    // runner's readings are remembered for the next checkpoint's). A
+    // reading that began when the runner started is waited for, after the
+    // walk, rather than done again beside it.
+    let hold_repos = resident.as_ref().is_some_and(|r| {
+        r.has_status_memory() || r.status_reading_in_flight() || baseline.is_some()
+    });
+    let remember_repos = resident.is_some();
     let scanning = blocking(move || {
         let inspector = git::Inspector::start();
         let held_repos = std::sync::Mutex::new(Vec::new());
         let on_repo = |found| {
             if hold_repos {
                 held_repos.lock().expect("held repos lock").push(found);
+            } else if remember_repos {
+                inspector.submit_remembered(found);
             } else {
                 inspector.submit(found);
             }
@@ -426,6 +433,11 @@ async fn run(
         // The very walk the newest checkpoint was cut from: nothing to read.
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
         return Ok(None);
+    }
+    if let Some(resident) = &opts.resident
+        && hold_repos
+    {
+        resident.await_status_reading().await;
     }
     let status_memory = opts.resident.as_ref().and_then(|r| r.status_memory());
     let status_memory = status_memory.filter(|memory| memory.walk.root == walked.root);
@@ -756,9 +768,16 @@ fn place(
                     .into()
             }
         };
-        for pack in packs.iter() {
-            if !referenced.contains(pack) {
-                referenced.insert(pack.clone());
+        // Neighbouring directories mostly sit in the same packs: one
+        // comparison with the last list instead of a lookup per pack.
+        let same_as_last = per_dir
+            .last()
+            .is_some_and(|last: &Arc<[PackId]>| last[..] == packs[..]);
+        if !same_as_last {
+            for pack in packs.iter() {
+                if !referenced.contains(pack) {
+                    referenced.insert(pack.clone());
+                }
             }
         }
         per_dir.push(packs);

@@ -46,6 +46,10 @@ pub struct Resident {
     status: Mutex<Option<StatusMemory>>,
     /// Whether [`Resident::read_repos_after`] was started (once is enough).
     status_read_started: std::sync::atomic::AtomicBool,
+    /// That reading while it goes on: a checkpoint that comes before it
+    /// ends waits for it and narrows its own reading from it, instead of
+    /// reading every repository in full beside it.
+    status_reading: Mutex<Option<JoinHandle<()>>>,
     /// The last checkpoint's connection, with the address and token it was
     /// made for.
     coordinator: tokio::sync::Mutex<Option<KeptConnection>>,
@@ -79,6 +83,7 @@ impl Resident {
             memo: Mutex::new(None),
             status: Mutex::new(None),
             status_read_started: std::sync::atomic::AtomicBool::new(false),
+            status_reading: Mutex::new(None),
             coordinator: tokio::sync::Mutex::new(None),
         }
     }
@@ -157,6 +162,46 @@ impl Resident {
         *self.status.lock().expect("status lock") = Some(memory);
     }
 
+    /// Whether the background reading of [`Resident::read_repos_after`]
+    /// is still going on.
+    pub fn status_reading_in_flight(&self) -> bool {
+        let reading = self.status_reading.lock().expect("status reading lock");
+        reading.as_ref().is_some_and(|task| !task.is_finished())
+    }
+
+    /// Waits until the background reading of [`Resident::read_repos_after`]
+    /// has ended (and been remembered), if one is going on.
+    pub async fn await_status_reading(&self) {
+        self.await_status_reading_for(None).await;
+    }
+
+    /// Like [`Resident::await_status_reading`], for at most `limit`; false
+    /// when the reading still goes on then (a checkpoint still waits for it).
+    pub async fn await_status_reading_for(&self, limit: Option<std::time::Duration>) -> bool {
+        let reading = self
+            .status_reading
+            .lock()
+            .expect("status reading lock")
+            .take();
+        let Some(mut task) = reading else {
+            return true;
+        };
+        let ended = match limit {
+            Some(limit) => match tokio::time::timeout(limit, &mut task).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    *self.status_reading.lock().expect("status reading lock") = Some(task);
+                    return false;
+                }
+            },
+            None => task.await,
+        };
+        if let Err(e) = ended {
+            tracing::warn!(error = %e, "reading the repositories' status in the background failed");
+        }
+        true
+    }
+
     /// Reads the status of every repository of `walk` in the background and
     /// remembers it, unless a checkpoint has read them by then: the next
     /// checkpoint's status is then read for only what changed since. Only
@@ -167,12 +212,18 @@ impl Resident {
             return;
         }
         let resident = self.clone();
-        tokio::task::spawn_blocking(move || {
+        let reading = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let inspector = crate::git::Inspector::start();
             crate::scan::announce_repos(&walk, &|found| {
                 inspector.submit_following(found, None, &walk);
             });
             let inspected = inspector.finish();
+            tracing::debug!(
+                repos = inspected.statuses.len(),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "the repositories' status read in the background"
+            );
             let mut status = resident.status.lock().expect("status lock");
             if status.is_none() {
                 *status = Some(StatusMemory {
@@ -181,6 +232,7 @@ impl Resident {
                 });
             }
         });
+        *self.status_reading.lock().expect("status reading lock") = Some(reading);
     }
 
     pub fn tracker(&self) -> Option<&ChangeTracker> {
@@ -377,6 +429,36 @@ mod tests {
             failed.unwrap_err().is_panic(),
             "a panic reaches the awaiting task"
         );
+    }
+
+    /// A bounded wait for the background status reading gives up without
+    /// losing it: a checkpoint still finds it going on, and waits for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_wait_for_the_status_reading_leaves_it_for_the_checkpoint() {
+        let resident = Resident::new(None);
+        assert!(!resident.status_reading_in_flight());
+        assert!(
+            resident
+                .await_status_reading_for(Some(Duration::from_millis(1)))
+                .await,
+            "nothing to wait for"
+        );
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        *resident.status_reading.lock().unwrap() = Some(tokio::task::spawn_blocking(move || {
+            let _ = released.recv();
+        }));
+        assert!(
+            !resident
+                .await_status_reading_for(Some(Duration::from_millis(20)))
+                .await
+        );
+        assert!(
+            resident.status_reading_in_flight(),
+            "kept for the checkpoint"
+        );
+        release.send(()).unwrap();
+        resident.await_status_reading().await;
+        assert!(!resident.status_reading_in_flight());
     }
 
     /// A run's runner is made resident after its restore, not by a first

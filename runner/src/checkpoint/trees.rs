@@ -13,7 +13,6 @@ use std::sync::Arc;
 use cairn_proto::ids::BlobId;
 
 use super::content::{DirFiles, FileContent};
-use crate::cache::{FastMap, FastSet};
 use crate::format::{Entry, EntryKind, TenantKeys, Tree};
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into, parent_rel};
 
@@ -80,10 +79,12 @@ pub fn build(
     known: &dyn Fn(&BlobId) -> bool,
     remembered: &[Option<&DirTree>],
 ) -> Trees {
-    let mut by_dir: FastMap<&[u8], BlobId> = FastMap::default();
-    by_dir.reserve(scan.dirs.len());
+    // Per directory (as indexed in the scan), its tree, once built; found by
+    // a search of the sorted scan, only for the few directories encoded,
+    // rather than by hashing the path of every directory.
+    let mut by_dir: Vec<Option<BlobId>> = vec![None; scan.dirs.len()];
     // Directories with a subdirectory whose tree is not the remembered one.
-    let mut changed_below: FastSet<&[u8]> = FastSet::default();
+    let mut changed_below = vec![false; scan.dirs.len()];
     let mut dirs = Vec::with_capacity(scan.dirs.len());
     let mut unknown = Vec::new();
     let mut sent = HashSet::new();
@@ -95,14 +96,14 @@ pub fn build(
     for (d, dir) in scan.dirs.iter().enumerate().rev() {
         let remembered = remembered.get(d).copied().flatten();
         let tree = match remembered {
-            Some(tree) if !changed_below.contains(&dir.path[..]) => tree.clone(),
+            Some(tree) if !changed_below[d] => tree.clone(),
             _ => {
                 let mut subtrees = Vec::new();
                 for node in &dir.nodes {
                     if let NodeKind::Dir = node.kind {
                         join_rel_into(&mut path, &dir.path, &node.name);
                         // A directory without a listing vanished during the walk.
-                        subtrees.push(by_dir.get(&path[..]).copied());
+                        subtrees.push(scan.position(&path).and_then(|at| by_dir[at]));
                     }
                 }
                 match remembered {
@@ -117,11 +118,13 @@ pub fn build(
         };
         if remembered.is_some_and(|was| was.id == tree.id) {
             reused += 1;
-        } else if !dir.path.is_empty() {
-            changed_below.insert(parent_rel(&dir.path));
+        } else if !dir.path.is_empty()
+            && let Some(parent) = scan.position(parent_rel(&dir.path))
+        {
+            changed_below[parent] = true;
         }
         counts += tree.counts;
-        by_dir.insert(&dir.path, tree.id);
+        by_dir[d] = Some(tree.id);
         dirs.push(tree);
     }
     dirs.reverse();

@@ -597,6 +597,16 @@ impl Inspector {
         });
     }
 
+    /// Queues a repository of a resident runner that has no earlier reading
+    /// to narrow from: read in full, and remembered for the next reading.
+    pub fn submit_remembered(&self, found: RepoFound) {
+        self.send(Job {
+            found,
+            remember: true,
+            since: None,
+        });
+    }
+
     /// Queues a repository of a resident runner's walk `walk`, read for only
     /// what changed since `memory` read it, and remembered for the next
     /// reading.
