@@ -88,7 +88,10 @@ pub enum NodeKind {
 /// One entry of a directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
-    pub name: Vec<u8>,
+    /// Shared: a listing copied to stat a few of its entries again (a
+    /// directory of thousands of files, one of them written) copies
+    /// pointers, not every name.
+    pub name: Arc<[u8]>,
     pub kind: NodeKind,
     pub meta: Meta,
 }
@@ -692,7 +695,7 @@ impl<'a> Walk<'a> {
                 continue;
             };
             nodes.push(Node {
-                name,
+                name: name.into(),
                 kind,
                 meta: Meta::of(&meta),
             });
@@ -974,7 +977,7 @@ mod tests {
         .unwrap();
         let scan = run(&options(tmp.path()));
         assert_eq!(scan.dirs[1].path, b"d\xfe");
-        assert_eq!(scan.dirs[1].nodes[0].name, b"caf\xe9 \xff.txt");
+        assert_eq!(&scan.dirs[1].nodes[0].name[..], b"caf\xe9 \xff.txt");
     }
 
     #[test]

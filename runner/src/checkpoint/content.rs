@@ -854,7 +854,7 @@ mod tests {
         let cache = Cache::empty(tmp.path().join("unused"), "k");
         let (content, blobs) = read(&scan, &cache);
 
-        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.clone()).collect();
+        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.to_vec()).collect();
         assert_eq!(
             names,
             [
@@ -903,7 +903,7 @@ mod tests {
         let mut scan = scan_of(tmp.path());
         scan.started = later;
         let (first, _) = read(&scan, &cache);
-        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.clone()).collect();
+        let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.to_vec()).collect();
         assert_eq!(names, [b"new".to_vec(), b"old".to_vec()]);
         assert!(
             first.files[0][0].as_ref().unwrap().cacheable.is_none(),

@@ -62,7 +62,7 @@ impl DirOutcome {
         while *from < nodes.len() && nodes[*from].name[..] < *name {
             *from += 1;
         }
-        let node = nodes.get(*from).filter(|node| node.name == name)?;
+        let node = nodes.get(*from).filter(|node| *node.name == *name)?;
         let NodeKind::File(was) = &node.kind else {
             return None;
         };

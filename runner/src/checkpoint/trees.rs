@@ -186,7 +186,7 @@ pub(super) fn encode(
             }
         };
         entries.push(Entry {
-            name: node.name.clone(),
+            name: node.name.to_vec(),
             kind,
             mode: meta.mode,
             mtime_sec: meta.mtime_sec,

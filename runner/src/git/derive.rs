@@ -308,7 +308,7 @@ impl<'a> Reader<'a> {
             match node.kind {
                 NodeKind::File(_) | NodeKind::Symlink(_) => names.push(&node.name),
                 NodeKind::Dir => {
-                    if node.name != b".git" {
+                    if node.name[..] != b".git"[..] {
                         let path = join_rel(inside, &node.name);
                         if self.nested_repo(&path)? {
                             self.nested(path)?;
