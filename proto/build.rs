@@ -14,8 +14,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "host",
         "runner",
         "admin",
+        "refusal",
     ]
-    .map(|name| format!("proto/cairn/v1/{name}.proto"));
+    .map(|name| format!("proto/cairn/v1/{name}.proto"))
+    .into_iter()
+    .chain(["proto/google/rpc/status.proto".to_owned()])
+    .collect::<Vec<_>>();
     for file in &files {
         println!("cargo:rerun-if-changed={file}");
     }

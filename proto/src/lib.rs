@@ -11,6 +11,8 @@
 //! - [`stations`]: the files a run lays for its station and the handoff
 //!   note it leaves, validated on receipt.
 //! - [`auth`]: how a bearer token travels in gRPC metadata.
+//! - [`refusal`]: why the coordinator refused a call, typed, in the status
+//!   details; callers decide on it, never on the message.
 
 /// An enum of words: `ALL`, `as_str`, `Display`, and `FromStr` refusing any
 /// other word with a [`ValidationError`] of field `$field`. The caller gives
@@ -56,6 +58,7 @@ macro_rules! word_enum {
 pub mod auth;
 pub mod domain;
 pub mod ids;
+pub mod refusal;
 pub mod runs;
 pub mod size;
 pub mod stations;
@@ -66,6 +69,11 @@ pub use domain::ValidationError;
 #[allow(clippy::all, missing_docs)]
 pub mod pb {
     tonic::include_proto!("cairn.v1");
+
+    /// The standard rich-error envelope, `google.rpc.Status`.
+    pub mod google_rpc {
+        tonic::include_proto!("google.rpc");
+    }
 }
 
 /// Encoded `FileDescriptorSet` of `cairn.v1`, served by gRPC reflection.
