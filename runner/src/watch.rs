@@ -190,10 +190,9 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
         // The socket is bound once the runner answers at resident speed: a
         // checkpoint asked sooner would wait for this anyway (~0.5 s on
         // 200k files), and for the first reading of the repositories'
-        // status, which its own narrows from (a second on 80k tracked
-        // files). Until it is there, `cairn-runner checkpoint` finds no
-        // resident runner: it cuts the checkpoint itself, or with
-        // `--socket` says that none answers.
+        // status, which its own narrows from. Until it is there,
+        // `cairn-runner checkpoint` finds no resident runner: it cuts the
+        // checkpoint itself, or with `--socket` says that none answers.
         resident.settle().await;
         if !resident
             .await_status_reading_for(Some(STATUS_READING_WAIT))

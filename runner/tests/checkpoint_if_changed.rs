@@ -20,6 +20,7 @@ use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb;
 use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions, Resident};
 use cairn_runner::client::Coordinator;
+use cairn_runner::git::narrow::ReadBy;
 use cairn_runner::tracker::ChangeTracker;
 
 /// The coordinator binary, or None after saying the test is skipped.
@@ -180,17 +181,46 @@ fn git(dir: &Path, args: &[&str]) {
     assert!(status.success(), "git {args:?}");
 }
 
-/// A workspace holding one committed repository, `app`.
-fn workspace_with_repo(root: &Path) {
+/// A coordinator, a workspace holding one committed repository `app`, and
+/// a resident runner's options for it; nothing checkpointed yet.
+struct ResidentRepo {
+    root: std::path::PathBuf,
+    resident: Arc<Resident>,
+    opts: CheckpointOptions,
+    _server: attempt_support::Reaped,
+    _dir: tempfile::TempDir,
+}
+
+async fn resident_repo(binary: &Path, name: &str) -> ResidentRepo {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, grpc, token) =
+        start_coordinator(binary, &dir.path().join("data"), Duration::from_secs(60));
+    let workspace = create_workspace(&grpc, &token, name).await;
+    let root = fs::canonicalize(dir.path()).unwrap().join("root");
     let app = root.join("app");
     fs::create_dir_all(app.join("src")).unwrap();
     fs::write(app.join("src/lib.rs"), "one\n").unwrap();
     git(&app, &["init", "-q"]);
     git(&app, &["add", "."]);
     git(&app, &["commit", "-qm", "first"]);
+    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
+    let resident = Arc::new(Resident::new(Some(tracker)));
+    let opts = CheckpointOptions {
+        resident: Some(resident.clone()),
+        ..options(&grpc, &token, workspace, &root, &dir.path().join("cache"))
+    };
+    ResidentRepo {
+        root,
+        resident,
+        opts,
+        _server: server,
+        _dir: dir,
+    }
 }
 
-fn app_status(resident: &Resident) -> (cairn_runner::git::narrow::ReadBy, u32) {
+/// How the runner last read `app`'s status, and how many narrowed readings
+/// in a row that was.
+fn app_status(resident: &Resident) -> (ReadBy, u32) {
     let memory = resident.status_memory().expect("a status is remembered");
     let app = &memory.repos[&b"app"[..]];
     (app.read_by, app.narrowed)
@@ -201,29 +231,22 @@ fn app_status(resident: &Resident) -> (cairn_runner::git::narrow::ReadBy, u32) {
 /// changed since.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resident_runners_first_reading_of_a_repository_narrows_the_next() {
-    use cairn_runner::git::narrow::ReadBy;
     let Some(binary) = coordinator_or_skip() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, grpc, token) =
-        start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
-    let workspace = create_workspace(&grpc, &token, "first-reading").await;
-    let root = dir.path().join("root");
-    workspace_with_repo(&root);
-    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
-    let resident = Arc::new(Resident::new(Some(tracker)));
-    let opts = CheckpointOptions {
-        resident: Some(resident.clone()),
-        ..options(&grpc, &token, workspace, &root, &dir.path().join("cache"))
-    };
+    let ResidentRepo {
+        root,
+        resident,
+        opts,
+        ..
+    } = &resident_repo(&binary, "first-reading").await;
     let first = checkpoint::checkpoint(opts.clone()).await.unwrap();
     assert_eq!(first.repos.len(), 1);
-    assert_eq!(app_status(&resident), (ReadBy::FullGit, 0));
+    assert_eq!(app_status(resident), (ReadBy::FullGit, 0));
 
     fs::write(root.join("app/src/lib.rs"), "two\n").unwrap();
-    let second = checkpoint::checkpoint(opts).await.unwrap();
-    let (read_by, narrowed) = app_status(&resident);
+    let second = checkpoint::checkpoint(opts.clone()).await.unwrap();
+    let (read_by, narrowed) = app_status(resident);
     assert_ne!(read_by, ReadBy::FullGit, "narrowed from the first reading");
     assert_eq!(narrowed, 1);
     assert_eq!(second.repos[0].unstaged, 1, "src/lib.rs");
@@ -231,27 +254,22 @@ async fn a_resident_runners_first_reading_of_a_repository_narrows_the_next() {
 
 /// A checkpoint that comes while the runner's first background reading of
 /// the repositories goes on waits for it and narrows its own from it,
-/// rather than reading every repository in full beside it.
+/// rather than reading every repository in full beside it. (The reading, a
+/// `git status` process, is still going when the checkpoint starts in all
+/// but the slowest of schedulers; when it has ended, the checkpoint
+/// narrows from it all the same.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_during_the_runners_first_status_reading_narrows_from_it() {
-    use cairn_runner::git::narrow::ReadBy;
     let Some(binary) = coordinator_or_skip() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, grpc, token) =
-        start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
-    let workspace = create_workspace(&grpc, &token, "during-reading").await;
-    let root = std::fs::canonicalize(dir.path()).unwrap().join("root");
-    workspace_with_repo(&root);
-    let tracker = ChangeTracker::start(&root, Duration::from_secs(3600)).unwrap();
-    let resident = Arc::new(Resident::new(Some(tracker)));
-    let cache = dir.path().join("cache");
-    let opts = CheckpointOptions {
-        resident: Some(resident.clone()),
-        ..options(&grpc, &token, workspace, &root, &cache)
-    };
-    let walk_options = opts.scan_options(&root, &cache);
+    let ResidentRepo {
+        root,
+        resident,
+        opts,
+        ..
+    } = &resident_repo(&binary, "during-reading").await;
+    let walk_options = opts.scan_options(root, &opts.cache_dir);
     let (walk, _) = resident
         .tracker()
         .unwrap()
@@ -260,8 +278,8 @@ async fn a_checkpoint_during_the_runners_first_status_reading_narrows_from_it() 
     fs::write(root.join("app/src/lib.rs"), "two\n").unwrap();
     resident.read_repos_after(walk);
 
-    let first = checkpoint::checkpoint(opts).await.unwrap();
-    let (read_by, narrowed) = app_status(&resident);
+    let first = checkpoint::checkpoint(opts.clone()).await.unwrap();
+    let (read_by, narrowed) = app_status(resident);
     assert_ne!(
         read_by,
         ReadBy::FullGit,

@@ -166,13 +166,6 @@ pub fn read_all(
     tracing::debug!(
         files = to_read.len(),
         dirs_reused = content.from_memo.iter().filter(|reused| **reused).count(),
-        entries_compared = scan
-            .dirs
-            .iter()
-            .zip(&content.from_memo)
-            .filter(|(_, reused)| !**reused)
-            .map(|(dir, _)| dir.nodes.len())
-            .sum::<usize>(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "fingerprints compared with the cache"
     );

@@ -141,7 +141,7 @@ pub fn plan(
             why: "its .git is not a directory",
         };
     }
-    if root.nodes.iter().any(|n| n.name[..] == b".gitmodules"[..]) {
+    if root.node(b".gitmodules").is_some() {
         return Reading::Full {
             why: "it has submodules",
         };
