@@ -405,8 +405,10 @@ impl TryFrom<pb::CommitCheckpointRequest> for CommitCheckpoint {
                 "is empty; every checkpoint references at least the pack of its root tree",
             ));
         }
+        // A set: a hostile commit may list many packs both ways.
+        let referenced: std::collections::HashSet<&PackId> = referenced_packs.iter().collect();
         for new in &new_packs {
-            if !referenced_packs.contains(&new.pack_id) {
+            if !referenced.contains(&new.pack_id) {
                 return Err(ValidationError::new(
                     "new_packs",
                     format!("pack {} is uploaded but not referenced", new.pack_id),

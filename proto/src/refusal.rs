@@ -150,7 +150,10 @@ impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::StaleGeneration { given, current } => {
-                write!(f, "generation {given} is older than the workspace's {current}")
+                write!(
+                    f,
+                    "generation {given} is older than the workspace's {current}"
+                )
             }
             Self::PacksMissing { packs } => {
                 let ids: Vec<&str> = packs.iter().map(PackId::as_str).collect();
@@ -167,7 +170,10 @@ impl fmt::Display for Refusal {
             }
             Self::Token(why) => write!(f, "the bearer token is {}", why.as_str()),
             Self::WrongHost { bound, asked } => {
-                write!(f, "a host token of host {bound} may not act as host {asked}")
+                write!(
+                    f,
+                    "a host token of host {bound} may not act as host {asked}"
+                )
             }
         }
     }
@@ -241,7 +247,10 @@ impl TryFrom<pb::Refusal> for Refusal {
                     .collect::<Result<_, _>>()?,
             },
             Some(Reason::WorkspaceNotActive(w)) => Self::WorkspaceNotActive {
-                workspace: w.workspace_id.parse().map_err(|e| bad("workspace id", &e))?,
+                workspace: w
+                    .workspace_id
+                    .parse()
+                    .map_err(|e| bad("workspace id", &e))?,
                 state: WorkspaceState::try_from(w.state).map_err(|e| bad("state", &e))?,
             },
             Some(Reason::LimitExceeded(l)) => Self::LimitExceeded {
@@ -334,11 +343,8 @@ mod tests {
                 .encode_to_vec(),
             }],
         };
-        let status = Status::with_details(
-            Code::FailedPrecondition,
-            "x",
-            bad_id.encode_to_vec().into(),
-        );
+        let status =
+            Status::with_details(Code::FailedPrecondition, "x", bad_id.encode_to_vec().into());
         assert_eq!(Refusal::of(&status), None, "an invalid pack id is refused");
     }
 }

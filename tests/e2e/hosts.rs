@@ -229,8 +229,18 @@ fn a_stale_runner_cannot_commit_after_its_run_moved_on() {
     .expect_err("a superseded attempt's report must be refused");
     assert_eq!(
         superseded.code(),
-        tonic::Code::FailedPrecondition,
+        tonic::Code::PermissionDenied,
         "{superseded}"
+    );
+    assert!(
+        matches!(
+            cairn_proto::refusal::Refusal::of(&superseded),
+            Some(cairn_proto::refusal::Refusal::AttemptNotCurrent {
+                why: cairn_proto::refusal::NotCurrent::Superseded,
+                ..
+            })
+        ),
+        "the refusal's typed reason says superseded: {superseded}"
     );
     assert!(
         superseded.message().contains("superseded"),

@@ -58,6 +58,13 @@ struct ServeArgs {
     /// Lifetime of signed URLs (e.g. 90s, 15m, 1h).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
     url_ttl: Duration,
+    /// Most blob ids one checkpoint commit may declare in its new packs
+    /// (recording them holds the metadata's write lock).
+    #[arg(long, value_name = "COUNT", default_value_t = Limits::default().max_commit_blobs)]
+    max_commit_blobs: u64,
+    /// Most packs one checkpoint commit may reference.
+    #[arg(long, value_name = "COUNT", default_value_t = Limits::default().max_commit_referenced_packs)]
+    max_commit_packs: usize,
     /// A host whose last heartbeat is older than this is lost: its attempts
     /// end and its runs are queued again elsewhere.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
@@ -102,6 +109,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.blob_public_url = args.blob_public_url;
     config.limits = Limits {
         url_ttl: args.url_ttl,
+        max_commit_blobs: args.max_commit_blobs,
+        max_commit_referenced_packs: args.max_commit_packs,
         ..Limits::default()
     };
     config.host_lease = args.host_lease;

@@ -53,6 +53,7 @@ use std::collections::BTreeSet;
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
+use cairn_proto::refusal::NotCurrent;
 use ring::rand::{SecureRandom, SystemRandom};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -95,6 +96,23 @@ pub enum DbError {
     GenerationMismatch {
         given: Generation,
         current: Generation,
+    },
+    /// A runner spoke for an attempt that is no longer the run's current,
+    /// live one.
+    #[error("{detail}")]
+    AttemptNotCurrent {
+        run: RunId,
+        attempt: u32,
+        why: NotCurrent,
+        detail: String,
+    },
+    /// A commit declared as new a pack recorded for another workspace.
+    #[error(
+        "pack {pack} is recorded for another workspace; workspace {workspace} references only its own packs"
+    )]
+    ForeignPack {
+        pack: PackId,
+        workspace: WorkspaceId,
     },
     #[error("tenant {0} has no current key")]
     NoTenantKey(TenantId),

@@ -9,6 +9,7 @@
 use std::time::SystemTime;
 
 use cairn_proto::ids::{CheckpointId, RunId};
+use cairn_proto::refusal::NotCurrent;
 use cairn_proto::runs::{AttemptPhase, AttemptState, Outcome, RunState};
 
 use super::runs::{
@@ -24,19 +25,33 @@ use sqlx::SqliteConnection;
 /// not ended.
 fn runner_attempt(run: &Run, number: u32) -> Result<Attempt, DbError> {
     if number != run.attempt_count {
-        return Err(DbError::Precondition(format!(
-            "attempt {number} of run {} was superseded by attempt {}",
-            run.id, run.attempt_count
-        )));
+        return Err(DbError::AttemptNotCurrent {
+            run: run.id.clone(),
+            attempt: number,
+            why: NotCurrent::Superseded,
+            detail: format!(
+                "attempt {number} of run {} was superseded by attempt {}",
+                run.id, run.attempt_count
+            ),
+        });
     }
     let attempt = run
         .current_attempt()
         .ok_or_else(|| DbError::Corrupt(format!("run {} has no attempt {number}", run.id)))?;
     if attempt.is_ended() {
-        return Err(DbError::Precondition(format!(
-            "attempt {number} of run {} has ended ({})",
-            run.id, attempt.end_reason
-        )));
+        return Err(DbError::AttemptNotCurrent {
+            run: run.id.clone(),
+            attempt: number,
+            why: if run.state == RunState::Cancelled {
+                NotCurrent::Cancelled
+            } else {
+                NotCurrent::Ended
+            },
+            detail: format!(
+                "attempt {number} of run {} has ended ({})",
+                run.id, attempt.end_reason
+            ),
+        });
     }
     Ok(attempt.clone())
 }

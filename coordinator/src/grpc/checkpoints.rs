@@ -13,15 +13,17 @@ use cairn_proto::domain::{CommitCheckpoint, PackKind, to_timestamp};
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId};
 use cairn_proto::pb;
 use cairn_proto::pb::checkpoint_service_server::CheckpointService;
+use cairn_proto::refusal::Refusal;
 use futures::{StreamExt, TryStreamExt};
+use prost::Message;
 use tonic::{Request, Response, Status};
 
 use super::{
-    ServiceError, Shared, checkpoint_to_pb, decode_page_token, encode_page_token, ensure_active,
-    page_size,
+    Limits, ServiceError, Shared, checkpoint_to_pb, decode_page_token, encode_page_token,
+    ensure_active, page_size,
 };
 use crate::auth::principal;
-use crate::db::{Checkpoint, DbError, NewCheckpoint, generation_message};
+use crate::db::{Checkpoint, DbError, NewCheckpoint};
 use crate::store::ObjectKey;
 use crate::tokens::{Action, Principal};
 
@@ -90,6 +92,7 @@ impl CheckpointApi {
             .await?;
         let mut total = 0u64;
         let mut missing = Vec::new();
+        let mut unusable = Vec::new();
         let mut problems = Vec::new();
         for (id, size) in expected {
             match found.get(id).copied().flatten() {
@@ -98,10 +101,14 @@ impl CheckpointApi {
                         "pack {id} is not in the store (never uploaded, or lost)"
                     ));
                     missing.push(id.clone());
+                    unusable.push(id.clone());
                 }
-                Some(actual) if actual != *size => problems.push(format!(
-                    "pack {id} has {actual} bytes in the store, expected {size}"
-                )),
+                Some(actual) if actual != *size => {
+                    problems.push(format!(
+                        "pack {id} has {actual} bytes in the store, expected {size}"
+                    ));
+                    unusable.push(id.clone());
+                }
                 Some(_) => total = total.saturating_add(*size),
             }
         }
@@ -123,7 +130,10 @@ impl CheckpointApi {
                 );
             }
         }
-        Err(ServiceError::FailedPrecondition(problems.join("; ")))
+        Err(ServiceError::Refused {
+            refusal: Refusal::PacksMissing { packs: unusable },
+            message: problems.join("; "),
+        })
     }
 
     async fn commit(
@@ -131,6 +141,7 @@ impl CheckpointApi {
         principal: &Principal,
         commit: CommitCheckpoint,
     ) -> Result<Checkpoint, ServiceError> {
+        check_commit_limits(&self.shared.limits, &commit)?;
         let workspace = self
             .shared
             .workspace_by_ref(principal, &commit.workspace)
@@ -142,15 +153,14 @@ impl CheckpointApi {
         if let Some(own) = self.attempt_generation(principal).await?
             && commit.generation != own
         {
-            return Err(ServiceError::FailedPrecondition(
-                attempt_generation_message(principal, commit.generation, own),
-            ));
+            return Err(attempt_stale(principal, commit.generation, own));
         }
         if commit.generation != workspace.generation {
-            return Err(ServiceError::FailedPrecondition(generation_message(
-                commit.generation,
-                workspace.generation,
-            )));
+            return Err(DbError::GenerationMismatch {
+                given: commit.generation,
+                current: workspace.generation,
+            }
+            .into());
         }
         let db = &self.shared.db;
         let tenant = &principal.tenant;
@@ -177,22 +187,8 @@ impl CheckpointApi {
             }
         }
 
-        let limits = &self.shared.limits;
-        if commit.new_packs.len() > limits.max_packs_per_call {
-            return Err(ServiceError::InvalidArgument(format!(
-                "{} new packs in one commit; the limit is {}",
-                commit.new_packs.len(),
-                limits.max_packs_per_call
-            )));
-        }
         let mut new_sizes: HashMap<&PackId, u64> = HashMap::new();
         for pack in &commit.new_packs {
-            if pack.size > limits.max_pack_size {
-                return Err(ServiceError::InvalidArgument(format!(
-                    "pack {} is {} bytes; the largest pack accepted is {}",
-                    pack.pack_id, pack.size, limits.max_pack_size
-                )));
-            }
             if new_sizes.insert(&pack.pack_id, pack.size).is_some() {
                 return Err(ServiceError::InvalidArgument(format!(
                     "pack {} is listed twice in new_packs",
@@ -220,9 +216,15 @@ impl CheckpointApi {
                 None => match known.get(id) {
                     Some(pack) => pack.size,
                     None => {
-                        return Err(ServiceError::FailedPrecondition(format!(
-                            "pack {id} is not known to the coordinator; send it as a new pack"
-                        )));
+                        return Err(ServiceError::Refused {
+                            refusal: Refusal::PacksMissing {
+                                packs: vec![id.clone()],
+                            },
+                            message: format!(
+                                "pack {id} is not a pack of workspace {}; send it as a new pack",
+                                workspace.id
+                            ),
+                        });
                     }
                 },
             };
@@ -403,13 +405,82 @@ impl CheckpointApi {
 }
 
 /// Why a run token's checkpoint at `given` is refused: its attempt owns `own`.
-fn attempt_generation_message(principal: &Principal, given: Generation, own: Generation) -> String {
-    match &principal.run {
+/// Refuses a commit over any of the per-commit limits before it costs
+/// anything: no lookup, no store call, no write lock.
+fn check_commit_limits(limits: &Limits, commit: &CommitCheckpoint) -> Result<(), ServiceError> {
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    if commit.new_packs.len() > limits.max_packs_per_call {
+        return Err(ServiceError::over_limit(
+            "commit.new_packs",
+            count(limits.max_packs_per_call),
+            count(commit.new_packs.len()),
+            format!("{} new packs in one commit", commit.new_packs.len()),
+        ));
+    }
+    if commit.referenced_packs.len() > limits.max_commit_referenced_packs {
+        return Err(ServiceError::over_limit(
+            "commit.referenced_packs",
+            count(limits.max_commit_referenced_packs),
+            count(commit.referenced_packs.len()),
+            format!(
+                "{} referenced packs in one commit",
+                commit.referenced_packs.len()
+            ),
+        ));
+    }
+    let blobs: u64 = commit
+        .new_packs
+        .iter()
+        .map(|pack| count(pack.blob_ids.len()))
+        .sum();
+    if blobs > limits.max_commit_blobs {
+        return Err(ServiceError::over_limit(
+            "commit.blob_ids",
+            limits.max_commit_blobs,
+            blobs,
+            format!("{blobs} blob ids declared in one commit's new packs"),
+        ));
+    }
+    for pack in &commit.new_packs {
+        if pack.size > limits.max_pack_size {
+            return Err(ServiceError::over_limit(
+                "pack.bytes",
+                limits.max_pack_size,
+                pack.size,
+                format!("pack {} is {} bytes", pack.pack_id, pack.size),
+            ));
+        }
+    }
+    let details: usize = commit.repos.iter().map(Message::encoded_len).sum::<usize>()
+        + commit.warnings.iter().map(String::len).sum::<usize>()
+        + commit.harness.as_ref().map_or(0, Message::encoded_len);
+    if details > limits.max_commit_details_bytes {
+        return Err(ServiceError::over_limit(
+            "commit.details_bytes",
+            count(limits.max_commit_details_bytes),
+            count(details),
+            format!("the commit's git states, warnings and harness session take {details} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// A run token's call at another generation than its attempt's: refused as
+/// stale, the attempt's generation being the current one for it.
+fn attempt_stale(principal: &Principal, given: Generation, own: Generation) -> ServiceError {
+    let message = match &principal.run {
         Some(binding) => format!(
             "attempt {} of run {} checkpoints at generation {own}, not {given}",
             binding.attempt, binding.run
         ),
         None => format!("generation {given} is not the attempt's {own}"),
+    };
+    ServiceError::Refused {
+        refusal: Refusal::StaleGeneration {
+            given,
+            current: own,
+        },
+        message,
     }
 }
 
@@ -440,16 +511,13 @@ impl CheckpointService for CheckpointApi {
         if let Some(own) = own
             && generation != own
         {
-            return Err(ServiceError::FailedPrecondition(attempt_generation_message(
-                &principal, generation, own,
-            ))
-            .into());
+            return Err(attempt_stale(&principal, generation, own).into());
         }
         if generation != workspace.generation {
-            return Err(ServiceError::FailedPrecondition(generation_message(
-                generation,
-                workspace.generation,
-            ))
+            return Err(ServiceError::from(DbError::GenerationMismatch {
+                given: generation,
+                current: workspace.generation,
+            })
             .into());
         }
         let key = self
@@ -542,22 +610,31 @@ impl CheckpointService for CheckpointApi {
         ensure_active(&workspace)?;
         let limits = &self.shared.limits;
         if req.packs.len() > limits.max_packs_per_call {
-            return Err(ServiceError::InvalidArgument(format!(
-                "{} packs in one call; the limit is {}",
-                req.packs.len(),
-                limits.max_packs_per_call
-            ))
+            return Err(ServiceError::over_limit(
+                "uploads.packs",
+                limits.max_packs_per_call as u64,
+                req.packs.len() as u64,
+                format!("{} packs in one call", req.packs.len()),
+            )
             .into());
         }
         let mut urls = Vec::with_capacity(req.packs.len());
         for upload in &req.packs {
             let id: PackId = upload.pack_id.parse().map_err(ServiceError::from)?;
             PackKind::try_from(upload.kind).map_err(ServiceError::from)?;
-            if upload.size == 0 || upload.size > limits.max_pack_size {
+            if upload.size == 0 {
                 return Err(ServiceError::InvalidArgument(format!(
-                    "pack {id} is {} bytes; a pack must have 1 to {} bytes",
-                    upload.size, limits.max_pack_size
+                    "pack {id} is 0 bytes; a pack has at least one"
                 ))
+                .into());
+            }
+            if upload.size > limits.max_pack_size {
+                return Err(ServiceError::over_limit(
+                    "pack.bytes",
+                    limits.max_pack_size,
+                    upload.size,
+                    format!("pack {id} is {} bytes", upload.size),
+                )
                 .into());
             }
             let key = ObjectKey::for_pack(&principal.tenant, &id);

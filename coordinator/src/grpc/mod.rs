@@ -18,6 +18,7 @@ mod runner;
 mod runs;
 mod workspaces;
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +34,7 @@ use cairn_proto::pb::host_service_server::HostServiceServer;
 use cairn_proto::pb::run_service_server::RunServiceServer;
 use cairn_proto::pb::runner_service_server::RunnerServiceServer;
 use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
+use cairn_proto::refusal::Refusal;
 use cairn_proto::runs::to_proto_duration;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt as _;
@@ -76,6 +78,14 @@ pub struct Limits {
     pub max_packs_per_call: usize,
     /// Store lookups a commit runs at once.
     pub stat_concurrency: usize,
+    /// Blob ids one commit may declare in its new packs: recording them
+    /// holds the metadata's write lock, so one huge commit would stall
+    /// every other workspace's checkpoints.
+    pub max_commit_blobs: u64,
+    /// Packs one commit may reference (new and old).
+    pub max_commit_referenced_packs: usize,
+    /// Encoded bytes of a commit's git states, warnings and harness session.
+    pub max_commit_details_bytes: usize,
 }
 
 impl Default for Limits {
@@ -86,6 +96,9 @@ impl Default for Limits {
             max_pack_size: 1 << 30,
             max_packs_per_call: 10_000,
             stat_concurrency: 16,
+            max_commit_blobs: 1_000_000,
+            max_commit_referenced_packs: 50_000,
+            max_commit_details_bytes: 4 << 20,
         }
     }
 }
@@ -142,10 +155,29 @@ pub enum ServiceError {
     NotFound(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A refusal the caller decides on: sent with its code and the typed
+    /// reason in the status details.
+    #[error("{message}")]
+    Refused { refusal: Refusal, message: String },
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl ServiceError {
+    /// A request over one of the coordinator's limits: INVALID_ARGUMENT
+    /// naming the limit, with [`Refusal::LimitExceeded`] for callers.
+    fn over_limit(limit: &str, max: u64, actual: u64, what: impl fmt::Display) -> Self {
+        Self::Refused {
+            refusal: Refusal::LimitExceeded {
+                limit: limit.to_owned(),
+                max,
+                actual,
+            },
+            message: format!("{what}; the limit ({limit}) is {max}"),
+        }
+    }
 }
 
 impl From<ServiceError> for Status {
@@ -156,15 +188,29 @@ impl From<ServiceError> for Status {
             ServiceError::Denied(m) => Status::permission_denied(m),
             ServiceError::NotFound(m) => Status::not_found(m),
             ServiceError::FailedPrecondition(m) => Status::failed_precondition(m),
+            ServiceError::Refused { refusal, message } => refusal.into_status(message),
             ServiceError::Db(e) => match e {
+                DbError::GenerationMismatch { given, current } => {
+                    Refusal::StaleGeneration { given, current }.into_status(e.to_string())
+                }
+                DbError::WorkspaceNotActive { ref id, state } => Refusal::WorkspaceNotActive {
+                    workspace: id.clone(),
+                    state,
+                }
+                .into_status(e.to_string()),
+                DbError::AttemptNotCurrent {
+                    run,
+                    attempt,
+                    why,
+                    detail,
+                } => Refusal::AttemptNotCurrent { run, attempt, why }.into_status(detail),
                 DbError::NameTaken(_) => Status::already_exists(e.to_string()),
                 DbError::WorkspaceNotFound(_) | DbError::NotFound(_) => {
                     Status::not_found(e.to_string())
                 }
                 DbError::Invalid(_) => Status::invalid_argument(e.to_string()),
-                DbError::WorkspaceNotActive { .. }
-                | DbError::GenerationMismatch { .. }
-                | DbError::Precondition(_) => Status::failed_precondition(e.to_string()),
+                DbError::ForeignPack { .. } => Status::permission_denied(e.to_string()),
+                DbError::Precondition(_) => Status::failed_precondition(e.to_string()),
                 e if e.is_retryable() => {
                     tracing::warn!(error = %e, "metadata database busy");
                     Status::unavailable(format!(
@@ -230,10 +276,10 @@ fn ensure_active(workspace: &Workspace) -> Result<(), ServiceError> {
     if workspace.state == WorkspaceState::Active {
         Ok(())
     } else {
-        Err(ServiceError::FailedPrecondition(format!(
-            "workspace {} is {}, not active",
-            workspace.id, workspace.state
-        )))
+        Err(ServiceError::Db(DbError::WorkspaceNotActive {
+            id: workspace.id.clone(),
+            state: workspace.state,
+        }))
     }
 }
 
@@ -523,6 +569,14 @@ mod tests {
         assert_eq!(
             status.message(),
             "generation g1 is older than the workspace's g2"
+        );
+        assert_eq!(
+            Refusal::of(&status),
+            Some(Refusal::StaleGeneration {
+                given: cairn_proto::ids::Generation(1),
+                current: cairn_proto::ids::Generation(2),
+            }),
+            "the caller decides on the typed reason"
         );
         let down = StoreError::Unavailable {
             op: crate::store::StoreOp::Stat,

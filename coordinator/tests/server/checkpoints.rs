@@ -4,8 +4,9 @@ use std::path::Path;
 
 use cairn_coordinator::store::{ObjectKey, StoreOp};
 use cairn_proto::domain::PackKind;
-use cairn_proto::ids::{PackId, TenantId};
+use cairn_proto::ids::{Generation, PackId, TenantId};
 use cairn_proto::pb;
+use cairn_proto::refusal::Refusal;
 use cairn_runner::client::Coordinator;
 use tonic::Code;
 
@@ -182,6 +183,12 @@ async fn a_commit_naming_a_pack_that_was_never_uploaded_is_refused_and_leaves_no
     )
     .await;
     assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::PacksMissing {
+            packs: vec![data.id.clone()]
+        })
+    );
     assert!(
         status.message().contains(data.id.as_str()),
         "{}",
@@ -228,6 +235,13 @@ async fn a_commit_with_a_stale_generation_is_refused() {
     bump_generation(dir.path(), &ws.id).await;
     let status = commit_err(&mut client, commit_request(&old, &meta, &[&meta], &[&meta])).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::StaleGeneration {
+            given: Generation(1),
+            current: Generation(2),
+        })
+    );
     assert_eq!(
         status.message(),
         "generation g1 is older than the workspace's g2"
@@ -313,6 +327,12 @@ async fn a_pack_missing_from_the_store_cannot_be_referenced_again() {
     request.referenced_packs.push(data_pack.to_string());
     let status = commit_err(&mut client, request).await;
     assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::PacksMissing {
+            packs: vec![data_pack.clone()]
+        })
+    );
     assert!(
         status.message().contains(data_pack.as_str()),
         "{}",
@@ -357,6 +377,12 @@ async fn every_missing_pack_is_named_marked_lost_and_its_blobs_uploaded_again() 
     )
     .await;
     assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::PacksMissing {
+            packs: vec![data_a.id.clone(), data_b.id.clone()]
+        })
+    );
     for pack in [&data_a.id, &data_b.id] {
         assert!(
             status.message().contains(&format!("pack {pack}")),
@@ -413,7 +439,14 @@ async fn malformed_checkpoint_requests_are_invalid_arguments() {
     .await
     .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("limit"), "{}", status.message());
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::LimitExceeded {
+            limit: "find.blob_ids".into(),
+            max: u64::from(begin.max_find_batch),
+            actual: u64::from(begin.max_find_batch) + 1,
+        })
+    );
 
     let short = vec![vec![0u8; 32], vec![0u8; 31]];
     let status = find_missing(
@@ -554,4 +587,61 @@ async fn checkpoints_list_newest_first_in_pages() {
     }
     assert_eq!(sequences, [5, 4, 3, 2, 1]);
     assert_eq!(pages, 3);
+}
+
+/// A commit over any per-commit cap is refused before it costs anything,
+/// naming the limit, and a commit within them still goes through.
+#[tokio::test]
+async fn commits_over_the_per_commit_caps_are_refused_naming_the_limit() {
+    let dir = data_dir();
+    let server = TestServer::start_with(dir.path(), |config| {
+        config.limits.max_commit_blobs = 3;
+        config.limits.max_commit_referenced_packs = 2;
+        config.limits.max_commit_details_bytes = 64;
+    })
+    .await;
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "").await;
+    let begin = begin(&mut client, &ws.id).await;
+    let keys = keys_of(&begin);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"tree"]);
+    let data = build_pack(&keys, PackKind::Data, &[b"a", b"b", b"c"]);
+    let other = build_pack(&keys, PackKind::Data, &[b"d"]);
+    upload(&mut client, &ws.id, &[&meta, &data, &other]).await;
+    let refused_limit = |status: &tonic::Status| match Refusal::of(status) {
+        Some(Refusal::LimitExceeded { limit, max, actual }) => (limit, max, actual),
+        other => panic!("not a limit refusal: {other:?} ({status})"),
+    };
+
+    let status = commit_err(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(refused_limit(&status), ("commit.blob_ids".into(), 3, 4));
+    assert!(status.message().contains("commit.blob_ids"), "{status}");
+
+    let status = commit_err(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta, &other], &[&meta, &other, &data]),
+    )
+    .await;
+    assert_eq!(
+        refused_limit(&status),
+        ("commit.referenced_packs".into(), 2, 3)
+    );
+
+    let mut chatty = commit_request(&begin, &meta, &[&meta, &other], &[&meta, &other]);
+    chatty.warnings = vec!["w".repeat(65)];
+    let status = commit_err(&mut client, chatty).await;
+    assert_eq!(
+        refused_limit(&status),
+        ("commit.details_bytes".into(), 64, 65)
+    );
+    assert!(list_checkpoints(&mut client, &ws.id).await.is_empty());
+
+    let within = commit_request(&begin, &meta, &[&meta, &other], &[&meta, &other]);
+    commit(&mut client, within).await;
+    assert_eq!(list_checkpoints(&mut client, &ws.id).await.len(), 1);
 }

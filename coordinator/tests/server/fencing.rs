@@ -2,7 +2,9 @@
 //! neither commit checkpoints nor report, so newer work stays newest.
 
 use cairn_proto::domain::PackKind;
+use cairn_proto::ids::Generation;
 use cairn_proto::pb;
+use cairn_proto::refusal::{NotCurrent, Refusal};
 use tonic::Code;
 
 use crate::fleet::*;
@@ -43,6 +45,13 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
     let refused = commit_err(&mut stale.coordinator, stale_commit.clone()).await;
     assert_eq!(refused.code(), Code::FailedPrecondition);
     assert_eq!(
+        Refusal::of(&refused),
+        Some(Refusal::StaleGeneration {
+            given: Generation(first.generation),
+            current: Generation(second.generation),
+        })
+    );
+    assert_eq!(
         refused.message(),
         format!(
             "generation g{} is older than the workspace's g{}",
@@ -60,6 +69,10 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
         .await
         .unwrap_err();
     assert_eq!(begin_refused.code(), Code::FailedPrecondition);
+    assert!(matches!(
+        Refusal::of(&begin_refused),
+        Some(Refusal::StaleGeneration { .. })
+    ));
     assert!(
         begin_refused.message().contains("older"),
         "{}",
@@ -73,6 +86,14 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
     let forged_refused = commit_err(&mut stale.coordinator, forged).await;
     assert_eq!(forged_refused.code(), Code::FailedPrecondition);
     assert_eq!(
+        Refusal::of(&forged_refused),
+        Some(Refusal::StaleGeneration {
+            given: Generation(second.generation),
+            current: Generation(first.generation),
+        }),
+        "the attempt's own generation is the current one for its token"
+    );
+    assert_eq!(
         forged_refused.message(),
         format!(
             "attempt 1 of run {} checkpoints at generation g{}, not g{}",
@@ -83,7 +104,15 @@ async fn a_superseded_runner_can_neither_commit_nor_report() {
         .progress(pb::AttemptPhase::Checkpointed, "", &early.id)
         .await
         .unwrap_err();
-    assert_eq!(report_refused.code(), Code::FailedPrecondition);
+    assert_eq!(report_refused.code(), Code::PermissionDenied);
+    assert_eq!(
+        Refusal::of(&report_refused),
+        Some(Refusal::AttemptNotCurrent {
+            run: run.id.parse().unwrap(),
+            attempt: 1,
+            why: NotCurrent::Superseded,
+        })
+    );
     assert_eq!(
         report_refused.message(),
         format!("attempt 1 of run {} was superseded by attempt 2", run.id)

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use cairn_proto::pb;
+use cairn_proto::refusal::{NotCurrent, Refusal};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -283,7 +284,18 @@ async fn a_held_sandbox_is_destroyed_when_the_hold_expires_and_the_run_is_suspen
         .progress(pb::AttemptPhase::Running, "", "")
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert!(
+        matches!(
+            Refusal::of(&refused),
+            Some(Refusal::AttemptNotCurrent {
+                why: NotCurrent::Ended,
+                attempt: 1,
+                ..
+            })
+        ),
+        "{refused}"
+    );
     assert!(
         refused.message().contains("has ended"),
         "{}",
@@ -403,7 +415,18 @@ async fn an_answer_to_a_suspended_run_starts_the_next_attempt_resuming_the_conve
 
     // The first attempt's runner is superseded.
     let refused = runner.claim_err().await;
-    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert!(
+        matches!(
+            Refusal::of(&refused),
+            Some(Refusal::AttemptNotCurrent {
+                why: NotCurrent::Superseded,
+                attempt: 1,
+                ..
+            })
+        ),
+        "{refused}"
+    );
     assert_eq!(
         refused.message(),
         format!("attempt 1 of run {} was superseded by attempt 2", run.id)

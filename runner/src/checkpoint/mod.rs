@@ -48,6 +48,7 @@ use std::time::Instant;
 use cairn_proto::domain::{CheckpointReason, PackKind};
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use cairn_proto::pb;
+use cairn_proto::refusal::Refusal;
 use cairn_proto::size::human_bytes;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -249,31 +250,46 @@ impl CheckpointError {
         }
     }
 
-    /// The coordinator refused the commit because a referenced pack is not
-    /// in the store (the cache named a pack that has been collected).
-    pub fn is_missing_pack(&self) -> bool {
+    /// The coordinator's typed reason for refusing a call, if it gave one.
+    pub fn refusal(&self) -> Option<Refusal> {
         match self {
-            Self::Rpc {
-                call: "CommitCheckpoint",
-                status,
-            } => {
-                status.code() == Code::FailedPrecondition
-                    && status.message().to_ascii_lowercase().contains("pack")
-            }
-            _ => false,
+            Self::Rpc { status, .. } => Refusal::of(status),
+            _ => None,
         }
     }
 
-    /// The pack ids a refusal names (64 hex digits each).
+    /// The coordinator refused the commit because a referenced pack is not
+    /// in the store (the cache named a pack that has been collected).
+    pub fn is_missing_pack(&self) -> bool {
+        matches!(
+            self,
+            Self::Rpc {
+                call: "CommitCheckpoint",
+                ..
+            }
+        ) && matches!(self.refusal(), Some(Refusal::PacksMissing { .. }))
+    }
+
+    /// The packs a missing-pack refusal names.
     pub fn named_packs(&self) -> Vec<PackId> {
-        let Self::Rpc { status, .. } = self else {
-            return Vec::new();
-        };
-        status
-            .message()
-            .split(|c: char| !c.is_ascii_hexdigit())
-            .filter_map(|word| word.parse().ok())
-            .collect()
+        match self.refusal() {
+            Some(Refusal::PacksMissing { packs }) => packs,
+            _ => Vec::new(),
+        }
+    }
+
+    /// The coordinator fenced this writer: a newer attempt owns the
+    /// workspace, this attempt is no longer current, or the workspace was
+    /// finished or deleted under it.
+    pub fn is_fenced(&self) -> bool {
+        matches!(
+            self.refusal(),
+            Some(
+                Refusal::StaleGeneration { .. }
+                    | Refusal::AttemptNotCurrent { .. }
+                    | Refusal::WorkspaceNotActive { .. }
+            )
+        )
     }
 }
 
@@ -1187,29 +1203,36 @@ mod tests {
     }
 
     #[test]
-    fn a_commit_refused_for_a_missing_pack_is_told_apart() {
+    fn a_commit_refused_for_a_missing_pack_is_told_apart_by_its_refusal() {
+        let pack: PackId = "0123abcd".repeat(8).parse().unwrap();
         let missing = CheckpointError::Rpc {
             call: "CommitCheckpoint",
-            status: tonic::Status::failed_precondition("pack 0123abcd is not in the store"),
+            status: Refusal::PacksMissing {
+                packs: vec![pack.clone()],
+            }
+            .into_status("reworded at will"),
         };
-        assert!(missing.is_missing_pack());
-        let pack = "0123abcd".repeat(8);
-        let named = CheckpointError::Rpc {
+        assert!(missing.is_missing_pack() && !missing.is_fenced());
+        assert_eq!(missing.named_packs(), [pack.clone()]);
+        let worded = CheckpointError::Rpc {
             call: "CommitCheckpoint",
             status: tonic::Status::failed_precondition(format!(
                 "pack {pack} is not in the store (never uploaded, or lost)"
             )),
         };
-        assert_eq!(named.named_packs(), [pack.parse::<PackId>().unwrap()]);
         assert!(
-            missing.named_packs().is_empty(),
-            "a short hex word is not a pack id"
+            !worded.is_missing_pack() && worded.named_packs().is_empty() && !worded.is_fenced(),
+            "the message is never read"
         );
         let stale = CheckpointError::Rpc {
             call: "CommitCheckpoint",
-            status: tonic::Status::failed_precondition("generation 2 is older than 3"),
+            status: Refusal::StaleGeneration {
+                given: cairn_proto::ids::Generation(2),
+                current: cairn_proto::ids::Generation(3),
+            }
+            .into_status("pack pack pack"),
         };
-        assert!(!stale.is_missing_pack());
+        assert!(!stale.is_missing_pack() && stale.is_fenced());
         let unavailable = CheckpointError::Rpc {
             call: "FindMissingBlobs",
             status: tonic::Status::unavailable("down"),

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use cairn_proto::pb;
 use cairn_proto::pb::runner_service_client::RunnerServiceClient;
+use cairn_proto::refusal::Refusal;
 use tonic::Code;
 
 use crate::client::{AuthChannel, MAX_MESSAGE_BYTES};
@@ -55,11 +56,16 @@ pub struct ControlError {
 
 impl ControlError {
     /// This attempt may not act for the run any more (superseded by a newer
-    /// attempt, or its token is no longer valid).
+    /// attempt, ended, or its token expired or was revoked), as the
+    /// coordinator's typed refusal says.
     pub fn is_superseded(&self) -> bool {
         matches!(
-            self.status.code(),
-            Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated
+            Refusal::of(&self.status),
+            Some(
+                Refusal::AttemptNotCurrent { .. }
+                    | Refusal::StaleGeneration { .. }
+                    | Refusal::Token(_)
+            )
         )
     }
 }
@@ -214,16 +220,32 @@ mod tests {
 
     #[test]
     fn superseded_attempts_are_told_apart() {
+        let run = cairn_proto::ids::RunId::generate();
         let refused = ControlError {
             call: "ReportProgress",
-            status: tonic::Status::failed_precondition(
-                "attempt 1 of run r was superseded by attempt 2",
-            ),
+            status: Refusal::AttemptNotCurrent {
+                run: run.clone(),
+                attempt: 1,
+                why: cairn_proto::refusal::NotCurrent::Superseded,
+            }
+            .into_status(format!(
+                "attempt 1 of run {run} was superseded by attempt 2"
+            )),
         };
         assert!(refused.is_superseded());
         assert_eq!(
             refused.to_string(),
-            "ReportProgress: failed precondition: attempt 1 of run r was superseded by attempt 2"
+            format!(
+                "ReportProgress: permission denied: attempt 1 of run {run} was superseded by attempt 2"
+            )
+        );
+        let worded = ControlError {
+            call: "ReportProgress",
+            status: tonic::Status::failed_precondition("attempt 1 was superseded"),
+        };
+        assert!(
+            !worded.is_superseded(),
+            "without a typed reason a refusal is a failure, whatever it says"
         );
         let down = ControlError {
             call: "ReportProgress",

@@ -13,7 +13,6 @@ use cairn_proto::ids::BlobId;
 use cairn_proto::pb;
 use cairn_proto::size::human_bytes;
 use futures::future::BoxFuture;
-use tonic::Code;
 
 use crate::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
@@ -81,12 +80,7 @@ impl StoreError {
     /// the workspace now (or the run token stopped counting).
     pub fn is_fenced(&self) -> bool {
         match self {
-            Self::Checkpoint(e @ CheckpointError::Rpc { status, .. }) => {
-                matches!(
-                    status.code(),
-                    Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated
-                ) && !e.is_missing_pack()
-            }
+            Self::Checkpoint(e) => e.is_fenced(),
             _ => false,
         }
     }
@@ -282,23 +276,38 @@ pub fn describe(report: &CheckpointReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cairn_proto::ids::{Generation, PackId};
+    use cairn_proto::refusal::Refusal;
 
     #[test]
     fn fencing_and_permanent_failures_are_told_apart() {
         let stale = StoreError::Checkpoint(CheckpointError::Rpc {
             call: "CommitCheckpoint",
-            status: tonic::Status::failed_precondition(
-                "generation 2 is older than the workspace's generation 3",
-            ),
+            status: Refusal::StaleGeneration {
+                given: Generation(2),
+                current: Generation(3),
+            }
+            .into_status("generation 2 is older than the workspace's generation 3"),
         });
         assert!(stale.is_fenced() && !stale.is_permanent());
         let lost_pack = StoreError::Checkpoint(CheckpointError::Rpc {
             call: "CommitCheckpoint",
-            status: tonic::Status::failed_precondition("pack 00ff is not in the store"),
+            status: Refusal::PacksMissing {
+                packs: vec![PackId::from_digest(&[0xff; 32])],
+            }
+            .into_status("pack 00ff is not in the store"),
         });
         assert!(
             !lost_pack.is_fenced(),
             "a lost pack is the engine's to redo, not a fence"
+        );
+        let untyped = StoreError::Checkpoint(CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::failed_precondition("generation 2 is older"),
+        });
+        assert!(
+            !untyped.is_fenced(),
+            "a refusal without a typed reason is a failure, whatever its message"
         );
         let unrestorable = StoreError::Restore(RestoreError::NothingRestorable {
             workspace: "w".into(),
