@@ -81,9 +81,13 @@ impl FakeRunnerService {
         let superseded = state.superseded && call != Call::Claim;
         state.calls.push(call);
         if superseded {
-            return Err(Status::failed_precondition(
-                "attempt 1 of run run-1 was superseded by attempt 2",
-            ));
+            // As the coordinator refuses it: typed, the message for people.
+            return Err(cairn_proto::refusal::Refusal::AttemptNotCurrent {
+                run: cairn_proto::ids::RunId::generate(),
+                attempt: 1,
+                why: cairn_proto::refusal::NotCurrent::Superseded,
+            }
+            .into_status("attempt 1 of run run-1 was superseded by attempt 2"));
         }
         Ok(())
     }
@@ -398,9 +402,11 @@ impl WorkspaceStore for SnapshotStore {
             if state.fenced {
                 return Err(StoreError::Checkpoint(CheckpointError::Rpc {
                     call: "CommitCheckpoint",
-                    status: Status::failed_precondition(
-                        "generation 1 is older than the workspace's generation 2",
-                    ),
+                    status: cairn_proto::refusal::Refusal::StaleGeneration {
+                        given: cairn_proto::ids::Generation(1),
+                        current: cairn_proto::ids::Generation(2),
+                    }
+                    .into_status("generation 1 is older than the workspace's generation 2"),
                 }));
             }
             let newest = state
