@@ -1,6 +1,5 @@
 //! Restore speed (issue 5): a host's pack cache makes a second restore of a
-//! workspace, or of another workspace holding the same repository, read
-//! from disk instead of the store, and survives a neighbour tampering with
+//! workspace, or of a fork of it, read from disk instead of the store, and survives a neighbour tampering with
 //! it; a restore onto a baked older copy writes and downloads only what
 //! differs and removes what the checkpoint lacks.
 
@@ -50,7 +49,7 @@ fn copy_tree(from: &Path, to: &Path) {
 }
 
 #[test]
-fn a_warm_host_cache_serves_a_second_restore_and_another_workspace_of_the_same_repo() {
+fn a_warm_host_cache_serves_a_second_restore_and_a_fork() {
     let tmp = tempdir("pack-cache");
     let root = tmp.path().join("workspace");
     make_workspace(
@@ -86,18 +85,33 @@ fn a_warm_host_cache_serves_a_second_restore_and_another_workspace_of_the_same_r
         "{second}"
     );
 
-    // Another workspace of the same tenant holding the same repository: its
-    // checkpoint dedupes against the first one's packs, which the cache holds.
+    // A fork of the workspace starts from the same checkpoint, whose packs
+    // the cache holds: its first restore downloads next to nothing.
+    let forked = coordinator
+        .client()
+        .ctl_json(&["workspace", "fork", "cached", "--count", "1"]);
+    let fork = forked["workspaces"][0]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no fork in {forked}"))
+        .to_owned();
+    let fork_root = tmp.path().join("fork");
+    let again = restore_with_cache(&coordinator.client(), &fork_root, &fork, &cache);
+    assert_trees_equal(&root, &fork_root);
+    assert!(
+        json_u64(&again, "bytes_downloaded") * 20 < full,
+        "a fork downloaded {} of {full} bytes: {again}",
+        json_u64(&again, "bytes_downloaded")
+    );
+
+    // Another workspace holding the same repository shares no pack with
+    // this one (its keys are its own): the cache has nothing for it, and
+    // it restores exactly all the same.
     let other = coordinator.create_workspace("cached-copy");
     coordinator.client().checkpoint(&copy, &other);
     let other_root = tmp.path().join("other");
-    let again = restore_with_cache(&coordinator.client(), &other_root, &other, &cache);
+    let elsewhere = restore_with_cache(&coordinator.client(), &other_root, &other, &cache);
     assert_trees_equal(&copy, &other_root);
-    assert!(
-        json_u64(&again, "bytes_downloaded") * 20 < full,
-        "another workspace of the same repository downloaded {} of {full} bytes: {again}",
-        json_u64(&again, "bytes_downloaded")
-    );
+    assert_eq!(json_u64(&elsewhere, "bytes_from_cache"), 0, "{elsewhere}");
 }
 
 #[test]

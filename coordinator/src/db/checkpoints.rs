@@ -149,8 +149,9 @@ pub(super) async fn newest_checkpoint_in(
 
 /// Records a copy of `source` as checkpoint 1 of the new workspace `into`
 /// (generation `generation`, no parent): the same root tree, key, stats,
-/// details and pack rows. Packs belong to the tenant, so nothing is copied
-/// in the store; the copy restores exactly what the source does.
+/// details and pack rows. The fork may use those packs (and no other of the
+/// source's), so nothing is copied in the store; the copy restores exactly
+/// what the source does.
 pub(super) async fn copy_checkpoint_in(
     tx: &mut WriteTx,
     tenant: &TenantId,
@@ -191,6 +192,17 @@ pub(super) async fn copy_checkpoint_in(
     .execute(tx.conn())
     .await
     .map_err(query_error("copy checkpoint packs"))?;
+    sqlx::query(
+        "INSERT INTO workspace_packs (workspace_id, tenant, pack_id)
+         SELECT $1, $2, pack_id FROM checkpoint_packs WHERE checkpoint_id = $3 AND tenant = $2
+         ON CONFLICT (workspace_id, pack_id) DO NOTHING",
+    )
+    .bind(into.as_str())
+    .bind(tenant.as_str())
+    .bind(source.id.as_str())
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("copy workspace packs"))?;
     Ok(id)
 }
 
@@ -266,22 +278,31 @@ impl MetadataStore {
         rows.iter().map(checkpoint_from_row).collect()
     }
 
-    /// Which of `blobs` the tenant has, and in which pack. Blobs whose pack
-    /// was found lost are not had: they must be uploaded again.
+    /// Which of `blobs` `workspace` has, and in which pack: only packs in
+    /// the workspace's own scope count (see `workspace_packs`), so another
+    /// workspace's uploads are never an answer. Blobs whose pack was found
+    /// lost are not had: they must be uploaded again.
     pub async fn find_blobs(
         &self,
         tenant: &TenantId,
+        workspace: &WorkspaceId,
         blobs: &[BlobId],
     ) -> Result<HashMap<BlobId, PackId>, DbError> {
         let mut found = HashMap::new();
         for chunk in blobs.chunks(ROWS_PER_STATEMENT) {
             let mut query = QueryBuilder::new(
                 "SELECT b.blob_id, b.pack_id FROM blobs b
+                 JOIN workspace_packs wp ON wp.tenant = b.tenant AND wp.pack_id = b.pack_id
                  JOIN packs p ON p.tenant = b.tenant AND p.id = b.pack_id
-                 WHERE p.lost_at IS NULL AND b.tenant = ",
+                 WHERE p.lost_at IS NULL AND wp.workspace_id = ",
             );
-            query.push_bind(tenant.as_str()).push(" AND b.blob_id IN");
+            query
+                .push_bind(workspace.as_str())
+                .push(" AND b.tenant = ")
+                .push_bind(tenant.as_str())
+                .push(" AND b.blob_id IN");
             push_in_list(&mut query, chunk, |b| b.as_bytes().as_slice());
+            query.push(" ORDER BY b.blob_id, b.pack_id");
             let rows = query
                 .build()
                 .fetch_all(&self.pool)
@@ -296,10 +317,47 @@ impl MetadataStore {
                 let pack: String = row.try_get("pack_id").map_err(read)?;
                 let blob = BlobId::from_slice(&blob)
                     .map_err(|e| DbError::Corrupt(format!("stored blob id: {e}")))?;
-                found.insert(blob, parse_column(&pack, "pack id")?);
+                // Any pack of the workspace's that holds it will do; the
+                // first by id, so the answer is the same every time.
+                found.entry(blob).or_insert(parse_column(&pack, "pack id")?);
             }
         }
         Ok(found)
+    }
+
+    /// The recorded packs among `ids` that `workspace` may reference: its
+    /// own and those of the checkpoint it was forked from. Others are left
+    /// out, as unknown ids are.
+    pub async fn workspace_packs(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        ids: &[PackId],
+    ) -> Result<HashMap<PackId, Pack>, DbError> {
+        let mut packs = HashMap::new();
+        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::new(
+                "SELECT p.id, p.kind, p.size, p.index_offset, p.index_length FROM packs p
+                 JOIN workspace_packs wp ON wp.tenant = p.tenant AND wp.pack_id = p.id
+                 WHERE wp.workspace_id = ",
+            );
+            query
+                .push_bind(workspace.as_str())
+                .push(" AND p.tenant = ")
+                .push_bind(tenant.as_str())
+                .push(" AND p.id IN");
+            push_in_list(&mut query, chunk, PackId::as_str);
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("workspace packs"))?;
+            for row in &rows {
+                let pack = pack_from_row(row)?;
+                packs.insert(pack.id.clone(), pack);
+            }
+        }
+        Ok(packs)
     }
 
     /// The recorded packs of `tenant` among `ids` (unknown ids are left out).
@@ -385,8 +443,8 @@ impl MetadataStore {
     }
 
     /// Records a checkpoint in one transaction: the workspace's sequence
-    /// counter, new packs, their blobs (first writer wins), the checkpoint and
-    /// its pack list. Refuses a workspace that is not active or whose
+    /// counter, new packs (never one recorded for another workspace), their
+    /// blobs, the checkpoint, its pack list and the workspace's scope. Refuses a workspace that is not active or whose
     /// generation differs from the commit's; nothing is written then.
     pub async fn commit_checkpoint(
         &self,
@@ -438,6 +496,35 @@ impl MetadataStore {
             });
         }
 
+        // A pack recorded for another workspace cannot be claimed as new:
+        // that would put it in this workspace's scope (and its URLs in this
+        // workspace's manifests) by knowing its id alone.
+        let new_ids: Vec<&PackId> = new.new_packs.iter().map(|p| &p.pack_id).collect();
+        for chunk in new_ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query =
+                QueryBuilder::<Sqlite>::new("SELECT p.id FROM packs p WHERE p.tenant = ");
+            query.push_bind(tenant.as_str()).push(" AND p.id IN");
+            push_in_list(&mut query, chunk, |id: &&PackId| id.as_str());
+            query
+                .push(
+                    " AND NOT EXISTS (SELECT 1 FROM workspace_packs wp
+                      WHERE wp.workspace_id = ",
+                )
+                .push_bind(new.workspace_id.as_str())
+                .push(" AND wp.pack_id = p.id) LIMIT 1");
+            let foreign: Option<String> = query
+                .build_query_scalar()
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(query_error("check new packs"))?;
+            if let Some(pack) = foreign {
+                return Err(DbError::ForeignPack {
+                    pack: parse_column(&pack, "pack id")?,
+                    workspace: new.workspace_id,
+                });
+            }
+        }
+
         for pack in &new.new_packs {
             // A pack found lost earlier and uploaded again is back.
             sqlx::query(
@@ -463,13 +550,9 @@ impl MetadataStore {
                         .push_bind(blob.as_bytes().as_slice())
                         .push_bind(pack.pack_id.as_str());
                 });
-                // First writer wins, unless its pack was lost: then the
-                // blob lives in the pack that brought it back.
-                query.push(
-                    " ON CONFLICT (tenant, blob_id) DO UPDATE SET pack_id = excluded.pack_id
-                      WHERE EXISTS (SELECT 1 FROM packs p WHERE p.tenant = blobs.tenant
-                                    AND p.id = blobs.pack_id AND p.lost_at IS NOT NULL)",
-                );
+                // A pack uploaded again after it was found lost declares
+                // its blobs again.
+                query.push(" ON CONFLICT (tenant, blob_id, pack_id) DO NOTHING");
                 query
                     .build()
                     .execute(&mut *tx)
@@ -520,6 +603,25 @@ impl MetadataStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(query_error("insert checkpoint packs"))?;
+        }
+
+        // Every pack the checkpoint references is the workspace's from now
+        // on: it may dedup against it, reference it again, fetch it.
+        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ",
+            );
+            query.push_values(chunk, |mut row, pack| {
+                row.push_bind(new.workspace_id.as_str())
+                    .push_bind(tenant.as_str())
+                    .push_bind(pack.as_str());
+            });
+            query.push(" ON CONFLICT (workspace_id, pack_id) DO NOTHING");
+            query
+                .build()
+                .execute(&mut *tx)
+                .await
+                .map_err(query_error("insert workspace packs"))?;
         }
 
         tx.commit()

@@ -158,7 +158,9 @@ fn query_error(op: &'static str) -> impl FnOnce(sqlx::Error) -> DbError {
     move |source| DbError::Query { op, source }
 }
 
-/// A tenant key: the secret runners derive blob ids and seals from.
+/// A checkpoint key: the secret runners derive blob ids and seals from. It
+/// belongs to a workspace lineage (or, for workspaces made before
+/// lineages, to the tenant).
 #[derive(Clone, PartialEq, Eq)]
 pub struct TenantKey {
     pub key_id: String,
@@ -392,35 +394,78 @@ impl MetadataStore {
         Ok(true)
     }
 
-    /// The key new checkpoints of `tenant` are sealed with.
-    pub async fn current_key(&self, tenant: &TenantId) -> Result<TenantKey, DbError> {
-        let row = sqlx::query(
-            "SELECT k.key_id, k.secret FROM tenants t
-             JOIN tenant_keys k ON k.tenant = t.id AND k.key_id = t.current_key_id
-             WHERE t.id = $1",
-        )
-        .bind(tenant.as_str())
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(query_error("current key"))?
-        .ok_or_else(|| DbError::NoTenantKey(tenant.clone()))?;
+    /// The key new checkpoints of `workspace` are sealed with: its
+    /// lineage's newest, or the tenant's current key for a workspace made
+    /// before lineages.
+    pub async fn current_key(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+    ) -> Result<TenantKey, DbError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(query_error("current key"))?;
+        let lineage = workspaces::lineage_of(&mut conn, tenant, workspace).await?;
+        let row = match &lineage {
+            Some(lineage) => sqlx::query(
+                "SELECT key_id, secret FROM lineage_keys WHERE lineage = $1
+                 ORDER BY created_at DESC, key_id DESC LIMIT 1",
+            )
+            .bind(lineage.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(query_error("current key"))?,
+            None => sqlx::query(
+                "SELECT k.key_id, k.secret FROM tenants t
+                 JOIN tenant_keys k ON k.tenant = t.id AND k.key_id = t.current_key_id
+                 WHERE t.id = $1",
+            )
+            .bind(tenant.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(query_error("current key"))?,
+        };
+        let row = row.ok_or_else(|| match lineage {
+            Some(lineage) => DbError::Corrupt(format!("key lineage {lineage} has no key")),
+            None => DbError::NoTenantKey(tenant.clone()),
+        })?;
         Ok(TenantKey {
             key_id: row.try_get("key_id").map_err(query_error("current key"))?,
             secret: row.try_get("secret").map_err(query_error("current key"))?,
         })
     }
 
-    /// The keys of `tenant` among `key_ids` (unknown ids are left out).
+    /// The keys of `workspace`'s lineage (or, for a workspace made before
+    /// lineages, of the tenant) among `key_ids`; unknown ids are left out.
     pub async fn keys(
         &self,
         tenant: &TenantId,
+        workspace: &WorkspaceId,
         key_ids: &[String],
     ) -> Result<Vec<TenantKey>, DbError> {
+        let mut conn = self.pool.acquire().await.map_err(query_error("keys"))?;
+        let lineage = workspaces::lineage_of(&mut conn, tenant, workspace).await?;
         let mut keys = Vec::new();
         for chunk in key_ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query =
-                sqlx::QueryBuilder::new("SELECT key_id, secret FROM tenant_keys WHERE tenant = ");
-            query.push_bind(tenant.as_str()).push(" AND key_id IN (");
+            let mut query = match &lineage {
+                Some(lineage) => {
+                    let mut query = sqlx::QueryBuilder::new(
+                        "SELECT key_id, secret FROM lineage_keys WHERE lineage = ",
+                    );
+                    query.push_bind(lineage.as_str());
+                    query
+                }
+                None => {
+                    let mut query = sqlx::QueryBuilder::new(
+                        "SELECT key_id, secret FROM tenant_keys WHERE tenant = ",
+                    );
+                    query.push_bind(tenant.as_str());
+                    query
+                }
+            };
+            query.push(" AND key_id IN (");
             let mut list = query.separated(", ");
             for id in chunk {
                 list.push_bind(id.as_str());
@@ -428,7 +473,7 @@ impl MetadataStore {
             query.push(") ORDER BY key_id");
             let rows = query
                 .build()
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *conn)
                 .await
                 .map_err(query_error("keys"))?;
             for row in rows {

@@ -36,7 +36,7 @@ use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 use super::checkpoints::push_in_list;
 use super::hosts::destroy_reason;
 use super::stations::HandoffNote;
-use super::workspaces::{ensure_active_workspace, insert_workspace};
+use super::workspaces::{KeyLineage, ensure_active_workspace, insert_workspace};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
     unsigned,
@@ -1008,7 +1008,9 @@ impl MetadataStore {
             NewRunTarget::NewWorkspace(name) => {
                 let id = WorkspaceId::generate();
                 let op = "insert workspace";
-                insert_workspace(tx.conn(), &id, tenant, name.as_deref(), 0, now, op).await?;
+                let lineage = KeyLineage::New;
+                insert_workspace(tx.conn(), &id, tenant, name.as_deref(), lineage, 0, now, op)
+                    .await?;
                 id
             }
         };

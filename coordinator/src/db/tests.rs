@@ -62,15 +62,130 @@ fn commit_of(
 }
 
 #[tokio::test]
-async fn a_tenant_gets_one_key_however_often_it_is_ensured() {
+async fn each_new_workspace_has_a_key_of_its_own_and_forks_share_it() {
     let (_dir, db, tenant) = open().await;
     assert!(!db.ensure_tenant(&tenant).await.unwrap());
-    let key = db.current_key(&tenant).await.unwrap();
-    assert_eq!(key.key_id, FIRST_KEY_ID);
-    assert_eq!(key.secret.len(), 32);
+    let a = db.create_workspace(&tenant, None).await.unwrap();
+    let b = db.create_workspace(&tenant, None).await.unwrap();
+    let key_a = db.current_key(&tenant, &a.id).await.unwrap();
+    let key_b = db.current_key(&tenant, &b.id).await.unwrap();
+    assert_eq!(key_a.key_id, FIRST_KEY_ID);
+    assert_eq!(key_a.secret.len(), 32);
+    assert_ne!(key_a.secret, key_b.secret, "no two lineages share a key");
     assert_eq!(
-        db.keys(&tenant, &["k1".into(), "k9".into()]).await.unwrap(),
-        vec![key]
+        db.keys(&tenant, &a.id, &["k1".into(), "k9".into()])
+            .await
+            .unwrap(),
+        vec![key_a.clone()]
+    );
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(&a, vec![new_pack(1, &[1])], vec![pack_id(1)]),
+    )
+    .await
+    .unwrap();
+    let forked = db
+        .fork_workspace(&tenant, &a.id, None, &[None])
+        .await
+        .unwrap();
+    let fork = &forked.workspaces[0];
+    assert_eq!(db.current_key(&tenant, &fork.id).await.unwrap(), key_a);
+
+    // A workspace made before lineages keeps the tenant's key, and so do
+    // its forks: their checkpoints were sealed with it.
+    sqlx::query("UPDATE workspaces SET lineage = NULL WHERE id = $1")
+        .bind(b.id.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let tenant_key = db.current_key(&tenant, &b.id).await.unwrap();
+    assert_ne!(tenant_key.secret, key_b.secret);
+    assert_eq!(
+        db.keys(&tenant, &b.id, &["k1".into()]).await.unwrap(),
+        vec![tenant_key]
+    );
+}
+
+#[tokio::test]
+async fn a_workspace_sees_only_its_own_packs_and_those_it_was_forked_from() {
+    let (_dir, db, tenant) = open().await;
+    let a = db.create_workspace(&tenant, None).await.unwrap();
+    let b = db.create_workspace(&tenant, None).await.unwrap();
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(&a, vec![new_pack(1, &[1, 2])], vec![pack_id(1)]),
+    )
+    .await
+    .unwrap();
+    let blob = |n| BlobId([n; 32]);
+
+    // B learns nothing of A's blobs and cannot reference A's pack.
+    assert!(
+        db.find_blobs(&tenant, &b.id, &[blob(1)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        db.workspace_packs(&tenant, &b.id, &[pack_id(1)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Nor claim it as its own by declaring it new.
+    match db
+        .commit_checkpoint(
+            &tenant,
+            commit_of(&b, vec![new_pack(1, &[1])], vec![pack_id(1)]),
+        )
+        .await
+    {
+        Err(DbError::ForeignPack { pack, workspace }) => {
+            assert_eq!((pack, workspace), (pack_id(1), b.id.clone()));
+        }
+        other => panic!("a foreign pack was claimed: {other:?}"),
+    }
+    // B's own upload declaring A's blob ids (a poisoning attempt) is B's
+    // alone: A keeps finding its blobs in its own pack.
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(&b, vec![new_pack(2, &[1, 2])], vec![pack_id(2)]),
+    )
+    .await
+    .unwrap();
+    let of_a = db
+        .find_blobs(&tenant, &a.id, &[blob(1), blob(2)])
+        .await
+        .unwrap();
+    assert_eq!(
+        of_a.values().collect::<Vec<_>>(),
+        [&pack_id(1), &pack_id(1)]
+    );
+    let of_b = db.find_blobs(&tenant, &b.id, &[blob(1)]).await.unwrap();
+    assert_eq!(of_b[&blob(1)], pack_id(2));
+
+    // A fork dedups against the checkpoint it starts from, and only that.
+    let forked = db
+        .fork_workspace(&tenant, &a.id, None, &[None])
+        .await
+        .unwrap();
+    let fork = &forked.workspaces[0];
+    let of_fork = db.find_blobs(&tenant, &fork.id, &[blob(1)]).await.unwrap();
+    assert_eq!(of_fork[&blob(1)], pack_id(1));
+    let next = db
+        .workspace(&tenant, &WorkspaceRef::Id(a.id.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut later = commit_of(&next, vec![new_pack(3, &[3])], vec![pack_id(1), pack_id(3)]);
+    later.parent = next.latest_checkpoint.map(|c| c.id);
+    db.commit_checkpoint(&tenant, later).await.unwrap();
+    assert!(
+        db.find_blobs(&tenant, &fork.id, &[blob(3)])
+            .await
+            .unwrap()
+            .is_empty(),
+        "what the source uploads after the fork is not the fork's"
     );
 }
 
@@ -122,7 +237,7 @@ async fn commits_number_checkpoints_and_record_packs_and_blobs() {
         .await
         .unwrap();
     assert_eq!(first.sequence, 1);
-    // Blob 2 is also in pack 2, but pack 1 recorded it first.
+    // Blob 2 is also in pack 2; the answer names the first pack by id.
     let second = db
         .commit_checkpoint(
             &tenant,
@@ -139,6 +254,7 @@ async fn commits_number_checkpoints_and_record_packs_and_blobs() {
     let found = db
         .find_blobs(
             &tenant,
+            &ws.id,
             &[BlobId([2; 32]), BlobId([3; 32]), BlobId([9; 32])],
         )
         .await
@@ -200,7 +316,7 @@ async fn a_refused_commit_leaves_no_trace() {
     assert!(db.commit_checkpoint(&tenant, dangling).await.is_err());
     assert!(db.packs(&tenant, &[pack_id(1)]).await.unwrap().is_empty());
     assert!(
-        db.find_blobs(&tenant, &[BlobId([1; 32])])
+        db.find_blobs(&tenant, &ws.id, &[BlobId([1; 32])])
             .await
             .unwrap()
             .is_empty()

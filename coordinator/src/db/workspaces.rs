@@ -6,11 +6,12 @@ use std::time::SystemTime;
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{CheckpointId, Generation, TenantId, WorkspaceId};
 use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection, SqliteExecutor};
+use sqlx::{Row, SqliteConnection};
 
 use super::checkpoints::{checkpoint_in, copy_checkpoint_in, newest_checkpoint_in};
 use super::{
-    DbError, MetadataStore, Workspace, from_millis, millis, parse_column, query_error, unsigned,
+    DbError, FIRST_KEY_ID, MetadataStore, Workspace, from_millis, millis, parse_column,
+    query_error, random_secret, unsigned,
 };
 
 /// What a fork made: the new workspaces (in the order their names were
@@ -77,20 +78,38 @@ pub(super) async fn ensure_active_workspace(
     Ok(())
 }
 
-/// Inserts an active workspace at the first generation; a name already used
-/// in the tenant is refused (`op` names the query).
+/// Whose keys a new workspace seals its checkpoints with.
+#[derive(Debug, Clone)]
+pub(super) enum KeyLineage {
+    /// A lineage of its own, rooted at the new workspace, with a fresh key.
+    New,
+    /// The lineage of the workspace it was forked from (`None`: the
+    /// tenant's keys, for workspaces made before lineages existed).
+    Inherit(Option<String>),
+}
+
+/// Inserts an active workspace at the first generation, with the key
+/// lineage `lineage`; a name already used in the tenant is refused (`op`
+/// names the query).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn insert_workspace(
-    conn: impl SqliteExecutor<'_>,
+    conn: &mut SqliteConnection,
     id: &WorkspaceId,
     tenant: &TenantId,
     name: Option<&str>,
+    lineage: KeyLineage,
     last_sequence: i64,
     now: i64,
     op: &'static str,
 ) -> Result<(), DbError> {
+    let lineage = match lineage {
+        KeyLineage::New => Some(id.to_string()),
+        KeyLineage::Inherit(lineage) => lineage,
+    };
     let result = sqlx::query(
-        "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at, updated_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+        "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at,
+                                 updated_at, lineage)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)",
     )
     .bind(id.as_str())
     .bind(tenant.as_str())
@@ -99,15 +118,47 @@ pub(super) async fn insert_workspace(
     .bind(FIRST_GENERATION.0 as i64)
     .bind(last_sequence)
     .bind(now)
-    .execute(conn)
+    .bind(lineage.as_deref())
+    .execute(&mut *conn)
     .await;
     match result {
-        Ok(_) => Ok(()),
+        Ok(_) => {}
         Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-            Err(DbError::NameTaken(name.unwrap_or_default().to_owned()))
+            return Err(DbError::NameTaken(name.unwrap_or_default().to_owned()));
         }
-        Err(source) => Err(DbError::Query { op, source }),
+        Err(source) => return Err(DbError::Query { op, source }),
     }
+    if lineage.as_deref() == Some(id.as_str()) {
+        sqlx::query(
+            "INSERT INTO lineage_keys (lineage, key_id, secret, created_at) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(id.as_str())
+        .bind(FIRST_KEY_ID)
+        .bind(random_secret())
+        .bind(now)
+        .execute(&mut *conn)
+        .await
+        .map_err(query_error("insert lineage key"))?;
+    }
+    Ok(())
+}
+
+/// The key lineage of workspace `id` of `tenant` (`None`: the tenant's
+/// keys).
+pub(super) async fn lineage_of(
+    conn: &mut SqliteConnection,
+    tenant: &TenantId,
+    id: &WorkspaceId,
+) -> Result<Option<String>, DbError> {
+    let row: Option<(Option<String>,)> =
+        sqlx::query_as("SELECT lineage FROM workspaces WHERE id = $1 AND tenant = $2")
+            .bind(id.as_str())
+            .bind(tenant.as_str())
+            .fetch_optional(conn)
+            .await
+            .map_err(query_error("workspace lineage"))?;
+    row.map(|(lineage,)| lineage)
+        .ok_or_else(|| DbError::WorkspaceNotFound(id.to_string()))
 }
 
 impl MetadataStore {
@@ -119,7 +170,10 @@ impl MetadataStore {
     ) -> Result<Workspace, DbError> {
         let id = WorkspaceId::generate();
         let now = millis(SystemTime::now());
-        insert_workspace(&self.pool, &id, tenant, name, 0, now, "insert workspace").await?;
+        let mut tx = self.begin_write().await?;
+        let op = "insert workspace";
+        insert_workspace(tx.conn(), &id, tenant, name, KeyLineage::New, 0, now, op).await?;
+        self.commit(tx).await?;
         // Re-read so the record carries exactly what was stored (times are
         // kept at millisecond precision).
         self.workspace(tenant, &WorkspaceRef::Id(id.clone()))
@@ -217,11 +271,15 @@ impl MetadataStore {
                     ))
                 })?,
         };
+        // Forks share their source's keys: they deduplicate against the
+        // checkpoint they start from (and only that of the source's data).
+        let lineage = lineage_of(tx.conn(), tenant, source).await?;
         let mut ids = Vec::with_capacity(names.len());
         for name in names {
             let id = WorkspaceId::generate();
             let op = "insert forked workspace";
-            insert_workspace(tx.conn(), &id, tenant, name.as_deref(), 1, now, op).await?;
+            let inherit = KeyLineage::Inherit(lineage.clone());
+            insert_workspace(tx.conn(), &id, tenant, name.as_deref(), inherit, 1, now, op).await?;
             copy_checkpoint_in(&mut tx, tenant, &from, &id, FIRST_GENERATION, now).await?;
             // The source's conversations come along, to be forked (never
             // continued: the source and each fork would write to one).

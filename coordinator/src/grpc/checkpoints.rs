@@ -165,13 +165,13 @@ impl CheckpointApi {
         let db = &self.shared.db;
         let tenant = &principal.tenant;
         if db
-            .keys(tenant, std::slice::from_ref(&commit.key_id))
+            .keys(tenant, &workspace.id, std::slice::from_ref(&commit.key_id))
             .await?
             .is_empty()
         {
             return Err(ServiceError::InvalidArgument(format!(
-                "key_id {:?} is not a key of tenant {tenant}",
-                commit.key_id
+                "key_id {:?} is not a key of workspace {}",
+                commit.key_id, workspace.id
             )));
         }
         if let Some(parent) = &commit.parent {
@@ -208,7 +208,7 @@ impl CheckpointApi {
             .filter(|id| !new_sizes.contains_key(id))
             .cloned()
             .collect();
-        let known = db.packs(tenant, &old).await?;
+        let known = db.workspace_packs(tenant, &workspace.id, &old).await?;
         let mut expected = Vec::with_capacity(referenced.len());
         for id in &referenced {
             let size = match new_sizes.get(id) {
@@ -237,7 +237,11 @@ impl CheckpointApi {
             .any(|p| p.blob_ids.contains(&commit.root_tree));
         if !root_in_new {
             let recorded = db
-                .find_blobs(tenant, std::slice::from_ref(&commit.root_tree))
+                .find_blobs(
+                    tenant,
+                    &workspace.id,
+                    std::slice::from_ref(&commit.root_tree),
+                )
                 .await?;
             let reachable = recorded
                 .get(&commit.root_tree)
@@ -328,21 +332,23 @@ impl CheckpointApi {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let records = db.packs(tenant, &all_packs).await?;
+        let records = db
+            .workspace_packs(tenant, &workspace.id, &all_packs)
+            .await?;
         let key_ids: Vec<String> = candidates
             .iter()
             .map(|c| c.key_id.clone())
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let keys = db.keys(tenant, &key_ids).await?;
+        let keys = db.keys(tenant, &workspace.id, &key_ids).await?;
 
         let ttl = self.shared.limits.url_ttl;
         let mut lookups = Vec::with_capacity(all_packs.len());
         for id in &all_packs {
             let record = records.get(id).cloned().ok_or_else(|| {
                 DbError::Corrupt(format!(
-                    "a checkpoint references pack {id}, which has no record"
+                    "a checkpoint references pack {id}, which is not a recorded pack of its workspace"
                 ))
             })?;
             lookups.push((ObjectKey::for_pack(tenant, id), record));
@@ -523,7 +529,7 @@ impl CheckpointService for CheckpointApi {
         let key = self
             .shared
             .db
-            .current_key(&principal.tenant)
+            .current_key(&principal.tenant, &workspace.id)
             .await
             .map_err(ServiceError::from)?;
         Ok(Response::new(pb::BeginCheckpointResponse {
@@ -548,17 +554,20 @@ impl CheckpointService for CheckpointApi {
     ) -> Result<Response<pb::FindMissingBlobsResponse>, Status> {
         let principal = principal(&request)?.clone();
         let req = request.into_inner();
-        self.shared
+        let workspace = self
+            .shared
             .authorized_workspace(&principal, &req.workspace, |id| {
                 Action::WriteCheckpoints(id)
             })
             .await?;
-        let max = self.shared.limits.max_find_batch as usize;
-        if req.blob_ids.len() > max {
-            return Err(ServiceError::InvalidArgument(format!(
-                "{} blob ids in one call; the limit is {max} (see max_find_batch)",
-                req.blob_ids.len()
-            ))
+        let max = self.shared.limits.max_find_batch;
+        if req.blob_ids.len() > max as usize {
+            return Err(ServiceError::over_limit(
+                "find.blob_ids",
+                u64::from(max),
+                req.blob_ids.len() as u64,
+                format!("{} blob ids in one call", req.blob_ids.len()),
+            )
             .into());
         }
         let blobs = req
@@ -574,7 +583,7 @@ impl CheckpointService for CheckpointApi {
         let found = self
             .shared
             .db
-            .find_blobs(&principal.tenant, &blobs)
+            .find_blobs(&principal.tenant, &workspace.id, &blobs)
             .await
             .map_err(ServiceError::from)?;
         let mut packs: Vec<String> = Vec::new();

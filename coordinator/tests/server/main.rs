@@ -9,6 +9,7 @@ mod fencing;
 mod fleet;
 mod harness;
 mod hosts;
+mod isolation;
 mod restart;
 mod runs;
 mod stations;

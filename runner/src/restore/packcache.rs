@@ -1,8 +1,8 @@
 //! The host's pack cache: pack bytes kept on local disk for every restore of
 //! one host (all the sandboxes `cairn-host` starts share one), so that a
-//! second restore of a workspace — or of another workspace of the same tenant
-//! holding the same repository, whose packs are the same objects — reads
-//! from disk what the first one downloaded.
+//! second restore of a workspace — or of a fork of the same checkpoint,
+//! whose packs are the same objects — reads from disk what the first one
+//! downloaded.
 //!
 //! ## What is kept
 //!
@@ -29,13 +29,13 @@
 //! The directory is shared by sandboxes that may belong to different tenants
 //! and may be hostile. What comes out of it passes the same checks as bytes
 //! from the store: a META pack's SHA-256 must be its id, a DATA index must
-//! authenticate (AES-256-GCM under the tenant's key, bound to the pack kind)
+//! authenticate (AES-256-GCM under the lineage's key, bound to the pack kind)
 //! and agree with the manifest's trailer position, and every blob must
 //! authenticate and hash (keyed) to its id before a byte of it is written.
 //! A piece that fails a check is deleted with a warning and its bytes are
 //! fetched from the store; the restore goes on. Pieces are ciphertext as the
-//! store holds it, so reading another tenant's pieces reveals nothing the
-//! store would not. Files are opened with `O_NOFOLLOW|O_NONBLOCK` and must be
+//! store holds it, sealed with each lineage's own key, so reading another
+//! workspace's pieces reveals nothing the store would not. Files are opened with `O_NOFOLLOW|O_NONBLOCK` and must be
 //! regular files of the length their name says (a planted symlink or fifo is
 //! refused), and a read never goes past the range a restore asked for, which
 //! the manifest bounds.

@@ -1,0 +1,190 @@
+//! A workspace reaches only its own data: the attacks of a hostile sandbox
+//! on another workspace of the same tenant, through the checkpoint
+//! protocol, are refused and leave the other workspace's checkpoints whole.
+
+use cairn_proto::domain::PackKind;
+use cairn_proto::pb;
+use cairn_proto::refusal::Refusal;
+use tonic::Code;
+
+use crate::harness::*;
+
+/// A workspace with one committed checkpoint holding `content`.
+struct Victim {
+    workspace: pb::Workspace,
+    begin: pb::BeginCheckpointResponse,
+    data: cairn_runner::format::FinishedPack<Vec<u8>>,
+    checkpoint: pb::Checkpoint,
+}
+
+async fn victim(client: &mut cairn_runner::client::Coordinator, content: &[u8]) -> Victim {
+    let workspace = create_workspace(client, "").await;
+    let begin = begin(client, &workspace.id).await;
+    let keys = keys_of(&begin);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"victim tree"]);
+    let data = build_pack(&keys, PackKind::Data, &[content]);
+    upload(client, &workspace.id, &[&meta, &data]).await;
+    let checkpoint = commit(
+        client,
+        commit_request(&begin, &meta, &[&meta, &data], &[&meta, &data]),
+    )
+    .await;
+    Victim {
+        workspace,
+        begin,
+        data,
+        checkpoint,
+    }
+}
+
+/// Attack 1: learn whether another workspace holds a blob, commit a
+/// checkpoint of your own that references its pack (as an old pack, or
+/// claimed as new), or roots your tree in its blob, to get the pack's URL
+/// and key.
+#[tokio::test]
+async fn another_workspace_is_neither_found_nor_referenced_nor_decryptable() {
+    let dir = data_dir();
+    let server = TestServer::start(dir.path()).await;
+    let mut client = server.client().await;
+    let victim = victim(&mut client, b"the LICENSE everyone has").await;
+    let attacker = create_workspace(&mut client, "").await;
+    let own = begin(&mut client, &attacker.id).await;
+
+    // Each workspace seals with a key of its own lineage.
+    assert_ne!(
+        own.key.as_ref().unwrap().secret,
+        victim.begin.key.as_ref().unwrap().secret,
+        "another workspace's key is never handed out"
+    );
+
+    // The victim's blob ids are unknown to the attacker's workspace.
+    let found = client
+        .checkpoints
+        .find_missing_blobs(pb::FindMissingBlobsRequest {
+            workspace: attacker.id.clone(),
+            blob_ids: victim
+                .data
+                .blob_ids
+                .iter()
+                .map(|b| b.as_bytes().to_vec())
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(found.packs.is_empty(), "{found:?}");
+    assert!(found.locations.iter().all(|l| *l == 0));
+
+    let keys = keys_of(&own);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"attacker tree"]);
+    upload(&mut client, &attacker.id, &[&meta]).await;
+
+    // Referencing the victim's pack as an old one: unknown to this workspace.
+    let mut referencing = commit_request(&own, &meta, &[&meta], &[&meta]);
+    referencing
+        .referenced_packs
+        .push(victim.data.id.to_string());
+    let status = commit_err(&mut client, referencing).await;
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+    assert_eq!(
+        Refusal::of(&status),
+        Some(Refusal::PacksMissing {
+            packs: vec![victim.data.id.clone()]
+        })
+    );
+
+    // Claiming it as new (it is in the store, at the size the attacker
+    // read from a leaked URL): refused, it is recorded for another workspace.
+    let claiming = commit_request(&own, &meta, &[&meta, &victim.data], &[&meta, &victim.data]);
+    let status = commit_err(&mut client, claiming).await;
+    assert_eq!(status.code(), Code::PermissionDenied, "{status}");
+    assert!(
+        status.message().contains(victim.data.id.as_str()),
+        "{status}"
+    );
+
+    // Rooting the tree in the victim's blob: in none of the referenced packs.
+    let mut rooted = commit_request(&own, &meta, &[&meta], &[&meta]);
+    rooted.root_tree = victim.data.blob_ids[0].as_bytes().to_vec();
+    let status = commit_err(&mut client, rooted).await;
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+
+    // Nothing of that was recorded; no manifest of the attacker's names the
+    // victim's pack, and the victim's checkpoint still restores its own.
+    assert!(list_checkpoints(&mut client, &attacker.id).await.is_empty());
+    let theirs = manifest(&mut client, &victim.workspace.id, &victim.checkpoint.id).await;
+    assert!(
+        theirs.candidates[0]
+            .packs
+            .contains(&victim.data.id.to_string())
+    );
+    assert!(
+        theirs
+            .packs
+            .iter()
+            .any(|p| p.pack_id == victim.data.id.to_string())
+    );
+}
+
+/// Attack 2: upload a pack that declares the blob ids of common content
+/// but holds garbage, hoping other workspaces deduplicate against it.
+#[tokio::test]
+async fn a_poisoned_pack_reaches_no_other_workspace() {
+    let dir = data_dir();
+    let server = TestServer::start(dir.path()).await;
+    let mut client = server.client().await;
+    let victim = victim(&mut client, b"fn main() {}").await;
+    let attacker = create_workspace(&mut client, "").await;
+    let own = begin(&mut client, &attacker.id).await;
+    let keys = keys_of(&own);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"attacker tree"]);
+    // The strongest attacker: it knows the victim's blob ids (it cannot
+    // compute them without the victim's key) and declares them.
+    let garbage = build_pack(&keys, PackKind::Data, &[b"not what the ids say"]);
+    upload(&mut client, &attacker.id, &[&meta, &garbage]).await;
+    let mut poisoned = new_pack(&garbage);
+    poisoned.blob_ids = victim
+        .data
+        .blob_ids
+        .iter()
+        .map(|b| b.as_bytes().to_vec())
+        .collect();
+    let mut request = commit_request(&own, &meta, &[&meta], &[&meta, &garbage]);
+    request.new_packs.push(poisoned);
+    commit(&mut client, request).await;
+
+    // The victim's next checkpoint deduplicates against its own pack only.
+    let found = client
+        .checkpoints
+        .find_missing_blobs(pb::FindMissingBlobsRequest {
+            workspace: victim.workspace.id.clone(),
+            blob_ids: victim
+                .data
+                .blob_ids
+                .iter()
+                .map(|b| b.as_bytes().to_vec())
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(found.packs, [victim.data.id.to_string()]);
+    assert_eq!(found.locations, [1]);
+
+    // A third workspace holding the same content asks with ids of its own
+    // key, which nobody declared: it uploads its own copy.
+    let third = create_workspace(&mut client, "").await;
+    let third_begin = begin(&mut client, &third.id).await;
+    let third_ids = keys_of(&third_begin).blob_id(b"fn main() {}");
+    assert_ne!(third_ids, victim.data.blob_ids[0]);
+    let found = client
+        .checkpoints
+        .find_missing_blobs(pb::FindMissingBlobsRequest {
+            workspace: third.id.clone(),
+            blob_ids: vec![third_ids.as_bytes().to_vec()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(found.locations, [0]);
+}
