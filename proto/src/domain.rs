@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
+use crate::ids::{BlobId, CheckpointId, CommitRequestId, Generation, PackId, WorkspaceId};
 use crate::pb;
 
 /// A field of a received message (or a command-line value) that is not valid.
@@ -372,6 +372,8 @@ pub struct CommitCheckpoint {
     pub warnings: Vec<String>,
     pub harness: Option<pb::HarnessSession>,
     pub key_id: String,
+    /// Set by runners that retry: the same id commits once.
+    pub request_id: Option<CommitRequestId>,
 }
 
 impl TryFrom<pb::CommitCheckpointRequest> for CommitCheckpoint {
@@ -432,6 +434,10 @@ impl TryFrom<pb::CommitCheckpointRequest> for CommitCheckpoint {
             warnings: r.warnings,
             harness: r.harness,
             key_id: r.key_id,
+            request_id: match r.request_id.as_str() {
+                "" => None,
+                id => Some(id.parse()?),
+            },
         })
     }
 }

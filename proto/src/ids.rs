@@ -117,8 +117,15 @@ prefixed_id!(
     /// A host that runs sandboxes.
     HostId, "host-", "host_id"
 );
+prefixed_id!(
+    /// One checkpoint commit as the runner meant it: the same id sent again
+    /// (a retry after a call was cut off) gets the checkpoint it made, not
+    /// a second one.
+    CommitRequestId, "cr-", "request_id"
+);
 
-/// A tenant: the scope of deduplication and of one key.
+/// A tenant: the scope of names, tokens and hosts. (Deduplication and keys
+/// are scoped to a workspace and its lineage.)
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct TenantId(String);

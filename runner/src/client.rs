@@ -14,6 +14,9 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// A channel that adds the bearer token to every call.
 pub type AuthChannel = InterceptedService<Channel, BearerInterceptor>;
 
+/// Connection attempts [`Coordinator::connect_retrying`] makes.
+const CONNECT_TRIES: u32 = 6;
+
 /// Why the coordinator could not be reached.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -64,6 +67,28 @@ impl Coordinator {
             })?;
         let interceptor = BearerInterceptor::new(token)?;
         Ok(Self::from_channel(address, channel, interceptor))
+    }
+
+    /// Like [`Coordinator::connect`], trying again with backoff (about 6 s
+    /// in all) while the coordinator refuses connections: a coordinator
+    /// that is restarting is back within that. Other errors are final.
+    pub async fn connect_retrying(
+        address: &str,
+        token: Option<&str>,
+    ) -> Result<Self, ConnectError> {
+        let mut backoff = Duration::from_millis(200);
+        let mut tries = 1;
+        loop {
+            match Self::connect(address, token).await {
+                Err(ConnectError::Unreachable { address, source }) if tries < CONNECT_TRIES => {
+                    tracing::info!(%address, error = %source, ?backoff, "coordinator unreachable; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tries += 1;
+                }
+                other => return other,
+            }
+        }
     }
 
     fn from_channel(address: String, channel: Channel, interceptor: BearerInterceptor) -> Self {

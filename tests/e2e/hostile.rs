@@ -152,6 +152,7 @@ impl Craft {
             warnings: Vec::new(),
             harness: None,
             key_id,
+            request_id: String::new(),
         };
         api.checkpoints
             .commit_checkpoint(request)

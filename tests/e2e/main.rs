@@ -24,6 +24,7 @@ mod chats;
 mod corruption;
 mod ctl_runs;
 mod demo;
+mod faults;
 mod fidelity;
 mod fork;
 mod hostile;

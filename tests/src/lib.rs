@@ -89,6 +89,9 @@ pub struct Coordinator {
     home: TempDir,
     extra_args: Vec<String>,
     child: Option<Child>,
+    /// `--listen` and `--blob-listen`: ephemeral ports until a restart
+    /// in place pins the ones the first start got.
+    listen: [String; 2],
     grpc_url: String,
     blob_url: String,
     admin_token: String,
@@ -116,6 +119,7 @@ impl Coordinator {
             home: tempdir("coordinator"),
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             child: None,
+            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
             grpc_url: String::new(),
             blob_url: String::new(),
             admin_token: String::new(),
@@ -174,7 +178,12 @@ impl Coordinator {
             .arg("serve")
             .arg("--data-dir")
             .arg(&data)
-            .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
+            .args([
+                "--listen",
+                &self.listen[0],
+                "--blob-listen",
+                &self.listen[1],
+            ])
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log handle clones"))
@@ -212,6 +221,15 @@ impl Coordinator {
     pub fn restart(&mut self) {
         self.stop();
         self.spawn();
+    }
+
+    /// Kills the process (SIGKILL) and starts it again on the same data dir
+    /// and the same ports, so clients that were talking to it (their calls
+    /// cut off) find it again where it was.
+    pub fn restart_in_place(&mut self) {
+        let address = |url: &str| url.trim_start_matches("http://").to_owned();
+        self.listen = [address(&self.grpc_url), address(&self.blob_url)];
+        self.restart();
     }
 
     /// Like [`restart`](Self::restart), with other extra `serve` flags.

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::time::SystemTime;
 
 use cairn_proto::domain::{CheckpointReason, PackKind, WorkspaceState};
-use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, TenantId, WorkspaceId};
+use cairn_proto::ids::{
+    BlobId, CheckpointId, CommitRequestId, Generation, PackId, TenantId, WorkspaceId,
+};
 use cairn_proto::pb;
 use prost::Message;
 use sqlx::sqlite::SqliteRow;
@@ -256,6 +258,27 @@ impl MetadataStore {
         row.as_ref().map(checkpoint_from_row).transpose()
     }
 
+    /// The checkpoint of `workspace` its commit named `request` made, if any.
+    pub async fn checkpoint_by_request(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        request: &CommitRequestId,
+    ) -> Result<Option<Checkpoint>, DbError> {
+        let sql = format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c JOIN workspaces w ON w.id = c.workspace_id
+             WHERE w.tenant = $1 AND c.workspace_id = $2 AND c.request_id = $3"
+        );
+        let row = sqlx::query(&sql)
+            .bind(tenant.as_str())
+            .bind(workspace.as_str())
+            .bind(request.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(query_error("checkpoint by request"))?;
+        row.as_ref().map(checkpoint_from_row).transpose()
+    }
+
     /// Checkpoints of a workspace, newest first, with a sequence below `before`.
     pub async fn list_checkpoints(
         &self,
@@ -476,6 +499,25 @@ impl MetadataStore {
             op: "advance workspace sequence",
             source,
         };
+        // The same request committed already (its answer was cut off):
+        // that checkpoint is the answer, whatever happened since.
+        if let Some(request) = &new.request_id {
+            let made: Option<String> = sqlx::query_scalar(
+                "SELECT id FROM checkpoints WHERE workspace_id = $1 AND request_id = $2",
+            )
+            .bind(new.workspace_id.as_str())
+            .bind(request.as_str())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(query_error("find commit request"))?;
+            if let Some(made) = made {
+                drop(tx);
+                let id: CheckpointId = parse_column(&made, "checkpoint id")?;
+                return self.checkpoint(tenant, &id).await?.ok_or_else(|| {
+                    DbError::Corrupt(format!("checkpoint {id} vanished while it was read"))
+                });
+            }
+        }
         let sequence: u64 = unsigned(row.try_get("last_sequence").map_err(read)?, "sequence")?;
         let current = Generation(unsigned(
             row.try_get("generation").map_err(read)?,
@@ -568,8 +610,9 @@ impl MetadataStore {
             .map_err(|_| DbError::Corrupt("a checkpoint references more than 2^32 packs".into()))?;
         sqlx::query(
             "INSERT INTO checkpoints (id, workspace_id, sequence, parent_id, reason, generation, format_version,
-                                      root_tree, key_id, stats, details, pack_count, stored_bytes, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                                      root_tree, key_id, stats, details, pack_count, stored_bytes, created_at,
+                                      request_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
         )
         .bind(id.as_str())
         .bind(new.workspace_id.as_str())
@@ -585,6 +628,7 @@ impl MetadataStore {
         .bind(i64::from(pack_count))
         .bind(signed(new.stored_bytes, "stored bytes")?)
         .bind(now_ms)
+        .bind(new.request_id.as_ref().map(CommitRequestId::as_str))
         .execute(&mut *tx)
         .await
         .map_err(query_error("insert checkpoint"))?;

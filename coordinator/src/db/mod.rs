@@ -51,7 +51,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::collections::BTreeSet;
 
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
-use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, RunId, TenantId, WorkspaceId};
+use cairn_proto::ids::{
+    BlobId, CheckpointId, CommitRequestId, Generation, PackId, RunId, TenantId, WorkspaceId,
+};
 use cairn_proto::pb;
 use cairn_proto::refusal::NotCurrent;
 use ring::rand::{SecureRandom, SystemRandom};
@@ -239,6 +241,9 @@ pub struct NewCheckpoint {
     pub referenced_packs: Vec<PackId>,
     /// Sum of the sizes of the referenced packs.
     pub stored_bytes: u64,
+    /// The runner's name for this commit: a second commit of the same
+    /// workspace with it gets the first one's checkpoint.
+    pub request_id: Option<CommitRequestId>,
 }
 
 /// Runs whose events changed are announced on this channel; a slow receiver

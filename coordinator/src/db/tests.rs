@@ -58,6 +58,7 @@ fn commit_of(
         new_packs,
         referenced_packs: referenced,
         stored_bytes: 201,
+        request_id: None,
     }
 }
 

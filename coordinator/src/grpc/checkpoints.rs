@@ -149,6 +149,18 @@ impl CheckpointApi {
         principal
             .authorize(Action::WriteCheckpoints(&workspace.id))
             .map_err(ServiceError::Denied)?;
+        let db = &self.shared.db;
+        let tenant = &principal.tenant;
+        // A retry of a commit that went through (its answer was cut off)
+        // gets that checkpoint, even if the workspace moved on since.
+        if let Some(request) = &commit.request_id
+            && let Some(made) = db
+                .checkpoint_by_request(tenant, &workspace.id, request)
+                .await?
+        {
+            tracing::info!(checkpoint = %made.id, request = %request, "commit retried; answered with its checkpoint");
+            return Ok(made);
+        }
         ensure_active(&workspace)?;
         if let Some(own) = self.attempt_generation(principal).await?
             && commit.generation != own
@@ -162,8 +174,6 @@ impl CheckpointApi {
             }
             .into());
         }
-        let db = &self.shared.db;
-        let tenant = &principal.tenant;
         if db
             .keys(tenant, &workspace.id, std::slice::from_ref(&commit.key_id))
             .await?
@@ -274,6 +284,7 @@ impl CheckpointApi {
                     new_packs: commit.new_packs,
                     referenced_packs: referenced,
                     stored_bytes,
+                    request_id: commit.request_id,
                 },
             )
             .await?;

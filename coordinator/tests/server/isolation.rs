@@ -188,3 +188,36 @@ async fn a_poisoned_pack_reaches_no_other_workspace() {
         .into_inner();
     assert_eq!(found.locations, [0]);
 }
+
+/// A commit sent again with its request id (its answer was cut off) gets
+/// the checkpoint the first made, not a second one.
+#[tokio::test]
+async fn a_commit_sent_twice_with_one_request_id_makes_one_checkpoint() {
+    let dir = data_dir();
+    let server = TestServer::start(dir.path()).await;
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "").await;
+    let begun = begin(&mut client, &ws.id).await;
+    let keys = keys_of(&begun);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"tree"]);
+    upload(&mut client, &ws.id, &[&meta]).await;
+    let mut request = commit_request(&begun, &meta, &[&meta], &[&meta]);
+    request.request_id = cairn_proto::ids::CommitRequestId::generate().to_string();
+    let first = commit(&mut client, request.clone()).await;
+    let again = commit(&mut client, request.clone()).await;
+    assert_eq!(again.id, first.id);
+    assert_eq!(list_checkpoints(&mut client, &ws.id).await.len(), 1);
+
+    // Another request id is another checkpoint.
+    let mut other = request;
+    other.request_id = cairn_proto::ids::CommitRequestId::generate().to_string();
+    let second = commit(&mut client, other).await;
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.sequence, 2);
+
+    let mut malformed = commit_request(&begun, &meta, &[&meta], &[&meta]);
+    malformed.request_id = "../x".into();
+    let status = commit_err(&mut client, malformed).await;
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("request_id"), "{status}");
+}

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cairn_proto::domain::{CheckpointReason, PackKind};
-use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
+use cairn_proto::ids::{BlobId, CommitRequestId, PackId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::refusal::Refusal;
 use cairn_proto::size::human_bytes;
@@ -241,7 +241,7 @@ impl CheckpointError {
                 matches!(
                     status.code(),
                     Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted
-                )
+                ) || remote::cut_off(status)
             }
             Self::Upload { source, .. } => {
                 source.is_retryable() || matches!(source, TransferError::Forbidden { .. })
@@ -325,7 +325,7 @@ async fn cut(
                 .coordinator(&opts.coordinator, opts.token.as_deref())
                 .await?
         }
-        None => Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await?,
+        None => Coordinator::connect_retrying(&opts.coordinator, opts.token.as_deref()).await?,
     };
     let mut lost: HashSet<PackId> = HashSet::new();
     let mut redos = 0;
@@ -642,6 +642,9 @@ async fn run(
         warnings: warnings.clone(),
         harness: opts.harness.clone(),
         key_id: keys.key_id().to_owned(),
+        // One name for this commit, however often it is sent: a retry
+        // after a cut-off call gets the checkpoint the first one made.
+        request_id: CommitRequestId::generate().to_string(),
     };
     let committed = match &opts.resident {
         // A resident runner answers first and writes the cache afterwards,
@@ -999,7 +1002,8 @@ pub struct Newest {
 pub async fn newest_checkpoint(
     options: &CheckpointOptions,
 ) -> Result<Option<Newest>, CheckpointError> {
-    let coordinator = Coordinator::connect(&options.coordinator, options.token.as_deref()).await?;
+    let coordinator =
+        Coordinator::connect_retrying(&options.coordinator, options.token.as_deref()).await?;
     let listed = coordinator
         .checkpoints
         .clone()
@@ -1054,12 +1058,13 @@ pub async fn prime(
     let Some(resident) = &opts.resident else {
         return;
     };
-    let session = match Coordinator::connect(&opts.coordinator, opts.token.as_deref()).await {
-        Ok(coordinator) => Session::begin(&coordinator, &opts.workspace, opts.generation)
-            .await
-            .ok(),
-        Err(_) => None,
-    };
+    let session =
+        match Coordinator::connect_retrying(&opts.coordinator, opts.token.as_deref()).await {
+            Ok(coordinator) => Session::begin(&coordinator, &opts.workspace, opts.generation)
+                .await
+                .ok(),
+            Err(_) => None,
+        };
     let memo_from = match (session, scan::resolve_root(&opts.root)) {
         (Some(session), Ok(root))
             if session.workspace_id == workspace && session.keys.key_id() == key_id =>
@@ -1213,7 +1218,7 @@ mod tests {
             .into_status("reworded at will"),
         };
         assert!(missing.is_missing_pack() && !missing.is_fenced());
-        assert_eq!(missing.named_packs(), [pack.clone()]);
+        assert_eq!(missing.named_packs(), std::slice::from_ref(&pack));
         let worded = CheckpointError::Rpc {
             call: "CommitCheckpoint",
             status: tonic::Status::failed_precondition(format!(
@@ -1238,6 +1243,24 @@ mod tests {
             status: tonic::Status::unavailable("down"),
         };
         assert!(unavailable.is_retryable() && !stale.is_retryable());
+    }
+
+    #[test]
+    fn a_call_cut_off_in_the_transport_is_retried_and_a_sent_unknown_is_not() {
+        let broken = std::io::Error::new(io::ErrorKind::ConnectionReset, "connection reset");
+        let cut = CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::from_error(Box::new(broken)),
+        };
+        assert!(cut.is_retryable(), "a reset connection is retried");
+        let sent = CheckpointError::Rpc {
+            call: "CommitCheckpoint",
+            status: tonic::Status::unknown("the coordinator said so"),
+        };
+        assert!(
+            !sent.is_retryable(),
+            "a status the coordinator sent is final"
+        );
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! The checkpoint protocol's calls to the coordinator, with retries.
 //!
 //! Every call is retried with exponential backoff while the coordinator is
-//! unavailable (restarting, overloaded, a dropped connection); any other
-//! refusal is final and reported with the call's name and the coordinator's
-//! message.
+//! unavailable (restarting, overloaded, refusing connections) and when a
+//! call was cut off before its answer (the coordinator died mid-call):
+//! every call of the protocol is safe to send again (the commit names
+//! itself with a request id, so a retried commit makes one checkpoint).
+//! Any other refusal is final and reported with the call's name and the
+//! coordinator's message.
 
 use std::future::Future;
 use std::time::Duration;
@@ -24,11 +27,23 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Used when the coordinator does not say how many ids one call may carry.
 const DEFAULT_FIND_BATCH: usize = 4096;
 
-fn retryable(code: Code) -> bool {
+fn retryable(status: &tonic::Status) -> bool {
     matches!(
-        code,
+        status.code(),
         Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted
-    )
+    ) || cut_off(status)
+}
+
+/// The call failed in this process's transport (the connection broke
+/// before an answer came), not with a status the coordinator sent: only
+/// such a status carries an error source.
+pub(crate) fn cut_off(status: &tonic::Status) -> bool {
+    use std::error::Error as _;
+    status.source().is_some()
+        && matches!(
+            status.code(),
+            Code::Unknown | Code::Internal | Code::Cancelled | Code::Unavailable
+        )
 }
 
 /// Runs one RPC, again and again while the coordinator is unavailable.
@@ -42,7 +57,7 @@ where
     loop {
         match rpc().await {
             Ok(response) => return Ok(response.into_inner()),
-            Err(status) if retryable(status.code()) && attempt < ATTEMPTS => {
+            Err(status) if retryable(&status) && attempt < ATTEMPTS => {
                 tracing::info!(call = name, code = ?status.code(), message = status.message(), ?backoff, "coordinator unavailable; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
