@@ -1,15 +1,23 @@
 //! Bearer-token authentication as a tower layer over the whole gRPC server.
 //!
-//! Sitting below tonic's router, it covers every service, health and
-//! reflection included. A request without a token is answered
-//! UNAUTHENTICATED; a token the coordinator does not know (or that expired)
-//! PERMISSION_DENIED. A known token's [`Principal`] is put into the request
-//! extensions, where the services read it to check scopes.
+//! Sitting below tonic's router, it covers every service, reflection
+//! included. Only `grpc.health.v1.Health` (Check and Watch) answers without
+//! a token, so a load balancer or `grpc_health_probe` can ask; it tells
+//! nothing but whether the services serve.
+//!
+//! A request without a token is answered UNAUTHENTICATED; a token the
+//! coordinator does not know PERMISSION_DENIED without a refusal; a known
+//! token that is revoked, expired, or (a run token) of an attempt that is no
+//! longer current PERMISSION_DENIED with the typed [`Refusal`] saying which
+//! ([`tokens::admit`] decides). An admitted token's [`Principal`] is put
+//! into the request extensions, where the services read it to check scopes.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::SystemTime;
 
 use cairn_proto::auth::bearer_token;
+use cairn_proto::refusal::Refusal;
 use futures::future::BoxFuture;
 use tonic::Status;
 use tonic::body::Body;
@@ -57,8 +65,8 @@ async fn authenticate(db: &MetadataStore, headers: &http::HeaderMap) -> Result<P
             "missing bearer token (send `authorization: Bearer <token>`)",
         ));
     };
-    match db.principal(&tokens::hash(token)).await {
-        Ok(Some(principal)) => Ok(principal),
+    match db.token(&tokens::hash(token)).await {
+        Ok(Some(record)) => tokens::admit(record, SystemTime::now()).map_err(refused),
         Ok(None) => Err(Status::permission_denied("the bearer token is not valid")),
         Err(e) => {
             tracing::error!(error = %e, "could not look up a bearer token");
@@ -69,6 +77,28 @@ async fn authenticate(db: &MetadataStore, headers: &http::HeaderMap) -> Result<P
             })
         }
     }
+}
+
+/// The status of a known token that is not honoured.
+fn refused(refusal: Refusal) -> Status {
+    let message = match &refusal {
+        Refusal::AttemptNotCurrent { .. } => {
+            format!("{refusal}: a run token works only while its attempt is current")
+        }
+        _ => refusal.to_string(),
+    };
+    refusal.into_status(message)
+}
+
+/// The gRPC paths answered without a token: health checks only.
+const OPEN_PATHS: [&str; 2] = [
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+];
+
+/// Whether `path` is answered without a token.
+fn is_open(path: &str) -> bool {
+    OPEN_PATHS.contains(&path)
 }
 
 impl<S> Service<http::Request<Body>> for AuthService<S>
@@ -91,6 +121,9 @@ where
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         let db = self.db.clone();
         Box::pin(async move {
+            if is_open(request.uri().path()) {
+                return inner.call(request).await;
+            }
             match authenticate(&db, request.headers()).await {
                 Ok(principal) => {
                     request.extensions_mut().insert(principal);
@@ -109,4 +142,24 @@ pub fn principal<T>(request: &tonic::Request<T>) -> Result<&Principal, Status> {
         tracing::error!("request reached a service without passing the auth layer");
         Status::internal("request was not authenticated")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_health_checks_are_open() {
+        assert!(is_open("/grpc.health.v1.Health/Check"));
+        assert!(is_open("/grpc.health.v1.Health/Watch"));
+        for closed in [
+            "/grpc.health.v1.Health/List",
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            "/cairn.v1.AdminService/ListHosts",
+            "/grpc.health.v1.Health/Check/",
+            "/GRPC.HEALTH.V1.HEALTH/CHECK",
+        ] {
+            assert!(!is_open(closed), "{closed}");
+        }
+    }
 }

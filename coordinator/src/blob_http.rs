@@ -8,13 +8,18 @@
 //! ```
 //!
 //! Any signature problem (missing, tampered, expired, signed for another
-//! method or key) is a 403; a missing object a 404; an upload whose bytes do
+//! method or key) is a 403, and so is a URL signed for a run token's attempt
+//! that is no longer current (ended, superseded, cancelled: the metadata is
+//! asked, and its answer kept for at most [`ATTEMPT_CACHE_TTL`]); a missing
+//! object a 404; an upload whose bytes do
 //! not match the signed size and digest a 400, with nothing stored. Bodies
 //! stream both ways; a pack is never held in memory whole.
 
+use std::collections::HashMap;
 use std::io::{ErrorKind, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -29,9 +34,13 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::io::ReaderStream;
 
+use cairn_proto::refusal::NotCurrent;
+
+use crate::db::MetadataStore;
 use crate::signing::{Grant, SignedQuery, UrlSigner, unix_now};
 use crate::store::ObjectKey;
 use crate::store::local::object_path;
+use crate::tokens::RunBinding;
 
 /// Name of the directory (under the blob root) that holds uploads in flight.
 /// Object keys cannot start a segment with '.', so it is never addressable.
@@ -39,19 +48,78 @@ pub const TEMP_DIR: &str = ".tmp";
 
 const STREAM_CHUNK: usize = 256 << 10;
 
-/// What the blob server needs: where objects live and the key to check URLs with.
+/// How long the answer to "is this attempt current?" is reused. A URL of an
+/// attempt that just ended works at most this much longer; every request
+/// within it (a restore fetches many packs) costs no metadata query.
+pub const ATTEMPT_CACHE_TTL: Duration = Duration::from_secs(1);
+
+/// Answers kept at most; past it, stale ones are dropped before a new one
+/// is kept (and all of them if none is stale), so memory stays bounded.
+const ATTEMPT_CACHE_ENTRIES: usize = 4096;
+
+/// An attempt's answer and when it was asked.
+type Answers = HashMap<RunBinding, (Instant, Result<(), NotCurrent>)>;
+
+/// Whether the attempts URLs were signed for are current, asked of the
+/// metadata and remembered briefly.
+#[derive(Debug)]
+struct AttemptCheck {
+    db: Arc<MetadataStore>,
+    answers: Mutex<Answers>,
+}
+
+impl AttemptCheck {
+    async fn current(&self, holder: &RunBinding) -> Result<(), NotCurrent> {
+        let now = Instant::now();
+        if let Some((at, answer)) = self.lock().get(holder)
+            && now.duration_since(*at) < ATTEMPT_CACHE_TTL
+        {
+            return *answer;
+        }
+        let answer = self.db.attempt_current(&holder.run, holder.attempt).await;
+        let mut answers = self.lock();
+        if answers.len() >= ATTEMPT_CACHE_ENTRIES {
+            answers.retain(|_, (at, _)| now.duration_since(*at) < ATTEMPT_CACHE_TTL);
+            if answers.len() >= ATTEMPT_CACHE_ENTRIES {
+                answers.clear();
+            }
+        }
+        answers.insert(holder.clone(), (now, answer));
+        answer
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Answers> {
+        // The map holds only cached answers: one a panicking holder left is still usable.
+        self.answers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What the blob server needs: where objects live, the key to check URLs
+/// with, and the metadata to ask whether an attempt is current.
 #[derive(Debug)]
 pub struct BlobServer {
     root: PathBuf,
     signer: UrlSigner,
+    attempts: AttemptCheck,
 }
 
 impl BlobServer {
     /// Serves the objects under `root`, creating it and its temp dir.
-    pub fn new(root: impl Into<PathBuf>, signer: UrlSigner) -> std::io::Result<Self> {
+    pub fn new(
+        root: impl Into<PathBuf>,
+        signer: UrlSigner,
+        db: Arc<MetadataStore>,
+    ) -> std::io::Result<Self> {
         let root = root.into();
         std::fs::create_dir_all(root.join(TEMP_DIR))?;
-        Ok(Self { root, signer })
+        Ok(Self {
+            root,
+            signer,
+            attempts: AttemptCheck {
+                db,
+                answers: Mutex::new(HashMap::new()),
+            },
+        })
     }
 
     /// The routes of the blob server.
@@ -103,8 +171,9 @@ fn internal(what: &str, path: &Path, error: std::io::Error) -> Response {
     )
 }
 
-/// Checks the URL's signature for `put` (or a read) of `key`.
-fn authorize(
+/// Checks the URL's signature for `put` (or a read) of `key`, and that the
+/// attempt it was signed for, if any, is current.
+async fn authorize(
     server: &BlobServer,
     key: &str,
     query: Option<&str>,
@@ -114,10 +183,21 @@ fn authorize(
     // A key the store would never sign cannot carry a valid signature.
     let key = ObjectKey::new(key).map_err(|e| forbidden(e.to_string()))?;
     let query = SignedQuery::parse(query.unwrap_or("")).map_err(|e| forbidden(e.to_string()))?;
-    let grant = server
+    let (grant, holder) = server
         .signer
         .verify(&key, put, &query, unix_now())
         .map_err(|e| forbidden(e.to_string()))?;
+    if let Some(holder) = holder
+        && let Err(why) = server.attempts.current(&holder).await
+    {
+        tracing::info!(run = %holder.run, attempt = holder.attempt, why = why.as_str(), %key, "URL of an attempt that is not current refused");
+        return Err(forbidden(format!(
+            "the URL was signed for attempt {} of run {}, which is {}; a URL works only while its attempt is current",
+            holder.attempt,
+            holder.run,
+            why.as_str()
+        )));
+    }
     Ok((key, grant))
 }
 
@@ -186,7 +266,7 @@ async fn get_object(
     method: Method,
     headers: HeaderMap,
 ) -> Response {
-    let (key, _) = match authorize(&server, &key, query.as_deref(), false) {
+    let (key, _) = match authorize(&server, &key, query.as_deref(), false).await {
         Ok(granted) => granted,
         Err(response) => return response,
     };
@@ -321,7 +401,7 @@ async fn put_object(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let (key, grant) = match authorize(&server, &key, query.as_deref(), true) {
+    let (key, grant) = match authorize(&server, &key, query.as_deref(), true).await {
         Ok(granted) => granted,
         Err(refusal) => return after_draining(body, refusal).await,
     };

@@ -263,9 +263,10 @@ impl Coordinator {
             scheduler: scheduler.clone(),
             shutdown: stop.clone(),
         };
-        let blob_router = BlobServer::new(self.data_dir.blobs(), self.signer.clone())
-            .map_err(ServeError::BlobServer)?
-            .router();
+        let blob_router =
+            BlobServer::new(self.data_dir.blobs(), self.signer.clone(), self.db.clone())
+                .map_err(ServeError::BlobServer)?
+                .router();
 
         tracing::info!(grpc = %local_url(grpc_addr), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
         let scheduling = scheduler::run(

@@ -10,6 +10,21 @@
 //!         "cairn-url-v1\n" METHOD "\n" key "\n" exp "\n" size "\n" sha256)
 //! ```
 //!
+//! A URL handed to a run token also names the token's attempt, inside the
+//! signature, and is honoured only while that attempt is current (the blob
+//! server asks the metadata), so a URL does not outlive its attempt's right
+//! to the workspace:
+//!
+//! ```text
+//! …&run=<run id>&attempt=<n>
+//!
+//! sig = HMAC-SHA256(url-signing key,
+//!         "cairn-url-v1-attempt\n" METHOD "\n" key "\n" exp "\n" size "\n" sha256
+//!         "\n" run "\n" attempt)
+//! ```
+//!
+//! (Another domain string, so a URL cannot drop its attempt and still verify.)
+//!
 //! GET and HEAD share one signature (method `GET`, empty size and sha256), so
 //! a PUT URL is useless for reading and a GET URL useless for writing. The
 //! key is 32 random bytes kept in the data dir; only the coordinator (which
@@ -23,11 +38,14 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use ring::hmac;
 
 use crate::store::ObjectKey;
+use crate::tokens::RunBinding;
 
 /// Length of the URL-signing key in bytes.
 pub const SIGNING_KEY_LEN: usize = 32;
 
 const DOMAIN: &str = "cairn-url-v1";
+/// The domain of URLs bound to an attempt.
+const ATTEMPT_DOMAIN: &str = "cairn-url-v1-attempt";
 
 /// What a signed URL allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,10 +85,12 @@ pub struct SignedQuery {
     sig: Option<String>,
     size: Option<String>,
     sha256: Option<String>,
+    run: Option<String>,
+    attempt: Option<String>,
 }
 
 impl SignedQuery {
-    /// Parses `exp=…&sig=…[&size=…&sha256=…]`. Values are URL-safe by
+    /// Parses `exp=…&sig=…[&size=…&sha256=…][&run=…&attempt=…]`. Values are URL-safe by
     /// construction, so no percent-decoding is needed; a repeated parameter
     /// is malformed rather than resolved either way.
     pub fn parse(query: &str) -> Result<Self, SignatureError> {
@@ -82,6 +102,8 @@ impl SignedQuery {
                 "sig" => (&mut parsed.sig, "sig"),
                 "size" => (&mut parsed.size, "size"),
                 "sha256" => (&mut parsed.sha256, "sha256"),
+                "run" => (&mut parsed.run, "run"),
+                "attempt" => (&mut parsed.attempt, "attempt"),
                 _ => continue,
             };
             if slot.replace(value.to_owned()).is_some() {
@@ -111,25 +133,39 @@ impl UrlSigner {
         }
     }
 
-    fn message(key: &ObjectKey, grant: &Grant, expires: u64) -> Vec<u8> {
+    fn message(
+        key: &ObjectKey,
+        grant: &Grant,
+        expires: u64,
+        holder: Option<&RunBinding>,
+    ) -> Vec<u8> {
         let (size, sha256) = match grant {
             Grant::Get => (String::new(), String::new()),
             Grant::Put { size, sha256 } => (size.to_string(), hex::encode(sha256)),
         };
-        format!(
-            "{DOMAIN}\n{}\n{}\n{expires}\n{size}\n{sha256}",
-            grant.method(),
-            key.as_str()
-        )
+        let method = grant.method();
+        let key = key.as_str();
+        match holder {
+            None => format!("{DOMAIN}\n{method}\n{key}\n{expires}\n{size}\n{sha256}"),
+            Some(RunBinding { run, attempt }) => format!(
+                "{ATTEMPT_DOMAIN}\n{method}\n{key}\n{expires}\n{size}\n{sha256}\n{run}\n{attempt}"
+            ),
+        }
         .into_bytes()
     }
 
     /// The query string (without `?`) granting `grant` on `key` until `expires`
-    /// (Unix seconds).
-    pub fn sign_query(&self, key: &ObjectKey, grant: &Grant, expires: u64) -> String {
-        let tag = hmac::sign(&self.key, &Self::message(key, grant, expires));
+    /// (Unix seconds), to `holder`'s attempt only when one is given.
+    pub fn sign_query(
+        &self,
+        key: &ObjectKey,
+        grant: &Grant,
+        expires: u64,
+        holder: Option<&RunBinding>,
+    ) -> String {
+        let tag = hmac::sign(&self.key, &Self::message(key, grant, expires, holder));
         let sig = URL_SAFE_NO_PAD.encode(tag.as_ref());
-        match grant {
+        let mut query = match grant {
             Grant::Get => format!("exp={expires}&sig={sig}"),
             Grant::Put { size, sha256 } => {
                 format!(
@@ -137,18 +173,24 @@ impl UrlSigner {
                     hex::encode(sha256)
                 )
             }
+        };
+        if let Some(RunBinding { run, attempt }) = holder {
+            query.push_str(&format!("&run={run}&attempt={attempt}"));
         }
+        query
     }
 
     /// Checks that `query` grants a read (`put == false`) or a write of `key`
-    /// at time `now` (Unix seconds), and returns the grant.
+    /// at time `now` (Unix seconds); returns the grant and the attempt it
+    /// was signed for, if any (whether that attempt is current is the
+    /// caller's to ask).
     pub fn verify(
         &self,
         key: &ObjectKey,
         put: bool,
         query: &SignedQuery,
         now: u64,
-    ) -> Result<Grant, SignatureError> {
+    ) -> Result<(Grant, Option<RunBinding>), SignatureError> {
         let exp = query.exp.as_deref().ok_or(SignatureError::Missing("exp"))?;
         let expires: u64 = exp.parse().map_err(|_| SignatureError::Malformed("exp"))?;
         let sig = query.sig.as_deref().ok_or(SignatureError::Missing("sig"))?;
@@ -174,14 +216,29 @@ impl UrlSigner {
         } else {
             Grant::Get
         };
-        hmac::verify(&self.key, &Self::message(key, &grant, expires), &sig)
-            .map_err(|_| SignatureError::Mismatch)?;
+        let holder = match (query.run.as_deref(), query.attempt.as_deref()) {
+            (None, None) => None,
+            (Some(run), Some(attempt)) => Some(RunBinding {
+                run: run.parse().map_err(|_| SignatureError::Malformed("run"))?,
+                attempt: attempt
+                    .parse()
+                    .map_err(|_| SignatureError::Malformed("attempt"))?,
+            }),
+            (None, Some(_)) => return Err(SignatureError::Missing("run")),
+            (Some(_), None) => return Err(SignatureError::Missing("attempt")),
+        };
+        hmac::verify(
+            &self.key,
+            &Self::message(key, &grant, expires, holder.as_ref()),
+            &sig,
+        )
+        .map_err(|_| SignatureError::Mismatch)?;
         // Checked after the signature so that only genuine URLs learn they
         // expired. `exp` is the first second the URL is no longer valid.
         if now >= expires {
             return Err(SignatureError::Expired);
         }
-        Ok(grant)
+        Ok((grant, holder))
     }
 }
 
@@ -221,8 +278,11 @@ mod tests {
     #[test]
     fn a_get_url_verifies_for_its_key_until_it_expires() {
         let s = signer(1);
-        let q = query(&s.sign_query(&key("packs/a/b"), &Grant::Get, 1000));
-        assert_eq!(s.verify(&key("packs/a/b"), false, &q, 999), Ok(Grant::Get));
+        let q = query(&s.sign_query(&key("packs/a/b"), &Grant::Get, 1000, None));
+        assert_eq!(
+            s.verify(&key("packs/a/b"), false, &q, 999),
+            Ok((Grant::Get, None))
+        );
         assert_eq!(
             s.verify(&key("packs/a/b"), false, &q, 1000),
             Err(SignatureError::Expired)
@@ -244,8 +304,11 @@ mod tests {
             size: 42,
             sha256: [7; 32],
         };
-        let signed = s.sign_query(&key("k"), &grant, 1000);
-        assert_eq!(s.verify(&key("k"), true, &query(&signed), 5), Ok(grant));
+        let signed = s.sign_query(&key("k"), &grant, 1000, None);
+        assert_eq!(
+            s.verify(&key("k"), true, &query(&signed), 5),
+            Ok((grant, None))
+        );
         assert_eq!(
             s.verify(&key("k"), false, &query(&signed), 5),
             Err(SignatureError::Mismatch)
@@ -255,7 +318,7 @@ mod tests {
             s.verify(&key("k"), true, &query(&bigger), 5),
             Err(SignatureError::Mismatch)
         );
-        let get = s.sign_query(&key("k"), &Grant::Get, 1000);
+        let get = s.sign_query(&key("k"), &Grant::Get, 1000, None);
         assert_eq!(
             s.verify(&key("k"), true, &query(&get), 5),
             Err(SignatureError::Missing("size"))
@@ -265,7 +328,7 @@ mod tests {
     #[test]
     fn a_later_expiry_does_not_verify() {
         let s = signer(1);
-        let signed = s.sign_query(&key("k"), &Grant::Get, 1000);
+        let signed = s.sign_query(&key("k"), &Grant::Get, 1000, None);
         let extended = signed.replace("exp=1000", "exp=9999");
         assert_eq!(
             s.verify(&key("k"), false, &query(&extended), 5),
@@ -291,6 +354,45 @@ mod tests {
         assert_eq!(
             SignedQuery::parse("exp=1&exp=2"),
             Err(SignatureError::Malformed("exp"))
+        );
+    }
+
+    #[test]
+    fn a_url_signed_for_an_attempt_names_it_and_cannot_drop_or_change_it() {
+        let s = signer(1);
+        let run: cairn_proto::ids::RunId = cairn_proto::ids::RunId::generate();
+        let holder = RunBinding {
+            run: run.clone(),
+            attempt: 2,
+        };
+        let signed = s.sign_query(&key("k"), &Grant::Get, 1000, Some(&holder));
+        assert!(signed.contains(&format!("run={run}&attempt=2")), "{signed}");
+        assert_eq!(
+            s.verify(&key("k"), false, &query(&signed), 5),
+            Ok((Grant::Get, Some(holder.clone())))
+        );
+        let dropped = signed.replace(&format!("&run={run}&attempt=2"), "");
+        assert_eq!(
+            s.verify(&key("k"), false, &query(&dropped), 5),
+            Err(SignatureError::Mismatch),
+            "without its attempt the URL does not verify"
+        );
+        let other_attempt = signed.replace("attempt=2", "attempt=3");
+        assert_eq!(
+            s.verify(&key("k"), false, &query(&other_attempt), 5),
+            Err(SignatureError::Mismatch)
+        );
+        let half = signed.replace("&attempt=2", "");
+        assert_eq!(
+            s.verify(&key("k"), false, &query(&half), 5),
+            Err(SignatureError::Missing("attempt"))
+        );
+        let unbound = s.sign_query(&key("k"), &Grant::Get, 1000, None);
+        let grafted = format!("{unbound}&run={run}&attempt=2");
+        assert_eq!(
+            s.verify(&key("k"), false, &query(&grafted), 5),
+            Err(SignatureError::Mismatch),
+            "an attempt added to an unbound URL does not verify"
         );
     }
 

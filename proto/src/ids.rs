@@ -2,7 +2,7 @@
 //!
 //! Generated ids are a kind prefix plus 26 characters of lower-case Crockford
 //! base32 of a UUIDv7, so they sort by creation time and say what they name:
-//! `ws-01jh…` (workspace), `ck-…` (checkpoint), `run-…`, `host-…`.
+//! `ws-01jh…` (workspace), `ck-…` (checkpoint), `run-…`, `host-…`, `tok-…`.
 //! Content ids ([`BlobId`], [`PackId`]) are digests, not generated.
 
 use std::fmt;
@@ -122,6 +122,11 @@ prefixed_id!(
     /// (a retry after a call was cut off) gets the checkpoint it made, not
     /// a second one.
     CommitRequestId, "cr-", "request_id"
+);
+prefixed_id!(
+    /// A bearer token's public name: listed and revoked by it, never the
+    /// token's text (which the coordinator does not keep).
+    TokenId, "tok-", "token_id"
 );
 
 /// A tenant: the scope of names, tokens and hosts. (Deduplication and keys

@@ -186,14 +186,11 @@ fn a_stale_runner_cannot_commit_after_its_run_moved_on() {
         .args(["--workspace", &workspace]))
     .assert_exit(1);
     assert!(
-        (refused
-            .stderr
-            .contains(&format!("generation {} ", old.generation))
-            || refused
-                .stderr
-                .contains(&format!("generation g{} ", old.generation)))
-            && refused.stderr.contains("older than the workspace's"),
-        "the refusal names the stale generation: {refused}"
+        refused.stderr.contains(&format!(
+            "attempt {} of run {run_id} is superseded",
+            old.number
+        )),
+        "the refusal says the token's attempt was superseded: {refused}"
     );
     let newest = fleet.checkpoints(&workspace)[0].clone();
     assert_eq!(
@@ -248,7 +245,7 @@ fn a_stale_runner_cannot_commit_after_its_run_moved_on() {
     );
 
     // The same command with the current attempt's token is accepted: the
-    // refusal above was about the generation, not the token or the command.
+    // refusal above was about the attempt, not the command.
     let current_token = run_token_of(&current.sandbox_id).expect("attempt 2's runner is alive");
     let accepted = fleet
         .coordinator

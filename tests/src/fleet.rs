@@ -547,6 +547,7 @@ exec '{agent}' "$@"
         self.block_on(admin.create_token(pb::CreateTokenRequest {
             scope: scope.into(),
             description: "cairn-e2e".into(),
+            ..Default::default()
         }))
         .unwrap_or_else(|s| panic!("CreateToken {scope} failed: {s}"))
         .into_inner()

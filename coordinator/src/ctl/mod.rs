@@ -16,7 +16,8 @@
 //! - [`verify`]: `verify WS [--read-data]`.
 //! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
 //! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
-//! - [`tokens`]: `tokens create --scope client|host`.
+//! - [`tokens`]: `tokens create --scope client|host [--expires-in]`,
+//!   `tokens list`, `tokens revoke ID`.
 //! - [`demo`]: `demo`, an embedded coordinator, two hosts and a run that
 //!   loses its host and resumes on the other.
 
@@ -123,7 +124,7 @@ pub enum Command {
     /// List hosts; cordon, uncordon or drain one (admin token).
     #[command(subcommand)]
     Hosts(HostsCommand),
-    /// Create tokens for clients and hosts (admin token).
+    /// Create, list and revoke tokens of clients and hosts (admin token).
     #[command(subcommand)]
     Tokens(TokensCommand),
     /// Run everything locally, no set-up: an embedded coordinator, two hosts,
@@ -211,7 +212,8 @@ pub enum HostsCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum TokensCommand {
-    /// Create a token (printed once).
+    /// Create a token (printed once). A host token is an enrollment token:
+    /// it registers a new host, which then uses the token bound to it.
     Create {
         /// What the token may do.
         #[arg(long, value_enum)]
@@ -219,6 +221,17 @@ pub enum TokensCommand {
         /// A note stored with the token (who or what uses it).
         #[arg(long)]
         description: Option<String>,
+        /// Refuse the token after this long (30d, 12h, 90m); without it the
+        /// token lives until revoked.
+        #[arg(long, value_parser = tokens::parse_expires_in)]
+        expires_in: Option<std::time::Duration>,
+    },
+    /// List admin, client and host tokens: scope, status, expiry, bound host.
+    List,
+    /// Revoke a token: refused from its next call on.
+    Revoke {
+        /// The token's id (tok-…), from `tokens list`.
+        id: String,
     },
 }
 
@@ -401,8 +414,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             hosts::act(&coordinator, action, &host, output).await
         }
-        Command::Tokens(TokensCommand::Create { scope, description }) => {
-            tokens::create(&coordinator, scope, description, output).await
+        Command::Tokens(TokensCommand::Create {
+            scope,
+            description,
+            expires_in,
+        }) => tokens::create(&coordinator, scope, description, expires_in, output).await,
+        Command::Tokens(TokensCommand::List) => tokens::list(&coordinator, output).await,
+        Command::Tokens(TokensCommand::Revoke { id }) => {
+            tokens::revoke(&coordinator, &id, output).await
         }
     }
 }

@@ -30,6 +30,7 @@ mod runner;
 mod runs;
 mod scheduling;
 mod stations;
+mod tokens;
 mod workspaces;
 
 pub use hosts::{
@@ -42,6 +43,7 @@ pub use runs::{
 };
 pub use scheduling::{HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
+pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;
 
 use std::path::{Path, PathBuf};
@@ -62,8 +64,6 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, Sqlite, Transaction};
 use tokio::sync::broadcast;
-
-use crate::tokens::{Principal, RunBinding, Scope};
 
 /// Key id of a tenant's first key.
 pub const FIRST_KEY_ID: &str = "k1";
@@ -328,7 +328,9 @@ impl MetadataStore {
             })?;
         sqlx::migrate!("./migrations").run(&pool).await?;
         let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);
-        Ok(Self { pool, run_changes })
+        let store = Self { pool, run_changes };
+        store.assign_token_ids().await?;
+        Ok(store)
     }
 
     /// Ids of runs as their events are committed. Subscribe before reading
@@ -489,67 +491,6 @@ impl MetadataStore {
             }
         }
         Ok(keys)
-    }
-
-    /// Records a token by its hash unless it is already known.
-    pub async fn ensure_token(
-        &self,
-        hash: &[u8; 32],
-        tenant: &TenantId,
-        scope: Scope,
-        workspace: Option<&WorkspaceId>,
-        description: &str,
-    ) -> Result<(), DbError> {
-        sqlx::query(
-            "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (token_hash) DO NOTHING",
-        )
-        .bind(hash.as_slice())
-        .bind(tenant.as_str())
-        .bind(scope.as_str())
-        .bind(workspace.map(|w| w.as_str()))
-        .bind(description)
-        .bind(millis(SystemTime::now()))
-        .execute(&self.pool)
-        .await
-        .map_err(query_error("insert token"))?;
-        Ok(())
-    }
-
-    /// Who holds the token with this hash, if it is known and not expired.
-    pub async fn principal(&self, hash: &[u8; 32]) -> Result<Option<Principal>, DbError> {
-        let row = sqlx::query(
-            "SELECT tenant, scope, workspace_id, run_id, attempt FROM tokens
-             WHERE token_hash = $1 AND (expires_at IS NULL OR expires_at > $2)",
-        )
-        .bind(hash.as_slice())
-        .bind(millis(SystemTime::now()))
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(query_error("token"))?;
-        let Some(row) = row else { return Ok(None) };
-        let tenant: String = row.try_get("tenant").map_err(query_error("token"))?;
-        let scope: String = row.try_get("scope").map_err(query_error("token"))?;
-        let workspace: Option<String> =
-            row.try_get("workspace_id").map_err(query_error("token"))?;
-        let run: Option<String> = row.try_get("run_id").map_err(query_error("token"))?;
-        let attempt: Option<i64> = row.try_get("attempt").map_err(query_error("token"))?;
-        let run = match (run, attempt) {
-            (Some(run), Some(attempt)) => Some(RunBinding {
-                run: parse_column(&run, "run id")?,
-                attempt: unsigned(attempt, "attempt")?,
-            }),
-            _ => None,
-        };
-        Ok(Some(Principal {
-            tenant: parse_column(&tenant, "tenant")?,
-            scope: parse_column(&scope, "token scope")?,
-            workspace: workspace
-                .map(|w| parse_column(&w, "workspace id"))
-                .transpose()?,
-            run,
-        }))
     }
 }
 

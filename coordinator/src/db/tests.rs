@@ -333,27 +333,6 @@ async fn a_refused_commit_leaves_no_trace() {
 }
 
 #[tokio::test]
-async fn tokens_resolve_to_their_principal_by_hash() {
-    let (_dir, db, tenant) = open().await;
-    let token = crate::tokens::generate(Scope::Admin);
-    db.ensure_token(&token.hash, &tenant, Scope::Admin, None, "test")
-        .await
-        .unwrap();
-    db.ensure_token(&token.hash, &tenant, Scope::Admin, None, "test")
-        .await
-        .unwrap();
-    let principal = db.principal(&token.hash).await.unwrap().unwrap();
-    assert_eq!(principal.scope, Scope::Admin);
-    assert_eq!(principal.tenant, tenant);
-    assert!(
-        db.principal(&crate::tokens::hash("cairn_admin_unknown"))
-            .await
-            .unwrap()
-            .is_none()
-    );
-}
-
-#[tokio::test]
 async fn workspaces_list_in_pages_by_id() {
     let (_dir, db, tenant) = open().await;
     let mut ids = Vec::new();

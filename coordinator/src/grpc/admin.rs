@@ -1,15 +1,18 @@
 //! `cairn.v1.AdminService`: hosts (list, cordon, uncordon, drain) and
-//! client and host tokens, for admin tokens only.
+//! client and host tokens (create, list, revoke), for admin tokens only.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
+use cairn_proto::domain::to_timestamp;
+use cairn_proto::ids::TokenId;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_server::AdminService;
-use cairn_proto::runs::HostState;
+use cairn_proto::runs::{HostState, from_proto_duration};
 use tonic::{Request, Response, Status};
 
 use super::{ServiceError, Shared, host_to_pb};
 use crate::auth::principal;
+use crate::db::{NewTokenRow, TokenInfo, expiry_after};
 use crate::tokens::{self, Action, Principal, Scope};
 
 /// Longest token description kept.
@@ -142,16 +145,93 @@ impl AdminService for AdminApi {
             ),
             text => text.to_owned(),
         };
+        let expires_at = match req.expires_in.as_ref() {
+            None => None,
+            Some(d) => match from_proto_duration(d, "expires_in").map_err(ServiceError::from)? {
+                Duration::ZERO => None,
+                ttl => Some(expiry_after(ttl).map_err(ServiceError::from)?),
+            },
+        };
         let token = tokens::generate(scope);
-        self.shared
+        let created = self
+            .shared
             .db
-            .ensure_token(&token.hash, &principal.tenant, scope, None, &description)
+            .create_token(&NewTokenRow {
+                hash: &token.hash,
+                tenant: &principal.tenant,
+                scope,
+                description: &description,
+                expires_at,
+                host: None,
+            })
             .await
             .map_err(ServiceError::from)?;
-        tracing::info!(%scope, %description, "token created");
+        tracing::info!(%scope, id = %created.id, %description, "token created");
         Ok(Response::new(pb::CreateTokenResponse {
             token: token.text,
             scope: scope.as_str().to_owned(),
+            id: created.id.to_string(),
+            expires_at: created.expires_at.map(to_timestamp),
         }))
+    }
+
+    async fn list_tokens(
+        &self,
+        request: Request<pb::ListTokensRequest>,
+    ) -> Result<Response<pb::ListTokensResponse>, Status> {
+        let principal = admin(&request)?;
+        let tokens = self
+            .shared
+            .db
+            .list_tokens(&principal.tenant)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::ListTokensResponse {
+            tokens: tokens.iter().map(token_to_pb).collect(),
+        }))
+    }
+
+    async fn revoke_token(
+        &self,
+        request: Request<pb::RevokeTokenRequest>,
+    ) -> Result<Response<pb::TokenInfo>, Status> {
+        let principal = admin(&request)?;
+        let id: TokenId = request
+            .get_ref()
+            .id
+            .trim()
+            .parse()
+            .map_err(ServiceError::from)?;
+        if principal.token.as_ref() == Some(&id) {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "token {id} is the admin token this call is made with; revoking it would lock \
+                 the operator out (the admin token comes from the data dir's admin.token)"
+            ))
+            .into());
+        }
+        let revoked = self
+            .shared
+            .db
+            .revoke_token(&principal.tenant, &id)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(%id, scope = %revoked.scope, "token revoked");
+        Ok(Response::new(token_to_pb(&revoked)))
+    }
+}
+
+fn token_to_pb(token: &TokenInfo) -> pb::TokenInfo {
+    pb::TokenInfo {
+        id: token.id.to_string(),
+        scope: token.scope.as_str().to_owned(),
+        description: token.description.clone(),
+        created_at: Some(to_timestamp(token.created_at)),
+        expires_at: token.expires_at.map(to_timestamp),
+        revoked_at: token.revoked_at.map(to_timestamp),
+        host_id: token
+            .host
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
     }
 }

@@ -367,8 +367,10 @@ impl CheckpointApi {
         let signed: Vec<(SystemTime, pb::PackLocation)> = futures::stream::iter(lookups)
             .map(|(key, record)| {
                 let store = self.shared.store.clone();
+                // A run token's URLs die with its attempt.
+                let holder = principal.run.clone();
                 async move {
-                    let url = store.presign_get(&key, ttl).await?;
+                    let url = store.presign_get(&key, ttl, holder.as_ref()).await?;
                     let location = pb::PackLocation {
                         pack_id: record.id.to_string(),
                         kind: pb::PackKind::from(record.kind) as i32,
@@ -661,7 +663,14 @@ impl CheckpointService for CheckpointApi {
             let signed = self
                 .shared
                 .store
-                .presign_put(&key, upload.size, id.digest(), limits.url_ttl)
+                .presign_put(
+                    &key,
+                    upload.size,
+                    id.digest(),
+                    limits.url_ttl,
+                    // A run token's URLs die with its attempt.
+                    principal.run.as_ref(),
+                )
                 .await
                 .map_err(ServiceError::from)?;
             urls.push(pb::SignedUrl {

@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{ObjectKey, ObjectMeta, ObjectStore, PresignedUrl, StoreError, StoreFuture, StoreOp};
+use crate::tokens::RunBinding;
 
 #[derive(Debug, Default)]
 struct FaultState {
@@ -135,10 +136,11 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         size: u64,
         sha256: [u8; 32],
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
             self.faults.enter(StoreOp::PresignPut, key.as_str())?;
-            self.inner.presign_put(key, size, sha256, ttl).await
+            self.inner.presign_put(key, size, sha256, ttl, holder).await
         })
     }
 
@@ -146,10 +148,11 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         &'a self,
         key: &'a ObjectKey,
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
             self.faults.enter(StoreOp::PresignGet, key.as_str())?;
-            self.inner.presign_get(key, ttl).await
+            self.inner.presign_get(key, ttl, holder).await
         })
     }
 }

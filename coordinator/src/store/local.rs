@@ -10,6 +10,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use super::{ObjectKey, ObjectMeta, ObjectStore, PresignedUrl, StoreError, StoreFuture, StoreOp};
 use crate::signing::{Grant, UrlSigner, expiry_after};
+use crate::tokens::RunBinding;
 
 /// Objects as files under a root directory, readable and writable through
 /// URLs signed for the embedded blob server at `base_url`.
@@ -39,9 +40,15 @@ impl LocalStore {
         object_path(&self.root, key)
     }
 
-    fn presign(&self, key: &ObjectKey, grant: Grant, ttl: Duration) -> PresignedUrl {
+    fn presign(
+        &self,
+        key: &ObjectKey,
+        grant: Grant,
+        ttl: Duration,
+        holder: Option<&RunBinding>,
+    ) -> PresignedUrl {
         let expires = expiry_after(ttl);
-        let query = self.signer.sign_query(key, &grant, expires);
+        let query = self.signer.sign_query(key, &grant, expires, holder);
         PresignedUrl {
             url: format!("{}/o/{key}?{query}", self.base_url),
             method: match grant {
@@ -166,16 +173,18 @@ impl ObjectStore for LocalStore {
         size: u64,
         sha256: [u8; 32],
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
-        Box::pin(async move { Ok(self.presign(key, Grant::Put { size, sha256 }, ttl)) })
+        Box::pin(async move { Ok(self.presign(key, Grant::Put { size, sha256 }, ttl, holder)) })
     }
 
     fn presign_get<'a>(
         &'a self,
         key: &'a ObjectKey,
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
-        Box::pin(async move { Ok(self.presign(key, Grant::Get, ttl)) })
+        Box::pin(async move { Ok(self.presign(key, Grant::Get, ttl, holder)) })
     }
 }
 
@@ -258,7 +267,7 @@ mod tests {
         let store = store(dir.path());
         let key = ObjectKey::new("packs/t/ab/ab1").unwrap();
         let get = store
-            .presign_get(&key, Duration::from_secs(60))
+            .presign_get(&key, Duration::from_secs(60), None)
             .await
             .unwrap();
         assert!(
@@ -270,7 +279,7 @@ mod tests {
         assert_eq!(get.method, "GET");
         assert!(get.expires_at > std::time::SystemTime::now());
         let put = store
-            .presign_put(&key, 10, [1; 32], Duration::from_secs(60))
+            .presign_put(&key, 10, [1; 32], Duration::from_secs(60), None)
             .await
             .unwrap();
         assert_eq!(put.method, "PUT");

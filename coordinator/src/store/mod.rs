@@ -22,6 +22,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::tokens::RunBinding;
 use cairn_proto::ids::{PackId, TenantId};
 
 pub use faulty::{Faults, FaultyStore};
@@ -201,20 +202,25 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Every object whose key starts with `prefix`, sorted by key.
     fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>>;
 
-    /// A URL that uploads exactly `size` bytes hashing to `sha256` to `key`.
+    /// A URL that uploads exactly `size` bytes hashing to `sha256` to `key`;
+    /// with `holder`, honoured only while that attempt is current (a store
+    /// that cannot check that must not sign for a holder it cannot bind).
     fn presign_put<'a>(
         &'a self,
         key: &'a ObjectKey,
         size: u64,
         sha256: [u8; 32],
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl>;
 
-    /// A URL that reads `key` (whole or by byte ranges).
+    /// A URL that reads `key` (whole or by byte ranges); `holder` as for
+    /// [`ObjectStore::presign_put`].
     fn presign_get<'a>(
         &'a self,
         key: &'a ObjectKey,
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl>;
 }
 
@@ -237,16 +243,18 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
         size: u64,
         sha256: [u8; 32],
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
-        (**self).presign_put(key, size, sha256, ttl)
+        (**self).presign_put(key, size, sha256, ttl, holder)
     }
 
     fn presign_get<'a>(
         &'a self,
         key: &'a ObjectKey,
         ttl: Duration,
+        holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
-        (**self).presign_get(key, ttl)
+        (**self).presign_get(key, ttl, holder)
     }
 }
 

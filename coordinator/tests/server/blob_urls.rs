@@ -140,7 +140,7 @@ async fn expired_tampered_and_misused_urls_are_forbidden() {
         StatusCode::OK
     );
 
-    let expired = url_for(signer.sign_query(&key, &Grant::Get, unix_now() - 10));
+    let expired = url_for(signer.sign_query(&key, &Grant::Get, unix_now() - 10, None));
     let (path, query) = s.get_url.split_once('?').unwrap();
     let sig_at = query.find("sig=").unwrap() + 4;
     let mut tampered_sig = query.to_owned();
@@ -157,7 +157,7 @@ async fn expired_tampered_and_misused_urls_are_forbidden() {
         &format!("{stem}{}", if last == "0" { "1" } else { "0" }),
     );
     let other_key_signer =
-        url_for(UrlSigner::new(&[7; 32]).sign_query(&key, &Grant::Get, unix_now() + 600));
+        url_for(UrlSigner::new(&[7; 32]).sign_query(&key, &Grant::Get, unix_now() + 600, None));
     let later_expiry = {
         let exp_at = query.find("exp=").unwrap() + 4;
         let exp_end = exp_at + query[exp_at..].find('&').unwrap();
@@ -273,6 +273,7 @@ async fn uploads_that_do_not_match_their_signature_are_refused_and_not_stored() 
         &ObjectKey::new(key.clone()).unwrap(),
         &Grant::Get,
         unix_now() + 60,
+        None,
     );
     let read = http
         .get(format!("{}/o/{key}?{get}", server.blob_url))

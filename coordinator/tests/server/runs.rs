@@ -296,11 +296,6 @@ async fn a_held_sandbox_is_destroyed_when_the_hold_expires_and_the_run_is_suspen
         ),
         "{refused}"
     );
-    assert!(
-        refused.message().contains("has ended"),
-        "{}",
-        refused.message()
-    );
 }
 
 #[tokio::test]
@@ -426,10 +421,6 @@ async fn an_answer_to_a_suspended_run_starts_the_next_attempt_resuming_the_conve
             })
         ),
         "{refused}"
-    );
-    assert_eq!(
-        refused.message(),
-        format!("attempt 1 of run {} was superseded by attempt 2", run.id)
     );
 }
 

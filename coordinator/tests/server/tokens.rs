@@ -1,11 +1,15 @@
-//! Bearer tokens on every gRPC service, and scopes.
+//! Bearer tokens on every gRPC service, and scopes; health without one;
+//! expiry and revocation.
 
 use cairn_coordinator::db::MetadataStore;
 use cairn_coordinator::tokens::{self, Scope};
 use cairn_proto::ids::TenantId;
 use cairn_proto::pb;
 use cairn_runner::client::Coordinator;
+use std::time::Duration;
 use tokio_stream::StreamExt;
+
+use cairn_proto::refusal::{Refusal, TokenRefusal};
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
@@ -81,12 +85,19 @@ async fn list_services(client: &mut Coordinator) -> Result<Vec<String>, tonic::S
     }
 }
 
+/// The one service that answers without a valid token.
+const HEALTH: &str = "grpc.health.v1.Health";
+
 #[tokio::test]
-async fn a_missing_token_is_unauthenticated_on_every_service() {
+async fn a_missing_token_is_unauthenticated_on_every_service_but_health() {
     let dir = data_dir();
     let server = TestServer::start(dir.path()).await;
     let mut anonymous = server.client_with(None).await;
     for (service, result) in call_every_service(&mut anonymous).await {
+        if service == HEALTH {
+            result.unwrap_or_else(|s| panic!("health answers without a token: {s:?}"));
+            continue;
+        }
         let status = result.expect_err(service);
         assert_eq!(
             status.code(),
@@ -95,22 +106,59 @@ async fn a_missing_token_is_unauthenticated_on_every_service() {
             status.message()
         );
     }
+    let denied =
+        cairn_proto::pb::run_service_client::RunServiceClient::new(anonymous.auth_channel())
+            .list_runs(pb::ListRunsRequest::default())
+            .await
+            .unwrap_err();
+    assert_eq!(denied.code(), Code::Unauthenticated);
+
+    // Check and Watch, as a probe (grpc_health_probe, Kubernetes) asks.
+    let mut health = HealthClient::new(anonymous.auth_channel());
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    for service in ["", "cairn.v1.CheckpointService", "cairn.v1.RunnerService"] {
+        let answer = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap_or_else(|s| panic!("Check {service:?}: {s:?}"))
+            .into_inner();
+        assert_eq!(answer.status, serving, "{service:?}");
+    }
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: "cairn.v1.WorkspaceService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(watch.next().await.unwrap().unwrap().status, serving);
 }
 
 #[tokio::test]
-async fn an_unknown_token_is_permission_denied_on_every_service() {
+async fn an_unknown_token_is_permission_denied_on_every_service_but_health() {
     let dir = data_dir();
     let server = TestServer::start(dir.path()).await;
     let forged = tokens::generate(Scope::Admin).text;
     for token in [forged.as_str(), "not-a-token"] {
         let mut stranger = server.client_with(Some(token)).await;
         for (service, result) in call_every_service(&mut stranger).await {
+            if service == HEALTH {
+                result.unwrap_or_else(|s| panic!("health ignores the token: {s:?}"));
+                continue;
+            }
             let status = result.expect_err(service);
             assert_eq!(
                 status.code(),
                 Code::PermissionDenied,
                 "{service}: {}",
                 status.message()
+            );
+            assert_eq!(
+                Refusal::of(&status),
+                None,
+                "an unknown token is not valid, with no refusal: {service}"
             );
         }
     }
@@ -163,6 +211,7 @@ async fn created_tokens_carry_their_scope_and_nothing_more() {
     let create = |scope: &str| pb::CreateTokenRequest {
         scope: scope.into(),
         description: format!("test {scope}"),
+        ..Default::default()
     };
     let client_token = admin
         .admin
@@ -317,4 +366,165 @@ async fn a_run_token_reaches_only_its_own_workspace() {
         .await
         .unwrap_err();
     assert_eq!(denied.code(), Code::PermissionDenied);
+}
+
+/// A client token of its own, created through AdminService.
+async fn client_token(
+    admin: &mut Clients,
+    expires_in: Option<Duration>,
+) -> pb::CreateTokenResponse {
+    admin
+        .admin
+        .create_token(pb::CreateTokenRequest {
+            scope: "client".into(),
+            description: "lifecycle".into(),
+            expires_in: expires_in.map(crate::fleet::duration),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn list_workspaces(server: &TestServer, token: &str) -> Result<(), tonic::Status> {
+    server
+        .client_with(Some(token))
+        .await
+        .workspaces
+        .list_workspaces(pb::ListWorkspacesRequest::default())
+        .await
+        .map(drop)
+}
+
+fn token_refusal(status: &tonic::Status) -> Option<TokenRefusal> {
+    match Refusal::of(status) {
+        Some(Refusal::Token(why)) => Some(why),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn an_expired_token_is_refused_as_expired() {
+    let dir = data_dir();
+    let server = TestServer::start(dir.path()).await;
+    let mut admin = Clients::admin(&server).await;
+    let short = client_token(&mut admin, Some(Duration::from_secs(1))).await;
+    let long = client_token(&mut admin, Some(Duration::from_secs(3600))).await;
+    let expires_at = cairn_proto::domain::from_timestamp(short.expires_at.as_ref().unwrap());
+    assert!(expires_at > std::time::SystemTime::now() - Duration::from_secs(1));
+    list_workspaces(&server, &short.token).await.unwrap();
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let refused = list_workspaces(&server, &short.token).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert_eq!(
+        token_refusal(&refused),
+        Some(TokenRefusal::Expired),
+        "{refused:?}"
+    );
+    list_workspaces(&server, &long.token).await.unwrap();
+
+    let listed = admin
+        .admin
+        .list_tokens(pb::ListTokensRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .tokens;
+    let short_listed = listed.iter().find(|t| t.id == short.id).unwrap();
+    assert_eq!(short_listed.expires_at, short.expires_at);
+    assert!(short_listed.revoked_at.is_none());
+}
+
+#[tokio::test]
+async fn a_revoked_token_is_refused_at_once_and_listed_as_revoked() {
+    let dir = data_dir();
+    let server = crate::fleet::start_patient(dir.path()).await;
+    let mut admin = Clients::admin(&server).await;
+    let client = client_token(&mut admin, None).await;
+    let other = client_token(&mut admin, None).await;
+    assert!(
+        client.expires_at.is_none(),
+        "no --expires-in: never expires"
+    );
+    assert!(client.id.starts_with("tok-"), "{}", client.id);
+    list_workspaces(&server, &client.token).await.unwrap();
+
+    let revoked = admin
+        .admin
+        .revoke_token(pb::RevokeTokenRequest {
+            id: client.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(revoked.id, client.id);
+    assert!(revoked.revoked_at.is_some());
+    let refused = list_workspaces(&server, &client.token).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert_eq!(
+        token_refusal(&refused),
+        Some(TokenRefusal::Revoked),
+        "{refused:?}"
+    );
+    list_workspaces(&server, &other.token).await.unwrap();
+
+    let listed = admin
+        .admin
+        .list_tokens(pb::ListTokensRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .tokens;
+    let scopes: Vec<(&str, bool)> = listed
+        .iter()
+        .map(|t| (t.scope.as_str(), t.revoked_at.is_some()))
+        .collect();
+    assert!(scopes.contains(&("admin", false)), "{scopes:?}");
+    assert_eq!(
+        listed
+            .iter()
+            .find(|t| t.id == client.id)
+            .map(|t| t.revoked_at.is_some()),
+        Some(true)
+    );
+
+    // Unknown ids and the caller's own admin token are refused.
+    let unknown = admin
+        .admin
+        .revoke_token(pb::RevokeTokenRequest {
+            id: cairn_proto::ids::TokenId::generate().to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound);
+    let admin_id = listed
+        .iter()
+        .find(|t| t.scope == "admin")
+        .unwrap()
+        .id
+        .clone();
+    let own = admin
+        .admin
+        .revoke_token(pb::RevokeTokenRequest { id: admin_id })
+        .await
+        .unwrap_err();
+    assert_eq!(own.code(), Code::FailedPrecondition, "{own:?}");
+
+    // A client token may neither list nor revoke tokens.
+    let mut as_other = Clients::connect(&server, &other.token).await;
+    let denied = as_other
+        .admin
+        .list_tokens(pb::ListTokensRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let denied = as_other
+        .admin
+        .revoke_token(pb::RevokeTokenRequest {
+            id: other.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    list_workspaces(&server, &other.token).await.unwrap();
 }
