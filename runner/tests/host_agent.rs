@@ -67,6 +67,8 @@ impl HostService for Fake {
             host_id,
             heartbeat_interval: Some(to_proto_duration(Duration::from_millis(100))),
             lease: Some(to_proto_duration(Duration::from_secs(3))),
+            // This double binds no token: the agent keeps the one it has.
+            host_token: String::new(),
         }))
     }
 

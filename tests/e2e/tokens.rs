@@ -1,10 +1,16 @@
 //! Tokens: every service — cairn's own and reflection — refuses a request
 //! without a token (UNAUTHENTICATED) or with an unknown one
 //! (PERMISSION_DENIED); health answers either way; the admin token opens all
-//! of them. The CLIs say so clearly and exit 1.
+//! of them. The CLIs say so clearly and exit 1. A host enrolled with a host
+//! token keeps the token bound to it and registers again with it after a
+//! restart.
 
+use std::os::unix::fs::PermissionsExt;
+
+use cairn_e2e::fleet::{Fleet, HostOptions};
 use cairn_e2e::{Coordinator, block_on, populate_small_workspace, run, tempdir};
 use cairn_proto::pb;
+use cairn_proto::runs::RunState;
 use cairn_runner::client::Coordinator as Api;
 use tonic::{Code, Status};
 use tonic_health::pb::HealthCheckRequest;
@@ -244,4 +250,61 @@ fn the_clis_refuse_to_work_with_a_wrong_or_missing_token_and_say_why() {
         coordinator.list_checkpoints(&workspace).is_empty(),
         "a refused runner committed a checkpoint"
     );
+}
+
+#[test]
+fn a_restarted_host_registers_again_with_the_token_bound_to_it() {
+    let mut fleet = Fleet::start();
+    let enrollment = fleet.create_token("host");
+    fleet.start_host(
+        "a",
+        HostOptions {
+            token: Some(enrollment.clone()),
+            ..HostOptions::default()
+        },
+    );
+    let host_id = fleet.host("a").id.clone();
+
+    // The answer to the first registration is kept, private, in the data dir.
+    let file = fleet.host("a").data_dir().join("host-credential.json");
+    let kept: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(kept["host_id"], host_id.as_str());
+    let bound = kept["token"].as_str().unwrap().to_owned();
+    assert!(bound.starts_with("cairn_host_") && bound != enrollment);
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{}", file.display());
+    let tokens = fleet.tokens();
+    assert!(
+        tokens
+            .iter()
+            .any(|t| t.scope == "host" && t.host_id == host_id),
+        "the bound token is listed with its host: {tokens:?}"
+    );
+
+    let before =
+        fleet.create_run(fleet.run_request("before", "commit before.txt before the restart"));
+    let done = fleet.wait_for_state(&before.id, RunState::Succeeded);
+    assert_eq!(done.attempts[0].host_id, host_id);
+
+    // Stopped, its enrollment token revoked: only the kept credential can
+    // register the host again.
+    fleet.host_mut("a").stop();
+    let enrollment_id = tokens
+        .iter()
+        .find(|t| t.scope == "host" && t.host_id.is_empty())
+        .map(|t| t.id.clone())
+        .expect("the enrollment token is listed");
+    fleet.revoke_token(&enrollment_id);
+    fleet.restart_host("a");
+    assert_eq!(
+        fleet.host_info("a").id,
+        host_id,
+        "the same host, not a new one"
+    );
+
+    let after = fleet.create_run(fleet.run_request("after", "commit after.txt after the restart"));
+    let done = fleet.wait_for_state(&after.id, RunState::Succeeded);
+    assert_eq!(done.attempts[0].host_id, host_id, "it keeps working");
+    assert_eq!(fleet.list_hosts().len(), 1, "no second host was registered");
 }

@@ -206,6 +206,22 @@ impl Fleet {
         self.hosts.iter().find(|h| h.id == id).expect("just pushed")
     }
 
+    /// Starts the stopped host `name` again on its data dir (the token it
+    /// was started with, unless the data dir holds the one bound to it) and
+    /// waits until it registered again.
+    pub fn restart_host(&mut self, name: &str) {
+        let before = self.host_info(name).registered_at;
+        let host = self.host_mut(name);
+        assert!(
+            host.child.is_none(),
+            "host {name} still runs; stop it first"
+        );
+        host.spawn();
+        self.wait_for_host(name, "registered again", |h| {
+            h.registered_at != before && state_of_host(h) == Some(HostState::Ready)
+        });
+    }
+
     pub fn host(&self, name: &str) -> &Host {
         self.hosts
             .iter()
@@ -552,6 +568,22 @@ exec '{agent}' "$@"
         .unwrap_or_else(|s| panic!("CreateToken {scope} failed: {s}"))
         .into_inner()
         .token
+    }
+
+    /// The admin, client and host tokens, as `tokens list` shows them.
+    pub fn tokens(&self) -> Vec<pb::TokenInfo> {
+        let mut admin = self.admin.clone();
+        self.block_on(admin.list_tokens(pb::ListTokensRequest {}))
+            .unwrap_or_else(|s| panic!("ListTokens failed: {s}"))
+            .into_inner()
+            .tokens
+    }
+
+    pub fn revoke_token(&self, id: &str) -> pb::TokenInfo {
+        let mut admin = self.admin.clone();
+        self.block_on(admin.revoke_token(pb::RevokeTokenRequest { id: id.into() }))
+            .unwrap_or_else(|s| panic!("RevokeToken {id} failed: {s}"))
+            .into_inner()
     }
 
     /// The workspace's committed checkpoints, newest first.

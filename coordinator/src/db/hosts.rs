@@ -20,9 +20,11 @@ use super::runs::{
     EndCause, EventDraft, Run, end_attempt, event_reason, load_run, release_sandbox, sandbox_gone,
     set_state_reason,
 };
+use super::tokens::{NewTokenRow, TokenInfo, insert_token};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
 };
+use crate::tokens::Scope;
 
 /// Why a host is told to destroy a sandbox (`DestroyOrder.reason`).
 pub mod destroy_reason {
@@ -85,6 +87,28 @@ pub struct HostRegistration {
     pub labels: Labels,
     pub slots: u32,
     pub driver: String,
+}
+
+/// A host token to bind to the host a registration names.
+#[derive(Debug, Clone)]
+pub struct BoundToken<'a> {
+    pub hash: &'a [u8; 32],
+    /// Who asked for it, for the token's description ("enrolled with tok-…").
+    /// The token does not expire (an enrollment token's short life would
+    /// otherwise end its host's); an operator revokes it.
+    pub issued_by: String,
+}
+
+/// What a registration came to.
+#[derive(Debug, Clone)]
+pub enum Registered {
+    /// Registered, with the bound token recorded for it if one was asked.
+    Host {
+        host: Host,
+        token: Option<TokenInfo>,
+    },
+    /// Only a new host could be registered, and this one is known.
+    Exists(HostId),
 }
 
 /// One sandbox in a heartbeat.
@@ -319,12 +343,19 @@ async fn release_host_sandboxes(
 
 impl MetadataStore {
     /// Registers a host, or registers it again under its old id (it is no
-    /// longer lost; its operator state stays).
+    /// longer lost; its operator state stays). With `rights.new_only` (an
+    /// enrollment token) a host the coordinator knows is not touched and
+    /// [`Registered::Exists`] is answered; with `bound_token`, a host token
+    /// bound to the registered host is recorded in the same transaction, so
+    /// a host is never registered without the credential its caller was
+    /// promised.
     pub async fn register_host(
         &self,
         tenant: &TenantId,
         registration: HostRegistration,
-    ) -> Result<Host, DbError> {
+        new_only: bool,
+        bound_token: Option<BoundToken<'_>>,
+    ) -> Result<Registered, DbError> {
         let now = millis(SystemTime::now());
         let labels = serde_json::to_string(&registration.labels.0)
             .map_err(|e| DbError::Corrupt(format!("labels do not encode: {e}")))?;
@@ -334,6 +365,9 @@ impl MetadataStore {
             None => None,
         };
         let id = match existing {
+            // Said the same for a host of another tenant: an enrollment
+            // token learns nothing about other tenants' hosts.
+            Some(host) if new_only => return Ok(Registered::Exists(host.id)),
             Some(host) if &host.tenant != tenant => {
                 return Err(DbError::Precondition(format!(
                     "host id {} belongs to another tenant",
@@ -385,8 +419,24 @@ impl MetadataStore {
         let host = load_host(tx.conn(), &id)
             .await?
             .ok_or_else(|| DbError::Corrupt(format!("host {id} vanished while registering")))?;
+        let token = match bound_token {
+            Some(token) => {
+                let description =
+                    format!("bound to host {id} ({}); {}", host.name, token.issued_by);
+                let row = NewTokenRow {
+                    hash: token.hash,
+                    tenant,
+                    scope: Scope::Host,
+                    description: &description,
+                    expires_at: None,
+                    host: Some(&id),
+                };
+                Some(insert_token(tx.conn(), &row).await?)
+            }
+            None => None,
+        };
         self.commit(tx).await?;
-        Ok(host)
+        Ok(Registered::Host { host, token })
     }
 
     /// Records a heartbeat and its sandbox reports; returns what the host

@@ -34,7 +34,8 @@ mod tokens;
 mod workspaces;
 
 pub use hosts::{
-    AssignmentRecord, HeartbeatAnswer, Host, HostRegistration, ReportedSandbox, destroy_reason,
+    AssignmentRecord, BoundToken, HeartbeatAnswer, Host, HostRegistration, Registered,
+    ReportedSandbox, destroy_reason,
 };
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
 pub use runs::{

@@ -1,6 +1,11 @@
 //! `cairn.v1.HostService`: host agents register and heartbeat (host and
 //! admin tokens). The heartbeat answer carries every assignment (with its
 //! run token, derived again each time) and destroy order still due.
+//!
+//! A host token acts only as the host it is bound to: an enrollment token
+//! (bound to none) only registers a new host and gets that host's bound
+//! token in the answer; a bound token heartbeats and registers again only
+//! as its own host (see [`crate::tokens::Principal::registration`]).
 
 use std::time::SystemTime;
 
@@ -13,8 +18,8 @@ use tonic::{Request, Response, Status};
 
 use super::{ServiceError, Shared};
 use crate::auth::principal;
-use crate::db::{HostRegistration, ReportedSandbox};
-use crate::tokens::Action;
+use crate::db::{BoundToken, HostRegistration, Registered, ReportedSandbox};
+use crate::tokens::{self, Action, Denied, Scope};
 
 /// Most slots one host may offer.
 const MAX_SLOTS: u32 = 10_000;
@@ -31,11 +36,19 @@ impl HostApi {
     }
 }
 
-fn registration(req: pb::RegisterHostRequest) -> Result<HostRegistration, ServiceError> {
-    let host_id = match req.host_id.trim() {
-        "" => HostId::generate(),
-        id => id.parse()?,
-    };
+/// The host id a registration asks for (None: a new one).
+fn asked_host_id(req: &pb::RegisterHostRequest) -> Result<Option<HostId>, ServiceError> {
+    match req.host_id.trim() {
+        "" => Ok(None),
+        id => Ok(Some(id.parse()?)),
+    }
+}
+
+/// Checks a registration for `host_id` (the asked id, or a new one).
+fn registration(
+    req: pb::RegisterHostRequest,
+    host_id: HostId,
+) -> Result<HostRegistration, ServiceError> {
     let name = match req.name.trim() {
         "" => host_id.to_string(),
         name => {
@@ -94,23 +107,51 @@ impl HostService for HostApi {
         request: Request<pb::RegisterHostRequest>,
     ) -> Result<Response<pb::RegisterHostResponse>, Status> {
         let principal = principal(&request)?.clone();
-        principal
-            .authorize(Action::ActAsHost)
-            .map_err(ServiceError::Denied)?;
-        let registration = registration(request.into_inner())?;
-        let host = self
+        let req = request.into_inner();
+        let rights = principal
+            .registration(asked_host_id(&req)?.as_ref())
+            .map_err(Denied::into_status)?;
+        let host_id = rights.host_id.clone().unwrap_or_else(HostId::generate);
+        let registration = registration(req, host_id)?;
+        let bound = rights
+            .issue_bound_token
+            .then(|| tokens::generate(Scope::Host));
+        let issued_by = match (&principal.scope, &principal.token) {
+            (Scope::Admin, _) => "registered with an admin token".to_owned(),
+            (_, Some(id)) => format!("enrolled with {id}"),
+            (_, None) => "enrolled".to_owned(),
+        };
+        let registered = self
             .shared
             .db
-            .register_host(&principal.tenant, registration)
+            .register_host(
+                &principal.tenant,
+                registration,
+                rights.new_only,
+                bound.as_ref().map(|token| BoundToken {
+                    hash: &token.hash,
+                    issued_by,
+                }),
+            )
             .await
             .map_err(ServiceError::from)?;
-        tracing::info!(host = %host.id, name = %host.name, labels = %host.labels, slots = host.slots, state = %host.state(), "host registered");
+        let (host, token) = match registered {
+            Registered::Host { host, token } => (host, token),
+            Registered::Exists(id) => {
+                return Err(Status::permission_denied(format!(
+                    "host {id} is already registered: an enrollment token registers only a new host; \
+                     the host registers again with the token bound to it (kept in its data dir)"
+                )));
+            }
+        };
+        tracing::info!(host = %host.id, name = %host.name, labels = %host.labels, slots = host.slots, state = %host.state(), token = ?token.as_ref().map(|t| &t.id), "host registered");
         self.shared.scheduler.wake();
         let timing = self.shared.host_timing;
         Ok(Response::new(pb::RegisterHostResponse {
             host_id: host.id.to_string(),
             heartbeat_interval: Some(to_proto_duration(timing.heartbeat_interval)),
             lease: Some(to_proto_duration(timing.lease)),
+            host_token: bound.map(|token| token.text).unwrap_or_default(),
         }))
     }
 
@@ -124,6 +165,11 @@ impl HostService for HostApi {
             .map_err(ServiceError::Denied)?;
         let req = request.into_inner();
         let host_id: HostId = req.host_id.parse().map_err(ServiceError::from)?;
+        // Before anything is read or written: the answer carries the host's
+        // assignments and their run tokens.
+        principal
+            .act_as_host(&host_id)
+            .map_err(Denied::into_status)?;
         let reports = req
             .sandboxes
             .into_iter()
@@ -205,8 +251,10 @@ mod tests {
             driver: "local".into(),
             ..Default::default()
         };
-        let registration = registration(request.clone()).unwrap();
-        let id = registration.host_id.unwrap();
+        assert_eq!(asked_host_id(&request).unwrap(), None);
+        let id = HostId::generate();
+        let registration = registration(request.clone(), id.clone()).unwrap();
+        assert_eq!(registration.host_id.as_ref(), Some(&id));
         assert_eq!(registration.name, id.as_str());
 
         let no_slots = pb::RegisterHostRequest {
@@ -218,7 +266,12 @@ mod tests {
             host_id: "ws-1".into(),
             ..request.clone()
         };
-        assert!(registration_error(bad_id).contains("host_id"));
+        assert!(
+            asked_host_id(&bad_id)
+                .unwrap_err()
+                .to_string()
+                .contains("host_id")
+        );
         let bad_driver = pb::RegisterHostRequest {
             driver: "a b".into(),
             ..request
@@ -227,6 +280,8 @@ mod tests {
     }
 
     fn registration_error(request: pb::RegisterHostRequest) -> String {
-        registration(request).unwrap_err().to_string()
+        registration(request, HostId::generate())
+            .unwrap_err()
+            .to_string()
     }
 }

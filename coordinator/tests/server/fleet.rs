@@ -225,6 +225,8 @@ pub struct FakeHost {
     pub stopping: bool,
     /// Workspaces the next beats say the host keeps a tree of.
     pub kept: Vec<String>,
+    /// The token the coordinator bound to this host, once it answered one.
+    pub bound_token: Option<String>,
 }
 
 impl FakeHost {
@@ -251,8 +253,13 @@ impl FakeHost {
             last: pb::HeartbeatResponse::default(),
             stopping: false,
             kept: Vec::new(),
+            bound_token: None,
         };
         host.register_again().await;
+        // As cairn-host does: the bound token is used from now on.
+        if let Some(bound) = &host.bound_token {
+            host.client = HostServiceClient::new(server.channel(bound).await);
+        }
         host
     }
 
@@ -277,6 +284,9 @@ impl FakeHost {
             .unwrap()
             .into_inner();
         self.id = response.host_id.clone();
+        if !response.host_token.is_empty() {
+            self.bound_token = Some(response.host_token.clone());
+        }
         response
     }
 

@@ -1,9 +1,12 @@
 //! Hosts: lost hosts and what happens to their runs, re-registration,
-//! cordon and drain.
+//! cordon and drain; host tokens bound to their host.
 
 use std::time::Duration;
 
 use cairn_proto::pb;
+use cairn_proto::pb::host_service_client::HostServiceClient;
+use cairn_proto::pb::runner_service_client::RunnerServiceClient;
+use cairn_proto::refusal::{Refusal, TokenRefusal};
 
 use crate::fleet::*;
 use crate::harness::*;
@@ -273,5 +276,245 @@ async fn a_heartbeat_interval_not_below_the_lease_is_refused_at_start() {
     assert_eq!(
         err,
         "the heartbeat interval (1s) must be positive and shorter than the host lease (1s)"
+    );
+}
+
+/// An enrollment token (a host token an admin created, bound to no host).
+async fn enrollment_token(clients: &mut Clients) -> String {
+    clients
+        .admin
+        .create_token(pb::CreateTokenRequest {
+            scope: "host".into(),
+            description: "enroll".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .token
+}
+
+/// A HostService client speaking with `token`.
+async fn host_service(
+    server: &TestServer,
+    token: &str,
+) -> HostServiceClient<cairn_runner::client::AuthChannel> {
+    HostServiceClient::new(server.channel(token).await)
+}
+
+fn wrong_host(status: &tonic::Status) -> Option<(String, String)> {
+    match Refusal::of(status) {
+        Some(Refusal::WrongHost { bound, asked }) => Some((bound.to_string(), asked.to_string())),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn a_host_token_acts_only_as_the_host_it_is_bound_to() {
+    let dir = data_dir();
+    let server = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&server).await;
+    let enroll = enrollment_token(&mut clients).await;
+    let mut a = FakeHost::register(&server, &enroll, "a", &[("pool", "a")], 1).await;
+    let mut b = FakeHost::register(&server, &enroll, "b", &[("pool", "b")], 1).await;
+    let a_token = a
+        .bound_token
+        .clone()
+        .expect("enrollment answers a bound token");
+    let b_token = b
+        .bound_token
+        .clone()
+        .expect("enrollment answers a bound token");
+    assert_ne!(a_token, enroll);
+    assert_ne!(a_token, b_token);
+    assert!(a_token.starts_with("cairn_host_"));
+
+    // b is assigned a run; a tries to get it by heartbeating as b.
+    let run = clients.create_run(&[("pool", "b")]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while clients.get(&run.id).await.state != pb::RunState::Assigned as i32 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run was never assigned"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut as_a = host_service(&server, &a_token).await;
+    let refused = as_a
+        .heartbeat(pb::HeartbeatRequest {
+            host_id: b.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert_eq!(wrong_host(&refused), Some((a.id.clone(), b.id.clone())));
+
+    // Nor can a claim it: the runner service takes the attempt's run token,
+    // which only b's heartbeat carries.
+    let refused = RunnerServiceClient::new(server.channel(&a_token).await)
+        .claim_attempt(pb::ClaimAttemptRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert_eq!(
+        clients.get(&run.id).await.state,
+        pb::RunState::Assigned as i32,
+        "nobody claimed b's assignment"
+    );
+
+    // a may not re-register b with other slots either.
+    let refused = as_a
+        .register_host(pb::RegisterHostRequest {
+            host_id: b.id.clone(),
+            name: "b".into(),
+            slots: 99,
+            driver: "local".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert_eq!(wrong_host(&refused), Some((a.id.clone(), b.id.clone())));
+    let listed = clients.hosts().await;
+    let listed_b = listed.iter().find(|h| h.id == b.id).unwrap();
+    assert_eq!(listed_b.slots, 1, "b keeps its slots");
+
+    // b itself gets its assignment, with its token.
+    let assignment = b.beat_until_assigned(&run.id).await;
+    assert_eq!(assignment.run_id, run.id);
+
+    // Each host re-registers itself (a restart) with its bound token, and
+    // is given no new token: it keeps the one it has.
+    let old_a = a.id.clone();
+    let again = a.register_again().await;
+    assert_eq!(again.host_id, old_a);
+    assert!(again.host_token.is_empty(), "a bound host keeps its token");
+    // Asking for no id, the bound token registers its own host.
+    let own = as_a
+        .register_host(pb::RegisterHostRequest {
+            slots: 1,
+            driver: "local".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(own.host_id, a.id);
+    a.beat().await;
+
+    // Admin tokens still act as any host.
+    let mut as_admin = host_service(&server, &server.admin_token).await;
+    as_admin
+        .heartbeat(pb::HeartbeatRequest {
+            host_id: a.id.clone(),
+            sandboxes: Vec::new(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_enrollment_token_registers_only_new_hosts() {
+    let dir = data_dir();
+    let server = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&server).await;
+    let enroll = enrollment_token(&mut clients).await;
+    let a = FakeHost::register(&server, &enroll, "a", &[], 2).await;
+    let mut as_enroll = host_service(&server, &enroll).await;
+
+    // Re-registering a known host (to take over its slots and assignments)
+    // is refused, and the host is unchanged.
+    let refused = as_enroll
+        .register_host(pb::RegisterHostRequest {
+            host_id: a.id.clone(),
+            name: "a".into(),
+            slots: 50,
+            driver: "local".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains(&a.id), "{}", refused.message());
+    let listed = clients.hosts().await;
+    assert_eq!(listed.iter().find(|h| h.id == a.id).unwrap().slots, 2);
+
+    // Nor may it heartbeat as any host.
+    let refused = as_enroll
+        .heartbeat(pb::HeartbeatRequest {
+            host_id: a.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+
+    // A new host it may register, under a new id or one it names.
+    let named = cairn_proto::ids::HostId::generate();
+    let fresh = as_enroll
+        .register_host(pb::RegisterHostRequest {
+            host_id: named.to_string(),
+            slots: 1,
+            driver: "local".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.host_id, named.as_str());
+    assert!(fresh.host_token.starts_with("cairn_host_"));
+
+    // The list shows the enrollment token and the bound ones.
+    let tokens = clients
+        .admin
+        .list_tokens(pb::ListTokensRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .tokens;
+    let hosts: Vec<&str> = tokens
+        .iter()
+        .filter(|t| t.scope == "host")
+        .map(|t| t.host_id.as_str())
+        .collect();
+    assert_eq!(
+        hosts.iter().filter(|h| h.is_empty()).count(),
+        1,
+        "{hosts:?}"
+    );
+    assert!(hosts.contains(&a.id.as_str()), "{hosts:?}");
+    assert!(hosts.contains(&named.as_str()), "{hosts:?}");
+}
+
+#[tokio::test]
+async fn a_revoked_host_token_stops_its_host_at_once() {
+    let dir = data_dir();
+    let server = start_patient(dir.path()).await;
+    let mut clients = Clients::admin(&server).await;
+    let enroll = enrollment_token(&mut clients).await;
+    let mut a = FakeHost::register(&server, &enroll, "a", &[], 1).await;
+    a.beat().await;
+    let tokens = clients
+        .admin
+        .list_tokens(pb::ListTokensRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .tokens;
+    let bound = tokens.iter().find(|t| t.host_id == a.id).unwrap();
+    clients
+        .admin
+        .revoke_token(pb::RevokeTokenRequest {
+            id: bound.id.clone(),
+        })
+        .await
+        .unwrap();
+    let refused = a.client_heartbeat().await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert_eq!(
+        Refusal::of(&refused),
+        Some(Refusal::Token(TokenRefusal::Revoked))
     );
 }

@@ -16,6 +16,13 @@
 //! - `forget` for a sandbox that still runs is ignored with a warning.
 //! - Registration refused for good (bad token, bad labels, unknown service)
 //!   stops the agent with an error, after destroying what runs.
+//! - The token the agent is started with registers the host once (an
+//!   enrollment token, or an admin token); the coordinator answers with a
+//!   token bound to this host, kept in the data dir (`host-credential.json`)
+//!   and used from then on, for registering again after a restart too. A
+//!   kept credential the coordinator refuses (revoked) stops the agent: the
+//!   enrollment token cannot take over a known host, so the operator removes
+//!   the file to enroll the machine as a new host.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -36,7 +43,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::driver::{Driver, Sandbox, SandboxSpec};
 use super::kept::KeptWorkspaces;
-use super::layout::{Layout, SandboxRecord, valid_sandbox_id};
+use super::layout::{HostCredential, Layout, SandboxRecord, valid_sandbox_id};
 use super::sandbox::{self, Cleanup, KeepOnEnd, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
 use super::{HostConfig, HostError};
 use crate::client::AuthChannel;
@@ -101,7 +108,11 @@ pub struct Agent<D: Driver> {
     layout: Layout,
     kept: Option<Arc<KeptWorkspaces>>,
     kept_pruned: Instant,
+    channel: Channel,
     client: HostServiceClient<AuthChannel>,
+    /// The client speaks with the host's bound token (kept in the data dir),
+    /// not the one the agent was started with.
+    bound: bool,
     sandboxes: BTreeMap<String, Tracked>,
     tasks: JoinSet<()>,
     task_sandboxes: HashMap<tokio::task::Id, String>,
@@ -138,10 +149,22 @@ impl<D: Driver> Agent<D> {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30));
         let channel: Channel = endpoint.connect_lazy();
-        let interceptor = BearerInterceptor::new(Some(&config.token))
-            .map_err(|e| HostError::Config(e.to_string()))?;
-        let client = HostServiceClient::new(InterceptedService::new(channel, interceptor));
-        let host_id = layout.read_host_id()?;
+        let credential = layout.read_credential()?;
+        let (client, host_id, bound) = match credential {
+            Some(credential) => {
+                tracing::info!(host_id = %credential.host_id, file = %layout.credential_file().display(), "using the token bound to this host");
+                (
+                    host_client(&channel, &credential.token)?,
+                    Some(credential.host_id),
+                    true,
+                )
+            }
+            None => (
+                host_client(&channel, &config.token)?,
+                layout.read_host_id()?,
+                false,
+            ),
+        };
         let kept_dir = layout.root().join("kept");
         let kept = match config.kept {
             Some(bounds) => Some(Arc::new(KeptWorkspaces::open(kept_dir, bounds)?)),
@@ -158,7 +181,9 @@ impl<D: Driver> Agent<D> {
             layout,
             kept,
             kept_pruned: Instant::now(),
+            channel,
             client,
+            bound,
             sandboxes: BTreeMap::new(),
             tasks: JoinSet::new(),
             task_sandboxes: HashMap::new(),
@@ -242,6 +267,9 @@ impl<D: Driver> Agent<D> {
                 Err(ExchangeError::Retry(status)) => self.unreachable(&status),
                 Err(ExchangeError::Fatal(status)) => {
                     let address = self.config.coordinator.clone();
+                    if self.bound {
+                        tracing::error!(file = %self.layout.credential_file().display(), "the token bound to this host was refused (revoked?); remove the file to enroll this machine again as a new host");
+                    }
                     tracing::error!(%address, %status, "the coordinator refused to register this host; stopping");
                     self.fatal = Some(HostError::Refused { address, status });
                     self.begin_shutdown();
@@ -302,6 +330,9 @@ impl<D: Driver> Agent<D> {
                 "RegisterHost answered without a host id",
             )));
         }
+        if !answer.host_token.is_empty() {
+            self.keep_credential(&answer.host_id, &answer.host_token)?;
+        }
         if self.host_id.as_deref() != Some(answer.host_id.as_str()) {
             if let Err(e) = self.layout.write_host_id(&answer.host_id) {
                 tracing::error!(error = %e, "cannot persist the host id; a restart will register as a new host");
@@ -327,6 +358,32 @@ impl<D: Driver> Agent<D> {
             interval = ?self.interval,
             "registered with the coordinator"
         );
+        Ok(())
+    }
+
+    /// Keeps the token the coordinator bound to this host, then speaks with
+    /// it. Written before it is used: a restart must find the credential the
+    /// coordinator knows this host by, or it could not register again.
+    fn keep_credential(&mut self, host_id: &str, token: &str) -> Result<(), ExchangeError> {
+        let credential = HostCredential {
+            host_id: host_id.to_owned(),
+            token: token.to_owned(),
+        };
+        let client = host_client(&self.channel, token).map_err(|e| {
+            ExchangeError::Fatal(tonic::Status::internal(format!(
+                "the coordinator answered with a host token that cannot be sent: {e}"
+            )))
+        })?;
+        if let Err(e) = self.layout.write_credential(&credential) {
+            // Registered, but a restart could not register again: stop now,
+            // loudly, rather than later and obscurely.
+            return Err(ExchangeError::Fatal(tonic::Status::internal(format!(
+                "cannot keep this host's credential: {e}"
+            ))));
+        }
+        self.client = client;
+        self.bound = true;
+        tracing::info!(%host_id, file = %self.layout.credential_file().display(), "kept the token bound to this host; it is used from now on");
         Ok(())
     }
 
@@ -876,6 +933,19 @@ impl<D: Driver> Agent<D> {
         // Jitter keeps many hosts from retrying in lockstep after a coordinator restart.
         delay.mul_f64(rand::rng().random_range(0.8..1.2))
     }
+}
+
+/// A HostService client on `channel` that sends `token`.
+fn host_client(
+    channel: &Channel,
+    token: &str,
+) -> Result<HostServiceClient<AuthChannel>, HostError> {
+    let interceptor =
+        BearerInterceptor::new(Some(token)).map_err(|e| HostError::Config(e.to_string()))?;
+    Ok(HostServiceClient::new(InterceptedService::new(
+        channel.clone(),
+        interceptor,
+    )))
 }
 
 /// Sorts a failed call into retry-later and give-up.

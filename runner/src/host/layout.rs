@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! DIR/host-id                      the id the coordinator gave this host
+//! DIR/host-credential.json         that host id and the token bound to it (0600)
 //! DIR/sandboxes/<id>/workspace/    bind-mounted at /workspace (local driver)
 //! DIR/sandboxes/<id>/home/         HOME of the runner
 //! DIR/sandboxes/<id>/cache/        CAIRN_CACHE_DIR (fingerprint cache)
@@ -16,6 +17,12 @@
 //! finds sandboxes its previous process left running (and stops them) and
 //! keeps reporting ended ones the coordinator may not have heard of yet.
 //! Logs outlive their sandbox; ones older than [`LOG_RETENTION`] are pruned.
+//!
+//! The host credential is what the coordinator answered the first
+//! registration with: a token that acts only as this host. The agent uses it
+//! for every later call, registering again after a restart included, in
+//! place of the (enrollment) token it was started with; the host id and the
+//! token are written together, in one file, so they never disagree.
 
 use std::fs;
 use std::io::{self, Write};
@@ -45,6 +52,22 @@ pub struct SandboxPaths {
     pub workspace: PathBuf,
     pub home: PathBuf,
     pub cache: PathBuf,
+}
+
+/// The token bound to this host, and the host it is bound to.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostCredential {
+    pub host_id: String,
+    pub token: String,
+}
+
+impl std::fmt::Debug for HostCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a secret: never in logs.
+        f.debug_struct("HostCredential")
+            .field("host_id", &self.host_id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the host agent remembers about one sandbox, on disk.
@@ -145,6 +168,11 @@ impl Layout {
         self.root.join("host-id")
     }
 
+    /// Where the host credential is kept.
+    pub fn credential_file(&self) -> PathBuf {
+        self.root.join("host-credential.json")
+    }
+
     /// The directories of sandbox `id` (which must be [`valid_sandbox_id`]).
     pub fn sandbox_paths(&self, id: &str) -> SandboxPaths {
         let dir = self.sandboxes_dir().join(id);
@@ -172,6 +200,40 @@ impl Layout {
 
     pub fn write_host_id(&self, id: &str) -> Result<(), LayoutError> {
         write_atomically(&self.host_id_file(), format!("{id}\n").as_bytes())
+    }
+
+    /// The credential a previous registration left, if any. A file that is
+    /// there but cannot be read or parsed is an error, never ignored: the
+    /// agent would otherwise fall back to its enrollment token, which the
+    /// coordinator refuses for a known host.
+    pub fn read_credential(&self) -> Result<Option<HostCredential>, LayoutError> {
+        let path = self.credential_file();
+        let text = match fs::read(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(LayoutError::new("cannot read", &path, e)),
+        };
+        let credential: HostCredential = serde_json::from_slice(&text).map_err(|e| {
+            LayoutError::new(
+                "cannot parse",
+                &path,
+                io::Error::new(io::ErrorKind::InvalidData, e),
+            )
+        })?;
+        if credential.host_id.is_empty() || credential.token.is_empty() {
+            return Err(LayoutError::new(
+                "incomplete host credential in",
+                &path,
+                io::Error::new(io::ErrorKind::InvalidData, "host_id or token is empty"),
+            ));
+        }
+        Ok(Some(credential))
+    }
+
+    /// Keeps the credential (mode 0600, replaced atomically and synced).
+    pub fn write_credential(&self, credential: &HostCredential) -> Result<(), LayoutError> {
+        let text = serde_json::to_vec(credential).expect("strings always serialise");
+        write_atomically(&self.credential_file(), &text)
     }
 
     /// Creates a fresh, empty directory tree for a sandbox (removing a stale one).
@@ -423,6 +485,30 @@ mod tests {
             "keep me"
         );
         remove_tree(&tree).unwrap();
+    }
+
+    #[test]
+    fn the_host_credential_is_private_and_survives_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layout = Layout::open(tmp.path()).unwrap();
+        assert_eq!(layout.read_credential().unwrap(), None);
+        let credential = HostCredential {
+            host_id: "host-abc".into(),
+            token: "cairn_host_secret".into(),
+        };
+        layout.write_credential(&credential).unwrap();
+        let mode = fs::metadata(layout.credential_file())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(!format!("{credential:?}").contains("secret"));
+        let again = Layout::open(tmp.path()).unwrap();
+        assert_eq!(again.read_credential().unwrap(), Some(credential));
+
+        fs::write(again.credential_file(), b"{\"host_id\": \"\"}").unwrap();
+        let damaged = again.read_credential().unwrap_err().to_string();
+        assert!(damaged.contains("host-credential.json"), "{damaged}");
     }
 
     #[test]
