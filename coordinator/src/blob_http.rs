@@ -27,7 +27,6 @@ use axum::extract::{DefaultBodyLimit, Path as UrlPath, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::serve::ListenerExt as _;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
@@ -36,6 +35,7 @@ use tokio_util::io::ReaderStream;
 
 use cairn_proto::refusal::NotCurrent;
 
+use crate::conn_limits::{self, CappedListener, ConnMeter, Timeouts};
 use crate::db::MetadataStore;
 use crate::signing::{Grant, SignedQuery, UrlSigner, unix_now};
 use crate::store::ObjectKey;
@@ -141,20 +141,21 @@ impl BlobServer {
     }
 }
 
-/// Serves `router` on `listener` until `shutdown` completes, then drains.
+/// Serves `router` on `listener` until `shutdown` completes, then drains:
+/// at most `max_connections` open at once, each held to `timeouts`
+/// ([`crate::conn_limits`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    max_connections: usize,
+    timeouts: Timeouts,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Responses are written in pieces (head, then body); with Nagle's
-    // algorithm the second waits for the client's delayed ACK (40 ms).
-    let listener = listener.tap_io(|stream| {
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a blob connection");
-        }
-    });
-    axum::serve(listener, router)
+    let listener = CappedListener::new(listener, max_connections, timeouts);
+    let app = router
+        .layer(axum::middleware::from_fn(conn_limits::track_requests))
+        .into_make_service_with_connect_info::<ConnMeter>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -48,6 +48,7 @@
 
 pub mod auth;
 pub mod blob_http;
+pub mod conn_limits;
 pub mod datadir;
 pub mod db;
 pub mod grpc;
@@ -66,9 +67,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::blob_http::BlobServer;
+use crate::conn_limits::{ConnectionCaps, Timeouts};
 use crate::datadir::{DataDir, DataDirError};
 use crate::db::{DbError, MetadataStore};
-use crate::grpc::{GrpcError, HostTiming, Limits, Shared};
+use crate::grpc::{GrpcError, HostTiming, Limits, ServerLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, StoreLayer};
@@ -91,6 +93,14 @@ pub struct ServerConfig {
     pub host_lease: Duration,
     /// How often hosts are told to heartbeat (default 1s; below the lease).
     pub heartbeat_interval: Duration,
+    /// Connections the blob server holds open at once (lowered to fit the
+    /// file-handle limit).
+    pub blob_max_connections: usize,
+    /// Header, idle and minimum-rate limits of blob connections.
+    pub blob_timeouts: Timeouts,
+    /// Connection and stream limits of the gRPC listener (its connection
+    /// cap is lowered to fit the file-handle limit too).
+    pub grpc_limits: ServerLimits,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -102,6 +112,9 @@ impl std::fmt::Debug for ServerConfig {
             .field("store_layer", &self.store_layer.is_some())
             .field("host_lease", &self.host_lease)
             .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("blob_max_connections", &self.blob_max_connections)
+            .field("blob_timeouts", &self.blob_timeouts)
+            .field("grpc_limits", &self.grpc_limits)
             .finish()
     }
 }
@@ -118,9 +131,15 @@ impl ServerConfig {
             store_layer: None,
             host_lease: timing.lease,
             heartbeat_interval: timing.heartbeat_interval,
+            blob_max_connections: DEFAULT_BLOB_MAX_CONNECTIONS,
+            blob_timeouts: Timeouts::default(),
+            grpc_limits: ServerLimits::default(),
         }
     }
 }
+
+/// Connections the blob server holds open at once by default.
+pub const DEFAULT_BLOB_MAX_CONNECTIONS: usize = 4096;
 
 /// Why the coordinator could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -263,6 +282,15 @@ impl Coordinator {
             scheduler: scheduler.clone(),
             shutdown: stop.clone(),
         };
+        // Uploads in flight when an earlier process died stay in the temp
+        // dir otherwise; none of them can be in flight now, this process
+        // owns the store directory and has not started serving.
+        match store::local::sweep_uploads(&self.data_dir.blobs()) {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(removed, "removed upload temp files an earlier run left"),
+            Err(e) => tracing::warn!(error = %e, "could not sweep the upload temp files"),
+        }
+        let caps = connection_caps(&self.config);
         let blob_router =
             BlobServer::new(self.data_dir.blobs(), self.signer.clone(), self.db.clone())
                 .map_err(ServeError::BlobServer)?
@@ -280,13 +308,29 @@ impl Coordinator {
             stop.clone(),
         );
         let grpc = async {
-            let result = grpc::serve(shared, grpc_listener, stop.clone().cancelled_owned()).await;
+            let limits = ServerLimits {
+                max_connections: caps.grpc,
+                ..self.config.grpc_limits
+            };
+            let result = grpc::serve(
+                shared,
+                grpc_listener,
+                limits,
+                stop.clone().cancelled_owned(),
+            )
+            .await;
             stop.cancel();
             result
         };
         let blob = async {
-            let result =
-                blob_http::serve(blob_listener, blob_router, stop.clone().cancelled_owned()).await;
+            let result = blob_http::serve(
+                blob_listener,
+                blob_router,
+                caps.blob,
+                self.config.blob_timeouts,
+                stop.clone().cancelled_owned(),
+            )
+            .await;
             stop.cancel();
             result
         };
@@ -303,6 +347,41 @@ impl Coordinator {
         blob_result.map_err(ServeError::BlobServer)?;
         Ok(())
     }
+}
+
+/// Raises the file-handle limit and fits both servers' connection caps
+/// under it, so a connection flood runs into a cap, not into EMFILE (which
+/// would stop gRPC, health included, along with the blob server).
+fn connection_caps(config: &ServerConfig) -> ConnectionCaps {
+    let wanted = ConnectionCaps {
+        blob: config.blob_max_connections,
+        grpc: config.grpc_limits.max_connections,
+    };
+    let nofile = match conn_limits::raise_nofile_limit() {
+        Ok(nofile) => nofile,
+        Err(e) => {
+            // The usual default soft limit.
+            tracing::warn!(error = %e, "cannot read or raise the open-file limit; assuming 1024");
+            1024
+        }
+    };
+    let caps = conn_limits::nofile_budget(nofile, wanted);
+    if caps != wanted {
+        tracing::warn!(
+            nofile,
+            blob = caps.blob,
+            grpc = caps.grpc,
+            "connection caps lowered to fit the open-file limit"
+        );
+    } else {
+        tracing::debug!(
+            nofile,
+            blob = caps.blob,
+            grpc = caps.grpc,
+            "connection caps"
+        );
+    }
+    caps
 }
 
 /// `http://ADDR`, with an unspecified bind address (0.0.0.0, ::) replaced by

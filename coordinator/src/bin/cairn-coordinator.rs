@@ -12,8 +12,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use cairn_coordinator::conn_limits::Timeouts;
 use cairn_coordinator::datadir::DataDir;
-use cairn_coordinator::grpc::Limits;
+use cairn_coordinator::grpc::{Limits, ServerLimits};
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
@@ -72,6 +73,45 @@ struct ServeArgs {
     /// How often hosts heartbeat (must be shorter than --host-lease).
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration)]
     heartbeat_interval: Duration,
+    /// Blob connections open at once; past it new connections wait in the
+    /// listen backlog. Lowered to fit the open-file limit (raised to its hard
+    /// limit at start).
+    #[arg(long, value_name = "N", default_value_t = cairn_coordinator::DEFAULT_BLOB_MAX_CONNECTIONS)]
+    blob_max_connections: usize,
+    /// A blob connection must deliver a request's headers this soon after it
+    /// was opened (or after the request's first byte).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    blob_header_timeout: Duration,
+    /// A kept-alive blob connection is closed after this long between requests.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+    blob_idle_timeout: Duration,
+    /// Bytes per second an upload or download must move once
+    /// --blob-min-rate-grace has passed; slower connections are cut (0: off).
+    #[arg(long, value_name = "BYTES", default_value_t = 16384)]
+    blob_min_rate: u64,
+    /// How long a blob request may move fewer than --blob-min-rate bytes/s
+    /// at its start.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    blob_min_rate_grace: Duration,
+    /// gRPC connections open at once; past it new connections wait in the
+    /// listen backlog. Lowered to fit the open-file limit.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    grpc_max_connections: usize,
+    /// A gRPC connection that sends nothing this long after it was opened is closed.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    grpc_handshake_timeout: Duration,
+    /// Calls one gRPC connection may have served at once (more wait).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    grpc_concurrency_per_connection: usize,
+    /// HTTP/2 streams one gRPC connection may open at once.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    grpc_max_streams: u32,
+    /// HTTP/2 PING interval; a peer silent for another --grpc-keepalive-timeout is dropped.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    grpc_keepalive_interval: Duration,
+    /// How long a gRPC peer has to answer a PING.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    grpc_keepalive_timeout: Duration,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -115,6 +155,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     config.host_lease = args.host_lease;
     config.heartbeat_interval = args.heartbeat_interval;
+    config.blob_max_connections = args.blob_max_connections;
+    config.blob_timeouts = Timeouts {
+        header_timeout: args.blob_header_timeout,
+        idle_timeout: args.blob_idle_timeout,
+        min_rate: args.blob_min_rate,
+        rate_grace: args.blob_min_rate_grace,
+    };
+    config.grpc_limits = ServerLimits {
+        max_connections: args.grpc_max_connections,
+        handshake_timeout: args.grpc_handshake_timeout,
+        concurrency_per_connection: args.grpc_concurrency_per_connection,
+        max_concurrent_streams: args.grpc_max_streams,
+        keepalive_interval: args.grpc_keepalive_interval,
+        keepalive_timeout: args.grpc_keepalive_timeout,
+    };
     let coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(

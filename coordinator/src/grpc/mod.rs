@@ -37,8 +37,6 @@ use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
 use cairn_proto::refusal::Refusal;
 use cairn_proto::runs::to_proto_duration;
 use tokio::net::TcpListener;
-use tokio_stream::StreamExt as _;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -57,8 +55,45 @@ pub use runner::RunnerApi;
 pub use runs::RunApi;
 pub use workspaces::WorkspaceApi;
 
-/// Largest gRPC message either way (commits of big workspaces list many blob ids).
-pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Largest gRPC message either way (commits of big workspaces list many blob
+/// ids: a million new blobs is about 40 MiB). Each concurrent call may hold
+/// one, so this bounds what a connection can make the server buffer.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// How the gRPC listener treats connections: one abusive client must not
+/// stall the others, and dead peers are dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Connections open at once; past it new ones wait in the kernel's
+    /// backlog, holding no file handle.
+    pub max_connections: usize,
+    /// A connection that sends nothing this long after it was accepted is
+    /// closed before it reaches the HTTP/2 server (a flood of silent
+    /// connections would otherwise hold every slot).
+    pub handshake_timeout: Duration,
+    /// Calls served at once on one connection; more wait their turn.
+    pub concurrency_per_connection: usize,
+    /// HTTP/2 streams a client may open at once on one connection.
+    pub max_concurrent_streams: u32,
+    /// HTTP/2 PING interval; a peer that does not answer within
+    /// `keepalive_timeout` is dropped.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            handshake_timeout: Duration::from_secs(10),
+            // Long calls (WatchRunEvents, WaitForInput) hold a slot each.
+            concurrency_per_connection: 256,
+            max_concurrent_streams: 256,
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+        }
+    }
+}
 
 /// Page size when a list request names none.
 const DEFAULT_PAGE_SIZE: u32 = 100;
@@ -454,6 +489,7 @@ pub enum GrpcError {
 pub async fn serve(
     shared: Shared,
     listener: TcpListener,
+    limits: ServerLimits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
     let auth = AuthLayer::new(shared.db.clone());
@@ -503,6 +539,15 @@ pub async fn serve(
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
     tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(limits.concurrency_per_connection.max(1))
+        .max_concurrent_streams(limits.max_concurrent_streams.max(1))
+        .http2_keepalive_interval(Some(limits.keepalive_interval))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
+        // A peer whose machine vanished answers no PING either, but TCP
+        // keepalive also covers a connection between calls.
+        .tcp_keepalive(Some(limits.keepalive_interval))
+        // Streams reset at once by the client (rapid reset) are bounded.
+        .http2_max_pending_accept_reset_streams(Some(64))
         .layer(auth)
         .add_service(health)
         .add_service(reflection_v1)
@@ -513,21 +558,129 @@ pub async fn serve(
         .add_service(hosts)
         .add_service(runner)
         .add_service(admin)
-        .serve_with_incoming_shutdown(
-            TcpListenerStream::new(listener).map(|accepted| {
-                accepted.inspect(|stream| {
-                    // A reply's HEADERS, DATA and trailers go out as separate
-                    // small writes; with Nagle's algorithm each one after the
-                    // first waits for the client's delayed ACK (40 ms).
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
-                    }
-                })
-            }),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(incoming(listener, limits), shutdown)
         .await?;
     Ok(())
+}
+
+/// The gRPC listener's connections: at most `limits.max_connections` open,
+/// each handed to the server only once it sent its first bytes.
+fn incoming(
+    listener: TcpListener,
+    limits: ServerLimits,
+) -> impl tokio_stream::Stream<Item = Result<GrpcConn, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    tokio::spawn(async move {
+        loop {
+            // The permit comes before accept: past the cap, connections wait
+            // in the kernel's backlog.
+            let permit = tokio::select! {
+                permit = permits.clone().acquire_owned() => permit.expect("never closed"),
+                () = tx.closed() => return,
+            };
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => return,
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file handles, or a connection reset before
+                    // accept: wait a moment instead of spinning.
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            // A reply's HEADERS, DATA and trailers go out as separate small
+            // writes; with Nagle's algorithm each one after the first waits
+            // for the client's delayed ACK (40 ms).
+            if let Err(e) = stream.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
+            }
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(limits.handshake_timeout, stream.readable()).await {
+                    Ok(Ok(())) => {
+                        let _ = tx
+                            .send(Ok(GrpcConn {
+                                stream,
+                                _permit: permit,
+                            }))
+                            .await;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "gRPC connection failed before its first bytes")
+                    }
+                    Err(_) => {
+                        tracing::debug!(peer = ?stream.peer_addr().ok(), "gRPC connection closed: nothing sent within the handshake timeout")
+                    }
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// A gRPC connection holding its slot under the connection cap.
+struct GrpcConn {
+    stream: tokio::net::TcpStream,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tonic::transport::server::Connected for GrpcConn {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for GrpcConn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for GrpcConn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }
 
 #[cfg(test)]

@@ -74,6 +74,32 @@ fn io_error(op: StoreOp, key: &str) -> impl FnOnce(std::io::Error) -> StoreError
     }
 }
 
+/// Removes every upload temp file under the store's `root`
+/// (`blobs/.tmp`), returning how many. Only for start-up, before the blob
+/// server accepts uploads: any file there was left by a process that died.
+pub fn sweep_uploads(root: &Path) -> std::io::Result<u64> {
+    let dir = root.join(crate::blob_http::TEMP_DIR);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        // Only files are made there; anything else is not the store's.
+        if !entry.file_type()?.is_file() {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
+
 /// Walks `dir` (a directory under `root`) and collects the objects in it.
 fn collect(
     root: &Path,
@@ -200,6 +226,24 @@ mod tests {
         let path = root.join(key);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn the_sweep_removes_upload_temp_files_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(sweep_uploads(dir.path()).unwrap(), 0, "no temp dir yet");
+        put_file(dir.path(), ".tmp/1.part", b"half an upload");
+        put_file(dir.path(), ".tmp/2.part", b"");
+        put_file(dir.path(), "packs/ab/cd", b"an object");
+        assert_eq!(sweep_uploads(dir.path()).unwrap(), 2);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join(".tmp")).unwrap().count(),
+            0
+        );
+        assert_eq!(
+            std::fs::read(dir.path().join("packs/ab/cd")).unwrap(),
+            b"an object"
+        );
     }
 
     #[tokio::test]
