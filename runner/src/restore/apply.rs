@@ -121,25 +121,8 @@ pub(crate) struct Survey {
     /// What the directories on disk hold that the plan lacks (and that is
     /// not protected): `prepare` removes it.
     pub stale: Vec<PathBuf>,
-}
-
-impl Survey {
-    /// Bytes the files to write need, less what the files they replace free.
-    pub fn bytes_needed(&self, plan: &Plan) -> u64 {
-        let mut needed = 0u64;
-        let mut freed = 0u64;
-        for (entry, state) in plan.entries.iter().zip(&self.files) {
-            if let (PlanKind::File { size, .. }, Some(FileState::Write { existing })) =
-                (&entry.kind, state)
-            {
-                needed += size;
-                if let Existing::Other { bytes } = existing {
-                    freed += bytes;
-                }
-            }
-        }
-        needed.saturating_sub(freed)
-    }
+    /// Planned directories already on disk as directories.
+    pub dirs_present: u64,
 }
 
 /// Looks at the root without changing anything.
@@ -174,6 +157,7 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
             })
             .collect(),
         stale: Vec::new(),
+        dirs_present: 0,
     };
     // The root itself may be a symlink the operator chose; only below it is
     // nothing followed.
@@ -204,6 +188,7 @@ pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, L
             for (i, state) in found.files {
                 survey.files[i] = Some(state);
             }
+            survey.dirs_present += found.dirs.len() as u64;
             level.extend(found.dirs.into_iter().map(Some));
             survey.stale.extend(found.stale);
         }

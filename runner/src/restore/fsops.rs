@@ -226,9 +226,9 @@ pub(crate) fn set_symlink_mtime(path: &Path, meta: &EntryMeta) -> io::Result<()>
     }
 }
 
-/// Bytes available to this user on the filesystem holding `path` (or its
-/// nearest existing ancestor).
-pub(crate) fn available_bytes(path: &Path) -> io::Result<u64> {
+/// What this user may still take on the filesystem holding `path` (or its
+/// nearest existing ancestor): bytes and inodes (`f_bavail`, `f_favail`).
+pub(crate) fn free_space(path: &Path) -> io::Result<super::space::SpaceFree> {
     let mut probe = path;
     while fs::symlink_metadata(probe).is_err() {
         match probe.parent() {
@@ -250,7 +250,19 @@ pub(crate) fn available_bytes(path: &Path) -> io::Result<u64> {
     let stat = unsafe { stat.assume_init() };
     // The field types are 32 bits wide on some targets.
     #[allow(clippy::unnecessary_cast)]
-    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+    let (bavail, frsize, files, favail) = (
+        stat.f_bavail as u64,
+        stat.f_frsize as u64,
+        stat.f_files as u64,
+        stat.f_favail as u64,
+    );
+    Ok(super::space::SpaceFree {
+        bytes: bavail.saturating_mul(frsize),
+        // A filesystem without an inode table (btrfs, a tmpfs without
+        // nr_inodes) reports no inodes at all.
+        inodes: (files > 0).then_some(favail),
+        block_size: frsize.max(1),
+    })
 }
 
 #[cfg(test)]

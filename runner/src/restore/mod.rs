@@ -41,10 +41,12 @@ pub(crate) mod fsops;
 pub mod manifest;
 pub mod packcache;
 pub mod plan;
+mod space;
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +72,7 @@ use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetch
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
 pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig};
 pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
+pub use space::{INCOMPLETE_MARKER, SpaceFree, SpaceNeeded};
 
 /// Ranged GETs in flight at once.
 const PARALLEL_REQUESTS: usize = 8;
@@ -292,18 +295,97 @@ pub enum RestoreError {
     #[error(transparent)]
     Local(#[from] LocalError),
     #[error(
-        "checkpoint {checkpoint} needs {} more on the filesystem of {}, which has {} free",
-        human_bytes(*.needed), .root.display(), human_bytes(*.available)
+        "checkpoint {checkpoint} needs {} on the filesystem of {}, which has {}; nothing was written",
+        describe_needed(.needed), .root.display(), describe_free(.free)
     )]
     NoSpace {
         checkpoint: CheckpointId,
         root: PathBuf,
-        needed: u64,
-        available: u64,
+        needed: SpaceNeeded,
+        free: SpaceFree,
+    },
+    /// The restore failed after it began writing: the root is not the
+    /// checkpoint, and `left` says what was done about it.
+    #[error("checkpoint {checkpoint} was not restored into {}: {cause}{}; {left}", .root.display(), describe_shortage(.cause, .space))]
+    Incomplete {
+        /// As the coordinator sent it.
+        checkpoint: String,
+        root: PathBuf,
+        cause: Box<RestoreError>,
+        /// What the check before writing found, when the cause is a full disk.
+        space: Option<(SpaceNeeded, SpaceFree)>,
+        left: Left,
     },
 }
 
+/// What a restore that failed halfway left in its root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Left {
+    /// The root held nothing before: everything the restore wrote is gone.
+    Removed,
+    /// The root is marked incomplete with this file (`run` refuses it; the
+    /// next restore reads every file in it and removes the mark when done).
+    Marked(PathBuf),
+}
+
+impl std::fmt::Display for Left {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Removed => f.write_str("what it wrote was removed"),
+            Self::Marked(marker) => write!(
+                f,
+                "the tree there is partial, marked by {}",
+                marker.display()
+            ),
+        }
+    }
+}
+
+fn describe_needed(needed: &SpaceNeeded) -> String {
+    format!(
+        "{} in whole blocks and {} inodes",
+        human_bytes(needed.bytes),
+        needed.inodes
+    )
+}
+
+fn describe_free(free: &SpaceFree) -> String {
+    match free.inodes {
+        Some(inodes) => format!("{} and {inodes} inodes free", human_bytes(free.bytes)),
+        None => format!("{} free (no inode limit)", human_bytes(free.bytes)),
+    }
+}
+
+fn describe_shortage(cause: &RestoreError, space: &Option<(SpaceNeeded, SpaceFree)>) -> String {
+    match space {
+        Some((needed, free)) if cause.is_out_of_space() => format!(
+            " (the filesystem filled up: the restore needs {}, and had {} when it began)",
+            describe_needed(needed),
+            describe_free(free)
+        ),
+        _ => String::new(),
+    }
+}
+
 impl RestoreError {
+    /// What went wrong, under an [`RestoreError::Incomplete`].
+    pub fn cause(&self) -> &RestoreError {
+        match self {
+            Self::Incomplete { cause, .. } => cause.cause(),
+            other => other,
+        }
+    }
+
+    /// Whether the filesystem (or a quota) was too small: before writing, or
+    /// a write that failed with ENOSPC or EDQUOT.
+    pub fn is_out_of_space(&self) -> bool {
+        match self.cause() {
+            Self::NoSpace { .. } => true,
+            Self::Local(local) => space::is_out_of_space(&local.source),
+            _ => false,
+        }
+    }
+
     /// Whether running the same restore again later may succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
@@ -373,6 +455,8 @@ pub enum CandidateError {
     Fetch(FetchError),
     #[error("blob {blob} is in none of the checkpoint's packs")]
     MissingBlob { blob: BlobId },
+    #[error("the checkpoint holds {INCOMPLETE_MARKER}, a name the restore keeps for itself")]
+    ReservedName,
     #[error("blob {blob} holds {actual} bytes in pack {pack} but the tree says {expected}")]
     BlobLength {
         blob: BlobId,
@@ -502,9 +586,36 @@ pub async fn restore(
         manifest.urls.clone(),
     )
     .with_pack_cache(pack_cache);
-    let protected = match &opts.cache_dir {
+    let mut protected = match &opts.cache_dir {
         Some(dir) => apply::protected_paths(&opts.root, dir),
         None => Vec::new(),
+    };
+    // The mark stays through every candidate, until one is restored.
+    protected.push(INCOMPLETE_MARKER.as_bytes().to_vec());
+    let marker = opts.root.join(INCOMPLETE_MARKER);
+    let (was_marked, held_nothing) = {
+        let (root, marker, protected) = (opts.root.clone(), marker.clone(), protected.clone());
+        blocking(move || {
+            (
+                fs_exists(&marker),
+                space::holds_nothing(&root, &protected).unwrap_or(false),
+            )
+        })
+        .await
+    };
+    // A tree an earlier restore left partial: nothing in it is vouched for
+    // by its size and mtime (the fingerprint cache still vouches by inode
+    // and ctime, which only a finished write of that file gave it).
+    let marked_opts;
+    let opts = if was_marked {
+        tracing::warn!(marker = %marker.display(), "an earlier restore into this root did not complete: every file there is read");
+        marked_opts = RestoreOptions {
+            verify_existing: true,
+            ..opts.clone()
+        };
+        &marked_opts
+    } else {
+        opts
     };
     let attempt_ctx = AttemptContext {
         fetcher: &fetcher,
@@ -514,6 +625,8 @@ pub async fn restore(
         protected,
         set_owner: fsops::running_as_root(),
         started_at,
+        space: std::sync::Mutex::new(None),
+        wrote: AtomicBool::new(false),
     };
     let mut skipped = Vec::new();
     for candidate in &candidates {
@@ -528,6 +641,19 @@ pub async fn restore(
         };
         match outcome {
             Ok((resolved, outcome)) => {
+                // Only now is the tree the checkpoint.
+                let removing = marker.clone();
+                match blocking(move || std::fs::remove_file(&removing)).await {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(source) => {
+                        return Err(RestoreError::Local(LocalError {
+                            action: "removing",
+                            path: marker,
+                            source,
+                        }));
+                    }
+                }
                 return Ok(RestoreReport {
                     checkpoint_id: resolved.id,
                     workspace_id: manifest.workspace_id.clone(),
@@ -554,13 +680,64 @@ pub async fn restore(
                     reason,
                 });
             }
-            Err(AttemptError::Fatal(e)) => return Err(e),
+            Err(AttemptError::Fatal(e)) => {
+                return Err(left_behind(&attempt_ctx, &candidate.id, e, held_nothing).await);
+            }
         }
     }
-    Err(RestoreError::NothingRestorable {
+    let failed = RestoreError::NothingRestorable {
         workspace: opts.workspace.clone(),
         failures: skipped,
-    })
+    };
+    let newest = &candidates[0].id;
+    Err(left_behind(&attempt_ctx, newest, failed, held_nothing).await)
+}
+
+fn fs_exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// The error of a restore that failed: as it is when nothing was written;
+/// otherwise [`RestoreError::Incomplete`], after removing what was written
+/// into a root that `held_nothing` before, or with the root left marked.
+async fn left_behind(
+    ctx: &AttemptContext<'_>,
+    checkpoint: &str,
+    error: RestoreError,
+    held_nothing: bool,
+) -> RestoreError {
+    if !ctx.wrote.load(Ordering::Acquire) {
+        return error;
+    }
+    let root = ctx.opts.root.clone();
+    let marker = root.join(INCOMPLETE_MARKER);
+    let left = if held_nothing {
+        let (root, protected) = (root.clone(), ctx.protected.clone());
+        let cleared = blocking(move || {
+            space::clear(&root, &protected)?;
+            std::fs::remove_file(root.join(INCOMPLETE_MARKER))
+        })
+        .await;
+        match cleared {
+            Ok(()) => Left::Removed,
+            Err(e) => {
+                tracing::warn!(root = %ctx.opts.root.display(), error = %e, "cannot remove what the failed restore wrote");
+                Left::Marked(marker)
+            }
+        }
+    } else {
+        Left::Marked(marker)
+    };
+    let space = *ctx.space.lock().unwrap_or_else(|e| e.into_inner());
+    let error = RestoreError::Incomplete {
+        checkpoint: checkpoint.to_owned(),
+        root,
+        cause: Box::new(error),
+        space,
+        left,
+    };
+    tracing::error!(error = %error, "restore failed after it began writing");
+    error
 }
 
 struct AttemptContext<'a> {
@@ -571,6 +748,10 @@ struct AttemptContext<'a> {
     protected: Vec<Vec<u8>>,
     set_owner: bool,
     started_at: SystemTime,
+    /// What the last space check found (for the error of a disk that fills).
+    space: std::sync::Mutex<Option<(SpaceNeeded, SpaceFree)>>,
+    /// Whether an attempt began changing the root.
+    wrote: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -597,6 +778,9 @@ async fn attempt(
         load_cache(ctx, candidate),
     );
     let (plan, mut blob_packs) = plan?;
+    if plan.child(None, INCOMPLETE_MARKER.as_bytes()).is_some() {
+        return Err(CandidateError::ReservedName.into());
+    }
     let mut located = located?;
     located.check(&plan)?;
     blob_packs.append(&mut located.blob_packs);
@@ -873,22 +1057,29 @@ async fn prepare_root(
     };
     let survey = survey.map_err(AttemptError::local)?;
     tracing::debug!(stale = survey.stale.len(), elapsed = ?surveying.elapsed(), "root surveyed");
-    let needed = survey.bytes_needed(plan);
-    if needed > 0 {
-        let root = ctx.opts.root.clone();
-        match blocking(move || fsops::available_bytes(&root)).await {
-            Ok(available) if needed > available => {
+    let root = ctx.opts.root.clone();
+    match blocking(move || fsops::free_space(&root)).await {
+        Ok(free) => {
+            let needed = space::space_needed(plan, &survey, free.block_size);
+            *ctx.space.lock().unwrap_or_else(|e| e.into_inner()) = Some((needed, free));
+            tracing::debug!(?needed, ?free, "space check");
+            if !space::fits(needed, free) {
                 return Err(AttemptError::Fatal(RestoreError::NoSpace {
                     checkpoint: candidate.id.clone(),
                     root: ctx.opts.root.clone(),
                     needed,
-                    available,
+                    free,
                 }));
             }
-            Ok(_) => {}
-            Err(e) => tracing::debug!(error = %e, "cannot tell the free space of the restore root"),
         }
+        Err(e) => tracing::debug!(error = %e, "cannot tell the free space of the restore root"),
     }
+    // From here on the root changes: marked until the restore completes.
+    ctx.wrote.store(true, Ordering::Release);
+    let root = ctx.opts.root.clone();
+    blocking(move || mark_incomplete(&root))
+        .await
+        .map_err(AttemptError::local)?;
     let prepared = {
         let target = target.clone();
         blocking(move || apply::prepare(&target, survey))
@@ -896,6 +1087,33 @@ async fn prepare_root(
             .map_err(AttemptError::local)?
     };
     Ok((target, prepared, cache))
+}
+
+/// Creates the root (if missing) and the mark that it is not yet restored.
+fn mark_incomplete(root: &Path) -> Result<(), LocalError> {
+    std::fs::create_dir_all(root).map_err(|source| LocalError {
+        action: "creating",
+        path: root.to_owned(),
+        source,
+    })?;
+    let marker = root.join(INCOMPLETE_MARKER);
+    let created = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&marker)
+        .and_then(|mut file| {
+            use std::io::Write as _;
+            file.write_all(
+                b"a cairn restore into this directory did not complete: it is not a checkpoint\n",
+            )
+        });
+    created.map_err(|source| LocalError {
+        action: "marking",
+        path: marker,
+        source,
+    })
 }
 
 /// The runner's fingerprint cache, which tells files on disk that need no

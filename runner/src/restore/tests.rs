@@ -924,9 +924,29 @@ async fn a_corrupt_blob_fails_its_checkpoint_and_the_older_one_is_restored_exact
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, RestoreError::NothingRestorable { failures, .. } if failures.len() == 1),
+        matches!(err.cause(), RestoreError::NothingRestorable { failures, .. } if failures.len() == 1),
         "{err}"
     );
+    // It wrote over the older tree before its blob failed: that tree is no
+    // checkpoint now, and says so.
+    assert!(
+        matches!(
+            &err,
+            RestoreError::Incomplete {
+                left: super::Left::Marked(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(root.join(super::INCOMPLETE_MARKER).exists());
+    // The next restore reads every file there and clears the mark.
+    let report = restore(&fixture, &fixture.options(&root), &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(report.checkpoint_id, older.id);
+    assert_sample(&root);
+    assert!(!root.join(super::INCOMPLETE_MARKER).exists());
 }
 
 #[tokio::test]

@@ -347,6 +347,18 @@ impl Attempt {
             }
             Ok(Restored::NoCheckpoint) => {
                 let root = &self.options.root;
+                // No restore ran to clear it: the tree an earlier restore
+                // left partial is not a workspace to start on.
+                let marker = root.join(crate::restore::INCOMPLETE_MARKER);
+                if std::fs::symlink_metadata(&marker).is_ok() {
+                    let error = format!(
+                        "the workspace at {} is what a restore that did not complete left (marked by {}), and the workspace has no checkpoint to restore over it",
+                        root.display(),
+                        marker.display()
+                    );
+                    tracing::error!("{error}");
+                    return Ok(Prepared::Failed(error));
+                }
                 fs::create_dir_all(root).map_err(|source| RunError::Workspace {
                     path: root.clone(),
                     source,

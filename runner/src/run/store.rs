@@ -85,17 +85,22 @@ impl StoreError {
         }
     }
 
-    /// Trying again (here or on another host) cannot help: the workspace's
-    /// checkpoints themselves are unusable.
+    /// The attempt fails with this error instead of the runner: the
+    /// workspace's checkpoints themselves are unusable, or the disk is too
+    /// small for them.
     pub fn is_permanent(&self) -> bool {
-        matches!(
-            self,
-            Self::Restore(
+        let Self::Restore(e) = self else {
+            return false;
+        };
+        // A disk too small for the workspace fails the attempt with the
+        // space it needs; the restore left no tree that passes for it.
+        e.is_out_of_space()
+            || matches!(
+                e.cause(),
                 RestoreError::NothingRestorable { .. }
                     | RestoreError::CheckpointNotFound { .. }
                     | RestoreError::Manifest(_)
             )
-        )
     }
 }
 
