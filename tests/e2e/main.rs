@@ -11,7 +11,10 @@
 //! conversation forked), chats, stations (handover between stations: notes,
 //! briefing, leftovers cleared, fast-forward). Issue 5: restore_speed (the
 //! host's pack cache, warm and tampered; restore onto a baked older copy),
-//! limits (per-checkpoint size limits, `--if-changed`), watch.
+//! limits (per-checkpoint size limits, `--if-changed`), watch. Issue 28:
+//! attacks (each token scope against what it must not reach), faults (the
+//! coordinator SIGKILLed under concurrent checkpoints), server_limits
+//! (floods, slow uploads, temp sweep), restore_space (small tmpfs).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -19,6 +22,7 @@
 //! (`scripts/test` does both). Each test starts its own coordinator on
 //! ephemeral ports, so they run in parallel.
 
+mod attacks;
 mod cairnctl;
 mod chats;
 mod corruption;
