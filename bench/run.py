@@ -142,6 +142,10 @@ RESTORE_SPEED_STEPS = ["restore-baked", "restore-baked-verify", "restore-cold-ca
                        "restore-kept", "restore-cold-cache-loopback", "restore-warm-cache-loopback",
                        "restore-kept-loopback"]
 STEPS += RESTORE_SPEED_STEPS
+# Isolation's price: another workspace with the same tree shares nothing;
+# a fork of the workspace shares the checkpoint it starts from.
+ISOLATION_STEPS = ["second-workspace", "fork-checkpoint"]
+STEPS += ISOLATION_STEPS
 LARGE_STEPS = ["full-4x", "incremental-4x"]
 STEPS += LARGE_STEPS
 
@@ -372,6 +376,7 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
     try:
         cache = os.path.join(rep, "runner-cache")
         full_cairn(bins, coordinator, workspace_root, cache, results, "full")
+        isolation_rows(bins, coordinator, rep, workspace_root, results)
 
         tgz_full = os.path.join(rep, "tar-gz-full")
         seconds, _ = run(["bash", BASELINES, "tar-gz", workspace_root, tgz_full])
@@ -445,6 +450,27 @@ def one_repeat(index, args, bins, work, workspace_root, results, have_restic):
         coordinator.stop()
     if not args.keep:
         set_aside(rep)
+
+
+def isolation_rows(bins, coordinator, rep, root, results):
+    """What workspace isolation costs: a second workspace checkpointing the same tree (a fresh machine:
+    empty runner cache) deduplicates against nothing of the first; a fork of the first checkpointing the
+    same tree deduplicates against the checkpoint it was forked from."""
+    env = coordinator.env(os.path.join(rep, "ctl-cache"))
+    run([bins["cairnctl"], "--output", "json", "workspace", "create", "--name", "bench-second"], env=env)
+    for step, workspace in (("second-workspace", "bench-second"), ("fork-checkpoint", "bench-fork-1")):
+        if step == "fork-checkpoint":
+            run([bins["cairnctl"], "--output", "json", "workspace", "fork", "bench", "--count", "1",
+                 "--name-prefix", "bench-fork"], env=env)
+        before = tree_bytes(coordinator.blobs_dir)
+        seconds, report, _ = cairn_checkpoint(bins, coordinator, root, workspace,
+                                              os.path.join(rep, f"cache-{step}"))
+        grown = tree_bytes(coordinator.blobs_dir) - before
+        stats = report["stats"]
+        results.add(step, "cairn", seconds, stats["uploaded_bytes"], store_growth=grown,
+                    files_read=stats["files_read"])
+        for method in METHODS[1:]:
+            results.na(step, method, "one archive per copy: no workspaces to share between")
 
 
 def restic_backup(root, restic_repo, results, step, init=False):
