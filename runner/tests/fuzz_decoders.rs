@@ -160,6 +160,8 @@ proptest! {
         seal(&keys, &id, &plaintext, &mut sealed);
         prop_assert_eq!(open(&keys, &id, &sealed, plaintext.len()).unwrap(), plaintext.clone());
         let damaged = mutate(sealed.clone(), &flips);
+        // Two flips of one byte with one value cancel out.
+        prop_assume!(damaged != sealed);
         prop_assert!(open(&keys, &id, &damaged, plaintext.len()).is_err());
         // A hostile length claim is refused, not allocated.
         if claimed != plaintext.len() {
