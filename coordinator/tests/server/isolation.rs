@@ -37,6 +37,23 @@ async fn victim(client: &mut cairn_runner::client::Coordinator, content: &[u8]) 
     }
 }
 
+/// FindMissingBlobs of `ids` on behalf of `workspace`.
+async fn find_in(
+    client: &mut cairn_runner::client::Coordinator,
+    workspace: &str,
+    ids: &[cairn_proto::ids::BlobId],
+) -> pb::FindMissingBlobsResponse {
+    client
+        .checkpoints
+        .find_missing_blobs(pb::FindMissingBlobsRequest {
+            workspace: workspace.to_owned(),
+            blob_ids: ids.iter().map(|b| b.as_bytes().to_vec()).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// Attack 1: learn whether another workspace holds a blob, commit a
 /// checkpoint of your own that references its pack (as an old pack, or
 /// claimed as new), or roots your tree in its blob, to get the pack's URL
@@ -58,20 +75,7 @@ async fn another_workspace_is_neither_found_nor_referenced_nor_decryptable() {
     );
 
     // The victim's blob ids are unknown to the attacker's workspace.
-    let found = client
-        .checkpoints
-        .find_missing_blobs(pb::FindMissingBlobsRequest {
-            workspace: attacker.id.clone(),
-            blob_ids: victim
-                .data
-                .blob_ids
-                .iter()
-                .map(|b| b.as_bytes().to_vec())
-                .collect(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_in(&mut client, &attacker.id, &victim.data.blob_ids).await;
     assert!(found.packs.is_empty(), "{found:?}");
     assert!(found.locations.iter().all(|l| *l == 0));
 
@@ -154,20 +158,7 @@ async fn a_poisoned_pack_reaches_no_other_workspace() {
     commit(&mut client, request).await;
 
     // The victim's next checkpoint deduplicates against its own pack only.
-    let found = client
-        .checkpoints
-        .find_missing_blobs(pb::FindMissingBlobsRequest {
-            workspace: victim.workspace.id.clone(),
-            blob_ids: victim
-                .data
-                .blob_ids
-                .iter()
-                .map(|b| b.as_bytes().to_vec())
-                .collect(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_in(&mut client, &victim.workspace.id, &victim.data.blob_ids).await;
     assert_eq!(found.packs, [victim.data.id.to_string()]);
     assert_eq!(found.locations, [1]);
 
@@ -177,15 +168,7 @@ async fn a_poisoned_pack_reaches_no_other_workspace() {
     let third_begin = begin(&mut client, &third.id).await;
     let third_ids = keys_of(&third_begin).blob_id(b"fn main() {}");
     assert_ne!(third_ids, victim.data.blob_ids[0]);
-    let found = client
-        .checkpoints
-        .find_missing_blobs(pb::FindMissingBlobsRequest {
-            workspace: third.id.clone(),
-            blob_ids: vec![third_ids.as_bytes().to_vec()],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let found = find_in(&mut client, &third.id, &[third_ids]).await;
     assert_eq!(found.locations, [0]);
 }
 
