@@ -32,11 +32,11 @@
 //! ```
 //!
 //! Invariants:
-//! - Identical plaintext has one blob id per tenant, so it is stored once
-//!   across checkpoints and across the tenant's workspaces.
+//! - Identical plaintext has one blob id per key lineage (a workspace and
+//!   its forks), so it is stored once across their checkpoints.
 //! - Every byte read back is authenticated twice: the AEAD tag (bound to the
 //!   blob id) and the recomputed keyed id of the plaintext.
-//! - Nothing in the store is readable or confirmable without the tenant key;
+//! - Nothing in the store is readable or confirmable without the lineage key;
 //!   the coordinator records ids, sizes and pack names, never plaintext.
 
 mod keys;
