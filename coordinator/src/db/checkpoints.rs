@@ -383,32 +383,6 @@ impl MetadataStore {
         Ok(packs)
     }
 
-    /// The recorded packs of `tenant` among `ids` (unknown ids are left out).
-    pub async fn packs(
-        &self,
-        tenant: &TenantId,
-        ids: &[PackId],
-    ) -> Result<HashMap<PackId, Pack>, DbError> {
-        let mut packs = HashMap::new();
-        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new(
-                "SELECT id, kind, size, index_offset, index_length FROM packs WHERE tenant = ",
-            );
-            query.push_bind(tenant.as_str()).push(" AND id IN");
-            push_in_list(&mut query, chunk, PackId::as_str);
-            let rows = query
-                .build()
-                .fetch_all(&self.pool)
-                .await
-                .map_err(query_error("packs"))?;
-            for row in &rows {
-                let pack = pack_from_row(row)?;
-                packs.insert(pack.id.clone(), pack);
-            }
-        }
-        Ok(packs)
-    }
-
     /// Marks recorded packs of `tenant` as lost from the store: their blobs
     /// stop counting as stored. Returns how many were newly marked.
     pub async fn mark_packs_lost(&self, tenant: &TenantId, ids: &[PackId]) -> Result<u64, DbError> {

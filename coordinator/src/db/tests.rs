@@ -6,7 +6,7 @@ use cairn_proto::pb;
 
 use super::*;
 
-async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
+pub(super) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
     let dir = tempfile::tempdir().unwrap();
     let db = MetadataStore::open(&dir.path().join("cairn.db"))
         .await
@@ -269,7 +269,10 @@ async fn commits_number_checkpoints_and_record_packs_and_blobs() {
         .await
         .unwrap();
     assert_eq!(packs[&second.id], vec![pack_id(1), pack_id(2)]);
-    let records = db.packs(&tenant, &[pack_id(2)]).await.unwrap();
+    let records = db
+        .workspace_packs(&tenant, &ws.id, &[pack_id(2)])
+        .await
+        .unwrap();
     assert_eq!(records[&pack_id(2)].size, 102);
 
     let stored = db.checkpoint(&tenant, &second.id).await.unwrap().unwrap();
@@ -315,7 +318,12 @@ async fn a_refused_commit_leaves_no_trace() {
     // transaction rolls back, sequence counter included.
     let dangling = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1), pack_id(7)]);
     assert!(db.commit_checkpoint(&tenant, dangling).await.is_err());
-    assert!(db.packs(&tenant, &[pack_id(1)]).await.unwrap().is_empty());
+    assert!(
+        db.workspace_packs(&tenant, &ws.id, &[pack_id(1)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert!(
         db.find_blobs(&tenant, &ws.id, &[BlobId([1; 32])])
             .await

@@ -323,17 +323,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::db::tests::open;
     use crate::tokens::{self, admit};
-
-    async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
-        let dir = tempfile::tempdir().unwrap();
-        let db = MetadataStore::open(&dir.path().join("cairn.db"))
-            .await
-            .unwrap();
-        let tenant = TenantId::default_tenant();
-        db.ensure_tenant(&tenant).await.unwrap();
-        (dir, db, tenant)
-    }
 
     #[tokio::test]
     async fn tokens_resolve_by_hash_and_the_admin_token_is_recorded_once() {
