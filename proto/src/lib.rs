@@ -13,6 +13,8 @@
 //! - [`auth`]: how a bearer token travels in gRPC metadata.
 //! - [`refusal`]: why the coordinator refused a call, typed, in the status
 //!   details; callers decide on it, never on the message.
+//! - [`tls`]: PEM certificates, keys and CA bundles for TLS, from a file or
+//!   inline.
 
 /// An enum of words: `ALL`, `as_str`, `Display`, and `FromStr` refusing any
 /// other word with a [`ValidationError`] of field `$field`. The caller gives
@@ -62,6 +64,7 @@ pub mod refusal;
 pub mod runs;
 pub mod size;
 pub mod stations;
+pub mod tls;
 
 pub use domain::ValidationError;
 

@@ -96,6 +96,9 @@ pub enum Refusal {
     Token(TokenRefusal),
     /// A host token used for another host than its own.
     WrongHost { bound: HostId, asked: HostId },
+    /// A host call over a connection without a client certificate, on a
+    /// coordinator that requires hosts to present one.
+    ClientCertificateRequired,
 }
 
 impl Refusal {
@@ -109,6 +112,7 @@ impl Refusal {
             Self::AttemptNotCurrent { .. } | Self::Token(_) | Self::WrongHost { .. } => {
                 Code::PermissionDenied
             }
+            Self::ClientCertificateRequired => Code::Unauthenticated,
         }
     }
 
@@ -175,6 +179,10 @@ impl fmt::Display for Refusal {
                     "a host token of host {bound} may not act as host {asked}"
                 )
             }
+            Self::ClientCertificateRequired => write!(
+                f,
+                "hosts must present a client certificate the coordinator trusts (mutual TLS)"
+            ),
         }
     }
 }
@@ -215,6 +223,9 @@ impl From<Refusal> for pb::Refusal {
                 bound_host_id: bound.to_string(),
                 asked_host_id: asked.to_string(),
             }),
+            Refusal::ClientCertificateRequired => {
+                Reason::ClientCertificateRequired(pb::ClientCertificateRequired {})
+            }
         };
         Self {
             reason: Some(reason),
@@ -273,6 +284,7 @@ impl TryFrom<pb::Refusal> for Refusal {
                 bound: h.bound_host_id.parse().map_err(|e| bad("host id", &e))?,
                 asked: h.asked_host_id.parse().map_err(|e| bad("host id", &e))?,
             },
+            Some(Reason::ClientCertificateRequired(_)) => Self::ClientCertificateRequired,
         })
     }
 }
@@ -319,6 +331,7 @@ mod tests {
             bound: HostId::generate(),
             asked: HostId::generate(),
         });
+        round_trip(Refusal::ClientCertificateRequired);
     }
 
     #[test]
