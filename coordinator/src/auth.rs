@@ -5,6 +5,12 @@
 //! a token, so a load balancer or `grpc_health_probe` can ask; it tells
 //! nothing but whether the services serve.
 //!
+//! With mutual TLS for hosts (`serve --tls-client-ca`), every call of the
+//! host service and every call with a host token must come over a
+//! connection that presented a certificate of that CA, else it is refused
+//! UNAUTHENTICATED with the typed [`Refusal::ClientCertificateRequired`]:
+//! a stolen host token alone registers no host.
+//!
 //! A request without a token is answered UNAUTHENTICATED; a token the
 //! coordinator does not know PERMISSION_DENIED without a refusal; a known
 //! token that is revoked, expired, or (a run token) of an attempt that is no
@@ -25,17 +31,24 @@ use tonic::metadata::MetadataMap;
 use tower::{Layer, Service};
 
 use crate::db::MetadataStore;
-use crate::tokens::{self, Principal};
+use crate::tls::Peer;
+use crate::tokens::{self, Principal, Scope};
 
 /// Adds [`AuthService`] to a server.
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
     db: Arc<MetadataStore>,
+    hosts_need_certificates: bool,
 }
 
 impl AuthLayer {
-    pub fn new(db: Arc<MetadataStore>) -> Self {
-        Self { db }
+    /// `hosts_need_certificates`: host calls are refused over a connection
+    /// without a verified client certificate ([`Peer`]).
+    pub fn new(db: Arc<MetadataStore>, hosts_need_certificates: bool) -> Self {
+        Self {
+            db,
+            hosts_need_certificates,
+        }
     }
 }
 
@@ -46,6 +59,7 @@ impl<S> Layer<S> for AuthLayer {
         AuthService {
             inner,
             db: self.db.clone(),
+            hosts_need_certificates: self.hosts_need_certificates,
         }
     }
 }
@@ -55,6 +69,7 @@ impl<S> Layer<S> for AuthLayer {
 pub struct AuthService<S> {
     inner: S,
     db: Arc<MetadataStore>,
+    hosts_need_certificates: bool,
 }
 
 /// Resolves the token in `headers` to a principal.
@@ -101,6 +116,12 @@ fn is_open(path: &str) -> bool {
     OPEN_PATHS.contains(&path)
 }
 
+/// Whether a call is a host's: a host service method, or any call with a
+/// host token.
+fn is_host_call(path: &str, principal: &Principal) -> bool {
+    path.starts_with("/cairn.v1.HostService/") || principal.scope == Scope::Host
+}
+
 impl<S> Service<http::Request<Body>> for AuthService<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
@@ -120,12 +141,27 @@ where
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         let db = self.db.clone();
+        let hosts_need_certificates = self.hosts_need_certificates;
         Box::pin(async move {
             if is_open(request.uri().path()) {
                 return inner.call(request).await;
             }
             match authenticate(&db, request.headers()).await {
                 Ok(principal) => {
+                    let certified = request
+                        .extensions()
+                        .get::<Peer>()
+                        .is_some_and(|peer| peer.verified_client_certificate);
+                    if hosts_need_certificates
+                        && !certified
+                        && is_host_call(request.uri().path(), &principal)
+                    {
+                        tracing::info!(
+                            path = request.uri().path(),
+                            "host call without a client certificate refused"
+                        );
+                        return Ok(refused(Refusal::ClientCertificateRequired).into_http());
+                    }
                     request.extensions_mut().insert(principal);
                     inner.call(request).await
                 }

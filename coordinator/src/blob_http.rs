@@ -31,6 +31,7 @@ use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::io::ReaderStream;
 
 use cairn_proto::refusal::NotCurrent;
@@ -141,17 +142,18 @@ impl BlobServer {
     }
 }
 
-/// Serves `router` on `listener` until `shutdown` completes, then drains:
-/// at most `max_connections` open at once, each held to `timeouts`
-/// ([`crate::conn_limits`]).
+/// Serves `router` on `listener` (over TLS when `tls` is given) until
+/// `shutdown` completes, then drains: at most `max_connections` open at
+/// once, each held to `timeouts` ([`crate::conn_limits`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     max_connections: usize,
     timeouts: Timeouts,
+    tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = CappedListener::new(listener, max_connections, timeouts);
+    let listener = CappedListener::new(listener, max_connections, timeouts, tls);
     let app = router
         .layer(axum::middleware::from_fn(conn_limits::track_requests))
         .into_make_service_with_connect_info::<ConnMeter>();

@@ -29,10 +29,14 @@ use axum::middleware::Next;
 use axum::response::Response;
 use axum::serve::{IncomingStream, Listener};
 use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tokio_util::either::Either;
 
 /// How long a peer may take, and how slowly it may move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,53 +372,114 @@ impl AsyncWrite for Metered {
     }
 }
 
-/// A TCP listener that holds at most `max_connections` open and meters each.
-#[derive(Debug)]
+/// A blob connection: metered TCP, or TLS over metered TCP (so the
+/// handshake is held to the header deadline like a request's headers).
+pub type BlobIo = Either<Metered, TlsStream<Metered>>;
+
+/// A TLS handshake in progress on an accepted connection.
+type Handshake = Pin<Box<dyn Future<Output = Option<(BlobIo, SocketAddr)>> + Send>>;
+
+/// A TCP listener that holds at most `max_connections` open and meters
+/// each; with TLS, it hands a connection over once its handshake is done.
 pub struct CappedListener {
     inner: TcpListener,
     permits: Arc<Semaphore>,
     timeouts: Timeouts,
+    tls: Option<TlsAcceptor>,
+    /// Handshakes run here, side by side, while the next connection is
+    /// accepted: one peer stalling its handshake delays no other.
+    handshakes: FuturesUnordered<Handshake>,
+}
+
+impl std::fmt::Debug for CappedListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CappedListener")
+            .field("inner", &self.inner)
+            .field("timeouts", &self.timeouts)
+            .field("tls", &self.tls.is_some())
+            .field("handshakes", &self.handshakes.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl CappedListener {
-    pub fn new(inner: TcpListener, max_connections: usize, timeouts: Timeouts) -> Self {
+    pub fn new(
+        inner: TcpListener,
+        max_connections: usize,
+        timeouts: Timeouts,
+        tls: Option<TlsAcceptor>,
+    ) -> Self {
         Self {
             inner,
             permits: Arc::new(Semaphore::new(max_connections.max(1))),
             timeouts,
+            tls,
+            handshakes: FuturesUnordered::new(),
+        }
+    }
+}
+
+/// The next TCP connection, once a slot under the cap is free.
+async fn accept_capped(
+    listener: &TcpListener,
+    permits: &Arc<Semaphore>,
+    timeouts: Timeouts,
+) -> (Metered, SocketAddr) {
+    // The permit comes before accept: past the cap a connection waits in
+    // the kernel's backlog, holding no file handle of this process.
+    let permit = permits
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the semaphore is never closed");
+    loop {
+        match listener.accept().await {
+            Ok((stream, addr)) => {
+                // Responses are written in pieces (head, then body); with
+                // Nagle's algorithm the second waits for the client's
+                // delayed ACK (40 ms).
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+                }
+                return (Metered::new(stream, permit, timeouts), addr);
+            }
+            Err(e) => {
+                // Out of file handles (or a connection reset before
+                // accept): wait a moment instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     }
 }
 
 impl Listener for CappedListener {
-    type Io = Metered;
+    type Io = BlobIo;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        // The permit comes before accept: past the cap a connection waits in
-        // the kernel's backlog, holding no file handle of this process.
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
         loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    // Responses are written in pieces (head, then body); with
-                    // Nagle's algorithm the second waits for the client's
-                    // delayed ACK (40 ms).
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+            // Both branches are cancel-safe: a permit or a connection not
+            // taken now is taken on the next call.
+            tokio::select! {
+                Some(done) = self.handshakes.next(), if !self.handshakes.is_empty() => {
+                    if let Some(connection) = done {
+                        return connection;
                     }
-                    return (Metered::new(stream, permit, self.timeouts), addr);
                 }
-                Err(e) => {
-                    // Out of file handles (or a connection reset before
-                    // accept): wait a moment instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                (stream, addr) = accept_capped(&self.inner, &self.permits, self.timeouts) => {
+                    let Some(acceptor) = self.tls.clone() else {
+                        return (Either::Left(stream), addr);
+                    };
+                    self.handshakes.push(Box::pin(async move {
+                        match acceptor.accept(stream).await {
+                            Ok(stream) => Some((Either::Right(stream), addr)),
+                            Err(e) => {
+                                tracing::debug!(peer = %addr, error = %e, "blob connection's TLS handshake failed");
+                                None
+                            }
+                        }
+                    }));
                 }
             }
         }
@@ -431,7 +496,11 @@ pub struct ConnMeter(pub Arc<Meter>);
 
 impl axum::extract::connect_info::Connected<IncomingStream<'_, CappedListener>> for ConnMeter {
     fn connect_info(stream: IncomingStream<'_, CappedListener>) -> Self {
-        Self(stream.io().meter().clone())
+        let metered = match stream.io() {
+            Either::Left(plain) => plain,
+            Either::Right(tls) => tls.get_ref().0,
+        };
+        Self(metered.meter().clone())
     }
 }
 

@@ -33,6 +33,8 @@
 //!   the fault-injecting [`store::FaultyStore`].
 //! - [`signing`]: HMAC-SHA256 signed URLs of the embedded blob store.
 //! - [`blob_http`]: the embedded blob server (axum) behind those URLs.
+//! - [`conn_limits`]: connection caps and deadlines of both listeners.
+//! - [`tls`]: TLS on both listeners; mutual TLS for hosts.
 //!
 //! Invariants:
 //! - A checkpoint that did not commit does not exist: its record, its pack and
@@ -55,6 +57,7 @@ pub mod grpc;
 pub mod scheduler;
 pub mod signing;
 pub mod store;
+pub mod tls;
 pub mod tokens;
 
 use std::net::SocketAddr;
@@ -74,7 +77,9 @@ use crate::grpc::{GrpcError, HostTiming, Limits, ServerLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, StoreLayer};
+use crate::tls::{ServerTls, TlsFiles};
 use crate::tokens::{RunTokenKey, Scope};
+use cairn_proto::tls::TlsError;
 
 /// How to run a coordinator.
 #[derive(Clone)]
@@ -101,6 +106,9 @@ pub struct ServerConfig {
     /// Connection and stream limits of the gRPC listener (its connection
     /// cap is lowered to fit the file-handle limit too).
     pub grpc_limits: ServerLimits,
+    /// Serve gRPC and blobs over TLS with these files (and require client
+    /// certificates of hosts when they name a client CA).
+    pub tls: Option<TlsFiles>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -115,6 +123,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("blob_max_connections", &self.blob_max_connections)
             .field("blob_timeouts", &self.blob_timeouts)
             .field("grpc_limits", &self.grpc_limits)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -134,6 +143,7 @@ impl ServerConfig {
             blob_max_connections: DEFAULT_BLOB_MAX_CONNECTIONS,
             blob_timeouts: Timeouts::default(),
             grpc_limits: ServerLimits::default(),
+            tls: None,
         }
     }
 }
@@ -162,6 +172,8 @@ pub enum ServeError {
     BlobServer(std::io::Error),
     #[error(transparent)]
     Grpc(#[from] GrpcError),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
 }
 
 /// A coordinator whose data directory, database and keys are ready.
@@ -172,6 +184,7 @@ pub struct Coordinator {
     signer: UrlSigner,
     run_tokens: RunTokenKey,
     admin_token_created: bool,
+    tls: Option<ServerTls>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -201,6 +214,9 @@ impl Coordinator {
                 lease: humantime::format_duration(config.host_lease).to_string(),
             });
         }
+        // Before anything is created: a bad certificate is a mistake in the
+        // command line, not a reason to set up a data directory.
+        let tls = config.tls.as_ref().map(ServerTls::load).transpose()?;
         let data_dir = DataDir::new(&config.data_dir);
         data_dir.create()?;
         let signer = UrlSigner::new(&data_dir.load_or_create_signing_key()?);
@@ -231,11 +247,17 @@ impl Coordinator {
             signer,
             run_tokens,
             admin_token_created,
+            tls,
         })
     }
 
     pub fn data_dir(&self) -> &DataDir {
         &self.data_dir
+    }
+
+    /// Whether the listeners serve TLS (their URLs are `https://`).
+    pub fn uses_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// Whether [`Coordinator::open`] created the admin token (first start).
@@ -257,7 +279,7 @@ impl Coordinator {
         let blob_addr = blob_listener.local_addr().map_err(ServeError::Listener)?;
         let blob_url = match &self.config.blob_public_url {
             Some(url) => url.trim_end_matches('/').to_owned(),
-            None => local_url(blob_addr),
+            None => local_url(blob_addr, self.uses_tls()),
         };
         let local: Arc<dyn ObjectStore> = Arc::new(LocalStore::new(
             self.data_dir.blobs(),
@@ -296,7 +318,7 @@ impl Coordinator {
                 .map_err(ServeError::BlobServer)?
                 .router();
 
-        tracing::info!(grpc = %local_url(grpc_addr), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
+        tracing::info!(grpc = %local_url(grpc_addr, self.uses_tls()), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
         let scheduling = scheduler::run(
             self.db.clone(),
             self.run_tokens.clone(),
@@ -316,6 +338,7 @@ impl Coordinator {
                 shared,
                 grpc_listener,
                 limits,
+                self.tls.clone(),
                 stop.clone().cancelled_owned(),
             )
             .await;
@@ -328,6 +351,7 @@ impl Coordinator {
                 blob_router,
                 caps.blob,
                 self.config.blob_timeouts,
+                self.tls.as_ref().map(|tls| tls.blob_acceptor().clone()),
                 stop.clone().cancelled_owned(),
             )
             .await;
@@ -384,9 +408,9 @@ fn connection_caps(config: &ServerConfig) -> ConnectionCaps {
     caps
 }
 
-/// `http://ADDR`, with an unspecified bind address (0.0.0.0, ::) replaced by
-/// loopback so the URL is usable from this machine.
-pub fn local_url(addr: SocketAddr) -> String {
+/// `http://ADDR` (`https://` with `tls`), with an unspecified bind address
+/// (0.0.0.0, ::) replaced by loopback so the URL is usable from this machine.
+pub fn local_url(addr: SocketAddr, tls: bool) -> String {
     let mut addr = addr;
     if addr.ip().is_unspecified() {
         addr.set_ip(match addr {
@@ -394,7 +418,8 @@ pub fn local_url(addr: SocketAddr) -> String {
             SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
         });
     }
-    format!("http://{addr}")
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{addr}")
 }
 
 /// Prepares the data directory and serves gRPC on `grpc_listener` and the

@@ -15,6 +15,7 @@ use anyhow::Context;
 use cairn_coordinator::conn_limits::Timeouts;
 use cairn_coordinator::datadir::DataDir;
 use cairn_coordinator::grpc::{Limits, ServerLimits};
+use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
@@ -112,6 +113,18 @@ struct ServeArgs {
     /// How long a gRPC peer has to answer a PING.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
     grpc_keepalive_timeout: Duration,
+    /// Serve gRPC and the blob server over TLS with this certificate chain
+    /// (PEM, leaf first); clients trust its CA through CAIRN_CA.
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS for hosts: host calls must come over a connection that
+    /// presented a client certificate chaining to this CA bundle (PEM).
+    /// Runners and cairnctl still connect with tokens alone.
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -170,6 +183,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         keepalive_interval: args.grpc_keepalive_interval,
         keepalive_timeout: args.grpc_keepalive_timeout,
     };
+    config.tls = match (args.tls_cert, args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles {
+            cert,
+            key,
+            client_ca: args.tls_client_ca,
+        }),
+        _ => None,
+    };
     let coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(
@@ -180,8 +201,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc_listener = bind(&args.listen, "gRPC").await?;
     let blob_listener = bind(&args.blob_listen, "the blob server").await?;
-    let grpc_url = local_url(grpc_listener.local_addr()?);
-    let blob_url = local_url(blob_listener.local_addr()?);
+    let grpc_url = local_url(grpc_listener.local_addr()?, coordinator.uses_tls());
+    let blob_url = local_url(blob_listener.local_addr()?, coordinator.uses_tls());
     data_dir.write_endpoints(&grpc_url, &blob_url)?;
 
     let shutdown = async move {

@@ -243,7 +243,10 @@ impl Embedded {
         let blob = TcpListener::bind("127.0.0.1:0")
             .await
             .context("listening for blobs on 127.0.0.1")?;
-        let url = local_url(grpc.local_addr().context("reading the gRPC address")?);
+        let url = local_url(
+            grpc.local_addr().context("reading the gRPC address")?,
+            false,
+        );
         let stop = CancellationToken::new();
         let task = tokio::spawn(coordinator.run(grpc, blob, stop.clone().cancelled_owned()));
         Ok(Self {

@@ -37,6 +37,7 @@ use cairn_proto::pb::workspace_service_server::WorkspaceServiceServer;
 use cairn_proto::refusal::Refusal;
 use cairn_proto::runs::to_proto_duration;
 use tokio::net::TcpListener;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -46,6 +47,7 @@ use crate::db::{
 };
 use crate::scheduler::SchedulerHandle;
 use crate::store::{ObjectStore, StoreError};
+use crate::tls::{Peer, ServerTls};
 use crate::tokens::{Action, Principal, RunTokenKey};
 
 pub use admin::AdminApi;
@@ -484,15 +486,19 @@ pub enum GrpcError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves every gRPC service on `listener` until `shutdown` completes, then
-/// drains the open calls.
+/// Serves every gRPC service on `listener` (over TLS when `tls` is given)
+/// until `shutdown` completes, then drains the open calls.
 pub async fn serve(
     shared: Shared,
     listener: TcpListener,
     limits: ServerLimits,
+    tls: Option<ServerTls>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
-    let auth = AuthLayer::new(shared.db.clone());
+    let auth = AuthLayer::new(
+        shared.db.clone(),
+        tls.as_ref().is_some_and(ServerTls::hosts_need_certificates),
+    );
     let workspaces = WorkspaceServiceServer::new(WorkspaceApi::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -558,16 +564,18 @@ pub async fn serve(
         .add_service(hosts)
         .add_service(runner)
         .add_service(admin)
-        .serve_with_incoming_shutdown(incoming(listener, limits), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener, limits, tls), shutdown)
         .await?;
     Ok(())
 }
 
 /// The gRPC listener's connections: at most `limits.max_connections` open,
-/// each handed to the server only once it sent its first bytes.
+/// each handed to the server only once it sent its first bytes (with TLS:
+/// once its handshake is done), within `limits.handshake_timeout`.
 fn incoming(
     listener: TcpListener,
     limits: ServerLimits,
+    tls: Option<ServerTls>,
 ) -> impl tokio_stream::Stream<Item = Result<GrpcConn, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
@@ -600,21 +608,50 @@ fn incoming(
                 tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
             }
             let tx = tx.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(limits.handshake_timeout, stream.readable()).await {
-                    Ok(Ok(())) => {
+                let addr = stream.peer_addr().ok();
+                let opened = async {
+                    match &tls {
+                        None => {
+                            stream.readable().await?;
+                            Ok((Either::Left(stream), false))
+                        }
+                        Some(tls) => {
+                            let stream = tls.grpc_acceptor().accept(stream).await?;
+                            let verified = stream
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .is_some_and(|chain| !chain.is_empty());
+                            Ok::<_, std::io::Error>((Either::Right(stream), verified))
+                        }
+                    }
+                };
+                match tokio::time::timeout(limits.handshake_timeout, opened).await {
+                    Ok(Ok((stream, verified_client_certificate))) => {
+                        let peer = Peer {
+                            addr,
+                            verified_client_certificate,
+                        };
                         let _ = tx
                             .send(Ok(GrpcConn {
                                 stream,
+                                peer,
                                 _permit: permit,
                             }))
                             .await;
                     }
+                    Ok(Err(e)) if crate::tls::is_certificate_refusal(&e) => {
+                        // An operator wants to hear of a host with a wrong
+                        // certificate: the host itself sees only a closed pipe.
+                        tracing::warn!(peer = ?addr, error = %e, "TLS client certificate refused")
+                    }
                     Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "gRPC connection failed before its first bytes")
+                        tracing::debug!(peer = ?addr, error = %e, "gRPC connection failed before its first request (TLS handshake or reset)")
                     }
                     Err(_) => {
-                        tracing::debug!(peer = ?stream.peer_addr().ok(), "gRPC connection closed: nothing sent within the handshake timeout")
+                        tracing::debug!(peer = ?addr, "gRPC connection closed: no request (or TLS handshake) within the handshake timeout")
                     }
                 }
             });
@@ -623,17 +660,18 @@ fn incoming(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// A gRPC connection holding its slot under the connection cap.
+/// A gRPC connection (plain or TLS) holding its slot under the connection cap.
 struct GrpcConn {
-    stream: tokio::net::TcpStream,
+    stream: Either<tokio::net::TcpStream, tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+    peer: Peer,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl tonic::transport::server::Connected for GrpcConn {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = Peer;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
+        self.peer
     }
 }
 
