@@ -9,6 +9,7 @@
 //! - [`format`]: the versioned checkpoint format (trees, sealed blobs, packs).
 //! - [`transfer`]: HTTP transfers through signed URLs, with retries.
 //! - [`client`]: the gRPC connection to the coordinator.
+//! - [`tls`]: the CA clients trust (`CAIRN_CA`) and hosts' client certificates.
 //! - [`restore`]: restoring a checkpoint, verified, with fallback to older
 //!   ones; also the pack-reading and tree-walking pieces `cairnctl` reuses.
 //! - [`scan`]: the parallel walk of a workspace (metadata only, ignore rules).
@@ -44,6 +45,7 @@ pub mod restore;
 pub mod run;
 pub mod scan;
 pub mod socket;
+pub mod tls;
 pub mod tracker;
 pub mod transfer;
 pub mod watch;

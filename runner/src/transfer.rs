@@ -3,7 +3,8 @@
 //! Every request is retried with exponential backoff and jitter when the
 //! failure is transient (connection errors, timeouts, 5xx, 429). A 403 is not
 //! retried here: the URL expired or was refused, and only the coordinator can
-//! hand out a new one. URLs are never printed whole (their query is a
+//! hand out a new one. `https://` URLs trust the CA in `CAIRN_CA`
+//! ([`crate::tls`]). URLs are never printed whole (their query is a
 //! credential); errors show the path only.
 
 use std::path::Path;
@@ -11,8 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use cairn_proto::tls::TlsError;
 use rand::Rng;
 use reqwest::StatusCode;
+
+use crate::tls::{ClientTls, describe_chain};
 
 /// Why a transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -27,8 +31,11 @@ pub enum TransferError {
         status: StatusCode,
         body: String,
     },
-    #[error("could not reach the store at {url}: {source}")]
-    Network { url: String, source: reqwest::Error },
+    // Described whole in the message, so not also a `source`.
+    #[error("could not reach the store at {url}: {}", describe_chain(cause))]
+    Network { url: String, cause: reqwest::Error },
+    #[error("cannot fetch {url}: {error}")]
+    Tls { url: String, error: Arc<TlsError> },
     #[error("the store sent {got} bytes for {url}, expected {expected}")]
     ShortRead {
         url: String,
@@ -50,7 +57,9 @@ impl TransferError {
             Self::Status { status, .. } => {
                 status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            Self::Forbidden { .. } | Self::NotFound { .. } | Self::Io { .. } => false,
+            Self::Forbidden { .. } | Self::NotFound { .. } | Self::Io { .. } | Self::Tls { .. } => {
+                false
+            }
         }
     }
 }
@@ -98,6 +107,9 @@ pub fn redact(url: &str) -> String {
 pub struct BlobTransfer {
     http: reqwest::Client,
     retry: RetryPolicy,
+    /// Why `CAIRN_CA` could not be used: every transfer fails with it
+    /// rather than trusting other roots than the ones asked for.
+    tls_error: Option<Arc<TlsError>>,
 }
 
 impl Default for BlobTransfer {
@@ -112,14 +124,32 @@ pub fn install_crypto_provider() {
 }
 
 impl BlobTransfer {
+    /// Transfers trusting the CA in `CAIRN_CA` for `https://` URLs.
     pub fn new(retry: RetryPolicy) -> Self {
+        match ClientTls::from_env() {
+            Ok(tls) => Self::with_tls(retry, &tls),
+            Err(e) => Self {
+                tls_error: Some(Arc::new(e)),
+                ..Self::with_tls(retry, &ClientTls::default())
+            },
+        }
+    }
+
+    /// Transfers with TLS settings of the caller's.
+    pub fn with_tls(retry: RetryPolicy, tls: &ClientTls) -> Self {
         install_crypto_provider();
-        let http = reqwest::Client::builder()
+        let builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(32)
+            .pool_max_idle_per_host(32);
+        let http = tls
+            .configure_http(builder)
             .build()
-            .expect("a client with default TLS settings always builds");
-        Self { http, retry }
+            .expect("a client with parsed root certificates always builds");
+        Self {
+            http,
+            retry,
+            tls_error: None,
+        }
     }
 
     async fn with_retry<T, F, Fut>(&self, url: &str, mut op: F) -> Result<T, TransferError>
@@ -127,6 +157,12 @@ impl BlobTransfer {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, TransferError>>,
     {
+        if let Some(error) = &self.tls_error {
+            return Err(TransferError::Tls {
+                url: redact(url),
+                error: error.clone(),
+            });
+        }
         let mut attempt = 0;
         loop {
             match op().await {
@@ -166,9 +202,9 @@ impl BlobTransfer {
     }
 
     fn network(url: &str) -> impl Fn(reqwest::Error) -> TransferError + '_ {
-        move |source| TransferError::Network {
+        move |cause| TransferError::Network {
             url: redact(url),
-            source,
+            cause,
         }
     }
 

@@ -273,6 +273,7 @@ fn config(scratch: &Scratch, coordinator: &str, slots: u32) -> HostConfig {
         default_image: None,
         pack_cache: None,
         kept: None,
+        tls: cairn_runner::tls::ClientTls::default(),
     }
 }
 

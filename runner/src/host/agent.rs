@@ -39,7 +39,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::driver::{Driver, Sandbox, SandboxSpec};
 use super::kept::KeptWorkspaces;
@@ -138,16 +138,12 @@ struct Unreachable {
 
 impl<D: Driver> Agent<D> {
     pub fn new(config: HostConfig, driver: D, layout: Layout) -> Result<Self, HostError> {
-        let endpoint = Endpoint::from_shared(config.coordinator.trim_end_matches('/').to_owned())
-            .map_err(|_| {
-                HostError::Config(format!(
-                    "coordinator address {:?} is not a URL",
-                    config.coordinator
-                ))
-            })?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(30));
+        let endpoint =
+            crate::client::endpoint(config.coordinator.trim_end_matches('/'), &config.tls)
+                .map_err(|e| HostError::Config(e.to_string()))?
+                .connect_timeout(Duration::from_secs(5))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(30));
         let channel: Channel = endpoint.connect_lazy();
         let credential = layout.read_credential()?;
         let (client, host_id, bound) = match credential {
@@ -569,6 +565,7 @@ impl<D: Driver> Agent<D> {
                 &id,
                 &paths,
                 self.config.pack_cache.as_ref(),
+                self.config.tls.ca_pem().as_deref(),
                 &self.config.env,
             ),
             log_file: self.layout.log_file(&id),
@@ -814,6 +811,7 @@ impl<D: Driver> Agent<D> {
                 &id,
                 &paths,
                 self.config.pack_cache.as_ref(),
+                self.config.tls.ca_pem().as_deref(),
                 &self.config.env,
             );
             env.retain(|v| v.name != super::exec::RUN_TOKEN_VAR);

@@ -10,6 +10,8 @@ use clap::{Parser, ValueEnum};
 
 use super::{DriverConfig, ExecTemplates, HostConfig, parse_env_var};
 use crate::cli::{LogFormat, init_logging};
+use crate::tls::ClientTls;
+use cairn_proto::tls::PemSource;
 
 /// cairn's host agent: registers this machine's labels and slots with the
 /// coordinator, runs a sandbox with `cairn-runner run` inside for every
@@ -112,6 +114,26 @@ pub struct HostArgs {
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = humantime::parse_duration)]
     pub kept_workspaces_for: Duration,
 
+    /// Client certificate (PEM chain) presented to a coordinator that
+    /// requires mutual TLS of hosts (`serve --tls-client-ca`). The CA the
+    /// host trusts, and hands to its sandboxes, comes from CAIRN_CA.
+    #[arg(
+        long,
+        value_name = "PEM",
+        env = "CAIRN_TLS_CLIENT_CERT",
+        requires = "tls_client_key"
+    )]
+    pub tls_client_cert: Option<PathBuf>,
+
+    /// The private key of --tls-client-cert (PEM).
+    #[arg(
+        long,
+        value_name = "PEM",
+        env = "CAIRN_TLS_CLIENT_KEY",
+        requires = "tls_client_cert"
+    )]
+    pub tls_client_key: Option<PathBuf>,
+
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -160,6 +182,10 @@ impl HostArgs {
         } else {
             None
         };
+        let mut tls = ClientTls::from_env()?;
+        if let (Some(cert), Some(key)) = (self.tls_client_cert, self.tls_client_key) {
+            tls = tls.with_identity(&PemSource::File(cert), &PemSource::File(key))?;
+        }
         let name = match self.name {
             Some(name) => name,
             None => hostname().context("cannot read the hostname; pass --name")?,
@@ -178,6 +204,7 @@ impl HostArgs {
             sandbox_coordinator: self.sandbox_coordinator,
             default_image: self.default_image,
             pack_cache,
+            tls,
             kept: (self.kept_workspaces_size > 0).then_some(crate::host::KeptConfig {
                 max_bytes: self.kept_workspaces_size,
                 max_age: self.kept_workspaces_for,

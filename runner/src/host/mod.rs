@@ -63,6 +63,7 @@ use std::time::Duration;
 use cairn_proto::runs::Labels;
 
 use crate::restore::PackCacheConfig;
+use crate::tls::ClientTls;
 
 pub use self::exec::{ExecDriver, ExecDriverError, ExecTemplates};
 pub use self::kept::{KeptConfig, KeptWorkspaces};
@@ -108,6 +109,9 @@ pub struct HostConfig {
     /// Trees of ended sandboxes kept for the next sandbox of the same
     /// workspace (`DIR/kept`, [`kept`]); `None` turns keeping off.
     pub kept: Option<KeptConfig>,
+    /// The CA trusted for an `https://` coordinator (also handed to every
+    /// sandbox as `CAIRN_CA`) and the client certificate presented.
+    pub tls: ClientTls,
 }
 
 /// Why the host agent stopped with an error.
@@ -275,6 +279,7 @@ mod tests {
             default_image: None,
             pack_cache: None,
             kept: None,
+            tls: ClientTls::default(),
         }
     }
 

@@ -31,6 +31,7 @@ pub const RESERVED_ENV: &[&str] = &[
     "CAIRN_CACHE_DIR",
     "CAIRN_PACK_CACHE",
     "CAIRN_PACK_CACHE_SIZE",
+    "CAIRN_CA",
     "HOME",
 ];
 
@@ -47,6 +48,7 @@ pub fn sandbox_env(
     sandbox_id: &str,
     paths: &SandboxPaths,
     pack_cache: Option<&PackCacheConfig>,
+    ca_pem: Option<&str>,
     extras: &[(String, String)],
 ) -> Vec<EnvVar> {
     let var = |name: &str, value: &str, portable| EnvVar {
@@ -74,6 +76,10 @@ pub fn sandbox_env(
             &cache.max_bytes.to_string(),
             true,
         ));
+    }
+    if let Some(pem) = ca_pem {
+        // The PEM text itself: a sandbox may not see the host's files.
+        env.push(var(crate::tls::CA_VAR, pem, true));
     }
     env.extend(extras.iter().map(|(k, v)| var(k, v, true)));
     env

@@ -104,6 +104,7 @@ impl Scratch {
             id,
             &paths,
             Some(&self.pack_cache()),
+            None,
             &extras,
         );
         SandboxSpec {
