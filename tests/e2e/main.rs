@@ -14,7 +14,8 @@
 //! limits (per-checkpoint size limits, `--if-changed`), watch. Issue 28:
 //! attacks (each token scope against what it must not reach), faults (the
 //! coordinator SIGKILLed under concurrent checkpoints), server_limits
-//! (floods, slow uploads, temp sweep), restore_space (small tmpfs).
+//! (floods, slow uploads, temp sweep), restore_space (small tmpfs), tls
+//! (TLS on both listeners, CAIRN_CA, mutual TLS for hosts).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -42,5 +43,6 @@ mod runs;
 mod server_limits;
 mod signed_urls;
 mod stations;
+mod tls;
 mod tokens;
 mod watch;

@@ -38,6 +38,7 @@ use cairn_runner::client::AuthChannel;
 use serde_json::Value;
 use tempfile::TempDir;
 
+use crate::tls::TlsFiles;
 use crate::{Coordinator, binary, dir_names, tempdir};
 
 /// How long a test waits for a run, host or process to get where it should.
@@ -73,6 +74,8 @@ pub struct HostOptions {
     pub grace: Duration,
     /// The host's token (default: the admin token).
     pub token: Option<String>,
+    /// `--tls-client-cert` and `--tls-client-key` (mutual TLS).
+    pub client_certificate: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for HostOptions {
@@ -82,6 +85,7 @@ impl Default for HostOptions {
             slots: 1,
             grace: Duration::from_secs(20),
             token: None,
+            client_certificate: None,
         }
     }
 }
@@ -161,8 +165,29 @@ impl Fleet {
         require_local_sandboxes();
         let lease = format!("{}ms", timing.host_lease.as_millis());
         let heartbeat = format!("{}ms", timing.heartbeat_interval.as_millis());
-        let coordinator =
-            Coordinator::start_with(&["--host-lease", &lease, "--heartbeat-interval", &heartbeat]);
+        Self::around(Coordinator::start_with(&[
+            "--host-lease",
+            &lease,
+            "--heartbeat-interval",
+            &heartbeat,
+        ]))
+    }
+
+    /// A coordinator with the default [`FleetTiming`] serving TLS (mutual
+    /// TLS for hosts when `mtls`); hosts and clients trust `files.ca`.
+    pub fn start_tls(files: &TlsFiles, mtls: bool) -> Self {
+        require_local_sandboxes();
+        let timing = FleetTiming::default();
+        let lease = format!("{}ms", timing.host_lease.as_millis());
+        let heartbeat = format!("{}ms", timing.heartbeat_interval.as_millis());
+        Self::around(Coordinator::start_tls(
+            files,
+            mtls,
+            &["--host-lease", &lease, "--heartbeat-interval", &heartbeat],
+        ))
+    }
+
+    fn around(coordinator: Coordinator) -> Self {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -195,6 +220,7 @@ impl Fleet {
             options,
             coordinator: self.coordinator.grpc_url().to_owned(),
             admin_token: self.coordinator.admin_token().to_owned(),
+            ca: self.coordinator.ca().map(Path::to_path_buf),
         };
         host.spawn();
         host.id = host.wait_for_id();
@@ -716,6 +742,8 @@ pub struct Host {
     options: HostOptions,
     coordinator: String,
     admin_token: String,
+    /// `CAIRN_CA` when the coordinator serves TLS.
+    ca: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Host {
@@ -819,6 +847,17 @@ impl Host {
             .stderr(log);
         if !self.options.labels.is_empty() {
             command.args(["--labels", &self.options.labels]);
+        }
+        match &self.ca {
+            Some(ca) => command.env("CAIRN_CA", ca),
+            None => command.env_remove("CAIRN_CA"),
+        };
+        if let Some((cert, key)) = &self.options.client_certificate {
+            command
+                .arg("--tls-client-cert")
+                .arg(cert)
+                .arg("--tls-client-key")
+                .arg(key);
         }
         self.child = Some(command.spawn().expect("cairn-host starts"));
     }

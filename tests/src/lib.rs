@@ -19,6 +19,7 @@
 //! - [`fleet`]: runs on hosts (issue 3) — a coordinator with short host
 //!   leases, real `cairn-host` processes with local sandboxes, a recorded
 //!   demo agent, crashes and process lookups.
+//! - [`tls`]: certificates (a CA, the coordinator's, hosts') for TLS tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
@@ -36,6 +37,7 @@ use sha2::{Digest, Sha256};
 use tempfile::TempDir;
 
 pub mod fleet;
+pub mod tls;
 
 /// How long any one command may run before the harness kills it.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(240);
@@ -95,6 +97,8 @@ pub struct Coordinator {
     grpc_url: String,
     blob_url: String,
     admin_token: String,
+    /// The CA its TLS certificate chains to (`None`: plain HTTP).
+    ca: Option<PathBuf>,
 }
 
 impl fmt::Debug for Coordinator {
@@ -123,9 +127,46 @@ impl Coordinator {
             grpc_url: String::new(),
             blob_url: String::new(),
             admin_token: String::new(),
+            ca: None,
         };
         coordinator.spawn();
         coordinator
+    }
+
+    /// Starts a coordinator serving TLS with `files`' certificate (and
+    /// requiring host certificates when `mtls`), plus extra `serve` flags.
+    /// Its clients trust `files.ca`.
+    pub fn start_tls(files: &tls::TlsFiles, mtls: bool, extra_args: &[&str]) -> Self {
+        let mut args = files.serve_args(mtls);
+        args.extend(extra_args.iter().map(|s| s.to_string()));
+        let mut coordinator = Self {
+            home: tempdir("coordinator"),
+            extra_args: args,
+            child: None,
+            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
+            grpc_url: String::new(),
+            blob_url: String::new(),
+            admin_token: String::new(),
+            ca: Some(files.ca.clone()),
+        };
+        coordinator.spawn();
+        coordinator
+    }
+
+    /// The CA bundle its clients trust (`CAIRN_CA`), when it serves TLS.
+    pub fn ca(&self) -> Option<&Path> {
+        self.ca.as_deref()
+    }
+
+    /// The TLS settings a client of this coordinator uses.
+    pub fn client_tls(&self) -> cairn_runner::tls::ClientTls {
+        match &self.ca {
+            Some(ca) => cairn_runner::tls::ClientTls::trusting(&cairn_proto::tls::PemSource::File(
+                ca.clone(),
+            ))
+            .expect("the test CA loads"),
+            None => cairn_runner::tls::ClientTls::default(),
+        }
     }
 
     /// The coordinator's `--data-dir`.
@@ -227,7 +268,11 @@ impl Coordinator {
     /// and the same ports, so clients that were talking to it (their calls
     /// cut off) find it again where it was.
     pub fn restart_in_place(&mut self) {
-        let address = |url: &str| url.trim_start_matches("http://").to_owned();
+        let address = |url: &str| {
+            url.trim_start_matches("http://")
+                .trim_start_matches("https://")
+                .to_owned()
+        };
         self.listen = [address(&self.grpc_url), address(&self.blob_url)];
         self.restart();
     }
@@ -256,12 +301,13 @@ impl Coordinator {
             grpc_url: self.grpc_url.clone(),
             token: token.map(str::to_owned),
             home: tempdir("client"),
+            ca: self.ca.clone(),
         }
     }
 
     /// gRPC clients authenticated with `token`.
     pub async fn connect(&self, token: Option<&str>) -> cairn_runner::client::Coordinator {
-        cairn_runner::client::Coordinator::connect(&self.grpc_url, token)
+        cairn_runner::client::Coordinator::connect_with(&self.grpc_url, token, &self.client_tls())
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.grpc_url))
     }
@@ -340,6 +386,8 @@ pub struct Client {
     grpc_url: String,
     token: Option<String>,
     home: TempDir,
+    /// `CAIRN_CA` for a coordinator serving TLS.
+    ca: Option<PathBuf>,
 }
 
 impl fmt::Debug for Client {
@@ -368,6 +416,10 @@ impl Client {
         match &self.token {
             Some(token) => cmd.env("CAIRN_TOKEN", token),
             None => cmd.env_remove("CAIRN_TOKEN"),
+        };
+        match &self.ca {
+            Some(ca) => cmd.env("CAIRN_CA", ca),
+            None => cmd.env_remove("CAIRN_CA"),
         };
         cmd
     }
