@@ -9,10 +9,18 @@
 //! records its arguments and the credential files it saw (as SHA-256) in the
 //! transcript.
 //!
-//! Every adapter runs the same four tests: the first turn, a resume on
+//! Every adapter runs the same five tests: the first turn, a resume on
 //! "another host" (the workspace wiped and restored), a lost conversation,
-//! and credentials that never reach a checkpoint. Aider has no ids, so its
-//! versions check the lossy-handoff briefing instead of a resumed id.
+//! credentials that never reach a checkpoint, and a turn the model
+//! provider refused (the `api-error` directive), which must fail the
+//! attempt even where the real CLI exits 0. Aider has no ids, so its
+//! versions check the lossy-handoff briefing instead of a resumed id. The
+//! doubles behave as the real CLIs were seen to (../shared/reference/
+//! harnesses.md, "Checked against the real CLIs"): gemini's trust check,
+//! its two "gone" texts and a failed first chat deleted; codex refusing to
+//! run outside a repository; pi's own header ids; OpenHands resuming an
+//! unknown id silently; Aider's exit 0 on a refused key and its wait for a
+//! browser login; codex and pi forks.
 
 mod attempt_support;
 
@@ -172,9 +180,9 @@ impl Kind {
                 &|v| (v["type"] == "cairn_double").then(|| v.clone()),
             ),
             Self::Pi => transcript(
-                file(&|path, _| {
+                file(&|path, content| {
                     path.starts_with(".cairn/state/pi/sessions/--")
-                        && path.ends_with(&format!("_{session}.jsonl"))
+                        && pi_header_id(content) == session
                 }),
                 &|v| {
                     (v["type"] == "custom" && v["customType"] == "cairn_double")
@@ -278,7 +286,7 @@ impl Kind {
     /// (`session` names it where the arguments do).
     fn start_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
         match self {
-            Self::Codex => strings(&["exec", message, "--json"]),
+            Self::Codex => strings(&["exec", message, "--json", "--skip-git-repo-check"]),
             Self::Gemini => strings(&[
                 "-p",
                 message,
@@ -302,6 +310,9 @@ impl Kind {
                     "--env-file",
                     state(".env").to_str().unwrap(),
                     "--yes-always",
+                    "--no-gitignore",
+                    "--model",
+                    AIDER_MODEL,
                     "--message",
                     message,
                 ])
@@ -312,7 +323,14 @@ impl Kind {
     /// The arguments of a turn that continues conversation `session`.
     fn resume_args(self, s: &Sandbox, session: &str, message: &str) -> Vec<String> {
         match self {
-            Self::Codex => strings(&["exec", "resume", session, message, "--json"]),
+            Self::Codex => strings(&[
+                "exec",
+                "resume",
+                session,
+                message,
+                "--json",
+                "--skip-git-repo-check",
+            ]),
             Self::Gemini => strings(&[
                 "-p",
                 message,
@@ -340,6 +358,16 @@ impl Kind {
             Self::Aider => unreachable!("aider does not resume"),
         }
     }
+}
+
+/// The `id` of a pi session file's header line.
+fn pi_header_id(content: &[u8]) -> String {
+    String::from_utf8_lossy(content)
+        .lines()
+        .next()
+        .and_then(|l| serde_json::from_str::<Value>(l).ok())
+        .and_then(|v| v["id"].as_str().map(str::to_owned))
+        .unwrap_or_default()
 }
 
 /// Owned copies of `args`.
@@ -398,6 +426,9 @@ impl Deref for Sandbox {
 
 const CANARY: &str = "CANARY-7f3c9e1d-never-checkpoint-me";
 
+/// The model Aider's tests name.
+const AIDER_MODEL: &str = "sonnet";
+
 impl Sandbox {
     fn new(kind: Kind) -> Self {
         let harnessed = Harnessed::new(
@@ -410,7 +441,11 @@ impl Sandbox {
     }
 
     fn attempt(&self, attempt: u32, prompt: &str) -> pb::AttemptSpec {
-        let harness = self.harness(self.kind.name(), &self.kind.double());
+        let mut harness = self.harness(self.kind.name(), &self.kind.double());
+        if self.kind == Kind::Aider {
+            // Without one (and no key) Aider waits for a browser login.
+            harness.config.insert("model".into(), AIDER_MODEL.into());
+        }
         self.harnessed.attempt(attempt, prompt, harness)
     }
 
@@ -452,16 +487,23 @@ impl Sandbox {
         self.kind.conversation(&newest, session)
     }
 
-    /// pi's file of conversation `session` (absolute), as the runner chose
-    /// it: under the directory of the cwd (`<root>/app`).
+    /// pi's file of conversation `session` (absolute; the one whose header
+    /// carries the id), as the runner chose it: under the directory of the
+    /// cwd (`<root>/app`).
     fn pi_file(&self, session: &str) -> String {
         let newest = self.store.committed().pop().expect("a checkpoint");
-        let suffix = format!("_{session}.jsonl");
         let file = newest
             .files
-            .keys()
-            .find(|p| p.starts_with(".cairn/state/pi/sessions/") && p.ends_with(&suffix))
+            .iter()
+            .find(|(p, content)| {
+                p.starts_with(".cairn/state/pi/sessions/") && pi_header_id(content) == session
+            })
+            .map(|(p, _)| p)
             .unwrap_or_else(|| panic!("no session file of {session}"));
+        assert!(
+            !file.ends_with(&format!("_{session}.jsonl")),
+            "pi's own id is not the one in the file name the runner chose: {file}"
+        );
         let cwd = self.root.join("app");
         let project = format!(
             "--{}--",
@@ -557,6 +599,8 @@ async fn first_turn_records_the_session(kind: Kind) {
                 end.files
                     .contains_key(".cairn/state/gemini/.gemini/tmp/app/.project_root")
             );
+            // Given only the OAuth files, gemini would refuse (exit 41).
+            assert_eq!(first["auth_type"], "oauth-personal", "{first}");
         }
         Kind::Opencode => {
             for (name, dir) in [
@@ -585,6 +629,10 @@ async fn first_turn_records_the_session(kind: Kind) {
             assert!(
                 end.files
                     .contains_key(".cairn/state/aider/.aider.input.history")
+            );
+            assert!(
+                !end.files.contains_key("app/.gitignore"),
+                "aider wrote into the user's .gitignore"
             );
         }
         Kind::Codex | Kind::Pi | Kind::OpenHands => {}
@@ -999,4 +1047,216 @@ async fn aider_a_lost_conversation_gets_the_briefing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aider_credentials_are_injected_and_never_checkpointed() {
     credentials_are_injected_and_never_checkpointed(Kind::Aider).await;
+}
+
+/// (6) A turn the model provider refused fails the attempt, with the
+/// harness's reason, even where the CLI exits 0 (pi, OpenHands, Aider).
+async fn an_api_error_fails_the_attempt(kind: Kind) {
+    let s = Sandbox::new(kind);
+    s.next(s.attempt(1, "The codeword is WREN.\napi-error"));
+    assert_eq!(s.run().await, Finished::Failed);
+    let outcome = s.fake.outcome();
+    assert!(
+        !outcome.error.is_empty() && outcome.summary.is_empty(),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Codex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Gemini).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Pi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goose_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Goose).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::OpenHands).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_an_api_error_fails_the_attempt() {
+    an_api_error_fails_the_attempt(Kind::Aider).await;
+}
+
+/// A first gemini turn that failed leaves a chat gemini deletes at its
+/// next start; resuming it then says "No previous sessions found", which
+/// is a lost conversation: the next attempt starts over with the briefing
+/// instead of failing the same way forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_a_failed_first_turn_is_resumed_as_lost() {
+    let s = Sandbox::new(Kind::Gemini);
+    s.next(s.attempt(1, "The codeword is WREN.\napi-error"));
+    assert_eq!(s.run().await, Finished::Failed);
+    let failed = s.fake.sessions().pop().expect("gemini reported its id");
+
+    let mut second = s.attempt(2, "The codeword is WREN.");
+    second.inputs = vec![input(3, "answer", "recall codeword")];
+    second.resume_session_id = failed.clone();
+    second.prompt_delivered = true;
+    second.question = "What should I remember?".into();
+    s.next(second);
+    assert_eq!(s.run().await, Finished::Succeeded);
+    let running = s.fake.details(AttemptPhase::Running);
+    assert!(
+        running.contains(&format!(
+            "gemini has no conversation {failed} any more; started a new conversation with a \
+             handoff briefing (lossy handoff)"
+        )),
+        "{running:#?}"
+    );
+    assert_eq!(s.fake.outcome().summary, "the codeword was WREN");
+}
+
+/// Codex refuses to run outside a git repository unless told not to: a
+/// workspace with no repository (the cwd is the root) still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_runs_in_a_workspace_without_a_repository() {
+    let s = Sandbox::new(Kind::Codex);
+    fs::remove_dir_all(s.root.join("app")).unwrap();
+    s.next(s.attempt(1, "edit notes.md one line"));
+    assert_eq!(s.run().await, Finished::Succeeded, "{:#?}", s.fake.calls());
+    let running = s.fake.details(AttemptPhase::Running);
+    assert!(
+        running.iter().any(|d| d.starts_with(&format!(
+            "codex started a new conversation in {}",
+            s.root.display()
+        ))),
+        "{running:#?}"
+    );
+}
+
+/// OpenHands without LLM settings exits 0 and prints a conversation id
+/// with nothing behind it: the turn fails, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openhands_without_settings_fails_the_turn() {
+    let s = Sandbox::new(Kind::OpenHands);
+    fs::remove_file(s.credentials.join(Kind::OpenHands.credential_file())).unwrap();
+    s.next(s.attempt(1, "edit a.txt one"));
+    assert_eq!(s.run().await, Finished::Failed);
+    let outcome = s.fake.outcome();
+    assert!(
+        outcome
+            .error
+            .starts_with("Headless mode requires existing settings"),
+        "{outcome:?}"
+    );
+}
+
+/// Aider with no model and no key would wait minutes for a browser login:
+/// the turn is stopped at once and fails, saying what to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_without_model_or_key_fails_at_once() {
+    let s = Sandbox::new(Kind::Aider);
+    let harness = s.harness("aider", &Kind::Aider.double());
+    s.next(s.harnessed.attempt(1, "edit a.txt one", harness));
+    let started = std::time::Instant::now();
+    assert_eq!(s.run().await, Finished::Failed);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "the runner waited for the browser login"
+    );
+    let outcome = s.fake.outcome();
+    assert!(
+        outcome.error.contains("No LLM model was specified") && outcome.error.contains("`model`"),
+        "{outcome:?}"
+    );
+}
+
+/// The first run on a forked workspace forks the source's conversation
+/// (codex `exec fork`, pi `--fork`): a new id that remembers the source's
+/// turns, the source left as it was.
+async fn a_forked_workspace_forks_the_conversation(kind: Kind) {
+    let s = Sandbox::new(kind);
+    s.next(s.attempt(1, "The codeword is PELICAN."));
+    assert_eq!(s.run().await, Finished::Succeeded);
+    let source = s.fake.sessions().pop().unwrap();
+
+    let mut fork = s.attempt(1, "recall codeword");
+    fork.run_id = "run-2".into();
+    fork.workspace_id = "ws-2".into();
+    fork.resume_session_id = source.clone();
+    fork.prompt_delivered = false;
+    fork.fork_session = true;
+    s.next(fork);
+    assert_eq!(s.run().await, Finished::Succeeded, "{:#?}", s.fake.calls());
+
+    let forked = s.fake.sessions().pop().unwrap();
+    assert_ne!(forked, source, "a new id");
+    let running = s.fake.details(AttemptPhase::Running);
+    assert!(
+        running
+            .iter()
+            .any(|d| d.starts_with(&format!("{} forked conversation {source} in ", kind.name()))),
+        "{running:#?}"
+    );
+    assert_eq!(s.fake.outcome().summary, "the codeword was PELICAN");
+    let end = s.store.committed().pop().unwrap();
+    let source_text = kind.conversation(&end, &source).text;
+    assert!(
+        !source_text.contains("recall codeword"),
+        "the source is left as it was: {source_text}"
+    );
+    let forked_conversation = kind.conversation(&end, &forked);
+    assert!(forked_conversation.text.contains("recall codeword"));
+    let last = forked_conversation.argv().pop().unwrap();
+    let expected = match kind {
+        Kind::Codex => strings(&[
+            "exec",
+            "fork",
+            &source,
+            "recall codeword",
+            "--json",
+            "--skip-git-repo-check",
+        ]),
+        Kind::Pi => {
+            let source_file = s.root.join(
+                end.files
+                    .iter()
+                    .find(|(p, content)| {
+                        p.starts_with(".cairn/state/pi/sessions/")
+                            && pi_header_id(content) == source
+                    })
+                    .map(|(p, _)| p.clone())
+                    .unwrap(),
+            );
+            strings(&[
+                "--mode",
+                "json",
+                "--fork",
+                source_file.to_str().unwrap(),
+                "recall codeword",
+            ])
+        }
+        _ => unreachable!("{kind:?} has its own fork test or none"),
+    };
+    assert_eq!(last, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_a_forked_workspace_forks_the_conversation() {
+    a_forked_workspace_forks_the_conversation(Kind::Codex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pi_a_forked_workspace_forks_the_conversation() {
+    a_forked_workspace_forks_the_conversation(Kind::Pi).await;
 }

@@ -1,23 +1,39 @@
 """Shared by the test doubles (codex, gemini, pi, opencode, goose, openhands,
-aider): the demo agent's directives, the record of credentials a turn saw,
-refusing to run, and, for the SQLite-backed doubles, a database kept in WAL
-mode whose WAL is left in place when the process ends.
+aider): the demo agent's directives (perform() returns a Turn: the lines
+said, why the turn failed, and whether the model provider refused it), the
+record of credentials a turn saw, the git work tree and dotenv files the
+CLIs look at, refusing to run, and, for the SQLite-backed doubles, a
+database kept in WAL mode whose WAL is left in place when the process ends.
 
 commit <path> <text>   write text to path, git add + commit (in the cwd)
 edit <path> <text>     append text to path (left uncommitted)
 recall <word>          what the FIRST user message of the conversation said
                        about <word> (as runner/src/demo_agent/script.rs says it)
 ask <question>         end the turn asking a person (writes $CAIRN_OUTCOME_FILE)
+api-error              the model provider refuses the turn (HTTP 401, as with
+                       a bad key) before the model says or does anything: no
+                       directive of the message is carried out, and each
+                       double fails the turn the way its real CLI does
 
 Other lines are only remembered (they are in the transcript).
 """
 
+import collections
 import hashlib
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+
+# What the model provider answers to a turn with an `api-error` line.
+API_ERROR = ('401 Unauthorized: {"type":"error","error":{"type":"authentication_error",'
+             '"message":"invalid x-api-key"}}')
+
+# What perform() returns: the lines the model said, why the turn failed (or
+# None), and whether it failed as the model provider refusing it (then
+# `said` is empty and `error` is API_ERROR).
+Turn = collections.namedtuple("Turn", ["said", "error", "api_error"])
 
 FILLER = {"is", "was", "are", "were", "=", ":", "-", "to", "be", "will", "shall", "of", "it's"}
 
@@ -72,7 +88,11 @@ def _commit(cwd, path, text):
 
 
 def perform(message, cwd, first_message):
-    """Carries out the message's directives; returns (said lines, error or None)."""
+    """Carries out the message's directives; returns a Turn (said lines,
+    error or None, api_error). A message with an `api-error` line fails as
+    the model provider's refusal would, before any directive runs."""
+    if any(line.strip() == "api-error" for line in message.splitlines()):
+        return Turn([], API_ERROR, True)
     said = []
     for line in message.splitlines():
         line = line.strip()
@@ -92,18 +112,53 @@ def perform(message, cwd, first_message):
             elif word == "ask" and rest:
                 outcome = os.environ.get("CAIRN_OUTCOME_FILE")
                 if not outcome:
-                    return said, "CAIRN_OUTCOME_FILE is not set"
+                    return Turn(said, "CAIRN_OUTCOME_FILE is not set", False)
                 os.makedirs(os.path.dirname(outcome), exist_ok=True)
                 with open(outcome, "w") as f:
                     json.dump({"status": "needs_input", "question": rest}, f)
                 said.append(f"asked: {rest}")
         except (OSError, ValueError, subprocess.CalledProcessError) as e:
-            return said, str(e)
-    return said, None
+            return Turn(said, str(e), False)
+    return Turn(said, None, False)
 
 
 def summary(said):
     return "; ".join(said) if said else "nothing to do: the message had no directives"
+
+
+def git_root(cwd):
+    """The top of the git work tree that holds `cwd`, or None when `cwd`
+    is in none (`git rev-parse --show-toplevel`)."""
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True)
+    except OSError:
+        return None
+    if top.returncode != 0:
+        return None
+    return top.stdout.strip() or None
+
+
+def read_env_file(path):
+    """The NAME=value lines of a dotenv file (`export ` prefixes, comments
+    and quotes as dotenv reads them), as a dict; {} when there is none."""
+    values = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return values
+    for line in lines:
+        line = line.strip()
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        name, eq, value = line.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name or name.startswith("#"):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[name] = value
+    return values
 
 
 def credential_seen(path):

@@ -14,11 +14,17 @@
 //!   a new conversation (on any host, after a restore) still sees what was
 //!   said before, as far as Aider restores it.
 //! - Every turn: `--chat-history-file <f> --input-history-file <f>
-//!   --restore-chat-history --env-file <state>/.env --yes-always [model and
-//!   args] --message <message>` (`--yes-always`: nobody is there to answer
-//!   Aider's confirmations). A message starting with `-` is passed as
-//!   `--message=<message>`.
+//!   --restore-chat-history --env-file <state>/.env --yes-always
+//!   --no-gitignore [model and args] --message <message>` (`--yes-always`:
+//!   nobody is there to answer Aider's confirmations; `--no-gitignore`:
+//!   else Aider writes `.aider*` into the user's `.gitignore`). A message
+//!   starting with `-` is passed as `--message=<message>`.
 //! - Output is plain text: the turn's summary is the last non-empty line.
+//!   Aider exits 0 when the provider refused it, so `The API provider is not
+//!   able to authenticate you` marks a failed turn. With no model and no
+//!   key it offers a browser login and waits minutes for it: `No LLM model
+//!   was specified and no API keys were provided.` stops the turn at once
+//!   as failed.
 //! - Credentials: the keys file `.env` (Aider's `.env` format) is copied
 //!   from `credentials_dir` (default `$HOME/.aider`) into
 //!   `.cairn/state/aider/.env`, passed with `--env-file`, and never
@@ -33,7 +39,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::{
-    Cli, CliSpec, CliTurns, HarnessError, Invocation, TurnRequest, message_option, new_session_id,
+    Cli, CliSpec, CliTurns, HarnessError, Invocation, Observed, Stream, TurnRequest,
+    message_option, new_session_id,
 };
 
 const CLI: CliSpec = CliSpec {
@@ -47,7 +54,7 @@ const CLI: CliSpec = CliSpec {
     more_excludes: &[],
     home_credentials: ".aider",
     // Aider has no ids, so no conversation of its can be lost.
-    session_lost: None,
+    session_lost: &[],
     can_fork: false,
 };
 
@@ -66,9 +73,14 @@ impl Aider {
     }
 }
 
+/// What Aider prints (and exits 0) when the provider refused its key.
+const AUTH_FAILED: &str = "The API provider is not able to authenticate you";
+/// What Aider prints before it waits for a browser login.
+const NO_MODEL: &str = "No LLM model was specified and no API keys were provided.";
+
 /// Aider prints only text for people: the runner keeps the last line of
-/// stdout as the summary and the exit status says how it went, so it reads
-/// nothing in the output (no JSON events, no `session_lost` text).
+/// stdout as the summary, and reads only the texts of failures Aider does
+/// not report in its exit status (no JSON events, no `session_lost` text).
 impl CliTurns for Aider {
     fn cli(&self) -> &Cli {
         &self.0
@@ -89,6 +101,7 @@ impl CliTurns for Aider {
             "--env-file".into(),
             state(".env"),
             "--yes-always".into(),
+            "--no-gitignore".into(),
         ];
         args.extend(self.0.options());
         args.extend(message_option("--message", "--message=", turn.message()));
@@ -96,6 +109,17 @@ impl CliTurns for Aider {
             args,
             env: Vec::new(),
             session_at_start: Some(new_session_id()),
+        }
+    }
+
+    fn observe_line(&self, _stream: Stream, line: &str, observed: &mut Observed) {
+        if line.contains(AUTH_FAILED) {
+            observed.error = Some(line.trim().to_owned());
+        } else if line.contains(NO_MODEL) {
+            observed.stuck = Some(format!(
+                "aider: {NO_MODEL} It would wait for a browser login; set the harness's `model` \
+                 setting and give it a key (credentials_dir/.env)"
+            ));
         }
     }
 }
@@ -132,6 +156,7 @@ mod tests {
                 "--env-file",
                 "/workspace/.cairn/state/aider/.env",
                 "--yes-always",
+                "--no-gitignore",
                 "--model",
                 "sonnet",
                 "--no-auto-commits",
@@ -154,12 +179,36 @@ mod tests {
     }
 
     #[test]
-    fn aider_says_nothing_the_runner_reads() {
+    fn aider_is_read_only_for_the_failures_it_exits_0_on() {
         let a = aider(&[], Path::new("/workspace"));
         let lines = ["Aider v0.86.0", "Applied edit to notes.md", "{\"x\":1}"];
         assert_eq!(
             observe_lines(&a, Stream::Stdout, &lines),
             Observed::default()
+        );
+        let refused = observe_lines(
+            &a,
+            Stream::Stdout,
+            &[
+                "litellm.AuthenticationError: AnthropicException - invalid x-api-key",
+                "The API provider is not able to authenticate you. Check your API key.",
+            ],
+        );
+        assert_eq!(
+            refused.error.as_deref(),
+            Some("The API provider is not able to authenticate you. Check your API key.")
+        );
+        let waiting = observe_lines(
+            &a,
+            Stream::Stdout,
+            &["No LLM model was specified and no API keys were provided."],
+        );
+        assert!(
+            waiting
+                .stuck
+                .as_deref()
+                .is_some_and(|w| w.contains("browser login")),
+            "{waiting:?}"
         );
     }
 

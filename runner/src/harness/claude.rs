@@ -40,11 +40,17 @@ const CLI: CliSpec = CliSpec {
     credentials_subdir: None,
     credential_files: &[".credentials.json", ".claude.json"],
     // Claude Code keeps copies of .claude.json next to it and in backups/.
-    more_excludes: &[".claude.json.backup*", "backups/.claude.json*"],
+    // Copies of `.claude.json`, and the shell environments Claude Code
+    // snapshots (secret variables included).
+    more_excludes: &[
+        ".claude.json.backup*",
+        "backups/.claude.json*",
+        "shell-snapshots/**",
+    ],
     home_credentials: ".claude",
     // What Claude Code prints when `--resume` names no transcript under the
     // cwd's slug.
-    session_lost: Some("No conversation found with session ID:"),
+    session_lost: &["No conversation found with session ID:"],
     can_fork: true,
 };
 
@@ -247,6 +253,10 @@ mod tests {
                 (".cairn/state/claude/.credentials.json", true),
                 (".cairn/state/claude/.claude.json", true),
                 (".cairn/state/claude/.claude.json.backup.1700000000", true),
+                (
+                    ".cairn/state/claude/shell-snapshots/snapshot-bash-1.sh",
+                    true,
+                ),
                 (".cairn/state/claude/projects/-workspace/abc.jsonl", false),
                 ("app/.claude.json", false),
             ],

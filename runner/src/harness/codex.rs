@@ -4,20 +4,28 @@
 //!   turn: Codex refuses to start when it does not exist), so rollouts
 //!   (`sessions/YYYY/MM/DD/rollout-<ts>-<uuid>.jsonl`) live in the workspace
 //!   and travel with its checkpoints. Codex rebuilds its state DB from them.
-//! - First turn: `exec --json <message>` (Codex chooses the id); every later
-//!   turn, and every turn after a restore: `exec resume <id> <message>
-//!   --json`. `model` and `args` follow `--json`; a message starting with
-//!   `-` moves the options first and puts the id and message after `--`.
+//! - First turn: `exec <message> --json --skip-git-repo-check` (Codex
+//!   chooses the id); every later turn, and every turn after a restore:
+//!   `exec resume <id> <message> --json --skip-git-repo-check`; a forked
+//!   workspace's first turn: `exec fork <id> <message> --json
+//!   --skip-git-repo-check`, which continues a copy under a new id (reported
+//!   as usual) and leaves the source as it is. `--skip-git-repo-check`:
+//!   Codex refuses to run outside a git repository (exit 1, `Not inside a
+//!   trusted directory …`), which the cwd is when the workspace holds no
+//!   repository or several. `model` and `args` follow; a message starting
+//!   with `-` moves the options first and puts the id and message after
+//!   `--`.
 //! - The session id comes from `{"type":"thread.started","thread_id":…}`;
 //!   the turn's summary is the text of the last
 //!   `{"type":"item.completed","item":{"type":"agent_message","text":…}}`
 //!   (else the runner takes the last non-empty stdout line);
-//!   `{"type":"turn.failed","error":{"message":…}}` marks a failed turn.
-//!   `no rollout found for thread id <id>` means the conversation is gone.
+//!   `{"type":"turn.failed","error":{"message":…}}` or
+//!   `{"type":"error","message":…}` marks a failed turn. `no rollout found
+//!   for thread id <id>` means the conversation is gone.
 //! - Credentials (`auth.json` in `CODEX_HOME`) are never checkpointed; they
 //!   are copied in fresh from `credentials_dir` (default `$HOME/.codex`)
-//!   before the first turn.
-//! - No fork: a forked workspace's first turn gets the handoff briefing.
+//!   before the first turn. Nor is `shell_snapshots/`: Codex snapshots the
+//!   shell's environment there, secret variables included.
 //!
 //! Settings: `binary` (default `codex`), `model`, `args`, `cwd`,
 //! `credentials_dir`.
@@ -36,12 +44,13 @@ const CLI: CliSpec = CliSpec {
     state_env: Some("CODEX_HOME"),
     credentials_subdir: None,
     credential_files: &["auth.json"],
-    more_excludes: &[],
+    // The shell's environment, secrets included, in plain text.
+    more_excludes: &["shell_snapshots/**"],
     home_credentials: ".codex",
     // What `codex exec resume` prints when no rollout has the id.
-    session_lost: Some("no rollout found for thread id"),
-    // Codex cannot fork non-interactively.
-    can_fork: false,
+    session_lost: &["no rollout found for thread id"],
+    // `codex exec fork <id>`.
+    can_fork: true,
 };
 
 /// Codex, configured for one run.
@@ -61,11 +70,18 @@ impl CliTurns for Codex {
 
     fn invocation(&self, turn: &TurnRequest, _cwd: &Path) -> Invocation {
         let message = turn.message().to_owned();
-        let options = std::iter::once("--json".to_owned()).chain(self.0.options());
+        let options = ["--json".to_owned(), "--skip-git-repo-check".to_owned()]
+            .into_iter()
+            .chain(self.0.options());
         let (mut args, positionals) = match turn {
             TurnRequest::Start { .. } => (vec!["exec".to_owned()], vec![message]),
-            TurnRequest::Resume { session_id, .. } => (
-                vec!["exec".to_owned(), "resume".to_owned()],
+            TurnRequest::Resume {
+                session_id, fork, ..
+            } => (
+                vec![
+                    "exec".to_owned(),
+                    if *fork { "fork" } else { "resume" }.to_owned(),
+                ],
                 vec![session_id.clone(), message],
             ),
         };
@@ -96,6 +112,10 @@ impl CliTurns for Codex {
             Some("turn.failed") => {
                 let message =
                     non_empty(&event["error"]["message"]).unwrap_or("codex reported a failed turn");
+                observed.error = Some(message.to_owned());
+            }
+            Some("error") => {
+                let message = non_empty(&event["message"]).unwrap_or("codex reported an error");
                 observed.error = Some(message.to_owned());
             }
             _ => {}
@@ -129,6 +149,7 @@ mod tests {
                 "exec",
                 "fix it",
                 "--json",
+                "--skip-git-repo-check",
                 "--model",
                 "gpt-5",
                 "--sandbox",
@@ -148,13 +169,39 @@ mod tests {
         let resume = |message: &str| resume_turn(&plain, "t-1", message, false).unwrap().args;
         assert_eq!(
             resume("go on"),
-            ["exec", "resume", "t-1", "go on", "--json"]
+            [
+                "exec",
+                "resume",
+                "t-1",
+                "go on",
+                "--json",
+                "--skip-git-repo-check"
+            ]
         );
         assert_eq!(
             resume("-v please"),
-            ["exec", "resume", "--json", "--", "t-1", "-v please"]
+            [
+                "exec",
+                "resume",
+                "--json",
+                "--skip-git-repo-check",
+                "--",
+                "t-1",
+                "-v please"
+            ]
         );
-        assert!(!plain.can_fork());
+        assert!(plain.can_fork());
+        assert_eq!(
+            resume_turn(&plain, "t-1", "go on", true).unwrap().args,
+            [
+                "exec",
+                "fork",
+                "t-1",
+                "go on",
+                "--json",
+                "--skip-git-repo-check"
+            ]
+        );
     }
 
     #[test]
@@ -187,6 +234,15 @@ mod tests {
             &[r#"{"type":"turn.failed","error":{"message":"quota exceeded"}}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("quota exceeded"));
+        let errored = observe_lines(
+            &c,
+            Stream::Stdout,
+            &[r#"{"type":"error","message":"unexpected status 401 Unauthorized"}"#],
+        );
+        assert_eq!(
+            errored.error.as_deref(),
+            Some("unexpected status 401 Unauthorized")
+        );
         let lost = observe_lines(
             &c,
             Stream::Stderr,
@@ -211,6 +267,7 @@ mod tests {
             root.path(),
             &[
                 (".cairn/state/codex/auth.json", true),
+                (".cairn/state/codex/shell_snapshots/abc.sh", true),
                 (
                     ".cairn/state/codex/sessions/2026/01/01/rollout-x.jsonl",
                     false,

@@ -14,20 +14,35 @@
 //!   summary is the `response` of the final `{"type":"result"}` event (the
 //!   field Gemini CLI's `--output-format json` uses for the answer), else
 //!   the runner takes the last non-empty stdout line; a result with
-//!   `"status":"error"` marks a failed turn (`error.message` says why).
-//!   `Error resuming session: Invalid session identifier "<id>"` (exit 42)
-//!   means the conversation is gone.
+//!   `"status":"error"` marks a failed turn (`error.message` says why; the
+//!   CLI exits 145). Either `Error resuming session: Invalid session
+//!   identifier "<id>"` (the project has other chats) or `Error resuming
+//!   session: No previous sessions found for this project.` (it has none,
+//!   e.g. after a first turn that failed, whose chat gemini deletes at its
+//!   next start), both exit 42, means the conversation is gone.
+//! - Trust: Gemini CLI refuses every call in a directory nobody trusted
+//!   interactively (exit 55); the runner sets
+//!   `GEMINI_CLI_TRUST_WORKSPACE=true` for every turn — the sandbox's
+//!   workspace is the directory the agent is there to work in.
 //! - Credentials (`oauth_creds.json`, `google_accounts.json`,
 //!   `mcp-oauth-tokens.json`, `a2a-oauth-tokens.json`,
-//!   `gemini-credentials.json` under `$GEMINI_CLI_HOME/.gemini/`) are never
+//!   `gemini-credentials.json`, and `.env`, which may hold
+//!   `GEMINI_API_KEY`, under `$GEMINI_CLI_HOME/.gemini/`) are never
 //!   checkpointed; they are copied in fresh from `credentials_dir` (default
 //!   `$HOME/.gemini`) before the first turn.
+//! - Auth selection: the OAuth files alone are refused (exit 41, `Please set
+//!   an Auth method in your …/settings.json`), so before the first turn the
+//!   runner writes `security.auth.selectedType` into the state's
+//!   `settings.json` when it holds none: the one of `credentials_dir`'s
+//!   `settings.json`, else `oauth-personal` when `oauth_creds.json` was
+//!   copied in. Nothing else of the user's settings is copied.
 //! - No fork: a forked workspace's first turn gets the handoff briefing.
 //!
 //! Settings: `binary` (default `gemini`), `model`, `args`, `cwd`,
 //! `credentials_dir`.
 
 use std::collections::BTreeMap;
+use std::fs;
 use std::path::Path;
 
 use serde_json::Value;
@@ -50,13 +65,47 @@ const CLI: CliSpec = CliSpec {
         "mcp-oauth-tokens.json",
         "a2a-oauth-tokens.json",
         "gemini-credentials.json",
+        ".env",
     ],
     more_excludes: &[],
     home_credentials: ".gemini",
-    // What `gemini --resume` prints (exit 42) when no chat has the id.
-    session_lost: Some("Error resuming session: Invalid session identifier"),
+    // What `gemini --resume` prints (exit 42) when no chat has the id: the
+    // project has other chats, or none.
+    session_lost: &[
+        "Error resuming session: Invalid session identifier",
+        "Error resuming session: No previous sessions found for this project.",
+    ],
     can_fork: false,
 };
+
+/// The variable that tells Gemini CLI its cwd is trusted.
+const TRUST_ENV: &str = "GEMINI_CLI_TRUST_WORKSPACE";
+/// Gemini CLI's settings file, in its `.gemini` directory.
+const SETTINGS: &str = "settings.json";
+/// The auth method of a Google login (the OAuth files).
+const OAUTH_PERSONAL: &str = "oauth-personal";
+
+/// `security.auth.selectedType` of the settings file at `path`, if any.
+fn auth_type(path: &Path) -> Option<String> {
+    let settings: Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
+    non_empty(&settings["security"]["auth"]["selectedType"]).map(str::to_owned)
+}
+
+/// Sets `value` at the nested object path `keys`, making objects on the way
+/// (a non-object on the way is replaced).
+fn set_path(value: &mut Value, keys: &[&str], leaf: String) {
+    let Some((last, parents)) = keys.split_last() else {
+        return;
+    };
+    let mut node = value;
+    for key in parents {
+        if !node[*key].is_object() {
+            node[*key] = Value::Object(Default::default());
+        }
+        node = &mut node[*key];
+    }
+    node[*last] = Value::String(leaf);
+}
 
 /// Gemini CLI, configured for one run.
 #[derive(Debug, Clone)]
@@ -83,7 +132,54 @@ impl CliTurns for Gemini {
             }
         }
         args.extend(self.0.options());
-        args.into()
+        Invocation {
+            args,
+            env: vec![(TRUST_ENV.to_owned(), "true".to_owned())],
+            session_at_start: None,
+        }
+    }
+
+    fn prepare_more(&self) -> Result<(), HarnessError> {
+        let dot_gemini = self.0.state_dir.join(".gemini");
+        let from_user = self
+            .0
+            .credentials_dir
+            .as_ref()
+            .and_then(|dir| auth_type(&dir.join(SETTINGS)));
+        let oauth = dot_gemini.join("oauth_creds.json").is_file();
+        let Some(selected) = from_user.or_else(|| oauth.then(|| OAUTH_PERSONAL.to_owned())) else {
+            return Ok(());
+        };
+        let path = dot_gemini.join(SETTINGS);
+        let error = |source| HarnessError::Prepare {
+            path: path.clone(),
+            source,
+        };
+        let mut settings = match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .filter(Value::is_object)
+                .ok_or_else(|| {
+                    error(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "not a JSON object",
+                    ))
+                })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Value::Object(Default::default()),
+            Err(e) => return Err(error(e)),
+        };
+        if non_empty(&settings["security"]["auth"]["selectedType"]).is_some() {
+            return Ok(());
+        }
+        set_path(
+            &mut settings,
+            &["security", "auth", "selectedType"],
+            selected.clone(),
+        );
+        let text = serde_json::to_vec_pretty(&settings).expect("a JSON value serialises");
+        fs::write(&path, text).map_err(error)?;
+        tracing::debug!(auth = %selected, "gemini's auth method written to its settings");
+        Ok(())
     }
 
     fn observe_event(&self, event: &Value, observed: &mut Observed) {
@@ -142,10 +238,13 @@ mod tests {
         assert!(!start.args.contains(&"--resume".to_owned()));
         assert_eq!(
             start.env,
-            [(
-                "GEMINI_CLI_HOME".to_owned(),
-                "/workspace/.cairn/state/gemini".to_owned()
-            )]
+            [
+                (
+                    "GEMINI_CLI_HOME".to_owned(),
+                    "/workspace/.cairn/state/gemini".to_owned()
+                ),
+                ("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned())
+            ]
         );
 
         let plain = gemini(&[], Path::new("/workspace"));
@@ -195,6 +294,58 @@ mod tests {
             &[r#"Error resuming session: Invalid session identifier "1234". Use --list-sessions"#],
         );
         assert!(lost.session_lost);
+        let none_left = observe_lines(
+            &g,
+            Stream::Stderr,
+            &["Error resuming session: No previous sessions found for this project."],
+        );
+        assert!(none_left.session_lost);
+    }
+
+    #[test]
+    fn an_oauth_login_gets_its_auth_method_selected() {
+        let (root, _g) = prepared(Gemini::new, &[("oauth_creds.json", "{\"token\":1}")]);
+        let settings = root
+            .path()
+            .join(".cairn/state/gemini/.gemini/settings.json");
+        assert_eq!(auth_type(&settings).as_deref(), Some("oauth-personal"));
+
+        // The user's own choice wins, and an existing settings file keeps
+        // what it holds.
+        let (root, g) = prepared(
+            Gemini::new,
+            &[(
+                "settings.json",
+                r#"{"security":{"auth":{"selectedType":"vertex-ai"}},"mcpServers":{"x":{}}}"#,
+            )],
+        );
+        let state_settings = root
+            .path()
+            .join(".cairn/state/gemini/.gemini/settings.json");
+        assert_eq!(auth_type(&state_settings).as_deref(), Some("vertex-ai"));
+        let written: Value = serde_json::from_slice(&fs::read(&state_settings).unwrap()).unwrap();
+        assert!(
+            written.get("mcpServers").is_none(),
+            "only the auth method is copied"
+        );
+        fs::write(
+            &state_settings,
+            r#"{"ui":{"theme":"x"},"security":{"auth":{"selectedType":"gemini-api-key"}}}"#,
+        )
+        .unwrap();
+        g.prepare().unwrap();
+        let kept: Value = serde_json::from_slice(&fs::read(&state_settings).unwrap()).unwrap();
+        assert_eq!(kept["security"]["auth"]["selectedType"], "gemini-api-key");
+        assert_eq!(kept["ui"]["theme"], "x");
+
+        // No login at all: nothing is written.
+        let (root, _g) = prepared(Gemini::new, &[]);
+        assert!(
+            !root
+                .path()
+                .join(".cairn/state/gemini/.gemini/settings.json")
+                .exists()
+        );
     }
 
     #[test]
@@ -210,6 +361,8 @@ mod tests {
             &[
                 (".cairn/state/gemini/.gemini/oauth_creds.json", true),
                 (".cairn/state/gemini/.gemini/gemini-credentials.json", true),
+                (".cairn/state/gemini/.gemini/.env", true),
+                (".cairn/state/gemini/.gemini/settings.json", false),
                 (".cairn/state/gemini/.gemini/projects.json", false),
                 (
                     ".cairn/state/gemini/.gemini/tmp/app/chats/session-x.jsonl",

@@ -50,7 +50,7 @@ const CLI: CliSpec = CliSpec {
     more_excludes: &[],
     home_credentials: ".config/goose",
     // Unverified, and a pattern: see LOST.
-    session_lost: None,
+    session_lost: &[],
     // goose forks only in an interactive session.
     can_fork: false,
 };

@@ -123,6 +123,10 @@ pub struct Observed {
     pub error: Option<String>,
     /// The conversation to resume does not exist (any more).
     pub session_lost: bool,
+    /// The harness waits for something nobody in a sandbox will do (a
+    /// browser login): the runner stops it at once and fails the turn
+    /// with this reason.
+    pub stuck: Option<String>,
 }
 
 /// An adapter for one agent CLI, configured for one run.
@@ -147,6 +151,13 @@ pub trait Harness: Send + Sync + fmt::Debug {
     fn command(&self, turn: &TurnRequest, cwd: &Path) -> Result<HarnessCommand, HarnessError>;
     /// Reads one line of output into `observed`.
     fn observe(&self, stream: Stream, line: &str, observed: &mut Observed);
+    /// Whether conversation `session_id` can be resumed, for a harness
+    /// whose resume of an unknown id does not say so (it silently starts an
+    /// empty conversation): `Some(false)` makes the runner treat it as lost
+    /// before the turn starts. `None`: the harness says so itself.
+    fn has_conversation(&self, _session_id: &str) -> Option<bool> {
+        None
+    }
 }
 
 /// The adapters this runner has, as the coordinator knows them too.
@@ -296,10 +307,10 @@ struct CliSpec {
     more_excludes: &'static [&'static str],
     /// The default `credentials_dir`, relative to `$HOME`.
     home_credentials: &'static str,
-    /// What the CLI prints when the conversation to resume is gone (looked
-    /// for in every output line unless the adapter reads its output in its
-    /// own way, see [`CliTurns::observe_line`]).
-    session_lost: Option<&'static str>,
+    /// What the CLI prints when the conversation to resume is gone (any of
+    /// these, looked for in every output line unless the adapter reads its
+    /// output in its own way, see [`CliTurns::observe_line`]).
+    session_lost: &'static [&'static str],
     /// Whether the CLI can fork a conversation.
     can_fork: bool,
 }
@@ -365,7 +376,8 @@ impl Cli {
     fn says_lost(&self, text: &str) -> bool {
         self.spec
             .session_lost
-            .is_some_and(|lost| text.contains(lost))
+            .iter()
+            .any(|lost| text.contains(lost))
     }
 
     fn excludes(&self) -> Vec<String> {
@@ -469,6 +481,15 @@ trait CliTurns: Send + Sync + fmt::Debug {
     }
     /// Reads one JSON event of stdout into `observed`.
     fn observe_event(&self, _event: &Value, _observed: &mut Observed) {}
+    /// What the CLI needs before its first turn besides its state directory
+    /// and credentials ([`Cli::prepare`] has made both).
+    fn prepare_more(&self) -> Result<(), HarnessError> {
+        Ok(())
+    }
+    /// See [`Harness::has_conversation`].
+    fn has_conversation(&self, _session_id: &str) -> Option<bool> {
+        None
+    }
 }
 
 impl<T: CliTurns> Harness for T {
@@ -489,7 +510,8 @@ impl<T: CliTurns> Harness for T {
     }
 
     fn prepare(&self) -> Result<(), HarnessError> {
-        self.cli().prepare()
+        self.cli().prepare()?;
+        self.prepare_more()
     }
 
     fn configured_cwd(&self) -> Option<PathBuf> {
@@ -527,6 +549,10 @@ impl<T: CliTurns> Harness for T {
 
     fn observe(&self, stream: Stream, line: &str, observed: &mut Observed) {
         self.observe_line(stream, line, observed);
+    }
+
+    fn has_conversation(&self, session_id: &str) -> Option<bool> {
+        CliTurns::has_conversation(self, session_id)
     }
 }
 

@@ -50,7 +50,7 @@ const CLI: CliSpec = CliSpec {
     more_excludes: &[],
     home_credentials: ".local/share/opencode",
     // What `opencode run -s` prints (exit 1) when no session has the id.
-    session_lost: Some("Session not found"),
+    session_lost: &["Session not found"],
     can_fork: true,
 };
 

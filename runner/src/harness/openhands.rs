@@ -11,14 +11,18 @@
 //!   with `-` is passed attached, as `-t<message>`.
 //! - The conversation's id is printed when the CLI exits: `Conversation ID:
 //!   <hex>` (so it is reported at the end of a turn, not at its start).
-//! - Unverified (the reference says so; the test double does this): with
-//!   `--json` each event is a JSON line with a `kind`; the turn's summary is
-//!   the `message` of an `ActionEvent` whose action is a `FinishAction`,
-//!   else the text of the last agent `MessageEvent`; a
+//! - With `--json` each event is a JSON line with a `kind`; the turn's
+//!   summary is the `message` of an `ActionEvent` whose action is a
+//!   `FinishAction`, else the text of the last agent `MessageEvent`; a
 //!   `ConversationErrorEvent` (`detail`) or `AgentErrorEvent` (`error`)
-//!   marks a failed turn. A line that is not an event and says the
-//!   conversation was not found (`Conversation <id> not found`) means the
-//!   conversation is gone.
+//!   marks a failed turn — OpenHands exits 0 even then. So does `Headless
+//!   mode requires existing settings…` (no LLM configured: OpenHands exits
+//!   0 and still prints a `Conversation ID` with nothing behind it).
+//! - `--resume <unknown id>` silently opens a new, empty conversation under
+//!   that id and says nothing, so the runner looks before it resumes: a
+//!   conversation is there only if `conversations/<id>/events/` holds an
+//!   event. Otherwise it is lost, and the new conversation gets the handoff
+//!   briefing.
 //! - Credentials: `agent_settings.json` (it holds the LLM key) and
 //!   `cloud/api_key.txt` in the persistence dir are never checkpointed;
 //!   they are copied in fresh from `credentials_dir` (default
@@ -49,8 +53,8 @@ const CLI: CliSpec = CliSpec {
     credential_files: &["agent_settings.json", "cloud/api_key.txt"],
     more_excludes: &[],
     home_credentials: ".openhands",
-    // Unverified, and a pattern: see LOST.
-    session_lost: None,
+    // OpenHands never says so: see `has_conversation`.
+    session_lost: &[],
     can_fork: false,
 };
 
@@ -60,10 +64,8 @@ static CONVERSATION_ID: LazyLock<Regex> = LazyLock::new(|| {
         .expect("a valid regular expression")
 });
 
-/// Unverified: what `openhands --resume <id>` prints for an unknown id.
-static LOST: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"(?i)\bconversation\b.*\bnot found\b").expect("a valid regular expression")
-});
+/// What headless OpenHands prints (exit 0) when no LLM is configured.
+const NO_SETTINGS: &str = "Headless mode requires existing settings";
 
 /// OpenHands CLI, configured for one run.
 #[derive(Debug, Clone)]
@@ -99,9 +101,28 @@ impl CliTurns for OpenHands {
             observed
                 .session_id
                 .get_or_insert_with(|| id.as_str().to_owned());
-        } else if LOST.is_match(line) {
-            observed.session_lost = true;
+        } else if line.contains(NO_SETTINGS) {
+            observed.error = Some(line.trim().to_owned());
         }
+    }
+
+    fn has_conversation(&self, session_id: &str) -> Option<bool> {
+        // An id is hex (dashes allowed); anything else names no directory.
+        let plausible = !session_id.is_empty()
+            && session_id
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() || c == '-');
+        let events = self
+            .0
+            .state_dir
+            .join("conversations")
+            .join(session_id)
+            .join("events");
+        let has_events = plausible
+            && std::fs::read_dir(&events).is_ok_and(|mut entries| {
+                entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".json")))
+            });
+        Some(has_events)
     }
 
     fn observe_event(&self, event: &Value, observed: &mut Observed) {
@@ -204,13 +225,40 @@ mod tests {
             &[r#"{"kind":"ConversationErrorEvent","code":"LLMError","detail":"no API key"}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("no API key"));
-        let lost = observe_lines(
+        let unconfigured = observe_lines(
             &o,
-            Stream::Stderr,
-            &["Error: Conversation 4f1c2d3e not found"],
+            Stream::Stdout,
+            &[
+                "Headless mode requires existing settings. Run `openhands` interactively once to configure your LLM settings.",
+                "Conversation ID: 4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e",
+            ],
         );
-        assert!(lost.session_lost);
-        assert_eq!(lost.session_id, None);
+        assert!(
+            unconfigured
+                .error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("Headless mode requires existing settings")),
+            "{unconfigured:?}"
+        );
+    }
+
+    #[test]
+    fn a_conversation_without_events_is_not_resumed() {
+        let root = tempfile::tempdir().unwrap();
+        let o = openhands(&[], root.path());
+        let o: &dyn Harness = &o;
+        let id = "4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e";
+        assert_eq!(o.has_conversation(id), Some(false), "nothing there");
+        let events = root
+            .path()
+            .join(".cairn/state/openhands/conversations")
+            .join(id)
+            .join("events");
+        fs::create_dir_all(&events).unwrap();
+        assert_eq!(o.has_conversation(id), Some(false), "an empty conversation");
+        fs::write(events.join("event-00000-x.json"), "{}").unwrap();
+        assert_eq!(o.has_conversation(id), Some(true));
+        assert_eq!(o.has_conversation("../../etc"), Some(false));
     }
 
     #[test]

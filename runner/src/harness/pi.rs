@@ -6,16 +6,21 @@
 //!   checkpoints.
 //! - First turn: `--mode json --session <path> <message>`, where the runner
 //!   chooses the path: a new file under the cwd's directory, named
-//!   `<ts>_<new uuid>.jsonl` as pi names its own. pi creates the file
-//!   there; the conversation's id is that uuid, known as the turn starts.
-//!   (pi writes an id of its own into the file's header; cairn does not use
-//!   it.)
+//!   `<ts>_<uuid>.jsonl` as pi names its own. pi creates the file there and
+//!   writes an id of its own into its header line; that id, reported in
+//!   the first event, is the conversation's id (pi looks sessions up by it,
+//!   never by the file name).
 //! - Later turns, and every turn after a restore: `--mode json --session
-//!   <path of the conversation's file> <message>` when the file is there;
-//!   when it is not, `--session <id>`, so that pi looks the id up and says
-//!   `No session found matching '<id>'` (exit 1) when it has no such
-//!   conversation — the conversation is gone. (Passing a path that does
-//!   not exist would silently start a new conversation.)
+//!   <path of the conversation's file> <message>` when a file's header
+//!   holds the id (or, for conversations recorded before cairn used pi's
+//!   own ids, the file's name does); when none does, `--session <id>`, so
+//!   that pi looks the id up and says `No session found matching '<id>'`
+//!   (exit 1) when it has no such conversation — the conversation is gone.
+//!   (Passing a path that does not exist would silently start a new
+//!   conversation.)
+//! - A forked workspace's first turn: `--mode json --fork <file or id>
+//!   <message>`: pi writes a new file whose header has a new id (and names
+//!   the source as `parentSession`), leaving the source as it is.
 //! - `model` and `args` come before the message. pi reads an argument
 //!   starting with `-` as an option and one starting with `@` as a file to
 //!   attach, so such a message gets a leading space.
@@ -24,12 +29,10 @@
 //!   the runner did not choose one); the turn's summary is the text of the
 //!   last `{"type":"message_end"}` assistant message, and an assistant
 //!   message with `"stopReason":"error"` marks a failed turn (its
-//!   `errorMessage` says why).
+//!   `errorMessage` says why): pi exits 0 even then.
 //! - Credentials (`auth.json` in `PI_CODING_AGENT_DIR`) are never
 //!   checkpointed; they are copied in fresh from `credentials_dir` (default
 //!   `$HOME/.pi/agent`) before the first turn.
-//! - No fork: pi forks only interactively, so a forked workspace's first
-//!   turn gets the handoff briefing.
 //!
 //! Settings: `binary` (default `pi`), `model`, `args`, `cwd`,
 //! `credentials_dir`.
@@ -56,9 +59,9 @@ const CLI: CliSpec = CliSpec {
     more_excludes: &[],
     home_credentials: ".pi/agent",
     // What `pi --session <id>` prints (exit 1) when no session has the id.
-    session_lost: Some("No session found matching '"),
-    // pi forks only in its interactive session picker.
-    can_fork: false,
+    session_lost: &["No session found matching '"],
+    // `pi --fork <file|id>`.
+    can_fork: true,
 };
 
 /// pi, configured for one run.
@@ -92,24 +95,45 @@ impl Pi {
         self.project_dir(cwd).join(format!("{time}_{id}.jsonl"))
     }
 
-    /// The file of conversation `id`, in whichever cwd's directory it is.
-    fn session_file(&self, id: &str) -> Option<PathBuf> {
-        if id.is_empty() || id.contains(['/', '\\']) {
-            return None;
-        }
-        let suffix = format!("_{id}.jsonl");
-        let projects = fs::read_dir(self.sessions_dir()).ok()?;
-        let mut found: Vec<PathBuf> = projects
+    /// Every session file, in every cwd's directory.
+    fn session_files(&self) -> Vec<PathBuf> {
+        let Ok(projects) = fs::read_dir(self.sessions_dir()) else {
+            return Vec::new();
+        };
+        let mut files: Vec<PathBuf> = projects
             .filter_map(Result::ok)
             .filter_map(|project| fs::read_dir(project.path()).ok())
             .flatten()
             .filter_map(Result::ok)
-            .filter(|f| f.file_name().to_string_lossy().ends_with(&suffix))
             .map(|f| f.path())
-            .filter(|p| p.is_file())
+            .filter(|p| p.extension().is_some_and(|e| e == "jsonl") && p.is_file())
             .collect();
-        found.sort();
-        found.pop()
+        files.sort();
+        files
+    }
+
+    /// The file of conversation `id`, in whichever cwd's directory it is:
+    /// the one whose header line carries the id, else (a conversation
+    /// recorded by an older cairn, which used the name's uuid) the one
+    /// named for it.
+    fn session_file(&self, id: &str) -> Option<PathBuf> {
+        if id.is_empty() || id.contains(['/', '\\']) {
+            return None;
+        }
+        let files = self.session_files();
+        let by_header = files
+            .iter()
+            .rev()
+            .find(|f| header_id(f).as_deref() == Some(id));
+        let suffix = format!("_{id}.jsonl");
+        by_header
+            .or_else(|| {
+                files
+                    .iter()
+                    .rev()
+                    .find(|f| f.to_string_lossy().ends_with(&suffix))
+            })
+            .cloned()
     }
 }
 
@@ -119,18 +143,26 @@ impl CliTurns for Pi {
     }
 
     fn invocation(&self, turn: &TurnRequest, cwd: &Path) -> Invocation {
-        let (session, session_at_start) = match turn {
-            TurnRequest::Start { .. } => {
-                let id = new_session_id();
-                (self.new_session_file(cwd, &id), Some(id))
+        let (flag, session, session_at_start) = match turn {
+            // pi reports the id it wrote into the file's header.
+            TurnRequest::Start { .. } => (
+                "--session",
+                self.new_session_file(cwd, &new_session_id()),
+                None,
+            ),
+            TurnRequest::Resume {
+                session_id, fork, ..
+            } => {
+                let flag = if *fork { "--fork" } else { "--session" };
+                match self.session_file(session_id) {
+                    // A fork's id is new; pi reports it.
+                    Some(file) => (flag, file, (!fork).then(|| session_id.clone())),
+                    // pi looks the id up, and says so when it has none.
+                    None => (flag, PathBuf::from(session_id), None),
+                }
             }
-            TurnRequest::Resume { session_id, .. } => match self.session_file(session_id) {
-                Some(file) => (file, Some(session_id.clone())),
-                // pi looks the id up, and says so when it has none.
-                None => (PathBuf::from(session_id), None),
-            },
         };
-        let mut args: Vec<String> = ["--mode", "json", "--session"].map(String::from).into();
+        let mut args: Vec<String> = ["--mode", "json", flag].map(String::from).into();
         args.push(session.to_string_lossy().into_owned());
         args.extend(self.0.options());
         args.push(message_word(turn.message()));
@@ -172,6 +204,19 @@ impl CliTurns for Pi {
     }
 }
 
+/// The `id` of a session file's header line (`{"type":"session","id":…}`).
+fn header_id(file: &Path) -> Option<String> {
+    use std::io::{BufRead as _, Read as _};
+    let mut line = String::new();
+    let mut reader = std::io::BufReader::new(fs::File::open(file).ok()?);
+    // A header is one short line; a file that starts otherwise is no session.
+    reader.by_ref().take(64 << 10).read_line(&mut line).ok()?;
+    let header: Value = serde_json::from_str(line.trim_end()).ok()?;
+    (header["type"] == "session")
+        .then(|| non_empty(&header["id"]).map(str::to_owned))
+        .flatten()
+}
+
 /// The text blocks of a pi message's content, joined (or the content, when
 /// it is a plain string); `None` when there is no text.
 fn text_of(content: &Value) -> Option<String> {
@@ -199,8 +244,7 @@ mod tests {
         let start = start_turn(&p, "fix it", "/workspace/app");
         assert_eq!(start.program, "pi");
         assert_eq!(&start.args[..3], ["--mode", "json", "--session"]);
-        let id = start.session_at_start.clone().expect("the id is known");
-        assert!(is_uuid(&id), "{id}");
+        assert_eq!(start.session_at_start, None, "pi reports its header's id");
         let file = Path::new(&start.args[3]);
         assert_eq!(
             file.parent().unwrap(),
@@ -208,7 +252,7 @@ mod tests {
         );
         let name = file.file_name().unwrap().to_string_lossy();
         let (time, rest) = name.split_once('_').unwrap();
-        assert_eq!(rest, format!("{id}.jsonl"));
+        assert!(is_uuid(rest.trim_end_matches(".jsonl")), "{rest}");
         assert_eq!(time.len(), "2026-01-01T12-00-00-000Z".len(), "{time}");
         assert!(!time.contains([':', '.']), "{time}");
         assert_eq!(
@@ -231,8 +275,7 @@ mod tests {
             start_turn(&p, "@notes.md", "/w").args.last().unwrap(),
             " @notes.md"
         );
-        assert!(!p.can_fork());
-        assert!(resume_turn(&p, "x", "m", true).is_err());
+        assert!(p.can_fork());
     }
 
     #[test]
@@ -244,10 +287,15 @@ mod tests {
         assert_eq!(gone.args, ["--mode", "json", "--session", id, "go on"]);
         assert_eq!(gone.session_at_start, None, "pi says whether it has it");
 
+        // The header names the conversation, whatever the file is called.
         let dir = root.path().join(".cairn/state/pi/sessions/--elsewhere--");
         fs::create_dir_all(&dir).unwrap();
-        let file = dir.join(format!("2026-01-01T12-00-00-000Z_{id}.jsonl"));
-        fs::write(&file, "{\"type\":\"session\"}\n").unwrap();
+        let file = dir.join("2026-01-01T12-00-00-000Z_5f0c2a8e-1111-4222-8333-944455556666.jsonl");
+        fs::write(
+            &file,
+            format!("{{\"type\":\"session\",\"version\":3,\"id\":\"{id}\"}}\n"),
+        )
+        .unwrap();
         let found = resume_turn(&p, id, "go on", false).unwrap();
         assert_eq!(
             found.args,
@@ -262,6 +310,21 @@ mod tests {
         assert_eq!(found.session_at_start.as_deref(), Some(id));
         let other = resume_turn(&p, "0199a213", "go on", false).unwrap();
         assert_eq!(other.args[3], "0199a213", "only a whole id names a file");
+
+        // A fork starts from the same file; pi reports the new id.
+        let fork = resume_turn(&p, id, "go on", true).unwrap();
+        assert_eq!(
+            fork.args,
+            ["--mode", "json", "--fork", file.to_str().unwrap(), "go on"]
+        );
+        assert_eq!(fork.session_at_start, None);
+
+        // A conversation an older cairn recorded under its file's uuid.
+        let legacy = "7d1f0e2c-aaaa-4bbb-8ccc-0123456789ab";
+        let old = dir.join(format!("2025-12-01T12-00-00-000Z_{legacy}.jsonl"));
+        fs::write(&old, "{\"type\":\"session\",\"id\":\"pi-own-id\"}\n").unwrap();
+        let resumed = resume_turn(&p, legacy, "go on", false).unwrap();
+        assert_eq!(resumed.args[3], old.to_str().unwrap());
     }
 
     #[test]

@@ -34,6 +34,9 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 pub enum TurnEvent {
     /// The conversation's session id (sent again only when it changes).
     Session(String),
+    /// The harness is stuck waiting for something nobody will do
+    /// ([`Observed::stuck`]); sent once.
+    Stuck(String),
 }
 
 /// How a turn's process ended.
@@ -229,6 +232,7 @@ fn exit_status_from_signal(signal: i32) -> ExitStatus {
 struct Reading {
     observed: Observed,
     announced: Option<String>,
+    stuck_announced: bool,
     stderr_tail: VecDeque<String>,
     last_stdout: Option<String>,
 }
@@ -281,6 +285,12 @@ async fn read_lines(
         {
             reading.announced = Some(session.clone());
             let _ = events.send(TurnEvent::Session(session));
+        }
+        if let Some(why) = reading.observed.stuck.clone()
+            && !reading.stuck_announced
+        {
+            reading.stuck_announced = true;
+            let _ = events.send(TurnEvent::Stuck(why));
         }
     }
 }

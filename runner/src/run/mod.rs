@@ -237,6 +237,8 @@ enum Prepared {
 enum Driven {
     Exited(TurnExit),
     Interrupted,
+    /// The harness waits for something nobody will do; why.
+    Stuck(String),
 }
 
 /// What a lifecycle checkpoint came to.
@@ -634,6 +636,14 @@ impl Attempt {
             Ok(command) => command,
             Err(error) => return Ok(TurnEnd::Failed(error)),
         };
+        // A harness that would silently open an empty conversation under an
+        // unknown id is asked first: the agent must never carry on without
+        // its memory and without the briefing.
+        if let TurnRequest::Resume { session_id, .. } = &turn.request
+            && self.harness.has_conversation(session_id) == Some(false)
+        {
+            return Ok(TurnEnd::SessionLost(session_id.clone()));
+        }
         command.env.push((
             OUTCOME_ENV.to_owned(),
             outcome_path.to_string_lossy().into_owned(),
@@ -705,6 +715,14 @@ impl Attempt {
                 }
                 return Ok(TurnEnd::Interrupted);
             }
+            Ok(Driven::Stuck(why)) => {
+                tracing::warn!(reason = %why, "the harness is stuck; stopping it");
+                running.stop(self.options.stop_grace).await;
+                while let Ok(event) = events.try_recv() {
+                    self.on_event(event, turn, &cwd).await?;
+                }
+                return Ok(TurnEnd::Failed(why));
+            }
             Err(e) => {
                 running.stop(self.options.stop_grace).await;
                 return Err(e);
@@ -762,7 +780,12 @@ impl Attempt {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(Driven::Interrupted),
-                Some(event) = events.recv() => self.on_event(event, turn, cwd).await?,
+                Some(event) = events.recv() => {
+                    if let TurnEvent::Stuck(why) = event {
+                        return Ok(Driven::Stuck(why));
+                    }
+                    self.on_event(event, turn, cwd).await?;
+                }
                 exit = running.finished() => return Ok(Driven::Exited(exit)),
                 _ = tick(&mut ticker) => self.interval_checkpoint().await?,
                 Some((request, reply)) = next_request(requests) => {
@@ -838,7 +861,10 @@ impl Attempt {
         turn: &Turn,
         cwd: &Path,
     ) -> Result<(), RunError> {
-        let TurnEvent::Session(session_id) = event;
+        let TurnEvent::Session(session_id) = event else {
+            // Acted on where the turn is driven.
+            return Ok(());
+        };
         if session_id.len() > 256 || session_id.contains(char::is_whitespace) {
             tracing::warn!(session = %session_id, "the harness reported something that is not a session id; ignoring it");
             return Ok(());
