@@ -19,9 +19,10 @@
 //!   the turn's summary is the text of the last
 //!   `{"type":"item.completed","item":{"type":"agent_message","text":…}}`
 //!   (else the runner takes the last non-empty stdout line);
-//!   `{"type":"turn.failed","error":{"message":…}}` or
-//!   `{"type":"error","message":…}` marks a failed turn. `no rollout found
-//!   for thread id <id>` means the conversation is gone.
+//!   `{"type":"turn.failed","error":{"message":…}}` marks a failed turn.
+//!   `{"type":"error"}` events alone do not: Codex sends them for retries it
+//!   then gets past (`Reconnecting...`). `no rollout found for thread id
+//!   <id>` means the conversation is gone.
 //! - Credentials (`auth.json` in `CODEX_HOME`) are never checkpointed; they
 //!   are copied in fresh from `credentials_dir` (default `$HOME/.codex`)
 //!   before the first turn. Nor is `shell_snapshots/`: Codex snapshots the
@@ -112,10 +113,6 @@ impl CliTurns for Codex {
             Some("turn.failed") => {
                 let message =
                     non_empty(&event["error"]["message"]).unwrap_or("codex reported a failed turn");
-                observed.error = Some(message.to_owned());
-            }
-            Some("error") => {
-                let message = non_empty(&event["message"]).unwrap_or("codex reported an error");
                 observed.error = Some(message.to_owned());
             }
             _ => {}
@@ -234,15 +231,18 @@ mod tests {
             &[r#"{"type":"turn.failed","error":{"message":"quota exceeded"}}"#],
         );
         assert_eq!(failed.error.as_deref(), Some("quota exceeded"));
-        let errored = observe_lines(
+        // Seen from the real CLI: retries it gets past are no failure.
+        let retried = observe_lines(
             &c,
             Stream::Stdout,
-            &[r#"{"type":"error","message":"unexpected status 401 Unauthorized"}"#],
+            &[
+                r#"{"type":"error","message":"Reconnecting... waiting for network (Connection failed: error sending request)"}"#,
+                r#"{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"did it"}}"#,
+                r#"{"type":"turn.completed","usage":{}}"#,
+            ],
         );
-        assert_eq!(
-            errored.error.as_deref(),
-            Some("unexpected status 401 Unauthorized")
-        );
+        assert_eq!(retried.error, None);
+        assert_eq!(retried.summary.as_deref(), Some("did it"));
         let lost = observe_lines(
             &c,
             Stream::Stderr,

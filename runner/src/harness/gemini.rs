@@ -11,9 +11,10 @@
 //!   --resume <id>` (never both flags). `model` and `args` follow. A message
 //!   starting with `-` is passed as `--prompt=<message>`.
 //! - The session id comes from `{"type":"init","session_id":…}`; the turn's
-//!   summary is the `response` of the final `{"type":"result"}` event (the
-//!   field Gemini CLI's `--output-format json` uses for the answer), else
-//!   the runner takes the last non-empty stdout line; a result with
+//!   summary is the assistant's text, streamed as `{"type":"message",
+//!   "role":"assistant","content":…,"delta":true}` pieces after the last
+//!   tool call (a final result's `response`, which older versions send,
+//!   wins); a result with
 //!   `"status":"error"` marks a failed turn (`error.message` says why; the
 //!   CLI exits 145). Either `Error resuming session: Invalid session
 //!   identifier "<id>"` (the project has other chats) or `Error resuming
@@ -31,11 +32,14 @@
 //!   checkpointed; they are copied in fresh from `credentials_dir` (default
 //!   `$HOME/.gemini`) before the first turn.
 //! - Auth selection: the OAuth files alone are refused (exit 41, `Please set
-//!   an Auth method in your …/settings.json`), so before the first turn the
+//!   an Auth method in your …/settings.json`), and so is `GEMINI_API_KEY`
+//!   alone (`Invalid auth method selected.`), so before the first turn the
 //!   runner writes `security.auth.selectedType` into the state's
 //!   `settings.json` when it holds none: the one of `credentials_dir`'s
 //!   `settings.json`, else `oauth-personal` when `oauth_creds.json` was
-//!   copied in. Nothing else of the user's settings is copied.
+//!   copied in, else `gemini-api-key` when `GEMINI_API_KEY` is set (in the
+//!   environment or the copied `.env`). Nothing else of the user's settings
+//!   is copied.
 //! - No fork: a forked workspace's first turn gets the handoff briefing.
 //!
 //! Settings: `binary` (default `gemini`), `model`, `args`, `cwd`,
@@ -84,6 +88,9 @@ const TRUST_ENV: &str = "GEMINI_CLI_TRUST_WORKSPACE";
 const SETTINGS: &str = "settings.json";
 /// The auth method of a Google login (the OAuth files).
 const OAUTH_PERSONAL: &str = "oauth-personal";
+/// The auth method of an API key, and its variable.
+const API_KEY_AUTH: &str = "gemini-api-key";
+const API_KEY_ENV: &str = "GEMINI_API_KEY";
 
 /// `security.auth.selectedType` of the settings file at `path`, if any.
 fn auth_type(path: &Path) -> Option<String> {
@@ -147,7 +154,23 @@ impl CliTurns for Gemini {
             .as_ref()
             .and_then(|dir| auth_type(&dir.join(SETTINGS)));
         let oauth = dot_gemini.join("oauth_creds.json").is_file();
-        let Some(selected) = from_user.or_else(|| oauth.then(|| OAUTH_PERSONAL.to_owned())) else {
+        let key = std::env::var_os(API_KEY_ENV).is_some_and(|k| !k.is_empty())
+            || fs::read_to_string(dot_gemini.join(".env")).is_ok_and(|env| {
+                env.lines().any(|line| {
+                    let line = line.trim().trim_start_matches("export ");
+                    line.strip_prefix(API_KEY_ENV)
+                        .and_then(|rest| rest.strip_prefix('='))
+                        .is_some_and(|value| !value.trim().is_empty())
+                })
+            });
+        let fallback = if oauth {
+            Some(OAUTH_PERSONAL)
+        } else if key {
+            Some(API_KEY_AUTH)
+        } else {
+            None
+        };
+        let Some(selected) = from_user.or_else(|| fallback.map(str::to_owned)) else {
             return Ok(());
         };
         let path = dot_gemini.join(SETTINGS);
@@ -194,9 +217,26 @@ impl CliTurns for Gemini {
                     non_empty(&event["error"]["message"]).unwrap_or("gemini reported an error");
                 observed.error = Some(message.to_owned());
             }
+            // Gemini CLI streams the answer in pieces; a tool call starts
+            // the answer over.
+            Some("message") if event["role"] == "assistant" => {
+                if let Some(text) = event["content"].as_str() {
+                    let summary = observed.summary.get_or_insert_with(String::new);
+                    if event["delta"] != true {
+                        summary.clear();
+                    }
+                    summary.push_str(text);
+                }
+            }
+            Some("tool_use" | "tool_result") => observed.summary = None,
             Some("result") => {
-                if let Some(text) = event["response"].as_str() {
+                // Older versions put the whole answer here.
+                if let Some(text) = non_empty(&event["response"]) {
                     observed.summary = Some(text.to_owned());
+                }
+                if let Some(summary) = &mut observed.summary {
+                    let trimmed = summary.trim_end().len();
+                    summary.truncate(trimmed);
                 }
             }
             _ => {}
@@ -274,6 +314,22 @@ mod tests {
                 r#"{"type":"result","status":"success","response":"did it","stats":{}}"#,
             ],
         );
+        assert_eq!(seen.summary.as_deref(), Some("did it"));
+        // 0.61: the answer only in pieces, a tool call between.
+        let streamed = observe_lines(
+            &g,
+            Stream::Stdout,
+            &[
+                r#"{"type":"message","role":"user","content":"fix it"}"#,
+                r#"{"type":"message","role":"assistant","content":"Looking","delta":true}"#,
+                r#"{"type":"tool_use","tool_name":"read_file","tool_id":"t1","parameters":{}}"#,
+                r#"{"type":"tool_result","tool_id":"t1","status":"success"}"#,
+                r#"{"type":"message","role":"assistant","content":"Fixed ","delta":true}"#,
+                r#"{"type":"message","role":"assistant","content":"it.\n","delta":true}"#,
+                r#"{"type":"result","status":"success","stats":{"total_tokens":15}}"#,
+            ],
+        );
+        assert_eq!(streamed.summary.as_deref(), Some("Fixed it."));
         assert_eq!(
             seen,
             Observed {
