@@ -19,7 +19,9 @@
 //!   nobody is there to answer Aider's confirmations; `--no-gitignore`:
 //!   else Aider writes `.aider*` into the user's `.gitignore`). A message
 //!   starting with `-` is passed as `--message=<message>`.
-//! - Output is plain text: the turn's summary is the last non-empty line.
+//! - Output is plain text: the turn's summary is the last non-empty line of
+//!   stdout that is not Aider's own bookkeeping after the reply (`Tokens: …
+//!   sent, … received.`, `Cost: …`, `Applied edit to …`, `Commit …`).
 //!   Aider exits 0 when the provider refused it, so `The API provider is not
 //!   able to authenticate you` marks a failed turn. With no model and no
 //!   key it offers a browser login and waits minutes for it: `No LLM model
@@ -75,6 +77,16 @@ impl Aider {
 
 /// What Aider prints (and exits 0) when the provider refused its key.
 const AUTH_FAILED: &str = "The API provider is not able to authenticate you";
+/// How the lines Aider prints about a turn, after the model's reply, begin.
+const BOOKKEEPING: &[&str] = &[
+    "Tokens: ",
+    "Cost: ",
+    "Applied edit to ",
+    "Commit ",
+    "You can use /undo",
+    "Added .aider",
+];
+
 /// What Aider prints before it waits for a browser login.
 const NO_MODEL: &str = "No LLM model was specified and no API keys were provided.";
 
@@ -112,7 +124,14 @@ impl CliTurns for Aider {
         }
     }
 
-    fn observe_line(&self, _stream: Stream, line: &str, observed: &mut Observed) {
+    fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
+        let text = line.trim();
+        if stream == Stream::Stdout
+            && !text.is_empty()
+            && !BOOKKEEPING.iter().any(|prefix| text.starts_with(prefix))
+        {
+            observed.summary = Some(text.to_owned());
+        }
         if line.contains(AUTH_FAILED) {
             observed.error = Some(line.trim().to_owned());
         } else if line.contains(NO_MODEL) {
@@ -181,10 +200,21 @@ mod tests {
     #[test]
     fn aider_is_read_only_for_the_failures_it_exits_0_on() {
         let a = aider(&[], Path::new("/workspace"));
-        let lines = ["Aider v0.86.0", "Applied edit to notes.md", "{\"x\":1}"];
+        // Seen from aider 0.86.2: the reply, then the turn's bookkeeping.
+        let lines = [
+            "Aider v0.86.2",
+            "Model: openai/stub-model with whole edit format",
+            "Renamed the button.                                 ",
+            "",
+            "Tokens: 598 sent, 7 received.",
+            "Applied edit to notes.md",
+        ];
         assert_eq!(
             observe_lines(&a, Stream::Stdout, &lines),
-            Observed::default()
+            Observed {
+                summary: Some("Renamed the button.".into()),
+                ..Observed::default()
+            }
         );
         let refused = observe_lines(
             &a,
