@@ -318,6 +318,17 @@ impl MetadataStore {
                         now,
                     )
                     .await?;
+                } else if follows_runner(&run, &attempt) && !report.detail.is_empty() {
+                    // A turn after the first: whoever follows the run must
+                    // see what it continues, and above all a conversation
+                    // that was lost and replaced by a briefed one.
+                    add_event(
+                        &mut tx,
+                        &run,
+                        EventDraft::new(event_reason::TURN, report.detail.clone()).of(&attempt),
+                        now,
+                    )
+                    .await?;
                 }
             }
             AttemptPhase::Checkpointed => {

@@ -52,6 +52,9 @@ pub mod event_reason {
     pub const PREPARED: &str = "prepared";
     pub const HARNESS_STARTED: &str = "harness_started";
     pub const RUNNING: &str = "running";
+    /// A later turn of a running harness: the conversation it continues,
+    /// or that the one to continue was lost and a briefed one started.
+    pub const TURN: &str = "turn";
     pub const CHECKPOINT: &str = "checkpoint";
     pub const HARNESS_SESSION: &str = "harness_session";
     pub const WAITING: &str = "waiting";
