@@ -25,6 +25,7 @@
 //! prints), else from its default cache; a test fails, saying how to
 //! install them, when they are missing. `.ci/run` installs them.
 
+mod hosts;
 mod support;
 
 use cairn_runner::harness::TurnRequest;

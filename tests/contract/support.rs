@@ -20,7 +20,7 @@ const TURN_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The directory of the installed CLIs (with `bin/`), or a panic saying how
 /// to install them.
-fn clis_dir() -> PathBuf {
+pub fn clis_dir() -> PathBuf {
     let dir = match std::env::var_os("CAIRN_REAL_CLIS").filter(|v| !v.is_empty()) {
         Some(dir) => PathBuf::from(dir),
         None => {
@@ -66,7 +66,7 @@ impl RealCli {
     }
 
     /// The adapter's settings besides `binary` and `credentials_dir`.
-    fn settings(self) -> Vec<(&'static str, &'static str)> {
+    pub fn settings(self) -> Vec<(&'static str, &'static str)> {
         match self {
             Self::Claude | Self::Codex => vec![],
             // A named model: "auto" first asks a router model for a choice.
@@ -95,9 +95,12 @@ impl RealCli {
     }
 
     /// Variables every turn gets (the sandbox's environment would).
-    fn env(self, stub: &Stub, home: &Path) -> Vec<(String, String)> {
+    pub fn env(self, stub: &Stub, home: Option<&Path>) -> Vec<(String, String)> {
         let url = stub.url();
-        let mut env = vec![("HOME".to_owned(), home.display().to_string())];
+        let mut env: Vec<(String, String)> = home
+            .map(|home| ("HOME".to_owned(), home.display().to_string()))
+            .into_iter()
+            .collect();
         let add = |env: &mut Vec<(String, String)>, k: &str, v: String| env.push((k.into(), v));
         match self {
             Self::Claude => {
@@ -125,7 +128,7 @@ impl RealCli {
 
     /// Provider configuration the CLI reads from its state directory
     /// (written after the adapter prepared it).
-    fn configure(self, state: &Path, stub: &Stub) {
+    pub fn configure(self, state: &Path, stub: &Stub) {
         let url = stub.url();
         let write = |path: PathBuf, text: String| {
             fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -194,7 +197,9 @@ pub struct Stub {
 }
 
 impl Stub {
-    fn start(dir: &Path, answer: &str) -> Self {
+    /// Answers with `answer`; with `hold`, the first model call waits until
+    /// that file exists.
+    pub fn start(dir: &Path, answer: &str, hold: Option<&Path>) -> Self {
         let port_file = dir.join("stub.port");
         let log = dir.join("stub-requests");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("stubs/provider_api.py");
@@ -205,6 +210,7 @@ impl Stub {
             .arg("--log-dir")
             .arg(&log)
             .args(["--mode", "reply", "--text", answer])
+            .args(hold.iter().flat_map(|h| [Path::new("--hold-first"), h]))
             .stdin(Stdio::null())
             .spawn()
             .expect("python3 runs the provider stub");
@@ -224,12 +230,12 @@ impl Stub {
         Self { child, port, log }
     }
 
-    fn url(&self) -> String {
+    pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
 
     /// Every request so far, in order.
-    fn requests(&self) -> Vec<Value> {
+    pub fn requests(&self) -> Vec<Value> {
         let mut names: Vec<PathBuf> = fs::read_dir(&self.log)
             .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
             .unwrap_or_default();
@@ -333,7 +339,7 @@ impl Contract {
             fs::write(credentials.join(file), content).unwrap();
         }
         let answer = format!("STUB-ANSWER-{}", cli.name().to_uppercase());
-        let stub = Stub::start(tmp.path(), &answer);
+        let stub = Stub::start(tmp.path(), &answer, None);
 
         let mut config: BTreeMap<String, String> = cli
             .settings()
@@ -437,7 +443,9 @@ impl Contract {
     /// adapter reading the output), in the workspace's app directory.
     pub fn turn(&self, request: TurnRequest) -> Turn {
         let mut command = self.harness.command(&request, &self.cwd).unwrap();
-        command.env.extend(self.cli.env(&self.stub, &self.home));
+        command
+            .env
+            .extend(self.cli.env(&self.stub, Some(&self.home)));
         let harness = self.harness.clone();
         let exit = block_on(async move {
             let (mut running, _events) = spawn_turn(harness, command).expect("the CLI starts");
@@ -522,6 +530,7 @@ impl Contract {
     }
 
     /// The provider's last request (a model call) carried `word`.
+    /// (See also [`last_model_call`].)
     #[track_caller]
     pub fn assert_last_request_mentions(&self, word: &str, what: &str) {
         let requests = self.stub.requests();
@@ -566,4 +575,13 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     }
     out.sort();
     out
+}
+
+/// The body of the provider's last model call (POST), as JSON text.
+pub fn last_model_call(stub: &Stub) -> Option<String> {
+    stub.requests()
+        .iter()
+        .rev()
+        .find(|r| r["method"] == "POST")
+        .map(|r| r["body"].to_string())
 }

@@ -76,6 +76,8 @@ pub struct HostOptions {
     pub token: Option<String>,
     /// `--tls-client-cert` and `--tls-client-key` (mutual TLS).
     pub client_certificate: Option<(PathBuf, PathBuf)>,
+    /// More `--env NAME=VALUE` for every sandbox (a provider's address).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for HostOptions {
@@ -86,6 +88,7 @@ impl Default for HostOptions {
             grace: Duration::from_secs(20),
             token: None,
             client_certificate: None,
+            env: Vec::new(),
         }
     }
 }
@@ -410,6 +413,17 @@ exec '{agent}' "$@"
             text: text.to_owned(),
         }))
         .map(tonic::Response::into_inner)
+    }
+
+    /// SuspendRun: checkpoint and release the sandbox (mid-turn too).
+    pub fn suspend(&self, run_id: &str) -> pb::Run {
+        let mut runs = self.runs.clone();
+        self.block_on(runs.suspend_run(pb::SuspendRunRequest {
+            run_id: run_id.to_owned(),
+            reason: "suspended by the test".into(),
+        }))
+        .unwrap_or_else(|s| panic!("SuspendRun {run_id} failed: {s}"))
+        .into_inner()
     }
 
     pub fn cancel(&self, run_id: &str) -> pb::Run {
@@ -852,6 +866,9 @@ impl Host {
             Some(ca) => command.env("CAIRN_CA", ca),
             None => command.env_remove("CAIRN_CA"),
         };
+        for (name, value) in &self.options.env {
+            command.arg("--env").arg(format!("{name}={value}"));
+        }
         if let Some((cert, key)) = &self.options.client_certificate {
             command
                 .arg("--tls-client-cert")

@@ -3,6 +3,7 @@
 tests that run the real agent CLIs offline.
 
   provider_api.py --port-file F --log-dir D [--mode refuse|reply] [--text T]
+                  [--hold-first FILE]
 
 - refuse: every request is answered 401 with the provider's error shape
   (so no model turn can complete: "found" then means the CLI loaded its
@@ -12,6 +13,10 @@ tests that run the real agent CLIs offline.
   Completions API (POST …/chat/completions, SSE when "stream" is set) and
   the OpenAI Responses API (POST …/responses, SSE) and the Gemini API
   (POST …:streamGenerateContent, SSE; …:generateContent); other paths 404.
+
+--hold-first FILE keeps the first model call (the first POST) waiting,
+without an answer, until FILE exists (at most 10 minutes): a test can stop
+a CLI in the middle of its turn.
 
 Every request is written to D as <n>.json ({"method","path","headers",
 "body"}), so a test can see what a resumed turn sent. The port it listens on
@@ -117,6 +122,13 @@ def responses_events(model, text):
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
+    def handle(self):
+        # A CLI stopped mid-turn hangs up on its request: not an error here.
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
     def log_message(self, *args):
         pass
 
@@ -162,6 +174,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         request = self.record(self.body()) or {}
+        hold = self.server.hold_first
+        if hold:
+            with LOCK:
+                first = not self.server.held
+                self.server.held = True
+            if first:
+                deadline = time.time() + 600
+                while not os.path.exists(hold) and time.time() < deadline:
+                    time.sleep(0.05)
         if self.server.mode == "refuse":
             return self.refuse()
         model = request.get("model", "stub-model") if isinstance(request, dict) else "stub-model"
@@ -204,11 +225,13 @@ def main():
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--mode", choices=["refuse", "reply"], default="refuse")
     parser.add_argument("--text", default="stub reply")
+    parser.add_argument("--hold-first", default=None)
     args = parser.parse_args()
     os.makedirs(args.log_dir, exist_ok=True)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     server.log_dir, server.mode, server.text = args.log_dir, args.mode, args.text
+    server.hold_first, server.held = args.hold_first, False
     tmp = args.port_file + ".tmp"
     with open(tmp, "w") as f:
         f.write(str(server.server_address[1]))

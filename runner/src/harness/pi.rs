@@ -18,6 +18,11 @@
 //!   (exit 1) when it has no such conversation — the conversation is gone.
 //!   (Passing a path that does not exist would silently start a new
 //!   conversation.)
+//! - A session file that holds no message has nothing to resume: the runner
+//!   treats it as lost, so the agent gets the handoff briefing rather than
+//!   an empty conversation. (pi 0.73.1 writes no file at all for a turn cut
+//!   before its answer, by a suspend or a lost host, and says it has no
+//!   such session.)
 //! - A forked workspace's first turn: `--mode json --fork <file or id>
 //!   <message>`: pi writes a new file whose header has a new id (and names
 //!   the source as `parentSession`), leaving the source as it is.
@@ -173,6 +178,13 @@ impl CliTurns for Pi {
         }
     }
 
+    fn has_conversation(&self, session_id: &str) -> Option<bool> {
+        // A file with no message has nothing to resume. Without a file, pi
+        // itself says it has none.
+        let file = self.session_file(session_id)?;
+        Some(holds_a_message(&file))
+    }
+
     fn observe_line(&self, stream: Stream, line: &str, observed: &mut Observed) {
         // pi says so on stderr; its events may quote anything.
         if stream == Stream::Stderr && self.0.says_lost(line) {
@@ -215,6 +227,20 @@ fn header_id(file: &Path) -> Option<String> {
     (header["type"] == "session")
         .then(|| non_empty(&header["id"]).map(str::to_owned))
         .flatten()
+}
+
+/// Whether a session file holds any message (a `{"type":"message"}` entry)
+/// besides its header and settings.
+fn holds_a_message(file: &Path) -> bool {
+    use std::io::BufRead as _;
+    let Ok(f) = fs::File::open(file) else {
+        return false;
+    };
+    std::io::BufReader::new(f)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| serde_json::from_str::<Value>(&line).ok())
+        .any(|entry| entry["type"] == "message")
 }
 
 /// The text blocks of a pi message's content, joined (or the content, when
@@ -325,6 +351,32 @@ mod tests {
         fs::write(&old, "{\"type\":\"session\",\"id\":\"pi-own-id\"}\n").unwrap();
         let resumed = resume_turn(&p, legacy, "go on", false).unwrap();
         assert_eq!(resumed.args[3], old.to_str().unwrap());
+    }
+
+    #[test]
+    fn a_file_without_a_message_is_no_conversation_to_resume() {
+        let root = tempfile::tempdir().unwrap();
+        let p = pi(&[], root.path());
+        let p: &dyn Harness = &p;
+        let id = "01a24387-342b-7765-81a5-837bf9489290";
+        assert_eq!(p.has_conversation(id), None, "no file: pi says so itself");
+        let dir = root.path().join(".cairn/state/pi/sessions/--w--");
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("2026-01-01T12-00-00-000Z_x.jsonl");
+        // A header and settings, no message.
+        fs::write(
+            &file,
+            format!(
+                "{{\"type\":\"session\",\"version\":3,\"id\":\"{id}\"}}\n\
+                 {{\"type\":\"model_change\",\"provider\":\"stub\"}}\n"
+            ),
+        )
+        .unwrap();
+        assert_eq!(p.has_conversation(id), Some(false));
+        let mut text = fs::read_to_string(&file).unwrap();
+        text.push_str("{\"type\":\"message\",\"message\":{\"role\":\"user\"}}\n");
+        fs::write(&file, text).unwrap();
+        assert_eq!(p.has_conversation(id), Some(true));
     }
 
     #[test]
