@@ -18,8 +18,11 @@
 //!   source.
 //!
 //! Aider has no ids: its first turn, and a turn after the restore that
-//! resends the restored chat history, are checked. OpenHands (Python 3.12)
-//! and goose (on no registry reachable here) are not covered by this tier.
+//! resends the restored chat history, are checked. OpenHands never says an
+//! id is unknown (it opens an empty conversation under it): what is checked
+//! is exactly that, and that the adapter's look before a resume tells a
+//! real conversation from an unknown id. goose (on no registry reachable
+//! here) is not covered by this tier.
 //!
 //! The CLIs come from `CAIRN_REAL_CLIS` (the directory `scripts/install-clis`
 //! prints), else from its default cache; a test fails, saying how to
@@ -60,16 +63,26 @@ fn resuming_contract(cli: RealCli) {
     assert_eq!(resumed.session("the resumed turn"), session);
     contract.assert_last_request_mentions("HERON-4471", "the resumed turn");
 
-    let lost = contract.turn(TurnRequest::Resume {
-        session_id: "0f0e0d0c-0b0a-4908-8706-050403020100".into(),
-        message: "Anyone there?".into(),
-        fork: false,
-    });
-    assert!(
-        lost.exit.observed.session_lost,
-        "the adapter must read the CLI's answer to an unknown id as a lost conversation: {}",
-        lost.describe()
-    );
+    let unknown = "0f0e0d0c0b0a49088706050403020100";
+    match contract.harness.has_conversation(unknown) {
+        // The adapter looks before it resumes: the CLI would not say.
+        Some(known) => {
+            assert!(!known, "an unknown id is no conversation");
+            assert_eq!(contract.harness.has_conversation(&session), Some(true));
+        }
+        None => {
+            let lost = contract.turn(TurnRequest::Resume {
+                session_id: unknown.into(),
+                message: "Anyone there?".into(),
+                fork: false,
+            });
+            assert!(
+                lost.exit.observed.session_lost,
+                "the adapter must read the CLI's answer to an unknown id as a lost conversation: {}",
+                lost.describe()
+            );
+        }
+    }
 
     if contract.harness.can_fork() {
         let forked = contract.turn(TurnRequest::Resume {
@@ -110,6 +123,24 @@ fn opencode() {
 #[test]
 fn pi() {
     resuming_contract(RealCli::Pi);
+}
+
+#[test]
+fn openhands() {
+    resuming_contract(RealCli::OpenHands);
+    // Why the adapter looks first: resumed under an unknown id, the real
+    // CLI opens an empty conversation and says nothing.
+    let contract = Contract::new(RealCli::OpenHands);
+    let silent = contract.turn(TurnRequest::Resume {
+        session_id: "0f0e0d0c0b0a49088706050403020100".into(),
+        message: "Anyone there?".into(),
+        fork: false,
+    });
+    assert!(
+        silent.exit.status.success() && !silent.exit.observed.session_lost,
+        "OpenHands now says something about an unknown id; the adapter could read it: {}",
+        silent.describe()
+    );
 }
 
 #[test]

@@ -51,6 +51,7 @@ pub enum RealCli {
     Opencode,
     Pi,
     Aider,
+    OpenHands,
 }
 
 impl RealCli {
@@ -62,6 +63,7 @@ impl RealCli {
             Self::Opencode => "opencode",
             Self::Pi => "pi",
             Self::Aider => "aider",
+            Self::OpenHands => "openhands",
         }
     }
 
@@ -81,6 +83,8 @@ impl RealCli {
                      --no-auto-commits",
                 ),
             ],
+            // No settings file: the model and provider come from LLM_*.
+            Self::OpenHands => vec![("args", "--override-with-envs")],
         }
     }
 
@@ -120,6 +124,12 @@ impl RealCli {
             Self::Pi => {}
             Self::Aider => {
                 add(&mut env, "OPENAI_API_BASE", format!("{url}/v1"));
+                add(&mut env, "LITELLM_LOCAL_MODEL_COST_MAP", "True".into());
+            }
+            Self::OpenHands => {
+                add(&mut env, "LLM_MODEL", "openai/stub-model".into());
+                add(&mut env, "LLM_BASE_URL", format!("{url}/v1"));
+                add(&mut env, "LLM_API_KEY", "sk-contract".into());
                 add(&mut env, "LITELLM_LOCAL_MODEL_COST_MAP", "True".into());
             }
         }
@@ -170,7 +180,7 @@ impl RealCli {
                 }}})
                 .to_string(),
             ),
-            Self::Claude | Self::Gemini | Self::Aider => {}
+            Self::Claude | Self::Gemini | Self::Aider | Self::OpenHands => {}
         }
     }
 
@@ -507,6 +517,9 @@ impl Contract {
             }),
             RealCli::Aider => fs::read_to_string(state.join(".aider.chat.history.md"))
                 .is_ok_and(|t| t.contains("HERON-4471")),
+            RealCli::OpenHands => files
+                .iter()
+                .any(|f| f.starts_with(state.join("conversations").join(session).join("events"))),
         };
         assert!(
             found,
