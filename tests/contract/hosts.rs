@@ -6,7 +6,8 @@
 //! answer: it says it has no such session, and the runner briefs a new
 //! conversation, which carries the task; the run's events say so. opencode
 //! (Chat Completions) says nothing, its id included, before the answer: the
-//! next attempt starts over with the task and the answer.
+//! next attempt starts over with the task and the answer. For both, a turn
+//! that finished on one host is continued by the next run on another.
 
 use std::fs;
 use std::path::Path;
@@ -162,4 +163,84 @@ fn opencode_suspended_on_one_host_starts_over_on_another() {
 #[test]
 fn pi_suspended_on_one_host_is_briefed_on_another() {
     suspended_on_a_resumes_on_b(RealCli::Pi, Continues::Briefed);
+}
+
+/// A run's turn completes on host A; the next run on the same station lands
+/// on host B and continues that conversation: the provider is sent the
+/// first run's words. opencode and pi (OpenAI Chat Completions), whose cut
+/// turns leave nothing to resume (above), resume a finished one.
+fn next_run_on_b_continues_the_conversation(cli: RealCli) {
+    let binary = clis_dir().join("bin").join(cli.name());
+    let tmp = tempdir(&format!("next-run-{}", cli.name()));
+    let stub = Stub::start(tmp.path(), "STUB-ANSWER", None);
+    let mut fleet = Fleet::start();
+    let options = HostOptions {
+        env: cli.env(&stub, None),
+        ..HostOptions::default()
+    };
+    let host_a = fleet.start_host("a", options.clone()).id.clone();
+    let host_b = fleet.start_host("b", options).id.clone();
+    fleet.cordon("b");
+
+    let seed = tmp.path().join("seed");
+    fs::create_dir_all(seed.join("app")).unwrap();
+    git(&seed.join("app"), &["init", "-q"]);
+    fs::write(seed.join("app/README.md"), "# app\n").unwrap();
+    git(&seed.join("app"), &["add", "README.md"]);
+    git(&seed.join("app"), &["commit", "-q", "-m", "first"]);
+    cli.configure(&seed.join(".cairn/state").join(cli.name()), &stub);
+    let workspace = fleet
+        .coordinator
+        .create_workspace(&format!("next-run-{}", cli.name()));
+    fleet.coordinator.client().checkpoint(&seed, &workspace);
+
+    let request = |prompt: &str| {
+        let mut config: std::collections::HashMap<String, String> = cli
+            .settings()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        config.insert("binary".into(), binary.display().to_string());
+        on_workspace(
+            pb::CreateRunRequest {
+                harness: Some(pb::HarnessSpec {
+                    name: cli.name().into(),
+                    config,
+                }),
+                prompt: prompt.into(),
+                ..Default::default()
+            },
+            &workspace,
+        )
+    };
+    let first = fleet.create_run(request(CODEWORD)).id;
+    let first = fleet.wait_for_state(&first, RunState::Succeeded);
+    assert_eq!(first.attempts[0].host_id, host_a);
+    assert!(!first.harness_session_id.is_empty());
+
+    fleet.cordon("a");
+    fleet.uncordon("b");
+    let second = fleet.create_run(request(ANSWER)).id;
+    let second = fleet.wait_for_state(&second, RunState::Succeeded);
+    assert_eq!(second.attempts[0].host_id, host_b);
+    assert_eq!(
+        second.harness_session_id, first.harness_session_id,
+        "the station's conversation, continued on b"
+    );
+    let resumed = last_model_call(&stub).unwrap();
+    assert!(
+        resumed.contains("OSPREY-9083") && resumed.contains(ANSWER),
+        "the request on b must carry the first run's words: {}",
+        &resumed[..resumed.len().min(3000)]
+    );
+}
+
+#[test]
+fn opencode_next_run_on_another_host_continues_the_conversation() {
+    next_run_on_b_continues_the_conversation(RealCli::Opencode);
+}
+
+#[test]
+fn pi_next_run_on_another_host_continues_the_conversation() {
+    next_run_on_b_continues_the_conversation(RealCli::Pi);
 }
