@@ -63,7 +63,12 @@ fn resuming_contract(cli: RealCli) {
     assert_eq!(resumed.session("the resumed turn"), session);
     contract.assert_last_request_mentions("HERON-4471", "the resumed turn");
 
-    let unknown = "0f0e0d0c0b0a49088706050403020100";
+    // An id of the form the CLI gives (OpenHands: hex, the others: UUIDs).
+    let unknown = if cli == RealCli::OpenHands {
+        "0f0e0d0c0b0a49088706050403020100"
+    } else {
+        "0f0e0d0c-0b0a-4908-8706-050403020100"
+    };
     match contract.harness.has_conversation(unknown) {
         // The adapter looks before it resumes: the CLI would not say.
         Some(known) => {
