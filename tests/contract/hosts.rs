@@ -23,6 +23,45 @@ use crate::support::{RealCli, Stub, clis_dir, last_model_call};
 const CODEWORD: &str = "The codeword is OSPREY-9083.";
 const ANSWER: &str = "What was the codeword?";
 
+/// A workspace holding a repository and the provider's settings where the
+/// adapter points the CLI (the sandbox restores them); its id.
+fn seed_workspace(fleet: &Fleet, cli: RealCli, stub: &Stub, dir: &Path) -> String {
+    let seed = dir.join("seed");
+    fs::create_dir_all(seed.join("app")).unwrap();
+    git(&seed.join("app"), &["init", "-q"]);
+    fs::write(seed.join("app/README.md"), "# app\n").unwrap();
+    git(&seed.join("app"), &["add", "README.md"]);
+    git(&seed.join("app"), &["commit", "-q", "-m", "first"]);
+    cli.configure(&seed.join(".cairn/state").join(cli.name()), stub);
+    let workspace = fleet
+        .coordinator
+        .create_workspace(&format!("hosts-{}", cli.name()));
+    fleet.coordinator.client().checkpoint(&seed, &workspace);
+    workspace
+}
+
+/// A run of the real CLI on `workspace` with `prompt`.
+fn run_request(cli: RealCli, workspace: &str, prompt: &str) -> pb::CreateRunRequest {
+    let mut config: std::collections::HashMap<String, String> = cli
+        .settings()
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let binary = clis_dir().join("bin").join(cli.name());
+    config.insert("binary".into(), binary.display().to_string());
+    on_workspace(
+        pb::CreateRunRequest {
+            harness: Some(pb::HarnessSpec {
+                name: cli.name().into(),
+                config,
+            }),
+            prompt: prompt.into(),
+            ..Default::default()
+        },
+        workspace,
+    )
+}
+
 /// How the conversation goes on after a turn cut short.
 #[derive(Debug, PartialEq)]
 enum Continues {
@@ -35,7 +74,6 @@ enum Continues {
 }
 
 fn suspended_on_a_resumes_on_b(cli: RealCli, continues: Continues) {
-    let binary = clis_dir().join("bin").join(cli.name());
     let tmp = tempdir(&format!("hosts-{}", cli.name()));
     let release = tmp.path().join("release-first-call");
     let stub = Stub::start(tmp.path(), "STUB-ANSWER", Some(&release));
@@ -50,38 +88,9 @@ fn suspended_on_a_resumes_on_b(cli: RealCli, continues: Continues) {
     let host_b = fleet.start_host("b", options).id.clone();
     fleet.cordon("b");
 
-    // The workspace: a repository, and the provider's settings where the
-    // adapter points the CLI (the sandbox restores them).
-    let seed = tmp.path().join("seed");
-    fs::create_dir_all(seed.join("app")).unwrap();
-    git(&seed.join("app"), &["init", "-q"]);
-    fs::write(seed.join("app/README.md"), "# app\n").unwrap();
-    git(&seed.join("app"), &["add", "README.md"]);
-    git(&seed.join("app"), &["commit", "-q", "-m", "first"]);
-    cli.configure(&seed.join(".cairn/state").join(cli.name()), &stub);
-    let workspace = fleet
-        .coordinator
-        .create_workspace(&format!("hosts-{}", cli.name()));
-    fleet.coordinator.client().checkpoint(&seed, &workspace);
-
-    let mut config: std::collections::HashMap<String, String> = cli
-        .settings()
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
-    config.insert("binary".into(), binary.display().to_string());
-    let request = on_workspace(
-        pb::CreateRunRequest {
-            harness: Some(pb::HarnessSpec {
-                name: cli.name().into(),
-                config,
-            }),
-            prompt: CODEWORD.into(),
-            hold: Some(to_proto_duration(Duration::from_secs(300))),
-            ..Default::default()
-        },
-        &workspace,
-    );
+    let workspace = seed_workspace(&fleet, cli, &stub, tmp.path());
+    let mut request = run_request(cli, &workspace, CODEWORD);
+    request.hold = Some(to_proto_duration(Duration::from_secs(300)));
     let run_id = fleet.create_run(request).id;
 
     // Turn 1 is with the provider, which holds its answer: suspend now.
@@ -142,7 +151,6 @@ fn suspended_on_a_resumes_on_b(cli: RealCli, continues: Continues) {
         &resumed[..resumed.len().min(3000)]
     );
     assert_eq!(done.summary, "STUB-ANSWER", "{done:?}");
-    let _ = Path::new(&release);
 }
 
 #[test]
@@ -170,7 +178,6 @@ fn pi_suspended_on_one_host_is_briefed_on_another() {
 /// first run's words. opencode and pi (OpenAI Chat Completions), whose cut
 /// turns leave nothing to resume (above), resume a finished one.
 fn next_run_on_b_continues_the_conversation(cli: RealCli) {
-    let binary = clis_dir().join("bin").join(cli.name());
     let tmp = tempdir(&format!("next-run-{}", cli.name()));
     let stub = Stub::start(tmp.path(), "STUB-ANSWER", None);
     let mut fleet = Fleet::start();
@@ -182,45 +189,15 @@ fn next_run_on_b_continues_the_conversation(cli: RealCli) {
     let host_b = fleet.start_host("b", options).id.clone();
     fleet.cordon("b");
 
-    let seed = tmp.path().join("seed");
-    fs::create_dir_all(seed.join("app")).unwrap();
-    git(&seed.join("app"), &["init", "-q"]);
-    fs::write(seed.join("app/README.md"), "# app\n").unwrap();
-    git(&seed.join("app"), &["add", "README.md"]);
-    git(&seed.join("app"), &["commit", "-q", "-m", "first"]);
-    cli.configure(&seed.join(".cairn/state").join(cli.name()), &stub);
-    let workspace = fleet
-        .coordinator
-        .create_workspace(&format!("next-run-{}", cli.name()));
-    fleet.coordinator.client().checkpoint(&seed, &workspace);
-
-    let request = |prompt: &str| {
-        let mut config: std::collections::HashMap<String, String> = cli
-            .settings()
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        config.insert("binary".into(), binary.display().to_string());
-        on_workspace(
-            pb::CreateRunRequest {
-                harness: Some(pb::HarnessSpec {
-                    name: cli.name().into(),
-                    config,
-                }),
-                prompt: prompt.into(),
-                ..Default::default()
-            },
-            &workspace,
-        )
-    };
-    let first = fleet.create_run(request(CODEWORD)).id;
+    let workspace = seed_workspace(&fleet, cli, &stub, tmp.path());
+    let first = fleet.create_run(run_request(cli, &workspace, CODEWORD)).id;
     let first = fleet.wait_for_state(&first, RunState::Succeeded);
     assert_eq!(first.attempts[0].host_id, host_a);
     assert!(!first.harness_session_id.is_empty());
 
     fleet.cordon("a");
     fleet.uncordon("b");
-    let second = fleet.create_run(request(ANSWER)).id;
+    let second = fleet.create_run(run_request(cli, &workspace, ANSWER)).id;
     let second = fleet.wait_for_state(&second, RunState::Succeeded);
     assert_eq!(second.attempts[0].host_id, host_b);
     assert_eq!(

@@ -36,6 +36,15 @@ COUNTER = itertools.count(1)
 LOCK = threading.Lock()
 
 
+def send_json(handler, status, payload):
+    body = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def sse(handler, events):
     handler.send_response(200)
     handler.send_header("content-type", "text/event-stream")
@@ -152,25 +161,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def refuse(self):
-        payload = json.dumps({"type": "error", "error": {"type": "authentication_error",
-                                                         "message": "invalid x-api-key"},
-                              "code": 401, "message": "invalid api key", "status": "UNAUTHENTICATED"}).encode()
-        self.send_response(401)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, 401, {"type": "error", "error": {"type": "authentication_error",
+                                                        "message": "invalid x-api-key"},
+                              "code": 401, "message": "invalid api key", "status": "UNAUTHENTICATED"})
 
     def do_GET(self):
         self.record(b"")
         if self.server.mode == "refuse":
             return self.refuse()
-        payload = json.dumps({"object": "list", "data": [{"id": "stub-model", "object": "model"}]}).encode()
-        self.send_response(200 if self.path.rstrip("/").endswith("/models") else 404)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, 200 if self.path.rstrip("/").endswith("/models") else 404,
+                  {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
 
     def do_POST(self):
         request = self.record(self.body()) or {}
@@ -193,26 +193,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if path.endswith("/chat/completions"):
             if request.get("stream"):
                 return sse(self, chat_events(model, text))
-            payload = json.dumps(chat_completion(model, text)).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-            return None
+            return send_json(self, 200, chat_completion(model, text))
         if path.endswith("/responses"):
             return sse(self, responses_events(model, text))
         if path.endswith(":streamGenerateContent"):
             return sse(self, [(None, gemini_response(text))])
-        if path.endswith(":generateContent") or path.endswith(":countTokens"):
-            payload = json.dumps(gemini_response(text) if path.endswith(":generateContent")
-                                 else {"totalTokens": 10}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-            return None
+        if path.endswith(":generateContent"):
+            return send_json(self, 200, gemini_response(text))
+        if path.endswith(":countTokens"):
+            return send_json(self, 200, {"totalTokens": 10})
         self.send_response(404)
         self.send_header("content-length", "0")
         self.end_headers()
