@@ -62,6 +62,14 @@ pub struct PackBuilder<W: Write> {
     entries: Vec<IndexEntry>,
 }
 
+impl<W: Write> std::fmt::Debug for PackBuilder<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackBuilder")
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A finished pack: its id, layout, and the sink it was written to.
 #[derive(Debug)]
 pub struct FinishedPack<W> {

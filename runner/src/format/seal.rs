@@ -98,6 +98,14 @@ pub struct Opener {
     plain: Vec<u8>,
 }
 
+impl std::fmt::Debug for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opener")
+            .field("body_capacity", &self.body.capacity())
+            .finish_non_exhaustive()
+    }
+}
+
 thread_local! {
     static OPENER: std::cell::RefCell<Option<Opener>> = const { std::cell::RefCell::new(None) };
 }

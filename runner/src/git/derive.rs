@@ -88,6 +88,15 @@ pub struct Covered<'a> {
     pub old: &'a Scan,
 }
 
+impl std::fmt::Debug for Covered<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Covered")
+            .field("dirs", &self.dirs.len())
+            .field("paths", &self.paths.len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// The state and the fresh records for what `covered` covers, of the
 /// repository whose work tree is `dir` on disk and `rel` in the walk `new`.
 pub fn derive(

@@ -130,6 +130,15 @@ pub struct Agent<D: Driver> {
     full_warned: HashSet<String>,
 }
 
+impl<D: Driver> std::fmt::Debug for Agent<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("host_id", &self.host_id)
+            .field("sandboxes", &self.sandboxes.len())
+            .finish_non_exhaustive()
+    }
+}
+
 struct Unreachable {
     since: Instant,
     failures: u32,
