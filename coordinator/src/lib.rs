@@ -109,6 +109,8 @@ pub struct ServerConfig {
     /// Serve gRPC and blobs over TLS with these files (and require client
     /// certificates of hosts when they name a client CA).
     pub tls: Option<TlsFiles>,
+    /// How often the certificate files are looked at for a renewal.
+    pub tls_reload_interval: Duration,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -124,6 +126,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("blob_timeouts", &self.blob_timeouts)
             .field("grpc_limits", &self.grpc_limits)
             .field("tls", &self.tls)
+            .field("tls_reload_interval", &self.tls_reload_interval)
             .finish()
     }
 }
@@ -144,6 +147,7 @@ impl ServerConfig {
             blob_timeouts: Timeouts::default(),
             grpc_limits: ServerLimits::default(),
             tls: None,
+            tls_reload_interval: Duration::from_secs(30),
         }
     }
 }
@@ -358,6 +362,32 @@ impl Coordinator {
             stop.cancel();
             result
         };
+        let reload = async {
+            let Some(certificate) = self.tls.as_ref().map(|tls| tls.certificate().clone()) else {
+                return;
+            };
+            let mut every = tokio::time::interval(
+                self.config
+                    .tls_reload_interval
+                    .max(Duration::from_millis(100)),
+            );
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = every.tick() => {}
+                    () = stop.cancelled() => return,
+                }
+                match certificate.reload_if_changed() {
+                    Ok(true) => {
+                        tracing::info!("TLS certificate files changed: serving the new certificate")
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS certificate files changed but cannot be used; still serving the old certificate")
+                    }
+                }
+            }
+        };
         let signal = async {
             tokio::select! {
                 () = shutdown => tracing::info!("shutting down"),
@@ -365,7 +395,8 @@ impl Coordinator {
             }
             stop.cancel();
         };
-        let (grpc_result, blob_result, (), ()) = tokio::join!(grpc, blob, signal, scheduling);
+        let (grpc_result, blob_result, (), (), ()) =
+            tokio::join!(grpc, blob, signal, scheduling, reload);
         self.db.close().await;
         grpc_result?;
         blob_result.map_err(ServeError::BlobServer)?;

@@ -11,14 +11,23 @@
 //! Handshakes run in the per-connection task, under the same deadlines as a
 //! request's headers, so a peer that stalls its handshake holds one slot
 //! under the connection cap and nothing else.
+//!
+//! The certificate and key are read again when their files change
+//! ([`ReloadingCertificate::reload_if_changed`], polled by the
+//! coordinator), so a renewed certificate (cert-manager, certbot) is served
+//! without a restart; new files that do not load leave the old certificate
+//! in place. The client CA is read once.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 use cairn_proto::tls::{self, PemSource, TlsError};
 use rustls::ServerConfig;
-use rustls::server::WebPkiClientVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 /// Where the coordinator's certificate, key and (for mutual TLS) the CA of
@@ -39,6 +48,82 @@ pub struct ServerTls {
     grpc: TlsAcceptor,
     blob: TlsAcceptor,
     hosts_need_certificates: bool,
+    certificate: Arc<ReloadingCertificate>,
+}
+
+/// The server certificate both listeners present, read again from its files
+/// when they change.
+#[derive(Debug)]
+pub struct ReloadingCertificate {
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<CryptoProvider>,
+    current: RwLock<Arc<CertifiedKey>>,
+    /// The files' modification times when `current` was read.
+    read_at: Mutex<Option<(SystemTime, SystemTime)>>,
+}
+
+impl ReloadingCertificate {
+    fn load(cert: &Path, key: &Path, provider: Arc<CryptoProvider>) -> Result<Self, TlsError> {
+        let stamps = modified(cert, key);
+        let current = certified_key(cert, key, &provider)?;
+        Ok(Self {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            provider,
+            current: RwLock::new(Arc::new(current)),
+            read_at: Mutex::new(stamps),
+        })
+    }
+
+    /// Reads the files again if either changed since they were last read;
+    /// `Ok(true)` when a new certificate is served from now on. On an error
+    /// the old one stays, and the files are tried again once they change.
+    pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
+        let stamps = modified(&self.cert, &self.key);
+        {
+            let mut read_at = self.read_at.lock().expect("not poisoned");
+            if stamps.is_none() || *read_at == stamps {
+                return Ok(false);
+            }
+            *read_at = stamps;
+        }
+        let fresh = certified_key(&self.cert, &self.key, &self.provider)?;
+        *self.current.write().expect("not poisoned") = Arc::new(fresh);
+        Ok(true)
+    }
+
+    /// The end-entity certificate served now (DER).
+    pub fn serving(&self) -> Vec<u8> {
+        let current = self.current.read().expect("not poisoned");
+        current.cert.first().map(|c| c.to_vec()).unwrap_or_default()
+    }
+}
+
+impl ResolvesServerCert for ReloadingCertificate {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.read().expect("not poisoned").clone())
+    }
+}
+
+/// Both files' modification times, when both can be read.
+fn modified(cert: &Path, key: &Path) -> Option<(SystemTime, SystemTime)> {
+    let time = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    Some((time(cert)?, time(key)?))
+}
+
+/// The chain and key in these files, checked to belong together.
+fn certified_key(
+    cert: &Path,
+    key: &Path,
+    provider: &CryptoProvider,
+) -> Result<CertifiedKey, TlsError> {
+    let chain = tls::certificates(&PemSource::File(cert.to_path_buf()), "server certificate")?;
+    let key = tls::private_key(&PemSource::File(key.to_path_buf()), "server key")?;
+    CertifiedKey::from_der(chain.der, key, provider).map_err(|e| TlsError::Rejected {
+        what: "server certificate and key (--tls-cert, --tls-key)",
+        error: e.to_string(),
+    })
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -53,9 +138,12 @@ impl ServerTls {
     /// Reads and checks the files: the key must match the certificate, and
     /// the client CA bundle must hold a usable CA certificate.
     pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
-        let chain = tls::certificates(&PemSource::File(files.cert.clone()), "server certificate")?;
-        let key = tls::private_key(&PemSource::File(files.key.clone()), "server key")?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let certificate = Arc::new(ReloadingCertificate::load(
+            &files.cert,
+            &files.key,
+            provider.clone(),
+        )?);
         let rejected = |what: &'static str| {
             move |e: rustls::Error| TlsError::Rejected {
                 what,
@@ -85,25 +173,24 @@ impl ServerTls {
             }
             None => builder.clone().with_no_client_auth(),
         };
-        let mut grpc = grpc_builder
-            .with_single_cert(chain.der.clone(), key.clone_key())
-            .map_err(rejected(
-                "server certificate and key (--tls-cert, --tls-key)",
-            ))?;
+        let mut grpc = grpc_builder.with_cert_resolver(certificate.clone());
         grpc.alpn_protocols = vec![b"h2".to_vec()];
         let mut blob = builder
             .with_no_client_auth()
-            .with_single_cert(chain.der, key)
-            .map_err(rejected(
-                "server certificate and key (--tls-cert, --tls-key)",
-            ))?;
+            .with_cert_resolver(certificate.clone());
         // Uploads and downloads are one request each: HTTP/1.1, as without TLS.
         blob.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Self {
             grpc: TlsAcceptor::from(Arc::new(grpc)),
             blob: TlsAcceptor::from(Arc::new(blob)),
             hosts_need_certificates: files.client_ca.is_some(),
+            certificate,
         })
+    }
+
+    /// The certificate both listeners serve, for reloading.
+    pub fn certificate(&self) -> &Arc<ReloadingCertificate> {
+        &self.certificate
     }
 
     pub fn grpc_acceptor(&self) -> &TlsAcceptor {

@@ -321,3 +321,68 @@ fn hosts_need_a_certificate_of_the_client_ca_and_their_sandboxes_trust_the_ca() 
         fleet.coordinator.log_tail()
     );
 }
+
+/// A renewed certificate is served without a restart; files that do not
+/// load leave the old one in place.
+#[test]
+fn a_renewed_certificate_is_served_without_a_restart() {
+    let certs = tempdir("tls-reload");
+    let files = TlsFiles::generate(certs.path());
+    // The coordinator reads copies, which the test then replaces.
+    let served_cert = certs.path().join("served.pem");
+    let served_key = certs.path().join("served.key");
+    std::fs::copy(&files.server_cert, &served_cert).unwrap();
+    std::fs::copy(&files.server_key, &served_key).unwrap();
+    let coordinator = Coordinator::start_with(&[
+        "--tls-cert",
+        served_cert.to_str().unwrap(),
+        "--tls-key",
+        served_key.to_str().unwrap(),
+        "--tls-reload-interval",
+        "100ms",
+    ]);
+    let list_trusting = |ca: &std::path::Path| {
+        run(coordinator
+            .client()
+            .ctl()
+            .env("CAIRN_CA", ca)
+            .args(["workspace", "list"]))
+    };
+    list_trusting(&files.ca).assert_success();
+
+    // Renewed by another CA: clients of the old CA are refused, clients of
+    // the new one served, with no restart.
+    std::fs::copy(&files.other_server_cert, &served_cert).unwrap();
+    std::fs::copy(&files.other_server_key, &served_key).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !list_trusting(&files.rogue_ca).status.success() {
+        assert!(
+            Instant::now() < deadline,
+            "the renewed certificate is not served:\n{}",
+            coordinator.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let old = list_trusting(&files.ca);
+    assert!(
+        !old.status.success() && old.all_output().contains("UnknownIssuer"),
+        "{old}"
+    );
+
+    // A key that does not belong to the certificate: the last good pair
+    // stays, and the coordinator says why.
+    std::fs::copy(&files.server_key, &served_key).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !coordinator
+        .log_tail()
+        .contains("still serving the old certificate")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "a broken pair was not reported:\n{}",
+            coordinator.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    list_trusting(&files.rogue_ca).assert_success();
+}

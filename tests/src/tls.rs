@@ -24,6 +24,10 @@ pub struct TlsFiles {
     pub rogue_ca: PathBuf,
     pub rogue_host_cert: PathBuf,
     pub rogue_host_key: PathBuf,
+    /// A server certificate for the same names, signed by that other CA
+    /// (what a renewal by another CA looks like).
+    pub other_server_cert: PathBuf,
+    pub other_server_key: PathBuf,
 }
 
 fn new_ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -75,6 +79,12 @@ impl TlsFiles {
         let rogue = new_ca("someone else's CA");
         let (rogue_host_cert, rogue_host_key) =
             leaf(&rogue, "impostor", &[], ExtendedKeyUsagePurpose::ClientAuth);
+        let (other_server_cert, other_server_key) = leaf(
+            &rogue,
+            "coordinator",
+            &["localhost", "127.0.0.1"],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
         Self {
             ca: write("ca.pem", &ca.pem()),
             server_cert: write("coordinator.pem", &server_cert),
@@ -84,6 +94,8 @@ impl TlsFiles {
             rogue_ca: write("rogue-ca.pem", &rogue.pem()),
             rogue_host_cert: write("rogue-host.pem", &rogue_host_cert),
             rogue_host_key: write("rogue-host.key", &rogue_host_key),
+            other_server_cert: write("other-coordinator.pem", &other_server_cert),
+            other_server_key: write("other-coordinator.key", &other_server_key),
         }
     }
 

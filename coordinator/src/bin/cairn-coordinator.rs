@@ -125,6 +125,10 @@ struct ServeArgs {
     /// Runners and cairnctl still connect with tokens alone.
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// How often --tls-cert and --tls-key are looked at: changed files (a
+    /// renewal) are served from then on, without a restart.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    tls_reload_interval: Duration,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -191,6 +195,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }),
         _ => None,
     };
+    config.tls_reload_interval = args.tls_reload_interval;
     let coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(
