@@ -933,46 +933,11 @@ async fn opencode_the_wal_travels_with_the_checkpoint() {
 }
 
 /// The first run on a forked workspace forks the source's conversation:
-/// a new id that remembers the source's turns, the source left as it was.
+/// a new id that remembers the source's turns, the source left as it was
+/// (opencode keeps its conversations in SQLite: read them there too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opencode_a_forked_workspace_forks_the_conversation() {
-    let s = Sandbox::new(Kind::Opencode);
-    s.next(s.attempt(1, "The codeword is PELICAN."));
-    assert_eq!(s.run().await, Finished::Succeeded);
-    let source = s.fake.sessions().pop().unwrap();
-
-    let mut fork = s.attempt(1, "recall codeword");
-    fork.run_id = "run-2".into();
-    fork.workspace_id = "ws-2".into();
-    fork.resume_session_id = source.clone();
-    fork.prompt_delivered = false;
-    fork.fork_session = true;
-    s.next(fork);
-    assert_eq!(s.run().await, Finished::Succeeded);
-
-    let forked = s.fake.sessions().pop().unwrap();
-    assert_ne!(forked, source, "a new id");
-    let running = s.fake.details(AttemptPhase::Running);
-    assert!(
-        running
-            .iter()
-            .any(|d| d.starts_with(&format!("opencode forked conversation {source} in "))),
-        "{running:#?}"
-    );
-    assert_eq!(s.fake.outcome().summary, "the codeword was PELICAN");
-    let end = s.store.committed().pop().unwrap();
-    assert_eq!(
-        Kind::Opencode.conversation(&end, &forked).argv(),
-        [[
-            "run",
-            "-s",
-            &source,
-            "--fork",
-            "recall codeword",
-            "--format",
-            "json"
-        ]]
-    );
+    let (end, source, forked) = a_forked_workspace_forks_the_conversation(Kind::Opencode).await;
     assert_eq!(
         Kind::Opencode.user_messages(&end.files, &forked),
         ["The codeword is PELICAN.", "recall codeword"]
@@ -1182,9 +1147,10 @@ async fn aider_without_model_or_key_fails_at_once() {
 }
 
 /// The first run on a forked workspace forks the source's conversation
-/// (codex `exec fork`, pi `--fork`): a new id that remembers the source's
-/// turns, the source left as it was.
-async fn a_forked_workspace_forks_the_conversation(kind: Kind) {
+/// (codex `exec fork`, pi `--fork`, opencode `--fork`): a new id that
+/// remembers the source's turns, the source left as it was. Returns the
+/// last checkpoint, the source's id and the fork's.
+async fn a_forked_workspace_forks_the_conversation(kind: Kind) -> (Snapshot, String, String) {
     let s = Sandbox::new(kind);
     s.next(s.attempt(1, "The codeword is PELICAN."));
     assert_eq!(s.run().await, Finished::Succeeded);
@@ -1246,9 +1212,19 @@ async fn a_forked_workspace_forks_the_conversation(kind: Kind) {
                 "recall codeword",
             ])
         }
-        _ => unreachable!("{kind:?} has its own fork test or none"),
+        Kind::Opencode => strings(&[
+            "run",
+            "-s",
+            &source,
+            "--fork",
+            "recall codeword",
+            "--format",
+            "json",
+        ]),
+        _ => unreachable!("{kind:?} cannot fork"),
     };
     assert_eq!(last, expected);
+    (end, source, forked)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
