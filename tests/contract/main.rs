@@ -26,7 +26,7 @@
 //!
 //! The CLIs come from `CAIRN_REAL_CLIS` (the directory `scripts/install-clis`
 //! prints), else from its default cache; a test fails, saying how to
-//! install them, when they are missing. `.ci/run` installs them.
+//! install them, when they are missing. `scripts/test` installs them.
 
 mod hosts;
 mod support;

@@ -35,7 +35,7 @@ pub fn clis_dir() -> PathBuf {
         panic!(
             "the contract tests run the real agent CLIs, and none are installed at {}: run \
              `scripts/install-clis` (needs npm and Python; it prints the directory to put in \
-             CAIRN_REAL_CLIS), or `.ci/run`, which does",
+             CAIRN_REAL_CLIS), or `scripts/test`, which does",
             dir.display()
         );
     }
