@@ -381,6 +381,9 @@ fn a_trickled_upload_is_cut_off_and_a_normal_one_is_not() {
 fn upload_temp_files_left_by_a_dead_coordinator_are_swept_at_start() {
     let mut coordinator = Coordinator::start();
     let temp_dir = coordinator.blobs_dir().join(".tmp");
+    // The blob server makes it once it serves, which may be just after
+    // endpoints.json is written: a dead coordinator's store has it.
+    std::fs::create_dir_all(&temp_dir).unwrap();
     for i in 0..3 {
         std::fs::write(temp_dir.join(format!("{i:032x}.part")), b"half an upload").unwrap();
     }
