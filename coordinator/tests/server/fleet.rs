@@ -159,6 +159,15 @@ impl Clients {
             .hosts
     }
 
+    pub async fn tokens(&mut self) -> Vec<pb::TokenInfo> {
+        self.admin
+            .list_tokens(pb::ListTokensRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .tokens
+    }
+
     pub async fn host_request(&mut self, op: &str, host: &str) -> Result<pb::Host, tonic::Status> {
         let request = pb::HostRequest { host: host.into() };
         let result = match op {

@@ -467,13 +467,7 @@ async fn an_enrollment_token_registers_only_new_hosts() {
     assert!(fresh.host_token.starts_with("cairn_host_"));
 
     // The list shows the enrollment token and the bound ones.
-    let tokens = clients
-        .admin
-        .list_tokens(pb::ListTokensRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .tokens;
+    let tokens = clients.tokens().await;
     let hosts: Vec<&str> = tokens
         .iter()
         .filter(|t| t.scope == "host")
@@ -496,13 +490,7 @@ async fn a_revoked_host_token_stops_its_host_at_once() {
     let enroll = enrollment_token(&mut clients).await;
     let mut a = FakeHost::register(&server, &enroll, "a", &[], 1).await;
     a.beat().await;
-    let tokens = clients
-        .admin
-        .list_tokens(pb::ListTokensRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .tokens;
+    let tokens = clients.tokens().await;
     let bound = tokens.iter().find(|t| t.host_id == a.id).unwrap();
     clients
         .admin

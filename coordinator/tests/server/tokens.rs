@@ -423,13 +423,7 @@ async fn an_expired_token_is_refused_as_expired() {
     );
     list_workspaces(&server, &long.token).await.unwrap();
 
-    let listed = admin
-        .admin
-        .list_tokens(pb::ListTokensRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .tokens;
+    let listed = admin.tokens().await;
     let short_listed = listed.iter().find(|t| t.id == short.id).unwrap();
     assert_eq!(short_listed.expires_at, short.expires_at);
     assert!(short_listed.revoked_at.is_none());
@@ -468,13 +462,7 @@ async fn a_revoked_token_is_refused_at_once_and_listed_as_revoked() {
     );
     list_workspaces(&server, &other.token).await.unwrap();
 
-    let listed = admin
-        .admin
-        .list_tokens(pb::ListTokensRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .tokens;
+    let listed = admin.tokens().await;
     let scopes: Vec<(&str, bool)> = listed
         .iter()
         .map(|t| (t.scope.as_str(), t.revoked_at.is_some()))
