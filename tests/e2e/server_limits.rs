@@ -11,8 +11,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cairn_e2e::{Coordinator, block_on, populate_small_workspace, sha256_hex, tempdir};
-use cairn_proto::pb;
+use cairn_e2e::{Coordinator, block_on, populate_small_workspace, put_url, sha256_hex, tempdir};
 
 /// Opens `count` connections to `addr` that never send a byte, holds them,
 /// and reports (one JSON line) how many connected and how long each took to
@@ -248,25 +247,6 @@ fn past_the_connection_cap_connections_wait_in_the_backlog_without_a_file_handle
     drop(flood.closed_after());
 }
 
-async fn put_url(coordinator: &Coordinator, workspace: &str, bytes: &[u8]) -> pb::SignedUrl {
-    let mut api = coordinator.admin().await;
-    let mut urls = api
-        .checkpoints
-        .prepare_uploads(pb::PrepareUploadsRequest {
-            workspace: workspace.to_owned(),
-            packs: vec![pb::PackUpload {
-                pack_id: sha256_hex(bytes),
-                size: bytes.len() as u64,
-                kind: pb::PackKind::Data as i32,
-            }],
-        })
-        .await
-        .expect("PrepareUploads")
-        .into_inner()
-        .urls;
-    urls.remove(0)
-}
-
 /// Sends a PUT's head to `url`, then its body `step` bytes every `every`;
 /// returns how long until the server cut the connection (or `None` after
 /// `give_up`), and what it answered.
@@ -336,7 +316,10 @@ fn a_trickled_upload_is_cut_off_and_a_normal_one_is_not() {
         Coordinator::start_with(&["--blob-min-rate", "2048", "--blob-min-rate-grace", "2s"]);
     let workspace = coordinator.create_workspace("slow");
     let body: Vec<u8> = (0..64 << 10).map(|i| (i * 7 % 251) as u8).collect();
-    let url = block_on(put_url(&coordinator, &workspace, &body));
+    let url = block_on(async {
+        let mut api = coordinator.admin().await;
+        put_url(&mut api, &workspace, &body).await
+    });
 
     // 100 bytes every 100 ms: 1000 bytes/s, half the minimum.
     let (cut, answer) = trickle_put(

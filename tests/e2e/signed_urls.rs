@@ -5,7 +5,9 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use cairn_e2e::{Coordinator, all_files, block_on, populate_small_workspace, sha256_hex, tempdir};
+use cairn_e2e::{
+    Coordinator, all_files, block_on, populate_small_workspace, put_url, sha256_hex, tempdir,
+};
 use cairn_proto::pb;
 use reqwest::{Method, StatusCode, Url};
 
@@ -122,29 +124,6 @@ async fn manifest(
         .await
         .expect("GetRestoreManifest")
         .into_inner()
-}
-
-async fn put_url(
-    api: &mut cairn_runner::client::Coordinator,
-    workspace: &str,
-    bytes: &[u8],
-) -> pb::SignedUrl {
-    let mut urls = api
-        .checkpoints
-        .prepare_uploads(pb::PrepareUploadsRequest {
-            workspace: workspace.to_owned(),
-            packs: vec![pb::PackUpload {
-                pack_id: sha256_hex(bytes),
-                size: bytes.len() as u64,
-                kind: pb::PackKind::Data as i32,
-            }],
-        })
-        .await
-        .expect("PrepareUploads")
-        .into_inner()
-        .urls;
-    assert_eq!(urls.len(), 1);
-    urls.remove(0)
 }
 
 fn checkpointed_workspace(coordinator: &Coordinator, dir: &Path, name: &str) -> String {

@@ -477,6 +477,30 @@ impl Client {
     }
 }
 
+/// The signed PUT URL of one data pack holding `bytes`, from PrepareUploads.
+pub async fn put_url(
+    api: &mut cairn_runner::client::Coordinator,
+    workspace: &str,
+    bytes: &[u8],
+) -> pb::SignedUrl {
+    let mut urls = api
+        .checkpoints
+        .prepare_uploads(pb::PrepareUploadsRequest {
+            workspace: workspace.to_owned(),
+            packs: vec![pb::PackUpload {
+                pack_id: sha256_hex(bytes),
+                size: bytes.len() as u64,
+                kind: pb::PackKind::Data as i32,
+            }],
+        })
+        .await
+        .expect("PrepareUploads")
+        .into_inner()
+        .urls;
+    assert_eq!(urls.len(), 1, "one URL per pack asked for");
+    urls.remove(0)
+}
+
 /// A finished command.
 #[derive(Debug)]
 pub struct Outcome {
