@@ -64,7 +64,7 @@ impl ClientTls {
     pub fn with_identity(self, cert: &PemSource, key: &PemSource) -> Result<Self, TlsError> {
         let chain = tls::certificates(cert, "client certificate")?;
         let private = tls::private_key(key, "client key")?;
-        // The pair must be one a TLS stack can sign with.
+        // The key must be of a kind rustls can sign with.
         rustls::crypto::ring::sign::any_supported_type(&private).map_err(|e| {
             TlsError::Rejected {
                 what: "client key",
