@@ -27,9 +27,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use cairn_proto::domain::CheckpointReason;
 
-use crate::checkpoint::{self, CheckpointReport};
-use crate::cli::{CheckpointArgs, OutputFormat};
-use crate::scan;
+use cairn_engine::checkpoint::CheckpointReport;
 
 /// Longest request line accepted on the control socket.
 const MAX_REQUEST: u64 = 4096;
@@ -109,7 +107,7 @@ impl Response {
 
     pub fn committed(report: &CheckpointReport) -> Self {
         Self {
-            summary: Some(checkpoint::summary(report)),
+            summary: Some(crate::report::checkpoint_summary(report)),
             report: serde_json::to_value(report).ok(),
             ..Self::default()
         }
@@ -167,21 +165,9 @@ where
     write.shutdown().await
 }
 
-/// The socket `cairn-runner checkpoint` should ask, if any: the one named
-/// by `--socket`, else the default one when a file is there. The flag
-/// says whether it was named.
-pub fn socket_for(args: &CheckpointArgs) -> Option<(PathBuf, bool)> {
-    if let Some(socket) = &args.socket {
-        return Some((socket.clone(), true));
-    }
-    let root = scan::resolve_root(&args.target.root).ok()?;
-    let socket = default_socket(&args.target.cache_dir(), &root);
-    socket.exists().then_some((socket, false))
-}
-
-/// Asks the runner at `socket` for a checkpoint and prints its answer as
-/// `cairn-runner checkpoint` would. `Ok(false)`: nobody answered there.
-pub async fn ask(socket: &Path, args: &CheckpointArgs) -> anyhow::Result<bool> {
+/// Sends `request` to the runner at `socket` and returns its answer;
+/// `Ok(None)` when nobody answers there (no listener, or no socket file).
+pub async fn ask(socket: &Path, request: &Request) -> anyhow::Result<Option<Response>> {
     let stream = match UnixStream::connect(socket).await {
         Ok(stream) => stream,
         Err(e)
@@ -190,53 +176,21 @@ pub async fn ask(socket: &Path, args: &CheckpointArgs) -> anyhow::Result<bool> {
                 io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
             ) =>
         {
-            return Ok(false);
+            return Ok(None);
         }
         Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
     };
     let (read, mut write) = stream.into_split();
-    let mut request = serde_json::to_vec(&Request {
-        workspace: args.target.workspace.clone(),
-        reason: args.reason.clone(),
-        if_changed: args.if_changed,
-    })?;
-    request.push(b'\n');
-    write.write_all(&request).await?;
+    let mut line = serde_json::to_vec(request)?;
+    line.push(b'\n');
+    write.write_all(&line).await?;
     let mut line = String::new();
     BufReader::new(read).read_line(&mut line).await?;
-    let response: Response = serde_json::from_str(line.trim()).with_context(|| {
+    let response = serde_json::from_str(line.trim()).with_context(|| {
         format!(
             "the runner at {} gave an unreadable answer",
             socket.display()
         )
     })?;
-    if let Some(error) = response.error {
-        anyhow::bail!("{error}");
-    }
-    if let Some(unchanged) = response.unchanged {
-        print_unchanged(&unchanged, args.output)?;
-        return Ok(true);
-    }
-    let report = response
-        .report
-        .with_context(|| format!("the runner at {} sent no report", socket.display()))?;
-    match args.output {
-        OutputFormat::Json => println!("{report}"),
-        OutputFormat::Text => {
-            println!("{}", response.summary.unwrap_or_default());
-            for warning in report["warnings"].as_array().into_iter().flatten() {
-                eprintln!("warning: {}", warning.as_str().unwrap_or_default());
-            }
-        }
-    }
-    Ok(true)
-}
-
-/// Prints the answer of an `--if-changed` checkpoint that found nothing new.
-pub fn print_unchanged(unchanged: &Unchanged, output: OutputFormat) -> anyhow::Result<()> {
-    match output {
-        OutputFormat::Json => println!("{}", serde_json::to_string(unchanged)?),
-        OutputFormat::Text => println!("{}", unchanged.summary()),
-    }
-    Ok(())
+    Ok(Some(response))
 }

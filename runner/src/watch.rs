@@ -14,6 +14,7 @@
 //! at resident speed.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,11 +23,10 @@ use cairn_proto::domain::CheckpointReason;
 use tokio::net::UnixListener;
 use tokio::sync::Mutex;
 
-use crate::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport, Resident};
-use crate::cli::WatchArgs;
-use crate::scan;
 use crate::socket::{self, Request, Response, Unchanged};
-use crate::tracker::ChangeTracker;
+use cairn_engine::checkpoint::{self, Baseline, CheckpointOptions, CheckpointReport, Resident};
+use cairn_engine::scan;
+use cairn_engine::tracker::ChangeTracker;
 
 /// How long a starting watcher waits for its first reading of the
 /// repositories' status before it listens anyway (a checkpoint asked then
@@ -102,7 +102,7 @@ impl Checkpointer {
             }),
             Err(e) => {
                 tracing::warn!(error = %e, "a requested checkpoint failed");
-                Response::failed(checkpoint::one_line(&e))
+                Response::failed(cairn_utils::text::one_line(&e))
             }
         }
     }
@@ -125,7 +125,7 @@ pub async fn serve(
             () = &mut shutdown => break,
             _ = ticker.tick() => {
                 match checkpointer.checkpoint(CheckpointReason::Interval, true).await {
-                    Ok(Some(report)) => tracing::info!("{}", checkpoint::summary(&report)),
+                    Ok(Some(report)) => tracing::info!("{}", crate::report::checkpoint_summary(&report)),
                     Ok(None) => tracing::debug!("nothing changed; no interval checkpoint"),
                     Err(e) => tracing::warn!(error = %e, "the interval checkpoint failed; trying again at the next one"),
                 }
@@ -148,13 +148,30 @@ pub async fn serve(
     }
 }
 
-/// `cairn-runner watch`.
-pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
-    let root = scan::resolve_root(&args.target.root)?;
-    let mut options = CheckpointOptions::from_args(args.target, CheckpointReason::Manual);
-    let socket = args
-        .socket
-        .unwrap_or_else(|| socket::default_socket(&options.cache_dir, &root));
+/// What a watcher watches and how often it checkpoints.
+#[derive(Debug, Clone)]
+pub struct WatchOptions {
+    /// The workspace and where its checkpoints go.
+    pub checkpoint: CheckpointOptions,
+    /// The control socket (default: derived from the root and the cache).
+    pub socket: Option<PathBuf>,
+    /// How often to checkpoint when something changed.
+    pub interval: Duration,
+    /// How often the tracker walks the whole workspace anyway.
+    pub full_scan_interval: Duration,
+}
+
+/// Watches until SIGTERM or SIGINT: interval checkpoints when something
+/// changed, and a checkpoint whenever one is asked for on the socket.
+pub async fn watch(watch: WatchOptions) -> anyhow::Result<()> {
+    let WatchOptions {
+        checkpoint: mut options,
+        socket,
+        interval,
+        full_scan_interval,
+    } = watch;
+    let root = scan::resolve_root(&options.root)?;
+    let socket = socket.unwrap_or_else(|| socket::default_socket(&options.cache_dir, &root));
     std::fs::create_dir_all(&options.cache_dir).with_context(|| {
         format!(
             "creating the cache directory {}",
@@ -169,7 +186,6 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     })?;
     // The first walk, made now, is what the first checkpoint builds on.
     let walk = options.scan_options(&root, &cache_dir);
-    let full_scan_interval = args.full_scan_interval;
     let (tracker, first_walk) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let tracker = ChangeTracker::start(&walk.root, full_scan_interval)?;
         let (first_walk, _) = tracker.scan(&walk, &|_| {})?;
@@ -210,10 +226,10 @@ pub async fn cli_main(args: WatchArgs) -> anyhow::Result<()> {
     tracing::info!(
         root = %root.display(),
         socket = %socket.display(),
-        interval = %humantime::format_duration(args.interval),
+        interval = %humantime::format_duration(interval),
         "watching; `cairn-runner checkpoint` asks here"
     );
-    serve(listener, checkpointer, args.interval, shutdown_signal()).await;
+    serve(listener, checkpointer, interval, shutdown_signal()).await;
     let _ = std::fs::remove_file(&socket);
     resident.settle().await;
     tracing::info!("watcher stopped");

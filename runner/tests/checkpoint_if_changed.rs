@@ -16,12 +16,12 @@ use std::time::Duration;
 
 use attempt_support::{coordinator_binary, start_coordinator, start_coordinator_on};
 
+use cairn_engine::checkpoint::{self, Baseline, CheckpointOptions, Resident};
+use cairn_engine::client::CoordinatorClient;
+use cairn_engine::git::narrow::ReadBy;
+use cairn_engine::tracker::ChangeTracker;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb;
-use cairn_runner::checkpoint::{self, Baseline, CheckpointOptions, Resident};
-use cairn_runner::client::Coordinator;
-use cairn_runner::git::narrow::ReadBy;
-use cairn_runner::tracker::ChangeTracker;
 
 /// The coordinator binary, or None after saying the test is skipped.
 fn coordinator_or_skip() -> Option<std::path::PathBuf> {
@@ -35,7 +35,7 @@ fn coordinator_or_skip() -> Option<std::path::PathBuf> {
 }
 
 async fn create_workspace(grpc: &str, token: &str, name: &str) -> String {
-    let coordinator = Coordinator::connect(grpc, Some(token)).await.unwrap();
+    let coordinator = CoordinatorClient::connect(grpc, Some(token)).await.unwrap();
     coordinator
         .workspaces
         .clone()

@@ -12,12 +12,11 @@ use std::time::Duration;
 use attempt_support::*;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
-use cairn_runner::host::process::read_stat;
 use cairn_runner::run::{self, Finished};
+use cairn_utils::process::read_stat;
 use sha2::Digest as _;
 use tokio_util::sync::CancellationToken;
 
-const DEMO: &str = env!("CARGO_BIN_EXE_cairn-demo-agent");
 const RUNNER: &str = env!("CARGO_BIN_EXE_cairn-runner");
 
 impl Harnessed {
@@ -32,7 +31,7 @@ impl Harnessed {
 
     /// The `claude` adapter running the demo agent.
     fn claude(&self) -> pb::HarnessSpec {
-        self.harness("claude", DEMO)
+        self.harness("claude", demo_agent_binary())
     }
 
     /// Runs one attempt to its end, with no SIGTERM on the way.
@@ -429,11 +428,12 @@ async fn the_command_adapter_drives_a_templated_harness_through_a_question() {
         .join(".cairn/state/demo")
         .to_string_lossy()
         .into_owned();
+    let demo = demo_agent_binary();
     let command = pb::HarnessSpec {
         name: "command".into(),
         config: [
-            ("start".to_owned(), format!("env CLAUDE_CONFIG_DIR={state} {DEMO} -p --output-format stream-json --verbose {{message}}")),
-            ("resume".to_owned(), format!("env CLAUDE_CONFIG_DIR={state} {DEMO} -p --output-format stream-json --verbose --resume {{session_id}} {{message}}")),
+            ("start".to_owned(), format!("env CLAUDE_CONFIG_DIR={state} {demo} -p --output-format stream-json --verbose {{message}}")),
+            ("resume".to_owned(), format!("env CLAUDE_CONFIG_DIR={state} {demo} -p --output-format stream-json --verbose --resume {{session_id}} {{message}}")),
             ("session_regex".to_owned(), r#""session_id":"(?P<id>[0-9a-f-]{36})""#.to_owned()),
         ]
         .into(),

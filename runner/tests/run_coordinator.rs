@@ -17,14 +17,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use attempt_support::{Reaped, coordinator_binary, start_coordinator};
+use attempt_support::{Reaped, coordinator_binary, demo_agent_binary, start_coordinator};
+use cairn_engine::client::{AuthChannel, CoordinatorClient};
+use cairn_engine::restore::{self, NoProgress, RestoreOptions};
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::pb::run_service_client::RunServiceClient;
-use cairn_runner::client::{AuthChannel, Coordinator};
-use cairn_runner::restore::{self, NoProgress, RestoreOptions};
 
-const DEMO: &str = env!("CARGO_BIN_EXE_cairn-demo-agent");
 const RUNNER: &str = env!("CARGO_BIN_EXE_cairn-runner");
 const LIMIT: Duration = Duration::from_secs(90);
 
@@ -214,7 +213,7 @@ fn origin(dir: &Path) -> String {
 /// or has no run services.
 struct World {
     _server: Reaped,
-    coordinator: Coordinator,
+    coordinator: CoordinatorClient,
     runs: RunServiceClient<AuthChannel>,
     host: Host,
     run: pb::Run,
@@ -230,7 +229,9 @@ async fn world(base: &Path) -> World {
          cargo build --workspace --bins)",
     );
     let (server, grpc, token) = start_coordinator(&binary, &base.join("data"), LIMIT);
-    let coordinator = Coordinator::connect(&grpc, Some(&token)).await.unwrap();
+    let coordinator = CoordinatorClient::connect(&grpc, Some(&token))
+        .await
+        .unwrap();
     let mut hosts = HostServiceClient::new(coordinator.auth_channel());
     let registered = hosts
         .register_host(pb::RegisterHostRequest {
@@ -252,7 +253,7 @@ async fn world(base: &Path) -> World {
             )),
             harness: Some(pb::HarnessSpec {
                 name: "claude".into(),
-                config: [("binary".to_owned(), DEMO.to_owned())].into(),
+                config: [("binary".to_owned(), demo_agent_binary().to_owned())].into(),
             }),
             prompt: PROMPT.into(),
             repos: vec![pb::RepoSpec {

@@ -8,7 +8,7 @@ database kept in WAL mode whose WAL is left in place when the process ends.
 commit <path> <text>   write text to path, git add + commit (in the cwd)
 edit <path> <text>     append text to path (left uncommitted)
 recall <word>          what the FIRST user message of the conversation said
-                       about <word> (as runner/src/demo_agent/script.rs says it)
+                       about <word> (as runner/demo-agent/src/script.rs says it)
 ask <question>         end the turn asking a person (writes $CAIRN_OUTCOME_FILE)
 api-error              the model provider refuses the turn (HTTP 401, as with
                        a bad key) before the model says or does anything: no

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use cairn_e2e::{
     Coordinator, assert_trees_equal, block_on, json_str, populate_small_workspace, tempdir,
 };
+use cairn_engine::client::CoordinatorClient as Api;
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::refusal::{NotCurrent, Refusal, TokenRefusal};
-use cairn_runner::client::Coordinator as Api;
 use tonic::Code;
 
 async fn api(coordinator: &Coordinator, token: &str) -> Api {
@@ -25,7 +25,7 @@ async fn api(coordinator: &Coordinator, token: &str) -> Api {
         .expect("the coordinator answers")
 }
 
-fn hosts(api: &Api) -> HostServiceClient<cairn_runner::client::AuthChannel> {
+fn hosts(api: &Api) -> HostServiceClient<cairn_engine::client::AuthChannel> {
     HostServiceClient::new(api.auth_channel())
 }
 
@@ -184,7 +184,7 @@ fn every_attack_of_a_sandbox_or_host_is_refused_and_damages_nothing() {
             .unwrap()
             .into_inner();
         assert_ne!(begun.key.as_ref().unwrap().secret, victim_key);
-        let victim_keys = cairn_runner::format::TenantKeys::derive("k1", &victim_key).unwrap();
+        let victim_keys = cairn_engine::format::TenantKeys::derive("k1", &victim_key).unwrap();
         let guessed = victim_keys.blob_id(b"# small workspace 11\n");
         let found = checkpoints
             .find_missing_blobs(pb::FindMissingBlobsRequest {
@@ -221,7 +221,7 @@ fn every_attack_of_a_sandbox_or_host_is_refused_and_damages_nothing() {
                 workspace: own_workspace.clone(),
                 generation: begun.generation,
                 reason: pb::CheckpointReason::Manual as i32,
-                format_version: cairn_runner::format::FORMAT_VERSION,
+                format_version: cairn_engine::format::FORMAT_VERSION,
                 root_tree: guessed.as_bytes().to_vec(),
                 referenced_packs: victim_packs.clone(),
                 stats: Some(pb::CheckpointStats::default()),
@@ -237,7 +237,7 @@ fn every_attack_of_a_sandbox_or_host_is_refused_and_damages_nothing() {
         );
 
         // A signed URL of one pack bent to another is refused.
-        cairn_runner::transfer::install_crypto_provider();
+        cairn_engine::transfer::install_crypto_provider();
         let http = reqwest::Client::new();
         let url = &victim_manifest.packs[0].url;
         let ok = http.get(url).send().await.unwrap();

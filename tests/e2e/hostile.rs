@@ -10,15 +10,15 @@ use bytes::Bytes;
 use cairn_e2e::{
     Coordinator, TreeSnapshot, block_on, dir_names, json_str, symlink, tempdir, write,
 };
-use cairn_proto::domain::PackKind;
-use cairn_proto::ids::BlobId;
-use cairn_proto::pb;
-use cairn_runner::client::Coordinator as Api;
-use cairn_runner::format::{
+use cairn_engine::client::CoordinatorClient as Api;
+use cairn_engine::format::{
     ChunkRef, Entry, EntryKind, FORMAT_VERSION, FinishedPack, MAX_CHUNK_LEN, PackBuilder,
     TenantKeys, Tree, seal,
 };
-use cairn_runner::transfer::BlobTransfer;
+use cairn_engine::transfer::BlobTransfer;
+use cairn_proto::domain::PackKind;
+use cairn_proto::ids::BlobId;
+use cairn_proto::pb;
 
 /// A checkpoint being made by hand: its blobs, sealed into packs at commit.
 struct Craft {

@@ -12,7 +12,7 @@ use cairn_proto::pb;
 use reqwest::{Method, StatusCode, Url};
 
 fn http() -> reqwest::Client {
-    cairn_runner::transfer::install_crypto_provider();
+    cairn_engine::transfer::install_crypto_provider();
     reqwest::Client::new()
 }
 
@@ -51,7 +51,7 @@ fn with_param(url: &str, name: &str, change: impl Fn(&str) -> String) -> String 
     assert!(
         pairs.iter().any(|(k, _)| k == name),
         "{} has no {name} parameter",
-        cairn_runner::transfer::redact(url)
+        cairn_engine::transfer::redact(url)
     );
     parsed
         .query_pairs_mut()
@@ -112,7 +112,7 @@ fn object_path(coordinator: &Coordinator, tenant: &str, pack_id: &str) -> std::p
 }
 
 async fn manifest(
-    api: &mut cairn_runner::client::Coordinator,
+    api: &mut cairn_engine::client::CoordinatorClient,
     workspace: &str,
 ) -> pb::RestoreManifest {
     api.checkpoints

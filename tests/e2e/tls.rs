@@ -14,11 +14,11 @@ use cairn_e2e::{
     Coordinator, assert_trees_equal, binary, block_on, json_u64, populate_small_workspace, run,
     tempdir, write,
 };
+use cairn_engine::tls::ClientTls;
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::refusal::Refusal;
 use cairn_proto::runs::{HostState, RunState};
-use cairn_runner::tls::ClientTls;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -120,7 +120,7 @@ fn grpc_and_blobs_go_over_tls_and_clients_trust_only_the_given_ca() {
 
     block_on(async {
         // Health answers over TLS without a token.
-        let probe = cairn_runner::client::Coordinator::connect_with(
+        let probe = cairn_engine::client::CoordinatorClient::connect_with(
             coordinator.grpc_url(),
             None,
             &coordinator.client_tls(),
@@ -138,7 +138,7 @@ fn grpc_and_blobs_go_over_tls_and_clients_trust_only_the_given_ca() {
 
         // Plain HTTP/2 to the TLS port gets no gRPC answer.
         let plain = format!("http://127.0.0.1:{}", port_of(coordinator.grpc_url()));
-        let plain_result = match cairn_runner::client::Coordinator::connect_with(
+        let plain_result = match cairn_engine::client::CoordinatorClient::connect_with(
             &plain,
             None,
             &ClientTls::default(),
@@ -160,7 +160,7 @@ fn grpc_and_blobs_go_over_tls_and_clients_trust_only_the_given_ca() {
         );
 
         // The blob server: https with the CA answers, plain HTTP does not.
-        cairn_runner::transfer::install_crypto_provider();
+        cairn_engine::transfer::install_crypto_provider();
         let https = reqwest::Client::builder()
             .tls_built_in_root_certs(false)
             .add_root_certificate(

@@ -9,9 +9,9 @@ use std::os::unix::fs::PermissionsExt;
 
 use cairn_e2e::fleet::{Fleet, HostOptions};
 use cairn_e2e::{Coordinator, block_on, populate_small_workspace, run, tempdir};
+use cairn_engine::client::CoordinatorClient as Api;
 use cairn_proto::pb;
 use cairn_proto::runs::RunState;
-use cairn_runner::client::Coordinator as Api;
 use tonic::{Code, Status};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -30,11 +30,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use cairn_engine::client::AuthChannel;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_client::AdminServiceClient;
 use cairn_proto::pb::run_service_client::RunServiceClient;
 use cairn_proto::runs::{HostState, RunState, to_proto_duration};
-use cairn_runner::client::AuthChannel;
 use serde_json::Value;
 use tempfile::TempDir;
 

@@ -159,13 +159,13 @@ impl Coordinator {
     }
 
     /// The TLS settings a client of this coordinator uses.
-    pub fn client_tls(&self) -> cairn_runner::tls::ClientTls {
+    pub fn client_tls(&self) -> cairn_engine::tls::ClientTls {
         match &self.ca {
-            Some(ca) => cairn_runner::tls::ClientTls::trusting(&cairn_proto::tls::PemSource::File(
+            Some(ca) => cairn_engine::tls::ClientTls::trusting(&cairn_proto::tls::PemSource::File(
                 ca.clone(),
             ))
             .expect("the test CA loads"),
-            None => cairn_runner::tls::ClientTls::default(),
+            None => cairn_engine::tls::ClientTls::default(),
         }
     }
 
@@ -306,14 +306,18 @@ impl Coordinator {
     }
 
     /// gRPC clients authenticated with `token`.
-    pub async fn connect(&self, token: Option<&str>) -> cairn_runner::client::Coordinator {
-        cairn_runner::client::Coordinator::connect_with(&self.grpc_url, token, &self.client_tls())
-            .await
-            .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.grpc_url))
+    pub async fn connect(&self, token: Option<&str>) -> cairn_engine::client::CoordinatorClient {
+        cairn_engine::client::CoordinatorClient::connect_with(
+            &self.grpc_url,
+            token,
+            &self.client_tls(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.grpc_url))
     }
 
     /// gRPC clients with the admin token.
-    pub async fn admin(&self) -> cairn_runner::client::Coordinator {
+    pub async fn admin(&self) -> cairn_engine::client::CoordinatorClient {
         self.connect(Some(&self.admin_token)).await
     }
 
@@ -479,7 +483,7 @@ impl Client {
 
 /// The signed PUT URL of one data pack holding `bytes`, from PrepareUploads.
 pub async fn put_url(
-    api: &mut cairn_runner::client::Coordinator,
+    api: &mut cairn_engine::client::CoordinatorClient,
     workspace: &str,
     bytes: &[u8],
 ) -> pb::SignedUrl {

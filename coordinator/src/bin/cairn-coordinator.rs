@@ -6,7 +6,6 @@
 //! Logs go to stderr (`RUST_LOG` filters, `--log-format json` for machines);
 //! stdout carries only what a person starting it needs to see.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -17,10 +16,9 @@ use cairn_coordinator::datadir::DataDir;
 use cairn_coordinator::grpc::{Limits, ServerLimits};
 use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
-use tracing_subscriber::EnvFilter;
 
 /// cairn's coordinator: workspaces, checkpoint metadata, signed URLs, runs and hosts.
 #[derive(Debug, Parser)]
@@ -34,12 +32,6 @@ struct Cli {
 enum Command {
     /// Run the coordinator (gRPC API and embedded blob store) until SIGINT/SIGTERM.
     Serve(ServeArgs),
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(Debug, clap::Args)]
@@ -131,19 +123,7 @@ struct ServeArgs {
     tls_reload_interval: Duration,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
-    log_format: LogFormat,
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    log_format: cairn_utils::logging::LogFormat,
 }
 
 async fn bind(address: &str, what: &str) -> anyhow::Result<TcpListener> {
@@ -229,7 +209,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => {
-            init_logging(args.log_format);
+            cairn_utils::logging::init(args.log_format, "info");
             serve(args).await
         }
     };

@@ -56,7 +56,7 @@ async fn stored_pack() -> Stored {
 }
 
 fn http() -> reqwest::Client {
-    cairn_runner::transfer::install_crypto_provider();
+    cairn_engine::transfer::install_crypto_provider();
     reqwest::Client::new()
 }
 

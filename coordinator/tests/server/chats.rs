@@ -2,9 +2,9 @@
 //! runner reports its harness heard them, given back by attempts and runs
 //! that end before that.
 
+use cairn_engine::client::AuthChannel;
 use cairn_proto::pb;
 use cairn_proto::pb::workspace_service_client::WorkspaceServiceClient;
-use cairn_runner::client::AuthChannel;
 use tonic::Code;
 
 use crate::fleet::{FakeRunner, patient_fleet, reasons, run_on, start_patient, wait_for_input};

@@ -3,11 +3,11 @@
 use std::path::Path;
 
 use cairn_coordinator::store::{ObjectKey, StoreOp};
+use cairn_engine::client::CoordinatorClient;
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{Generation, PackId, TenantId};
 use cairn_proto::pb;
 use cairn_proto::refusal::Refusal;
-use cairn_runner::client::Coordinator;
 use tonic::Code;
 
 use crate::harness::*;
@@ -25,7 +25,7 @@ async fn bump_generation(data_dir: &Path, workspace: &str) {
 }
 
 async fn find_missing(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     request: pb::FindMissingBlobsRequest,
 ) -> Result<pb::FindMissingBlobsResponse, tonic::Status> {
     client

@@ -6,12 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use cairn_engine::client::{AuthChannel, CoordinatorClient};
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_client::AdminServiceClient;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::pb::run_service_client::RunServiceClient;
 use cairn_proto::pb::runner_service_client::RunnerServiceClient;
-use cairn_runner::client::{AuthChannel, Coordinator};
 use tokio_stream::StreamExt;
 
 use crate::harness::{TestServer, data_dir};
@@ -398,7 +398,7 @@ impl FakeHost {
 pub struct FakeRunner {
     pub runner: RunnerServiceClient<AuthChannel>,
     /// Workspace and checkpoint clients with the run token.
-    pub coordinator: Coordinator,
+    pub coordinator: CoordinatorClient,
 }
 
 impl FakeRunner {
@@ -407,7 +407,7 @@ impl FakeRunner {
         Self {
             // As the real runner: an attempt's spec may be large.
             runner: RunnerServiceClient::new(coordinator.auth_channel())
-                .max_decoding_message_size(cairn_runner::client::MAX_MESSAGE_BYTES),
+                .max_decoding_message_size(cairn_engine::client::MAX_MESSAGE_BYTES),
             coordinator,
         }
     }

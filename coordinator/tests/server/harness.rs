@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use cairn_coordinator::store::{Faults, FaultyStore, ObjectStore};
 use cairn_coordinator::{ServeError, ServerConfig};
+use cairn_engine::client::{AuthChannel, CoordinatorClient};
+use cairn_engine::format::{FinishedPack, PackBuilder, TenantKeys, seal};
 use cairn_proto::domain::PackKind;
 use cairn_proto::pb;
-use cairn_runner::client::{AuthChannel, Coordinator};
-use cairn_runner::format::{FinishedPack, PackBuilder, TenantKeys, seal};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -32,7 +32,7 @@ pub struct TestServer {
 impl TestServer {
     /// Starts a coordinator on `data_dir`, letting `configure` adjust the config.
     pub async fn start_with(data_dir: &Path, configure: impl FnOnce(&mut ServerConfig)) -> Self {
-        cairn_runner::transfer::install_crypto_provider();
+        cairn_engine::transfer::install_crypto_provider();
         let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let blob = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let grpc_url = format!("http://{}", grpc.local_addr().unwrap());
@@ -85,7 +85,7 @@ impl TestServer {
             }
             if let Ok(text) = std::fs::read_to_string(&token_path) {
                 let token = text.trim().to_owned();
-                if let Ok(client) = Coordinator::connect(&self.grpc_url, Some(&token)).await {
+                if let Ok(client) = CoordinatorClient::connect(&self.grpc_url, Some(&token)).await {
                     let mut health = HealthClient::new(client.auth_channel());
                     if health
                         .check(HealthCheckRequest {
@@ -120,12 +120,14 @@ impl TestServer {
         self.owned_dir = Some(dir);
     }
 
-    pub async fn client(&self) -> Coordinator {
+    pub async fn client(&self) -> CoordinatorClient {
         self.client_with(Some(&self.admin_token)).await
     }
 
-    pub async fn client_with(&self, token: Option<&str>) -> Coordinator {
-        Coordinator::connect(&self.grpc_url, token).await.unwrap()
+    pub async fn client_with(&self, token: Option<&str>) -> CoordinatorClient {
+        CoordinatorClient::connect(&self.grpc_url, token)
+            .await
+            .unwrap()
     }
 
     /// A channel that sends `token`, for any service's client.
@@ -162,7 +164,7 @@ pub fn data_dir() -> tempfile::TempDir {
 }
 
 /// Creates a workspace (optionally named) and returns it.
-pub async fn create_workspace(client: &mut Coordinator, name: &str) -> pb::Workspace {
+pub async fn create_workspace(client: &mut CoordinatorClient, name: &str) -> pb::Workspace {
     client
         .workspaces
         .create_workspace(pb::CreateWorkspaceRequest { name: name.into() })
@@ -172,7 +174,7 @@ pub async fn create_workspace(client: &mut Coordinator, name: &str) -> pb::Works
 }
 
 /// A workspace by id or name.
-pub async fn get_workspace(client: &mut Coordinator, workspace: &str) -> pb::Workspace {
+pub async fn get_workspace(client: &mut CoordinatorClient, workspace: &str) -> pb::Workspace {
     client
         .workspaces
         .get_workspace(pb::GetWorkspaceRequest {
@@ -183,7 +185,7 @@ pub async fn get_workspace(client: &mut Coordinator, workspace: &str) -> pb::Wor
         .into_inner()
 }
 
-pub async fn begin(client: &mut Coordinator, workspace: &str) -> pb::BeginCheckpointResponse {
+pub async fn begin(client: &mut CoordinatorClient, workspace: &str) -> pb::BeginCheckpointResponse {
     client
         .checkpoints
         .begin_checkpoint(pb::BeginCheckpointRequest {
@@ -218,7 +220,7 @@ pub fn build_pack(
 
 /// Signed PUT URLs for `packs`.
 pub async fn prepare(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     workspace: &str,
     packs: &[&FinishedPack<Vec<u8>>],
 ) -> Vec<pb::SignedUrl> {
@@ -242,7 +244,11 @@ pub async fn prepare(
 }
 
 /// Uploads `packs` through signed URLs, as a runner does.
-pub async fn upload(client: &mut Coordinator, workspace: &str, packs: &[&FinishedPack<Vec<u8>>]) {
+pub async fn upload(
+    client: &mut CoordinatorClient,
+    workspace: &str,
+    packs: &[&FinishedPack<Vec<u8>>],
+) {
     let urls = prepare(client, workspace, packs).await;
     let http = reqwest::Client::new();
     for (url, pack) in urls.iter().zip(packs) {
@@ -299,7 +305,7 @@ pub fn commit_request(
 
 /// Commits a checkpoint that must be accepted.
 pub async fn commit(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     request: pb::CommitCheckpointRequest,
 ) -> pb::Checkpoint {
     client
@@ -312,7 +318,7 @@ pub async fn commit(
 
 /// Commits a checkpoint that must be refused; returns why.
 pub async fn commit_err(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     request: pb::CommitCheckpointRequest,
 ) -> tonic::Status {
     client
@@ -325,7 +331,7 @@ pub async fn commit_err(
 /// One whole checkpoint of `contents`: a meta pack with a root tree blob and
 /// a data pack, uploaded and committed.
 pub async fn checkpoint(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     workspace: &str,
     contents: &[u8],
 ) -> pb::Checkpoint {
@@ -339,7 +345,10 @@ pub async fn checkpoint(
 }
 
 /// Every checkpoint of a workspace, newest first.
-pub async fn list_checkpoints(client: &mut Coordinator, workspace: &str) -> Vec<pb::Checkpoint> {
+pub async fn list_checkpoints(
+    client: &mut CoordinatorClient,
+    workspace: &str,
+) -> Vec<pb::Checkpoint> {
     client
         .checkpoints
         .list_checkpoints(pb::ListCheckpointsRequest {
@@ -354,7 +363,7 @@ pub async fn list_checkpoints(client: &mut Coordinator, workspace: &str) -> Vec<
 
 /// The manifest of a workspace's newest checkpoints.
 pub async fn manifest(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
     workspace: &str,
     checkpoint_id: &str,
 ) -> pb::RestoreManifest {

@@ -298,7 +298,7 @@ async fn enrollment_token(clients: &mut Clients) -> String {
 async fn host_service(
     server: &TestServer,
     token: &str,
-) -> HostServiceClient<cairn_runner::client::AuthChannel> {
+) -> HostServiceClient<cairn_engine::client::AuthChannel> {
     HostServiceClient::new(server.channel(token).await)
 }
 

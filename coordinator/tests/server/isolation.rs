@@ -13,11 +13,11 @@ use crate::harness::*;
 struct Victim {
     workspace: pb::Workspace,
     begin: pb::BeginCheckpointResponse,
-    data: cairn_runner::format::FinishedPack<Vec<u8>>,
+    data: cairn_engine::format::FinishedPack<Vec<u8>>,
     checkpoint: pb::Checkpoint,
 }
 
-async fn victim(client: &mut cairn_runner::client::Coordinator, content: &[u8]) -> Victim {
+async fn victim(client: &mut cairn_engine::client::CoordinatorClient, content: &[u8]) -> Victim {
     let workspace = create_workspace(client, "").await;
     let begin = begin(client, &workspace.id).await;
     let keys = keys_of(&begin);
@@ -39,7 +39,7 @@ async fn victim(client: &mut cairn_runner::client::Coordinator, content: &[u8]) 
 
 /// FindMissingBlobs of `ids` on behalf of `workspace`.
 async fn find_in(
-    client: &mut cairn_runner::client::Coordinator,
+    client: &mut cairn_engine::client::CoordinatorClient,
     workspace: &str,
     ids: &[cairn_proto::ids::BlobId],
 ) -> pb::FindMissingBlobsResponse {

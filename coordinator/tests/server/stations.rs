@@ -4,9 +4,9 @@
 //! work it was forked from, and a station conversation of another harness
 //! is named rather than resumed.
 
+use cairn_engine::client::AuthChannel;
 use cairn_proto::pb;
 use cairn_proto::pb::workspace_service_client::WorkspaceServiceClient;
-use cairn_runner::client::AuthChannel;
 use tonic::Code;
 
 use crate::fleet::{Clients, FakeHost, FakeRunner, patient_fleet, run_on, run_request};

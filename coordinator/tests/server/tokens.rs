@@ -3,9 +3,9 @@
 
 use cairn_coordinator::db::MetadataStore;
 use cairn_coordinator::tokens::{self, Scope};
+use cairn_engine::client::CoordinatorClient;
 use cairn_proto::ids::TenantId;
 use cairn_proto::pb;
-use cairn_runner::client::Coordinator;
 use std::time::Duration;
 use tokio_stream::StreamExt;
 
@@ -26,7 +26,7 @@ use crate::harness::*;
 
 /// The status of one call to each service (`Ok` for success).
 async fn call_every_service(
-    client: &mut Coordinator,
+    client: &mut CoordinatorClient,
 ) -> Vec<(&'static str, Result<(), tonic::Status>)> {
     let workspaces = client
         .workspaces
@@ -66,7 +66,7 @@ async fn call_every_service(
 }
 
 /// The services reflection lists.
-async fn list_services(client: &mut Coordinator) -> Result<Vec<String>, tonic::Status> {
+async fn list_services(client: &mut CoordinatorClient) -> Result<Vec<String>, tonic::Status> {
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),

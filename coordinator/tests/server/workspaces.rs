@@ -273,7 +273,7 @@ async fn a_fork_is_refused_whole_with_precise_codes() {
     let source = create_workspace(&mut client, "task").await;
     let empty = create_workspace(&mut client, "empty").await;
     checkpoint(&mut client, &source.id, b"first").await;
-    let count = |client: &mut cairn_runner::client::Coordinator| {
+    let count = |client: &mut cairn_engine::client::CoordinatorClient| {
         let mut client = client.workspaces.clone();
         async move {
             client

@@ -741,7 +741,7 @@ mod testing {
     /// Asserts which of these paths (relative to `root`) `harness` keeps out of
     /// every checkpoint.
     pub(super) fn assert_excluded(harness: &dyn Harness, root: &Path, cases: &[(&str, bool)]) {
-        let matcher = crate::scan::exclude_matcher(root, &harness.excludes())
+        let matcher = cairn_engine::scan::exclude_matcher(root, &harness.excludes())
             .unwrap()
             .unwrap();
         for (path, excluded) in cases {

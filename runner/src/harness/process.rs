@@ -56,21 +56,11 @@ impl TurnExit {
         if let Some(error) = &self.observed.error {
             return error.clone();
         }
-        let status = describe_status(self.status);
+        let status = cairn_utils::process::describe_status(self.status);
         match self.stderr_tail.iter().rev().find(|l| !l.trim().is_empty()) {
             Some(line) => format!("the harness {status}: {}", line.trim()),
             None => format!("the harness {status}"),
         }
-    }
-}
-
-/// `exited with status 1`, `was killed by signal 9`.
-pub fn describe_status(status: ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt as _;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exited with status {code}"),
-        (None, Some(signal)) => format!("was killed by signal {signal}"),
-        (None, None) => "ended".to_owned(),
     }
 }
 

@@ -13,8 +13,8 @@ use cairn_proto::pb::runner_service_client::RunnerServiceClient;
 use cairn_proto::refusal::Refusal;
 use tonic::Code;
 
-use crate::client::{AuthChannel, MAX_MESSAGE_BYTES};
-use crate::restore::describe_status;
+use cairn_engine::client::{AuthChannel, MAX_MESSAGE_BYTES};
+use cairn_engine::restore::describe_status;
 
 const ATTEMPTS: u32 = 8;
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);

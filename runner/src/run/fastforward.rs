@@ -15,9 +15,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::gitcli::{GitOutput, git, short};
 use super::listed;
-use crate::checkpoint::plural;
+use cairn_engine::git::command::{GitOutput, git, short};
+use cairn_utils::text::plural;
 
 /// How long a fetch may take.
 pub const FETCH_LIMIT: Duration = Duration::from_secs(120);
@@ -377,10 +377,10 @@ pub async fn fast_forward_all(checkouts: &[Checkout], skip: &BTreeSet<String>) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::git::testing::git as sh_git;
+    use cairn_engine::git::testing::git as sh_git;
 
     fn commit(dir: &Path, file: &str, content: &str) -> String {
-        crate::git::testing::commit(dir, file, content, &format!("change {file}"))
+        cairn_engine::git::testing::commit(dir, file, content, &format!("change {file}"))
     }
 
     /// A bare remote with one commit, the workspace's clone `app`, and a

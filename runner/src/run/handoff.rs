@@ -28,9 +28,9 @@ use serde::Deserialize;
 
 use super::control::clip_to;
 use super::fastforward::{Checkout, find_checkouts};
-use super::gitcli::git;
-use crate::checkpoint::plural;
-use crate::git::RepoState;
+use cairn_engine::git::RepoState;
+use cairn_engine::git::command::git;
+use cairn_utils::text::plural;
 
 /// How long each git command of a note may take.
 const GIT_LIMIT: Duration = Duration::from_secs(10);
@@ -259,9 +259,10 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
                 shown.join("; ")
             ));
         }
-        let state =
-            tokio::task::spawn_blocking(move || crate::git::inspect(&checkout.dir, &checkout.name))
-                .await;
+        let state = tokio::task::spawn_blocking(move || {
+            cairn_engine::git::inspect(&checkout.dir, &checkout.name)
+        })
+        .await;
         match state {
             Ok(Ok(state)) => line.push_str(&uncommitted(&state)),
             Ok(Err(e)) => line.push_str(&format!("; {e}")),
@@ -295,10 +296,10 @@ mod tests {
     use std::fs;
 
     use super::*;
-    use crate::git::testing::git as sh_git;
+    use cairn_engine::git::testing::git as sh_git;
 
     fn commit(dir: &Path, file: &str, subject: &str) {
-        crate::git::testing::commit(dir, file, subject, subject);
+        cairn_engine::git::testing::commit(dir, file, subject, subject);
     }
 
     #[test]

@@ -29,8 +29,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{listed, outcome};
-use crate::checkpoint::plural;
 use crate::harness::OUTCOME_FILE;
+use cairn_utils::text::plural;
 
 /// The record of laid files, relative to the root.
 pub const LAID_FILE: &str = ".cairn/laid.json";

@@ -36,7 +36,6 @@
 
 pub mod control;
 pub mod fastforward;
-pub mod gitcli;
 pub mod handoff;
 pub mod laid;
 pub mod messages;
@@ -52,19 +51,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb::{self, AttemptPhase};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::{self, Baseline};
-use crate::cli::{RunArgs, default_cache_dir};
-use crate::client::{ConnectError, Coordinator};
 use crate::harness::{
     self, Harness, OUTCOME_ENV, RunningTurn, TurnEvent, TurnExit, TurnRequest, spawn_turn,
 };
 use crate::socket::{self as control_socket, Response, Unchanged};
+use cairn_engine::checkpoint::Baseline;
+use cairn_engine::client::{ConnectError, CoordinatorClient};
 
 pub use control::{Control, ControlError};
 pub use outcome::Outcome as OutcomeFile;
@@ -351,7 +348,7 @@ impl Attempt {
                 let root = &self.options.root;
                 // No restore ran to clear it: the tree an earlier restore
                 // left partial is not a workspace to start on.
-                let marker = root.join(crate::restore::INCOMPLETE_MARKER);
+                let marker = root.join(cairn_engine::restore::INCOMPLETE_MARKER);
                 if std::fs::symlink_metadata(&marker).is_ok() {
                     let error = format!(
                         "the workspace at {} is what a restore that did not complete left (marked by {}), and the workspace has no checkpoint to restore over it",
@@ -707,7 +704,7 @@ impl Attempt {
                 let exit = running.stop(self.options.stop_grace).await;
                 tracing::info!(
                     "the harness {}",
-                    harness::process::describe_status(exit.status)
+                    cairn_utils::process::describe_status(exit.status)
                 );
                 // A session it announced meanwhile still counts: its inputs were heard.
                 while let Ok(event) = events.try_recv() {
@@ -731,7 +728,7 @@ impl Attempt {
         while let Ok(event) = events.try_recv() {
             self.on_event(event, turn, &cwd).await?;
         }
-        tracing::info!(summary = ?exit.observed.summary, "the harness {}", harness::process::describe_status(exit.status));
+        tracing::info!(summary = ?exit.observed.summary, "the harness {}", cairn_utils::process::describe_status(exit.status));
         let ended = self.classify(exit, turn);
         if !matches!(ended, TurnEnd::SessionLost(_)) {
             // A turn that ran to its own end read its message, session or not.
@@ -849,7 +846,7 @@ impl Attempt {
             }
             Err(e) => {
                 tracing::warn!(%reason, error = %e, "the checkpoint the agent asked for failed");
-                answer(Response::failed(checkpoint::one_line(&e)));
+                answer(Response::failed(cairn_utils::text::one_line(&e)));
                 Ok(())
             }
         }
@@ -1151,10 +1148,10 @@ pub fn cancel_on_signals(token: CancellationToken) -> std::io::Result<()> {
 }
 
 /// Connects, retrying a little: the sandbox may start before the network settles.
-async fn connect(address: &str, token: &str) -> Result<Coordinator, ConnectError> {
+pub(crate) async fn connect(address: &str, token: &str) -> Result<CoordinatorClient, ConnectError> {
     let mut backoff = Duration::from_millis(250);
     for _ in 0..6 {
-        match Coordinator::connect(address, Some(token)).await {
+        match CoordinatorClient::connect(address, Some(token)).await {
             Err(ConnectError::Unreachable { .. }) => {
                 tracing::info!(address, ?backoff, "coordinator unreachable; retrying");
                 tokio::time::sleep(backoff).await;
@@ -1163,49 +1160,5 @@ async fn connect(address: &str, token: &str) -> Result<Coordinator, ConnectError
             other => return other,
         }
     }
-    Coordinator::connect(address, Some(token)).await
-}
-
-/// `cairn-runner run`.
-pub async fn cli_main(args: RunArgs) -> anyhow::Result<()> {
-    let shutdown = CancellationToken::new();
-    cancel_on_signals(shutdown.clone()).context("cannot handle signals")?;
-    let token = args
-        .token
-        .filter(|t| !t.trim().is_empty())
-        .context("no run token: set CAIRN_RUN_TOKEN")?;
-    let coordinator = connect(&args.coordinator, &token).await?;
-    let control = Control::new(coordinator.auth_channel());
-    let cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
-    let pack_cache = args.pack_cache.config();
-    let root = args.root;
-    let resident: Arc<tokio::sync::OnceCell<_>> = Default::default();
-    let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
-        Arc::new(RemoteStore {
-            coordinator: args.coordinator.clone(),
-            token: token.clone(),
-            root: root.clone(),
-            cache_dir: cache_dir.clone(),
-            pack_cache: pack_cache.clone(),
-            target,
-            limits: args.limits.limits(),
-            resident: resident.clone(),
-        })
-    };
-    let root_for_socket = std::path::absolute(&root).unwrap_or_else(|_| root.clone());
-    let options = RunOptions {
-        control_socket: Some(
-            args.control_socket
-                .unwrap_or_else(|| control_socket::default_socket(&cache_dir, &root_for_socket)),
-        ),
-        coordinator: Some(args.coordinator.clone()),
-        ..RunOptions::new(root.clone())
-    };
-    let finished = run(control, &stores, options, shutdown).await;
-    if let Some(resident) = resident.get() {
-        resident.settle().await;
-    }
-    let finished = finished?;
-    tracing::info!(?finished, "runner done");
-    Ok(())
+    CoordinatorClient::connect(address, Some(token)).await
 }

@@ -26,7 +26,6 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::handoff::AgentHandoff;
-use crate::cli::AskArgs;
 use crate::harness::{OUTCOME_ENV, OUTCOME_FILE};
 
 /// Larger files are refused unread (a question is a few lines).
@@ -58,7 +57,7 @@ impl Outcome {
         }
     }
 
-    fn status(&self) -> &'static str {
+    pub fn status(&self) -> &'static str {
         match self {
             Self::NeedsInput { .. } => "needs_input",
             Self::Done { .. } => "done",
@@ -186,32 +185,6 @@ pub fn write(path: &Path, outcome: &Outcome) -> Result<Option<Outcome>, OutcomeE
     fs::write(&temporary, json + "\n").map_err(write_error)?;
     fs::rename(&temporary, path).map_err(write_error)?;
     Ok(previous)
-}
-
-/// `cairn-runner ask "question"`.
-pub fn ask_main(args: AskArgs) -> anyhow::Result<()> {
-    let question = args.question.join(" ");
-    let path = args.outcome_file.unwrap_or_else(path_from_env);
-    let previous = write(
-        &path,
-        &Outcome::NeedsInput {
-            question: question.trim().to_owned(),
-        },
-    )?;
-    if let Some(previous) = previous {
-        println!(
-            "replaced the earlier outcome ({}) in {}",
-            previous.status(),
-            path.display()
-        );
-    }
-    println!("asked: {}", question.trim());
-    println!(
-        "wrote {}: when this turn ends the runner saves the workspace and waits for an answer, \
-         which arrives as the next message of this conversation",
-        path.display()
-    );
-    Ok(())
 }
 
 #[cfg(test)]

@@ -94,7 +94,7 @@ pub async fn clone_repo(root: &Path, repo: &pb::RepoSpec) -> Result<Cloned, Clon
             .unwrap_or_else(|| {
                 format!(
                     "git {}",
-                    crate::harness::process::describe_status(output.status)
+                    cairn_utils::process::describe_status(output.status)
                 )
             });
         return Err(CloneError::Failed {

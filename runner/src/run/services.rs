@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use crate::harness::template;
-use crate::host::process::signal_group;
+use cairn_utils::process::signal_group;
 
 /// The declaration, relative to the root.
 pub const SERVICES_FILE: &str = ".cairn/services.toml";
@@ -463,7 +463,7 @@ command = "sleep 600"
             "the web service is stopped"
         );
         for pid in pids {
-            let alive = crate::host::process::read_stat(pid).is_some_and(|s| !s.is_zombie());
+            let alive = cairn_utils::process::read_stat(pid).is_some_and(|s| !s.is_zombie());
             assert!(!alive, "process {pid} outlived stop()");
         }
     }

@@ -14,12 +14,12 @@ use cairn_proto::pb;
 use cairn_proto::size::human_bytes;
 use futures::future::BoxFuture;
 
-use crate::checkpoint::{
+use cairn_engine::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
 };
-use crate::client::Coordinator;
-use crate::restore::{self, NoProgress, RestoreError, RestoreOptions};
-use crate::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
+use cairn_engine::client::CoordinatorClient;
+use cairn_engine::restore::{self, NoProgress, RestoreError, RestoreOptions};
+use cairn_engine::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 
 /// What the workspace was prepared from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -206,7 +206,7 @@ impl WorkspaceStore for RemoteStore {
             let runtime = tokio::runtime::Handle::current();
             let restored = tokio::task::spawn_blocking(move || {
                 runtime.block_on(async {
-                    let coordinator = Coordinator::connect(&address, Some(&token)).await?;
+                    let coordinator = CoordinatorClient::connect(&address, Some(&token)).await?;
                     restore::restore(&coordinator, &opts, &NoProgress).await
                 })
             })
@@ -233,7 +233,8 @@ impl WorkspaceStore for RemoteStore {
                     Ok(Restored::Checkpoint {
                         id: report.checkpoint_id.to_string(),
                         root_tree: BlobId::from_slice(&report.checkpoint.root_tree).ok(),
-                        summary: report.summary(&root).replace("\n  ", "; "),
+                        summary: crate::report::restore_summary(&report, &root)
+                            .replace("\n  ", "; "),
                     })
                 }
                 Err(RestoreError::NoCheckpoints { .. }) => Ok(Restored::NoCheckpoint),
@@ -319,9 +320,9 @@ mod tests {
             failures: vec![],
         });
         assert!(unrestorable.is_permanent() && !unrestorable.is_fenced());
-        let down = StoreError::Restore(RestoreError::Coordinator(tonic::Status::unavailable(
-            "down",
-        )));
+        let down = StoreError::Restore(RestoreError::CoordinatorClient(
+            tonic::Status::unavailable("down"),
+        ));
         assert!(!down.is_permanent());
     }
 }

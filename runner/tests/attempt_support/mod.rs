@@ -14,12 +14,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use cairn_engine::checkpoint::{Baseline, CheckpointError};
+use cairn_engine::client::CoordinatorClient;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::ids::BlobId;
 use cairn_proto::pb::runner_service_server::{RunnerService, RunnerServiceServer};
 use cairn_proto::pb::{self, AttemptPhase};
-use cairn_runner::checkpoint::{Baseline, CheckpointError};
-use cairn_runner::client::Coordinator;
 use cairn_runner::run::{
     self, CheckpointRequest, Checkpointed, Control, Finished, Restored, RunOptions, StoreError,
     StoreTarget, WorkspaceStore,
@@ -252,7 +252,9 @@ pub async fn serve(fake: &FakeRunnerService) -> Control {
             .add_service(service)
             .serve_with_incoming(incoming),
     );
-    let coordinator = Coordinator::connect(&address, Some(TOKEN)).await.unwrap();
+    let coordinator = CoordinatorClient::connect(&address, Some(TOKEN))
+        .await
+        .unwrap();
     Control::new(coordinator.auth_channel())
 }
 
@@ -579,6 +581,27 @@ impl Drop for Reaped {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The `cairn-demo-agent` binary: another package's, so cargo does not
+/// build it for this test; `cargo build --workspace --bins` (scripts/test
+/// runs it) puts it next to this test's target dir.
+pub fn demo_agent_binary() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test executable has a path");
+        let path = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test executables live in target/<profile>/deps")
+            .join("cairn-demo-agent");
+        assert!(
+            path.is_file(),
+            "{} is missing: run `cargo build --workspace --bins` first (scripts/test does)",
+            path.display()
+        );
+        path.to_string_lossy().into_owned()
+    })
 }
 
 /// The `cairn-coordinator` binary next to this test's target dir, if built.

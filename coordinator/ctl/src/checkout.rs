@@ -1,0 +1,90 @@
+//! `cairnctl checkout WS DEST [--checkpoint CID]`: the runner's restore
+//! engine writing into any directory, with a progress bar on stderr.
+//!
+//! The bar is hidden when stderr is not a terminal or the output is JSON, so
+//! scripts see only the report. The runner's fingerprint cache is left
+//! alone: it belongs to the workspace's sandbox, not to this directory. A
+//! host's pack cache (`--pack-cache DIR`) is used and filled like a runner
+//! does, every byte from it verified.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cairn_engine::client::CoordinatorClient;
+use cairn_engine::restore::{self, PackCacheConfig, PlannedWork, RestoreOptions, RestoreProgress};
+use cairn_proto::ids::CheckpointId;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::{Output, emit, print_json};
+
+/// Feeds restore progress into an indicatif bar (bytes written).
+struct Bar(ProgressBar);
+
+impl RestoreProgress for Bar {
+    fn trying(&self, checkpoint: &CheckpointId) {
+        self.0.set_message(format!("checkpoint {checkpoint}"));
+    }
+
+    fn skipped(&self, checkpoint: &str, reason: &str) {
+        self.0.println(format!(
+            "checkpoint {checkpoint} cannot be restored ({reason}); trying an older one"
+        ));
+    }
+
+    fn planned(&self, work: &PlannedWork) {
+        self.0.set_length(work.bytes_to_write);
+        self.0.set_position(0);
+    }
+
+    fn written(&self, bytes: u64, _files: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+fn progress_bar(out: Output) -> ProgressBar {
+    if out == Output::Json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(0);
+    let style = ProgressStyle::with_template(
+        "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    )
+    .expect("the template is valid")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+pub async fn run(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+    dest: PathBuf,
+    checkpoint: Option<&str>,
+    pack_cache: Option<PackCacheConfig>,
+    verify_existing: bool,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let checkpoint = checkpoint
+        .map(str::parse::<CheckpointId>)
+        .transpose()
+        .context("--checkpoint")?;
+    let opts = RestoreOptions {
+        checkpoint,
+        pack_cache,
+        verify_existing,
+        ..RestoreOptions::new(&dest, workspace)
+    };
+    let bar = Bar(progress_bar(out));
+    let result = restore::restore(coordinator, &opts, &bar).await;
+    bar.0.finish_and_clear();
+    let report = result?;
+    match out {
+        Output::Json => print_json(&report.to_json())?,
+        Output::Table => emit(&cairn_runner::report::restore_summary(&report, &dest))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,530 @@
+//! `cairnctl`, the command line: workspaces, checkpoints, checkout and
+//! verification, runs, hosts and tokens, talking to the coordinator over
+//! gRPC with a bearer token — and `cairnctl demo`, the whole system on one
+//! machine.
+//!
+//! Tables for people, `--output json` for scripts (one JSON document on
+//! stdout; `runs events --follow` prints one object per line). Errors go to
+//! stderr as `error: <cause>`, with gRPC codes spelled out, and exit 1.
+//! `cairnctl checkout` is the engine's restore ([`cairn_engine::restore`])
+//! with `cairn-runner restore`'s flags; `cairnctl demo` starts the real
+//! binaries.
+//!
+//! - [`output`]: tables, JSON shapes and human units.
+//! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes`.
+//! - [`checkpoints`]: `checkpoints WS`.
+//! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
+//! - [`verify`]: `verify WS [--read-data]`.
+//! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
+//! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
+//! - [`tokens`]: `tokens create --scope client|host [--expires-in]`,
+//!   `tokens list`, `tokens revoke ID`.
+//! - [`demo`]: `demo`, an embedded coordinator, two hosts and a run that
+//!   loses its host and resumes on the other.
+
+mod checkout;
+mod checkpoints;
+mod demo;
+mod hosts;
+mod output;
+mod runs;
+mod tokens;
+mod verify;
+mod workspace;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use cairn_engine::client::CoordinatorClient;
+use cairn_proto::pb;
+use cairn_proto::runs::RunState;
+use cairn_utils::logging::LogFormat;
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// cairn's command line: run agents on workspaces and follow them across
+/// hosts, inspect workspaces and checkpoints, materialise any checkpoint into
+/// a directory, verify what the store holds, and manage hosts and tokens.
+/// `cairnctl demo` shows it all on this machine.
+#[derive(Debug, Parser)]
+#[command(name = "cairnctl", version)]
+pub struct Cli {
+    /// Coordinator gRPC address.
+    #[arg(
+        long,
+        global = true,
+        env = "CAIRN_COORDINATOR",
+        default_value = "http://127.0.0.1:7400"
+    )]
+    pub coordinator: String,
+
+    /// Bearer token (the admin token is in the coordinator's DIR/admin.token).
+    #[arg(long, global = true, env = "CAIRN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Tables for people or JSON for scripts.
+    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+
+    /// Log format on stderr (`RUST_LOG` filters; default `warn`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create, list and show workspaces.
+    #[command(subcommand)]
+    Workspace(WorkspaceCommand),
+    /// List a workspace's checkpoints, newest first.
+    Checkpoints {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Restore a checkpoint (the newest restorable one by default) into a directory.
+    Checkout {
+        /// Workspace id or name.
+        workspace: String,
+        /// Directory to write into; created if missing. Entries the checkpoint
+        /// does not have are removed from it.
+        dest: PathBuf,
+        /// Restore exactly this checkpoint (no fallback to older ones).
+        #[arg(long)]
+        checkpoint: Option<String>,
+        #[command(flatten)]
+        pack_cache: cairn_runner::cli::PackCacheArgs,
+        #[command(flatten)]
+        existing: cairn_runner::cli::ExistingFilesArgs,
+    },
+    /// Check that every pack each checkpoint references is in the store.
+    Verify {
+        /// Workspace id or name.
+        workspace: String,
+        /// Also download every pack: check its digest, decrypt and verify
+        /// every blob, and walk the trees to find every blob they reference.
+        #[arg(long)]
+        read_data: bool,
+    },
+    /// Create runs and follow, answer, suspend or cancel them.
+    #[command(subcommand)]
+    Runs(RunsCommand),
+    /// List hosts; cordon, uncordon or drain one (admin token).
+    #[command(subcommand)]
+    Hosts(HostsCommand),
+    /// Create, list and revoke tokens of clients and hosts (admin token).
+    #[command(subcommand)]
+    Tokens(TokensCommand),
+    /// Run everything locally, no set-up: an embedded coordinator, two hosts,
+    /// and a run that works, asks a question, loses its host and resumes on
+    /// the other one when answered. Exits 0 only if the resumed agent
+    /// remembered its first turn.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCommand {
+    /// Ask for agent work on a workspace (queued until a host takes it).
+    Create(runs::CreateArgs),
+    /// List runs, newest first.
+    List {
+        /// Only runs on this workspace (id or name).
+        #[arg(long)]
+        workspace: Option<String>,
+        /// Only runs in this state (queued, assigned, starting, running,
+        /// waiting, suspended, succeeded, failed, cancelled).
+        #[arg(long, value_parser = parse_run_state)]
+        state: Option<RunState>,
+    },
+    /// Show a run: state and why, question, summary, session, attempts.
+    Show {
+        /// Run id.
+        run: String,
+    },
+    /// The run's events: time, state, reason, host, attempt/generation,
+    /// checkpoint, detail.
+    Events {
+        /// Run id.
+        run: String,
+        /// Keep printing new events until the run ends.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// Answer a run's question: to its held sandbox while it waits, or by
+    /// starting the next attempt once it is suspended.
+    Answer {
+        /// Run id.
+        run: String,
+        /// The answer.
+        text: String,
+    },
+    /// Checkpoint and release the run's sandbox; an answer resumes it.
+    Suspend {
+        /// Run id.
+        run: String,
+        /// Why, for the run's events.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Stop a run for good (its sandbox is destroyed after a checkpoint).
+    Cancel {
+        /// Run id.
+        run: String,
+        /// Why, for the run's events.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HostsCommand {
+    /// List hosts: state, slots, labels, last heartbeat, runs.
+    List,
+    /// Place no new runs on a host.
+    Cordon {
+        /// Host id or name.
+        host: String,
+    },
+    /// Place runs on a cordoned host again.
+    Uncordon {
+        /// Host id or name.
+        host: String,
+    },
+    /// Cordon a host and release its sandboxes: running runs resume
+    /// elsewhere, waiting ones are suspended.
+    Drain {
+        /// Host id or name.
+        host: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Create a token (printed once). A host token is an enrollment token:
+    /// it registers a new host, which then uses the token bound to it.
+    Create {
+        /// What the token may do.
+        #[arg(long, value_enum)]
+        scope: tokens::Scope,
+        /// A note stored with the token (who or what uses it).
+        #[arg(long)]
+        description: Option<String>,
+        /// Refuse the token after this long (30d, 12h, 90m); without it the
+        /// token lives until revoked.
+        #[arg(long, value_parser = tokens::parse_expires_in)]
+        expires_in: Option<std::time::Duration>,
+    },
+    /// List admin, client and host tokens: scope, status, expiry, bound host.
+    List,
+    /// Revoke a token: refused from its next call on.
+    Revoke {
+        /// The token's id (tok-…), from `tokens list`.
+        id: String,
+    },
+}
+
+fn parse_run_state(text: &str) -> Result<RunState, String> {
+    text.parse::<RunState>().map_err(|e| e.reason)
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WorkspaceCommand {
+    /// Create a workspace.
+    Create {
+        /// A unique name (letters, digits, '-', '_', '.').
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List workspaces.
+    List,
+    /// Show one workspace: generation, checkpoint count, latest checkpoint.
+    Show {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Make N workspaces from one checkpoint (no data is copied); their first
+    /// runs fork the conversation where the harness can.
+    Fork {
+        /// Workspace id or name.
+        workspace: String,
+        /// How many workspaces to make (1 to 64).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// The checkpoint to fork from (default: the newest).
+        #[arg(long)]
+        checkpoint: Option<String>,
+        /// Name the new workspaces PREFIX-1 … PREFIX-N (default: <name>-fork).
+        #[arg(long)]
+        name_prefix: Option<String>,
+    },
+    /// Send a chat message to a workspace station: an input of its
+    /// unfinished run there, or pending until the next run there starts.
+    Send {
+        /// Workspace id or name.
+        workspace: String,
+        /// The message (up to 64 KiB).
+        text: String,
+        /// The station (default: "default").
+        #[arg(long)]
+        station: Option<String>,
+    },
+    /// List a workspace's messages and where each is: pending, delivered to
+    /// a run, or heard by its harness.
+    Messages {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Show the handoff notes runs left on a workspace, oldest first: run,
+    /// station, time, and what changed, was checked, is uncertain, comes next.
+    Notes {
+        /// Workspace id or name.
+        workspace: String,
+    },
+}
+
+/// Runs a parsed command line to completion and prints any error.
+pub fn run_to_exit(cli: Cli) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one command. `Ok(FAILURE)` means the command ran and found problems.
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let output = cli.output;
+    // The demo brings its own coordinator.
+    let command = match cli.command {
+        Command::Demo(args) => return demo::run(args, output).await,
+        command => command,
+    };
+    let coordinator = CoordinatorClient::connect(&cli.coordinator, cli.token.as_deref()).await?;
+    match command {
+        Command::Demo(args) => demo::run(args, output).await,
+        Command::Workspace(WorkspaceCommand::Create { name }) => {
+            workspace::create(&coordinator, name, output).await
+        }
+        Command::Workspace(WorkspaceCommand::List) => workspace::list(&coordinator, output).await,
+        Command::Workspace(WorkspaceCommand::Show { workspace }) => {
+            workspace::show(&coordinator, &workspace, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Fork {
+            workspace,
+            count,
+            checkpoint,
+            name_prefix,
+        }) => {
+            let request = pb::ForkWorkspaceRequest {
+                workspace,
+                checkpoint_id: checkpoint.unwrap_or_default(),
+                count,
+                name_prefix: name_prefix.unwrap_or_default(),
+            };
+            workspace::fork(&coordinator, request, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Send {
+            workspace,
+            text,
+            station,
+        }) => {
+            let request = pb::SendMessageRequest {
+                workspace,
+                text,
+                station: station.unwrap_or_default(),
+            };
+            workspace::send(&coordinator, request, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Messages { workspace }) => {
+            workspace::messages(&coordinator, &workspace, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Notes { workspace }) => {
+            workspace::notes(&coordinator, &workspace, output).await
+        }
+        Command::Checkpoints { workspace } => {
+            checkpoints::list(&coordinator, &workspace, output).await
+        }
+        Command::Checkout {
+            workspace,
+            dest,
+            checkpoint,
+            pack_cache,
+            existing,
+        } => {
+            checkout::run(
+                &coordinator,
+                &workspace,
+                dest,
+                checkpoint.as_deref(),
+                pack_cache.config(),
+                existing.verify_existing,
+                output,
+            )
+            .await
+        }
+        Command::Verify {
+            workspace,
+            read_data,
+        } => verify::run(&coordinator, &workspace, read_data, output).await,
+        Command::Runs(command) => run_runs(&coordinator, command, output).await,
+        Command::Hosts(command) => {
+            let (action, host) = match command {
+                HostsCommand::List => return hosts::list(&coordinator, output).await,
+                HostsCommand::Cordon { host } => (hosts::Action::Cordon, host),
+                HostsCommand::Uncordon { host } => (hosts::Action::Uncordon, host),
+                HostsCommand::Drain { host } => (hosts::Action::Drain, host),
+            };
+            hosts::act(&coordinator, action, &host, output).await
+        }
+        Command::Tokens(TokensCommand::Create {
+            scope,
+            description,
+            expires_in,
+        }) => tokens::create(&coordinator, scope, description, expires_in, output).await,
+        Command::Tokens(TokensCommand::List) => tokens::list(&coordinator, output).await,
+        Command::Tokens(TokensCommand::Revoke { id }) => {
+            tokens::revoke(&coordinator, &id, output).await
+        }
+    }
+}
+
+async fn run_runs(
+    coordinator: &CoordinatorClient,
+    command: RunsCommand,
+    output: Output,
+) -> anyhow::Result<ExitCode> {
+    let (action, run, text) = match command {
+        RunsCommand::Create(args) => return runs::create(coordinator, args, output).await,
+        RunsCommand::List { workspace, state } => {
+            return runs::list(coordinator, workspace, state, output).await;
+        }
+        RunsCommand::Show { run } => return runs::show(coordinator, &run, output).await,
+        RunsCommand::Events { run, follow } => {
+            return runs::events(coordinator, &run, follow, output).await;
+        }
+        RunsCommand::Answer { run, text } => (runs::Action::Answer, run, text),
+        RunsCommand::Suspend { run, reason } => (runs::Action::Suspend, run, reason),
+        RunsCommand::Cancel { run, reason } => (runs::Action::Cancel, run, reason),
+    };
+    runs::act(coordinator, action, &run, text, output).await
+}
+
+/// A refused RPC as an error naming what was attempted and the status in words.
+fn rpc_error(what: &'static str) -> impl FnOnce(tonic::Status) -> anyhow::Error {
+    move |status| {
+        anyhow::anyhow!(
+            "{what}: {}",
+            cairn_engine::restore::describe_status(&status)
+        )
+    }
+}
+
+/// Every checkpoint of a workspace, newest first, across pages.
+async fn all_checkpoints(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+) -> anyhow::Result<Vec<pb::Checkpoint>> {
+    let mut client = coordinator.checkpoints.clone();
+    let mut checkpoints = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_checkpoints(pb::ListCheckpointsRequest {
+                workspace: workspace.to_owned(),
+                page_size: 500,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(rpc_error("listing checkpoints"))?
+            .into_inner();
+        checkpoints.extend(page.checkpoints);
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            return Ok(checkpoints);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+fn print_json(value: &serde_json::Value) -> anyhow::Result<()> {
+    emit(&serde_json::to_string_pretty(value).context("encoding JSON")?)
+}
+
+/// Writes one block of output to stdout. A closed pipe (`cairnctl … | head`)
+/// is not an error: the reader has what it wanted.
+fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing to stdout"),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn global_flags_go_before_or_after_the_command() {
+        let cli =
+            Cli::try_parse_from(["cairnctl", "--output", "json", "checkpoints", "demo"]).unwrap();
+        assert_eq!(cli.output, Output::Json);
+        let cli = Cli::try_parse_from(["cairnctl", "verify", "ws", "--read-data", "--token", "t"])
+            .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Verify {
+                read_data: true,
+                ..
+            }
+        ));
+        assert_eq!(cli.token.as_deref(), Some("t"));
+        assert!(
+            Cli::try_parse_from(["cairnctl", "checkout", "ws"]).is_err(),
+            "DEST is required"
+        );
+    }
+
+    #[test]
+    fn refused_calls_say_what_failed_and_why() {
+        let err = rpc_error("showing the workspace")(tonic::Status::not_found(
+            "workspace \"x\" not found",
+        ));
+        assert_eq!(
+            err.to_string(),
+            "showing the workspace: workspace \"x\" not found"
+        );
+        let err =
+            rpc_error("listing workspaces")(tonic::Status::permission_denied("unknown token"));
+        assert_eq!(
+            err.to_string(),
+            "listing workspaces: permission denied: unknown token"
+        );
+    }
+}

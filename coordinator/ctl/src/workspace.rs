@@ -1,0 +1,427 @@
+//! `cairnctl workspace create|list|show|fork|send|messages|notes`.
+
+use std::process::ExitCode;
+
+use cairn_engine::client::CoordinatorClient;
+use cairn_proto::pb;
+
+use super::output::{self, time_of};
+use super::{Output, emit, print_json, rpc_error};
+
+pub async fn create(
+    coordinator: &CoordinatorClient,
+    name: Option<String>,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let workspace = client
+        .create_workspace(pb::CreateWorkspaceRequest {
+            name: name.unwrap_or_default(),
+        })
+        .await
+        .map_err(rpc_error("creating the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&workspace))?,
+        Output::Table => {
+            let named = if workspace.name.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", workspace.name)
+            };
+            emit(&format!("created workspace {}{named}", workspace.id))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn fork(
+    coordinator: &CoordinatorClient,
+    request: pb::ForkWorkspaceRequest,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let forked = client
+        .fork_workspace(request)
+        .await
+        .map_err(rpc_error("forking the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&serde_json::json!({
+            "checkpoint_id": forked.checkpoint_id,
+            "workspaces": forked
+                .workspaces
+                .iter()
+                .map(output::workspace_json)
+                .collect::<Vec<_>>(),
+        }))?,
+        Output::Table => {
+            emit(&format!(
+                "forked {} workspace{} from checkpoint {}",
+                forked.workspaces.len(),
+                if forked.workspaces.len() == 1 {
+                    ""
+                } else {
+                    "s"
+                },
+                forked.checkpoint_id
+            ))?;
+            let rows: Vec<Vec<String>> = forked
+                .workspaces
+                .iter()
+                .map(|w| {
+                    vec![
+                        w.id.clone(),
+                        if w.name.is_empty() {
+                            "-".into()
+                        } else {
+                            w.name.clone()
+                        },
+                        w.latest_checkpoint
+                            .as_ref()
+                            .map(|c| c.id.clone())
+                            .unwrap_or_else(|| "-".into()),
+                    ]
+                })
+                .collect();
+            emit(&output::table(&["ID", "NAME", "CHECKPOINT"], &rows))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn list(coordinator: &CoordinatorClient, out: Output) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let mut workspaces = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_workspaces(pb::ListWorkspacesRequest {
+                page_size: 500,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(rpc_error("listing workspaces"))?
+            .into_inner();
+        workspaces.extend(page.workspaces);
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            workspaces.iter().map(output::workspace_json).collect(),
+        ))?,
+        Output::Table => {
+            let rows: Vec<Vec<String>> = workspaces
+                .iter()
+                .map(|w| {
+                    vec![
+                        w.id.clone(),
+                        if w.name.is_empty() {
+                            "-".into()
+                        } else {
+                            w.name.clone()
+                        },
+                        output::state(w.state).to_owned(),
+                        w.generation.to_string(),
+                        w.checkpoint_count.to_string(),
+                        w.latest_checkpoint
+                            .as_ref()
+                            .map(|c| output::age(time_of!(c.created_at)))
+                            .unwrap_or_else(|| "-".into()),
+                        output::age(time_of!(w.created_at)),
+                    ]
+                })
+                .collect();
+            emit(&output::table(
+                &[
+                    "ID",
+                    "NAME",
+                    "STATE",
+                    "GEN",
+                    "CHECKPOINTS",
+                    "LATEST",
+                    "CREATED",
+                ],
+                &rows,
+            ))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn show(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let w = client
+        .get_workspace(pb::GetWorkspaceRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("showing the workspace"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&w))?,
+        Output::Table => {
+            let latest = match &w.latest_checkpoint {
+                Some(c) => output::checkpoint_brief(c),
+                None => "-".into(),
+            };
+            emit(&output::key_values(&[
+                ("id", w.id.clone()),
+                (
+                    "name",
+                    if w.name.is_empty() {
+                        "-".into()
+                    } else {
+                        w.name.clone()
+                    },
+                ),
+                ("tenant", w.tenant.clone()),
+                ("state", output::state(w.state).to_owned()),
+                ("generation", w.generation.to_string()),
+                ("checkpoints", w.checkpoint_count.to_string()),
+                ("latest", latest),
+                ("created", output::when(time_of!(w.created_at))),
+                ("updated", output::when(time_of!(w.updated_at))),
+            ]))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Where a message is, in a word, and the run that has it.
+fn message_state(m: &pb::Message) -> &'static str {
+    match m.state() {
+        pb::MessageState::Pending => "pending",
+        pb::MessageState::Delivered => "delivered",
+        pb::MessageState::Heard => "heard",
+        pb::MessageState::Unspecified => "unknown",
+    }
+}
+
+fn message_json(m: &pb::Message) -> serde_json::Value {
+    serde_json::json!({
+        "id": m.id,
+        "workspace_id": m.workspace_id,
+        "station": m.station,
+        "text": m.text,
+        "created_at": output::rfc3339(time_of!(m.created_at)),
+        "state": message_state(m),
+        "run_id": m.run_id,
+        "given_back": m.given_back,
+    })
+}
+
+pub async fn send(
+    coordinator: &CoordinatorClient,
+    request: pb::SendMessageRequest,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let message = client
+        .send_message(request)
+        .await
+        .map_err(rpc_error("sending the message"))?
+        .into_inner()
+        .message
+        .ok_or_else(|| anyhow::anyhow!("the coordinator answered without the message"))?;
+    match out {
+        Output::Json => print_json(&message_json(&message))?,
+        Output::Table => {
+            let where_ = if message.run_id.is_empty() {
+                format!("pending until the next run at station {}", message.station)
+            } else {
+                format!("delivered to run {}", message.run_id)
+            };
+            emit(&format!("message {} {where_}", message.id))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn messages(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let messages = client
+        .list_messages(pb::ListMessagesRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("listing the messages"))?
+        .into_inner()
+        .messages;
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            messages.iter().map(message_json).collect(),
+        ))?,
+        Output::Table => {
+            let rows: Vec<Vec<String>> = messages
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.id.to_string(),
+                        m.station.clone(),
+                        message_state(m).to_owned(),
+                        output::or_dash(&m.run_id),
+                        m.given_back.to_string(),
+                        output::age(time_of!(m.created_at)),
+                        output::first_line(&m.text, 60),
+                    ]
+                })
+                .collect();
+            emit(&output::table(
+                &[
+                    "ID",
+                    "STATION",
+                    "STATE",
+                    "RUN",
+                    "GIVEN BACK",
+                    "SENT",
+                    "TEXT",
+                ],
+                &rows,
+            ))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn note_json(n: &pb::HandoffNote) -> serde_json::Value {
+    let text = n.text.clone().unwrap_or_default();
+    serde_json::json!({
+        "workspace_id": n.workspace_id,
+        "run_id": n.run_id,
+        "station": n.station,
+        "attempt": n.attempt,
+        "harness": n.harness,
+        "outcome": n.outcome,
+        "checkpoint_id": n.checkpoint_id,
+        "created_at": output::rfc3339(time_of!(n.created_at)),
+        "summary": text.summary,
+        "changed": text.changed,
+        "checked": text.checked,
+        "uncertain": text.uncertain,
+        "next": text.next,
+        "composed": text.composed,
+    })
+}
+
+/// One note for people: a heading line, then each field, continuation
+/// lines indented.
+fn note_text(n: &pb::HandoffNote) -> String {
+    let text = n.text.clone().unwrap_or_default();
+    let mut out = format!(
+        "run {}  station {}  attempt {}  {}  {}  ({})\n",
+        n.run_id,
+        n.station,
+        n.attempt,
+        n.outcome,
+        output::when(time_of!(n.created_at)),
+        n.harness
+    );
+    for (label, value) in [
+        ("summary", &text.summary),
+        ("changed", &text.changed),
+        ("checked", &text.checked),
+        ("uncertain", &text.uncertain),
+        ("next", &text.next),
+    ] {
+        // `composed` names the fields the runner filled in (never the summary).
+        let by_runner = text.composed.iter().any(|c| c == label);
+        let mut lines = value.lines();
+        out.push_str(&format!(
+            "  {:<10} {}{}\n",
+            format!("{label}:"),
+            lines.next().unwrap_or("-"),
+            if by_runner { "  [by the runner]" } else { "" }
+        ));
+        for line in lines {
+            out.push_str(&format!("  {:<10} {line}\n", ""));
+        }
+    }
+    out
+}
+
+pub async fn notes(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let notes = client
+        .list_handoff_notes(pb::ListHandoffNotesRequest {
+            workspace: workspace.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("listing the handoff notes"))?
+        .into_inner()
+        .notes;
+    match out {
+        Output::Json => print_json(&serde_json::Value::Array(
+            notes.iter().map(note_json).collect(),
+        ))?,
+        Output::Table if notes.is_empty() => emit("no handoff notes yet")?,
+        Output::Table => emit(
+            notes
+                .iter()
+                .map(note_text)
+                .collect::<Vec<_>>()
+                .join("\n")
+                .trim_end(),
+        )?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_show_every_field_and_who_wrote_it() {
+        let note = pb::HandoffNote {
+            workspace_id: "ws-1".into(),
+            run_id: "run-1".into(),
+            station: "implement".into(),
+            attempt: 2,
+            harness: "claude".into(),
+            outcome: "succeeded".into(),
+            text: Some(pb::HandoffText {
+                summary: "Added the form.".into(),
+                changed: "app: 1 new commit\nlib: no new commits".into(),
+                checked: "cargo test".into(),
+                uncertain: "not stated".into(),
+                next: "review it".into(),
+                composed: vec!["changed".into(), "uncertain".into()],
+            }),
+            ..Default::default()
+        };
+        let text = note_text(&note);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[0].starts_with("run run-1  station implement  attempt 2  succeeded  "),
+            "{text}"
+        );
+        assert_eq!(lines[1], "  summary:   Added the form.");
+        assert_eq!(lines[2], "  changed:   app: 1 new commit  [by the runner]");
+        assert_eq!(lines[3], "             lib: no new commits");
+        assert_eq!(lines[4], "  checked:   cargo test");
+        assert_eq!(lines[5], "  uncertain: not stated  [by the runner]");
+        assert_eq!(lines[6], "  next:      review it");
+        let json = note_json(&note);
+        assert_eq!(json["station"], "implement");
+        assert_eq!(
+            json["composed"],
+            serde_json::json!(["changed", "uncertain"])
+        );
+    }
+}

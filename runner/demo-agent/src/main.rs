@@ -1,0 +1,5 @@
+//! `cairn-demo-agent`: see [`cairn_demo_agent`].
+
+fn main() -> std::process::ExitCode {
+    cairn_demo_agent::main()
+}

@@ -1,0 +1,218 @@
+//! One sandbox's life on this host, from the driver's start to its removal:
+//! a task per sandbox waits for the sandbox to come up and to end, or for a
+//! destroy order, then keeps its workspace tree for the next sandbox of the
+//! same workspace ([`super::kept`]), removes the sandbox directory and
+//! reports the end.
+//!
+//! Every way a sandbox ends goes through here: an order from the coordinator
+//! (hold expiry, cancel, suspend, drain, superseded), the host shutting down
+//! or restarting (the order's sender goes away or the reason is
+//! `host_restarted`), or the runner exiting by itself.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cairn_proto::ids::WorkspaceId;
+use cairn_proto::runs::SandboxState;
+use tokio::sync::{mpsc, oneshot};
+
+use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
+use super::kept::{Keeping, KeptWorkspaces};
+use super::layout::{SandboxPaths, remove_tree};
+use super::process::{ExitCode, describe_exit};
+use cairn_engine::restore::PackCacheConfig;
+
+/// Names the host sets in every sandbox; `--env` may not set them.
+pub const RESERVED_ENV: &[&str] = &[
+    "CAIRN_COORDINATOR",
+    "CAIRN_RUN_TOKEN",
+    "CAIRN_SANDBOX_ID",
+    "CAIRN_CACHE_DIR",
+    "CAIRN_PACK_CACHE",
+    "CAIRN_PACK_CACHE_SIZE",
+    "CAIRN_CA",
+    "HOME",
+];
+
+/// The destroy reason used when the host agent itself stops.
+pub const REASON_HOST_SHUTDOWN: &str = "host_shutdown";
+
+/// How many log lines an exit detail quotes.
+const TAIL_LINES: usize = 3;
+
+/// The runner's environment in a sandbox (see [`super::driver::SandboxSpec::env`]).
+pub fn sandbox_env(
+    coordinator: &str,
+    run_token: &str,
+    sandbox_id: &str,
+    paths: &SandboxPaths,
+    pack_cache: Option<&PackCacheConfig>,
+    ca_pem: Option<&str>,
+    extras: &[(String, String)],
+) -> Vec<EnvVar> {
+    let var = |name: &str, value: &str, portable| EnvVar {
+        name: name.to_owned(),
+        value: value.to_owned(),
+        portable,
+    };
+    let mut env = vec![
+        var("CAIRN_COORDINATOR", coordinator, true),
+        var("CAIRN_RUN_TOKEN", run_token, true),
+        var("CAIRN_SANDBOX_ID", sandbox_id, true),
+        var("CAIRN_CACHE_DIR", &paths.cache.display().to_string(), false),
+        var("HOME", &paths.home.display().to_string(), false),
+    ];
+    if let Some(cache) = pack_cache {
+        // A host path: the local driver's sandboxes see the host's file
+        // system apart from /workspace; exec templates mount {pack_cache}.
+        env.push(var(
+            "CAIRN_PACK_CACHE",
+            &cache.dir.display().to_string(),
+            false,
+        ));
+        env.push(var(
+            "CAIRN_PACK_CACHE_SIZE",
+            &cache.max_bytes.to_string(),
+            true,
+        ));
+    }
+    if let Some(pem) = ca_pem {
+        // The PEM text itself: a sandbox may not see the host's files.
+        env.push(var(cairn_engine::tls::CA_VAR, pem, true));
+    }
+    env.extend(extras.iter().map(|(k, v)| var(k, v, true)));
+    env
+}
+
+/// What a sandbox task tells the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    Up {
+        sandbox_id: String,
+    },
+    Ended {
+        sandbox_id: String,
+        state: SandboxState,
+        exit_code: i32,
+        detail: String,
+    },
+}
+
+/// Reported when an exit status cannot be known (the signal that was sent is
+/// the best account of what ended the sandbox).
+pub const UNKNOWN_EXIT_CODE: i32 = -libc::SIGTERM;
+
+/// Where an ended sandbox's tree may be kept, and as whose.
+#[derive(Debug, Clone)]
+pub struct KeepOnEnd {
+    pub kept: Arc<KeptWorkspaces>,
+    pub workspace: WorkspaceId,
+}
+
+/// What becomes of a sandbox's directories once it has ended.
+#[derive(Debug, Clone)]
+pub struct Cleanup {
+    pub paths: SandboxPaths,
+    /// Keep the workspace tree first, if it qualifies; `None`: just remove.
+    pub keep: Option<KeepOnEnd>,
+}
+
+impl Cleanup {
+    /// Keeps the tree if it can, then removes the sandbox directory. A tree
+    /// that is not kept goes with the directory, as without keeping.
+    fn run(self, sandbox_id: &str) -> Result<(), super::layout::LayoutError> {
+        if let Some(keep) = &self.keep {
+            match keep.kept.keep(&keep.workspace, sandbox_id, &self.paths) {
+                Ok(Keeping::Kept { bytes }) => tracing::info!(
+                    sandbox = %sandbox_id, workspace = %keep.workspace,
+                    size = %cairn_proto::size::human_bytes(bytes),
+                    "kept the workspace tree for the next sandbox of this workspace"
+                ),
+                Ok(Keeping::Passed(reason)) => tracing::debug!(
+                    sandbox = %sandbox_id, %reason, "the workspace tree is not kept"
+                ),
+                Err(e) => tracing::warn!(
+                    sandbox = %sandbox_id, error = %e, "cannot keep the workspace tree; removing it"
+                ),
+            }
+        }
+        remove_tree(&self.paths.dir)
+    }
+}
+
+/// Supervises one started sandbox until it is gone and its directory removed.
+///
+/// `destroy` carries the destroy reason; if its sender is dropped, the
+/// sandbox is destroyed as in a host shutdown.
+pub async fn supervise<S: Sandbox>(
+    sandbox_id: String,
+    mut sandbox: S,
+    grace: Duration,
+    mut destroy: oneshot::Receiver<String>,
+    cleanup: Cleanup,
+    log_file: PathBuf,
+    updates: mpsc::UnboundedSender<Update>,
+) {
+    let (state, exit_code, mut detail) = loop {
+        tokio::select! {
+            biased;
+            order = &mut destroy => {
+                let reason = order.unwrap_or_else(|_| REASON_HOST_SHUTDOWN.to_owned());
+                tracing::info!(sandbox = %sandbox_id, %reason, "destroying sandbox");
+                let destroyed = sandbox.destroy(grace).await;
+                let detail = format!("destroyed ({reason}): {}", destroyed.detail);
+                break (SandboxState::Destroyed, destroyed.exit_code, detail);
+            }
+            event = sandbox.next_event() => match event {
+                SandboxEvent::Up => {
+                    let _ = updates.send(Update::Up { sandbox_id: sandbox_id.clone() });
+                }
+                SandboxEvent::Ended(code) => {
+                    sandbox.release().await;
+                    break (SandboxState::Exited, code, exit_detail(code, &log_file));
+                }
+                SandboxEvent::Failed(detail) => {
+                    sandbox.release().await;
+                    break (SandboxState::Failed, None, detail);
+                }
+            },
+        }
+    };
+    // Walking and moving a workspace of tens of thousands of files is no
+    // work for the agent's event loop.
+    let id = sandbox_id.clone();
+    let removed = tokio::task::spawn_blocking(move || cleanup.run(&id))
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    if let Err(e) = removed {
+        tracing::error!(sandbox = %sandbox_id, error = %e, "cannot remove the sandbox directory");
+        detail.push_str(&format!("; the sandbox directory was not removed: {e}"));
+    }
+    if exit_code.is_none() && state != SandboxState::Failed {
+        detail.push_str(" (exit status unknown)");
+    }
+    let exit_code = exit_code.unwrap_or(if state == SandboxState::Failed {
+        0
+    } else {
+        UNKNOWN_EXIT_CODE
+    });
+    let _ = updates.send(Update::Ended {
+        sandbox_id,
+        state,
+        exit_code,
+        detail,
+    });
+}
+
+fn exit_detail(code: ExitCode, log_file: &std::path::Path) -> String {
+    let mut detail = format!("runner {}", describe_exit(code));
+    if code != Some(0) {
+        let tail = log_tail(log_file, TAIL_LINES);
+        if !tail.is_empty() {
+            detail.push_str(": ");
+            detail.push_str(&tail);
+        }
+    }
+    detail
+}

@@ -1,0 +1,36 @@
+//! `cairn-runner restore`.
+
+use anyhow::Context as _;
+use cairn_engine::client::CoordinatorClient;
+use cairn_engine::restore::{NoProgress, RestoreOptions, restore};
+use cairn_proto::ids::CheckpointId;
+
+use super::{OutputFormat, RestoreArgs, default_cache_dir};
+use crate::report::restore_summary;
+
+pub(super) async fn main(args: RestoreArgs) -> anyhow::Result<()> {
+    let checkpoint = args
+        .checkpoint
+        .as_deref()
+        .map(str::parse::<CheckpointId>)
+        .transpose()
+        .context("--checkpoint")?;
+    let coordinator = CoordinatorClient::connect(
+        &args.coordinator.coordinator,
+        args.coordinator.token.as_deref(),
+    )
+    .await?;
+    let opts = RestoreOptions {
+        checkpoint,
+        cache_dir: Some(args.cache_dir.unwrap_or_else(default_cache_dir)),
+        pack_cache: args.pack_cache.config(),
+        verify_existing: args.existing.verify_existing,
+        ..RestoreOptions::new(args.root, args.workspace)
+    };
+    let report = restore(&coordinator, &opts, &NoProgress).await?;
+    match args.output {
+        OutputFormat::Text => println!("{}", restore_summary(&report, &opts.root)),
+        OutputFormat::Json => println!("{}", report.to_json()),
+    }
+    Ok(())
+}

@@ -1,0 +1,14 @@
+//! What cairn's programs share that is not about checkpoints.
+//!
+//! - [`text`]: words for people (`3 files`, `5m ago`, an error chain on one line).
+//! - [`process`]: process groups and `/proc/<pid>/stat`, for the host agent
+//!   that supervises sandboxes and the runner that supervises a harness.
+//! - [`logging`] (feature `cli`): the `--log-format` flag and the tracing
+//!   setup every binary starts with.
+//!
+//! Nothing here knows of workspaces, runs or the coordinator.
+
+#[cfg(feature = "cli")]
+pub mod logging;
+pub mod process;
+pub mod text;
