@@ -24,6 +24,7 @@
 //! - [`chunker`]: cutting file content into chunks (whole or FastCDC).
 //! - [`gitobj`]: git loose blobs stored by their content.
 //! - [`cache`]: the fingerprint cache (which file content is already stored).
+//! - [`libgit2`]: process-wide libgit2 settings.
 //! - [`scan`]: the parallel walk of a workspace (metadata only, ignore rules).
 //! - [`tracker`]: inotify change tracking, so a walk lists only what changed.
 //! - [`git`]: per-repository git metadata recorded with each checkpoint, and
@@ -41,6 +42,7 @@ pub mod failpoint;
 pub mod format;
 pub mod git;
 pub mod gitobj;
+pub mod libgit2;
 pub mod restore;
 pub mod scan;
 pub mod task;

@@ -39,6 +39,15 @@ use ignore::gitignore::{Gitignore, GitignoreBuilder};
 
 use crate::cache::Fingerprint;
 
+/// How a change tracker's sync cookies in the root are named (see
+/// [`crate::tracker`]); a walk never lists them.
+pub const SYNC_COOKIE_PREFIX: &str = ".cairn-sync-";
+
+/// Whether a name in the root is a change tracker's sync cookie.
+pub fn is_sync_cookie(name: &[u8]) -> bool {
+    name.starts_with(SYNC_COOKIE_PREFIX.as_bytes())
+}
+
 /// What to walk and what to leave out.
 #[derive(Debug, Clone)]
 pub struct ScanOptions {
@@ -618,7 +627,7 @@ impl<'a> Walk<'a> {
         let mut nodes = Vec::with_capacity(entries.len());
         for entry in entries {
             let name = entry.file_name().into_vec();
-            if rel.is_empty() && crate::tracker::is_sync_cookie(&name) {
+            if rel.is_empty() && is_sync_cookie(&name) {
                 // A change tracker's marker, there for a millisecond.
                 continue;
             }
@@ -768,7 +777,7 @@ struct RepoRules {
 
 impl IgnoreScope {
     fn for_repo(dir: &Path) -> Result<Self, String> {
-        crate::git::init();
+        crate::libgit2::init();
         let repo = git2::Repository::open(dir).map_err(|e| e.message().to_owned())?;
         let mut tracked: Vec<Vec<u8>> = match repo.index() {
             Ok(index) => index.iter().map(|entry| entry.path).collect(),

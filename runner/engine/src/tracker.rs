@@ -40,20 +40,15 @@ use std::time::{Duration, Instant};
 use notify::event::ModifyKind;
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 
-use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions, Touched};
+use crate::scan::{
+    self, RepoFound, SYNC_COOKIE_PREFIX, Scan, ScanError, ScanOptions, Touched, is_sync_cookie,
+};
 
 /// Full walks at least this often, whatever the events say.
 pub const DEFAULT_FULL_SCAN_INTERVAL: Duration = Duration::from_secs(30 * 60);
 
-/// How sync cookies in the root are named.
-const SYNC_COOKIE_PREFIX: &str = ".cairn-sync-";
 /// How long a sync waits for its cookie to be reported.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Whether a name in the root is a change tracker's sync cookie.
-pub fn is_sync_cookie(name: &[u8]) -> bool {
-    name.starts_with(SYNC_COOKIE_PREFIX.as_bytes())
-}
 
 /// Why change tracking could not start.
 #[derive(Debug, thiserror::Error)]

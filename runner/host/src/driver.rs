@@ -13,8 +13,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::layout::{SandboxPaths, SandboxRecord};
-use super::process::ExitCode;
 use super::template::RenderError;
+
+/// How a process ended: `Some(n)` exit status n, `Some(-n)` killed by signal n,
+/// `None` unknown (a process this host agent did not start).
+pub type ExitCode = Option<i32>;
 
 /// One variable of a sandbox's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -125,12 +125,11 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::oneshot;
 
 use super::driver::{
-    Destroyed, Driver, DriverError, Sandbox, SandboxEvent, SandboxSpec, log_tail, open_log,
+    Destroyed, Driver, DriverError, ExitCode, Sandbox, SandboxEvent, SandboxSpec, log_tail,
+    open_log,
 };
 use super::layout::SandboxRecord;
-use super::process::{
-    ExitCode, ProcessSandbox, SessionLeader, child_prelude, describe_exit, exit_code,
-};
+use super::process::{ProcessSandbox, SessionLeader, child_prelude, describe_exit, exit_code};
 use super::template::{Placeholder, Template, TemplateError, Values, is_shell_safe};
 use cairn_utils::process::signal_group;
 

@@ -26,7 +26,7 @@ use tokio::process::Child;
 
 use cairn_utils::process::{read_stat, session_members, signal_group};
 
-use super::driver::{Destroyed, Sandbox, SandboxEvent};
+use super::driver::{Destroyed, ExitCode, Sandbox, SandboxEvent};
 use super::layout::SandboxRecord;
 
 /// How long to wait for a process to vanish after SIGKILL before giving up.
@@ -34,10 +34,6 @@ const KILL_WAIT: Duration = Duration::from_secs(30);
 
 /// How often an adopted process (not our child) is checked for exit.
 const ADOPTED_POLL: Duration = Duration::from_millis(100);
-
-/// How a process ended: `Some(n)` exit status n, `Some(-n)` killed by signal n,
-/// `None` unknown (a process this host agent did not start).
-pub type ExitCode = Option<i32>;
 
 /// Turns a wait status into cairn's convention (signals as `-N`).
 pub fn exit_code(status: std::process::ExitStatus) -> i32 {

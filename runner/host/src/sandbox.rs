@@ -17,10 +17,11 @@ use cairn_proto::ids::WorkspaceId;
 use cairn_proto::runs::SandboxState;
 use tokio::sync::{mpsc, oneshot};
 
+use super::driver::ExitCode;
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
 use super::kept::{Keeping, KeptWorkspaces};
 use super::layout::{SandboxPaths, remove_tree};
-use super::process::{ExitCode, describe_exit};
+use super::process::describe_exit;
 use cairn_engine::restore::PackCacheConfig;
 
 /// Names the host sets in every sandbox; `--env` may not set them.

@@ -228,7 +228,16 @@ pub(crate) fn set_symlink_mtime(path: &Path, meta: &EntryMeta) -> io::Result<()>
 
 /// What this user may still take on the filesystem holding `path` (or its
 /// nearest existing ancestor): bytes and inodes (`f_bavail`, `f_favail`).
-pub(crate) fn free_space(path: &Path) -> io::Result<super::space::SpaceFree> {
+/// What `statvfs` says this user may still take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpaceFree {
+    pub bytes: u64,
+    /// `None` where the filesystem has no inode limit (it reports none).
+    pub inodes: Option<u64>,
+    pub block_size: u64,
+}
+
+pub(crate) fn free_space(path: &Path) -> io::Result<SpaceFree> {
     let mut probe = path;
     while fs::symlink_metadata(probe).is_err() {
         match probe.parent() {
@@ -256,7 +265,7 @@ pub(crate) fn free_space(path: &Path) -> io::Result<super::space::SpaceFree> {
         stat.f_files as u64,
         stat.f_favail as u64,
     );
-    Ok(super::space::SpaceFree {
+    Ok(SpaceFree {
         bytes: bavail.saturating_mul(frsize),
         // A filesystem without an inode table (btrfs, a tmpfs without
         // nr_inodes) reports no inodes at all.

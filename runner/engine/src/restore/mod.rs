@@ -68,10 +68,11 @@ use crate::transfer::BlobTransfer;
 pub use apply::GitTreeError;
 use apply::{BadBlob, LocalError, NeededBlob, SpanDone, SpanError, Target, Writers};
 use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetcher, coalesce};
+pub use fsops::SpaceFree;
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
 pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig};
 pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
-pub use space::{INCOMPLETE_MARKER, SpaceFree, SpaceNeeded};
+pub use space::{INCOMPLETE_MARKER, SpaceNeeded};
 
 /// Ranged GETs in flight at once.
 const PARALLEL_REQUESTS: usize = 8;

@@ -19,6 +19,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use super::apply::{Existing, FileState, Survey};
+use super::fsops::SpaceFree;
 use super::plan::{Plan, PlanKind};
 
 /// Written into the root before a restore changes anything, removed when it
@@ -35,15 +36,6 @@ pub struct SpaceNeeded {
     /// Whole blocks, in bytes.
     pub bytes: u64,
     pub inodes: u64,
-}
-
-/// What `statvfs` says this user may still take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SpaceFree {
-    pub bytes: u64,
-    /// `None` where the filesystem has no inode limit (it reports none).
-    pub inodes: Option<u64>,
-    pub block_size: u64,
 }
 
 /// What the restore of `plan` over what `survey` found takes, in blocks of
