@@ -7,6 +7,13 @@
 //! - blobs: blob id → pack. Blobs known to be committed need not be asked
 //!   about, and say which pack a checkpoint must reference.
 //!
+//! A file changed within two seconds of a walk's start is not remembered
+//! ([`Fingerprint::is_stable`]): a write in place within one timestamp tick
+//! would leave its fingerprint as it was. Git loose objects and packs are
+//! named by what they hold and never written in place, so they are
+//! remembered as soon as they are read. A loose object whose times git moved
+//! ("freshened") is still known by its inode and size ([`Cache::lookup`]).
+//!
 //! The cache is only an accelerator. A missing, corrupt or foreign cache file
 //! (another tenant key, another format) loads as empty and the next
 //! checkpoint reads everything. A stale blob entry is caught at commit: the

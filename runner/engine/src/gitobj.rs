@@ -1,19 +1,37 @@
-//! Git loose blobs stored by their content, so they cost nothing twice.
+//! Git loose objects stored by what they hold, so they cost nothing twice.
 //!
 //! `git add` writes every staged file again as a loose object:
 //! `.git/objects/ab/cdef…`, the zlib stream of `blob <len>\0<content>`.
 //! Compressed, it shares no bytes with the working-tree file it copies, so a
 //! commit turn would upload every staged file twice. Instead, a loose blob
 //! that this runner can re-create byte for byte (same zlib, same level) is
-//! stored as its *content*, cut into chunks exactly like a workspace file
-//! ([`crate::chunker::Granularity::Standard`]): those are the chunks the
-//! working-tree file already produced, so they dedupe. Restore deflates the
-//! content again at the recorded level and writes the identical file.
+//! stored as its *content* (format v3), cut into chunks exactly like a
+//! workspace file ([`crate::chunker::Granularity::Standard`]): those are the
+//! chunks the working-tree file already produced, so they dedupe. Restore
+//! deflates the content again at the recorded level and writes the
+//! identical file.
 //!
-//! Anything else — trees, commits, a blob git compressed another way, a
-//! stream this runner's zlib does not reproduce — is stored as the plain
-//! file it is. The check is made on the bytes at checkpoint time, so
+//! A commit also writes one loose tree per directory on each changed path,
+//! kilobytes of object ids of which only an entry or two differ from the
+//! same directory's tree one commit earlier. Such a tree is stored as a
+//! [`tree_delta`] against a tree that a pack of the same repository holds,
+//! so the base is in the same checkpoint (format v4; the base is chosen in
+//! `checkpoint::treebases`). Restore rebuilds the tree from the restored
+//! base, checks that it hashes to the id its file's name says, and deflates
+//! it again.
+//!
+//! Either is stored so only when this runner's zlib re-creates the stored
+//! bytes exactly and, for a tree, the delta gives the tree back. Anything
+//! else — commits, a tree without a base, a blob git compressed another
+//! way, a stream this runner's zlib does not reproduce — is stored as the
+//! plain file it is. The check is made on the bytes at checkpoint time, so
 //! fidelity never rests on an assumption about git's settings.
+//!
+//! The git trees of the last commits are read once per checkpoint
+//! ([`TreeCache`], raw and in git's order) for the tree bases, the status's
+//! diff of HEAD and its lookups in HEAD. The tree bases are found on their
+//! own thread while every file outside the loose-object directories is
+//! read; only the loose objects wait for them.
 
 use std::io::{self, Read, Write};
 

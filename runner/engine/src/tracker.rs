@@ -5,7 +5,17 @@
 //! keeps the set of *dirty* directories: the parent of every path an event
 //! names (its entry there changed) and the path itself (if it is a
 //! directory, its listing changed). [`ChangeTracker::scan`] then hands the
-//! dirty set and the previous walk to [`scan::rescan`].
+//! dirty set and the previous walk to [`scan::rescan`], which lists those
+//! directories again, and every new one.
+//!
+//! An event that only writes to an entry or changes its attributes
+//! (IN_MODIFY, IN_ATTRIB) leaves the names in its directory as they were:
+//! that entry is stat'ed again in the previous listing, and the directory
+//! is listed again only if the entry is no longer what it was (gone, of
+//! another kind, or never listed). A directory listed again also has its
+//! own entry in its parent's listing stat'ed again: a new or removed entry
+//! moves the directory's mtime, and no event says so. So a partial walk
+//! equals a full walk of the same tree.
 //!
 //! It falls back to a full walk, and says why in the log, when:
 //! - there is no previous walk yet (the first checkpoint of a process);

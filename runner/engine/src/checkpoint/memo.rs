@@ -14,11 +14,21 @@
 //!   too, instead of encoding and hashing it;
 //! - the packs its blobs are in, instead of locating every chunk.
 //!
+//! A directory listed again since (an event named it) takes from the memo
+//! every file whose fingerprint is the one read then, and was stable then,
+//! as the cache would, without a lookup per path; it places those files in
+//! the packs of the earlier listing, a superset of what they need
+//! (referencing a pack costs nothing). A loose git tree stored as a delta is
+//! not taken so: its base is found again. Trees are encoded only on the
+//! paths to a directory whose tree changed.
+//!
 //! Only what a committed checkpoint (or one found equal to the committed
 //! one) held is remembered, so every blob it names is in a pack the store
 //! keeps. A loose git tree stored as a delta is taken only while its base is
 //! the one found again for this checkpoint. A checkpoint that redoes its
 //! work after a refused commit uses no memo: a pack it names may be gone.
+//! The next memo is worked out after the commit answers, in the background
+//! with the cache write, which the next checkpoint waits for.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -12,10 +12,10 @@
 //! - **unstaged**: a tracked file that is gone, or a directory now, or of
 //!   another type or executable bit, or whose content differs from its
 //!   entry's object. The content is hashed only when the stat data differs
-//!   from the entry's (git's `ie_match_stat`: times, inode, owner, size) or
-//!   the entry is racily clean (the file changed in the second the index
-//!   was written); an entry in conflict is unmerged, which counts as
-//!   unstaged.
+//!   from the entry's (git's `ie_match_stat`: times in whole seconds, as git
+//!   compares them, inode, owner, size) or the entry is racily clean (the
+//!   file changed in the second the index was written); an entry in conflict
+//!   is unmerged, which counts as unstaged.
 //! - **staged**: the entry differs from HEAD's (object id or mode, or one
 //!   side missing). It depends on the index and HEAD only, so outside the
 //!   paths whose entry in either changed, the last reading's bit stands.

@@ -24,14 +24,22 @@
 //! its record from the last reading stands. The rest is read in full: the
 //! first reading, a changed `.git/config` or `.git/info`, a work tree whose
 //! `.git` is a file, submodules (their status follows work trees this does
-//! not map), an index this cannot parse, more than [`MAX_PATHSPECS`]
-//! changes, and the reading after [`MAX_NARROWED`] narrowed ones in a row,
-//! which also catches what no walk sees (a global excludes file).
+//! not map), an index this cannot parse (a split index, say), more than
+//! [`MAX_PATHSPECS`] changes, and the reading after [`MAX_NARROWED`]
+//! narrowed ones in a row, which also catches what no walk sees (a global
+//! excludes file).
 //!
 //! Whatever changes between the walk and the status is read by git and
 //! also differs in the next walk, so it is read again then: the records are
 //! never older than the walk they are kept with. The index and HEAD are
 //! read before git runs, for the same reason.
+//!
+//! A resident runner reads every repository in full once, in the
+//! background, when it starts. A checkpoint asked for before that reading
+//! ends waits for it and narrows its own reading from it: two full readings
+//! side by side would double the first checkpoint's cost. A resident
+//! runner's full readings are always remembered, so only its very first
+//! reading is full for want of an earlier one.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashSet};

@@ -20,6 +20,15 @@
 //!                       metadata bottom-up
 //! ```
 //!
+//! A file already in the root is reused only when something vouches for
+//! it: the fingerprint cache (inode and ctime included), or the checkpoint
+//! itself, by the recorded size and mtime when that mtime lies two seconds
+//! or more before the checkpoint's scan began
+//! (`CheckpointStats.scan_started_at`, by the runner's clock). Any write
+//! after the scan moved the mtime, so only a tool that sets mtimes back gets
+//! past that check (`--verify-existing` reads those files too). Everything
+//! else is read and its chunk ids recomputed.
+//!
 //! Nothing is written through a symlink or a hard link: directories are
 //! verified or created parent first, files are created fresh with
 //! `O_EXCL|O_NOFOLLOW` after the old entry is unlinked, and only files with a

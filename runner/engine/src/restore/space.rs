@@ -3,7 +3,8 @@
 //! A filesystem runs out of blocks or of inodes, and many small files need
 //! far more of both than their bytes say: the check counts files rounded up
 //! to whole blocks, a block per new directory, and an inode per new entry,
-//! against what `statvfs` says this user may still take.
+//! against what `statvfs` says this user may still take. It is made before
+//! the first write.
 //!
 //! A restore that fails after it began writing (a disk that fills anyway,
 //! another writer, a quota) never leaves a tree that passes for the
@@ -12,6 +13,10 @@
 //! [`INCOMPLETE_MARKER`] in the root, which `run` refuses to start on and
 //! the next restore takes as "nothing here is vouched for": it reads every
 //! file there and removes the marker only once it completed.
+//!
+//! Running out of space (ENOSPC or EDQUOT, before or while writing) ends the
+//! restore: it does not fall back to an older checkpoint, which would go
+//! onto the same full disk.
 
 use std::fs;
 use std::io;
