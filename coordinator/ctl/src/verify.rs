@@ -19,7 +19,9 @@ use bytes::Bytes;
 use cairn_engine::client::CoordinatorClient;
 use cairn_engine::format::{self, PackIndex, TenantKeys};
 use cairn_engine::restore::fetch::{self, PackFetcher};
-use cairn_engine::restore::{Limits, Manifest, ManifestSource, MetaBlobs, PackInfo, build_plan};
+use cairn_engine::restore::{
+    Manifest, ManifestSource, MetaBlobs, PackInfo, TreeBounds, build_plan,
+};
 use cairn_engine::transfer::BlobTransfer;
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId};
@@ -229,9 +231,10 @@ async fn verify_checkpoint(
     if read_data && meta_complete {
         let keys = resolved.keys.clone();
         let root = resolved.root_tree;
-        let plan =
-            tokio::task::spawn_blocking(move || build_plan(&meta, &keys, root, &Limits::default()))
-                .await?;
+        let plan = tokio::task::spawn_blocking(move || {
+            build_plan(&meta, &keys, root, &TreeBounds::default())
+        })
+        .await?;
         match plan {
             Ok(plan) => {
                 let mut reported = HashSet::new();

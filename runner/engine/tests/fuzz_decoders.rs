@@ -13,7 +13,7 @@ use cairn_engine::format::{
     ChunkRef, Entry, EntryKind, PackBuilder, PackIndex, TenantKeys, Tree, TreeObject, decode_part,
     open, parse_pack_header, parse_trailer, seal,
 };
-use cairn_engine::restore::{Limits, Manifest, MetaBlobs, build_plan};
+use cairn_engine::restore::{Manifest, MetaBlobs, TreeBounds, build_plan};
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId};
 use cairn_proto::pb;
@@ -204,7 +204,7 @@ proptest! {
         let mut meta = MetaBlobs::new();
         meta.add_pack(Bytes::from(pack.sink.clone()), &index);
         let root_id: BlobId = keys.blob_id(&root);
-        if let Ok(plan) = build_plan(&meta, &keys, root_id, &Limits::default()) {
+        if let Ok(plan) = build_plan(&meta, &keys, root_id, &TreeBounds::default()) {
             for planned in &plan.entries {
                 let path = &planned.path[..];
                 prop_assert!(!path.is_empty() && !path.starts_with(b"/"), "{:?}", path);

@@ -71,7 +71,7 @@ use fetch::{CorruptPack, FetchError, IndexError, MAX_GAP, MAX_REQUEST, PackFetch
 pub use fsops::SpaceFree;
 pub use manifest::{Manifest, ManifestError, ManifestSource, PackInfo, ResolvedCandidate};
 pub use packcache::{DEFAULT_PACK_CACHE_SIZE, PackCache, PackCacheConfig};
-pub use plan::{Limits, MetaBlobs, Plan, PlanError, build_plan};
+pub use plan::{MetaBlobs, Plan, PlanError, TreeBounds, build_plan};
 pub use space::{INCOMPLETE_MARKER, SpaceNeeded};
 
 /// Ranged GETs in flight at once.
@@ -91,7 +91,7 @@ pub struct RestoreOptions {
     pub cache_dir: Option<PathBuf>,
     /// How many candidates to ask for (0: the coordinator's default).
     pub max_candidates: u32,
-    pub limits: Limits,
+    pub tree_bounds: TreeBounds,
     /// The host's pack cache, shared with other restores; `None`: none.
     pub pack_cache: Option<PackCacheConfig>,
     /// Read every file already in the root that the fingerprint cache does
@@ -108,7 +108,7 @@ impl RestoreOptions {
             checkpoint: None,
             cache_dir: None,
             max_candidates: 0,
-            limits: Limits::default(),
+            tree_bounds: TreeBounds::default(),
             pack_cache: None,
             verify_existing: false,
         }
@@ -710,7 +710,7 @@ async fn attempt(
     // do not depend on each other: read at once.
     let phase = Instant::now();
     let (plan, located, cache) = tokio::join!(
-        read_plan(ctx.fetcher, candidate, &ctx.opts.limits),
+        read_plan(ctx.fetcher, candidate, &ctx.opts.tree_bounds),
         fetch_indexes(ctx.fetcher, candidate),
         load_cache(ctx, candidate),
     );
@@ -853,7 +853,7 @@ impl Restored {
 async fn read_plan(
     fetcher: &PackFetcher<'_>,
     candidate: &ResolvedCandidate,
-    limits: &Limits,
+    bounds: &TreeBounds,
 ) -> Result<(Arc<Plan>, BlobPacks), AttemptError> {
     let meta_infos = candidate
         .packs
@@ -882,8 +882,8 @@ async fn read_plan(
     }
     let keys = candidate.keys.clone();
     let root_tree = candidate.root_tree;
-    let limits = limits.clone();
-    let plan = blocking(move || build_plan(&meta, &keys, root_tree, &limits)).await?;
+    let bounds = bounds.clone();
+    let plan = blocking(move || build_plan(&meta, &keys, root_tree, &bounds)).await?;
     tracing::debug!(packs = blob_packs.len(), elapsed = ?fetched.elapsed(), "trees opened and checked");
     Ok((Arc::new(plan), blob_packs))
 }

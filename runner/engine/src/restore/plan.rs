@@ -33,7 +33,7 @@ use super::fsops::EntryMeta;
 
 /// Bounds that make a checkpoint "absurd" rather than merely big.
 #[derive(Debug, Clone)]
-pub struct Limits {
+pub struct TreeBounds {
     /// Largest single file (default 1 TiB).
     pub max_file_size: u64,
     /// Most entries in the whole checkpoint, counted after expansion.
@@ -42,7 +42,7 @@ pub struct Limits {
     pub max_depth: usize,
 }
 
-impl Default for Limits {
+impl Default for TreeBounds {
     fn default() -> Self {
         Self {
             max_file_size: 1 << 40,
@@ -206,7 +206,7 @@ pub fn build_plan(
     meta: &MetaBlobs,
     keys: &TenantKeys,
     root: BlobId,
-    limits: &Limits,
+    bounds: &TreeBounds,
 ) -> Result<Plan, PlanError> {
     let mut plan = Plan::default();
     let mut decoded: FastMap<BlobId, Arc<Tree>> = FastMap::default();
@@ -216,12 +216,12 @@ pub fn build_plan(
     let mut level = vec![(None::<usize>, root)];
     let mut depth = 0usize;
     while !level.is_empty() {
-        if depth > limits.max_depth {
+        if depth > bounds.max_depth {
             return Err(PlanError::Unsafe {
                 path: shown(plan.dir_path(level[0].0)),
                 reason: format!(
                     "directories are nested deeper than {} levels",
-                    limits.max_depth
+                    bounds.max_depth
                 ),
             });
         }
@@ -255,12 +255,12 @@ pub fn build_plan(
         for (dir, tree_id) in level {
             let dir_path = plan.dir_path(dir).to_vec();
             let tree = &decoded[&tree_id];
-            if plan.entries.len() as u64 + tree.entries.len() as u64 > limits.max_entries {
+            if plan.entries.len() as u64 + tree.entries.len() as u64 > bounds.max_entries {
                 return Err(PlanError::TooManyEntries {
-                    limit: limits.max_entries,
+                    limit: bounds.max_entries,
                 });
             }
-            add_children(&mut plan, dir, &dir_path, tree, limits, &mut next_level)?;
+            add_children(&mut plan, dir, &dir_path, tree, bounds, &mut next_level)?;
         }
         level = next_level;
         depth += 1;
@@ -275,7 +275,7 @@ fn add_children(
     dir: Option<usize>,
     dir_path: &[u8],
     tree: &Tree,
-    limits: &Limits,
+    bounds: &TreeBounds,
     next_level: &mut Vec<(Option<usize>, BlobId)>,
 ) -> Result<(), PlanError> {
     let first = plan.entries.len();
@@ -287,10 +287,10 @@ fn add_children(
         };
         let kind = match &entry.kind {
             EntryKind::File { size, chunks } => {
-                if *size > limits.max_file_size {
+                if *size > bounds.max_file_size {
                     return Err(unsafe_entry(format!(
                         "the file declares {size} bytes, more than the limit of {}",
-                        limits.max_file_size
+                        bounds.max_file_size
                     )));
                 }
                 plan.files += 1;
@@ -532,7 +532,7 @@ pub(crate) mod tests {
             ],
         };
         let (meta, ids) = meta_of(&keys, &[inner, root]);
-        let plan = build_plan(&meta, &keys, ids[1], &Limits::default()).unwrap();
+        let plan = build_plan(&meta, &keys, ids[1], &TreeBounds::default()).unwrap();
         let paths: Vec<String> = plan.entries.iter().map(|e| e.display()).collect();
         assert_eq!(paths, ["a", "b", "link", "a/f", "b/f"]);
         assert_eq!(
@@ -550,23 +550,26 @@ pub(crate) mod tests {
         assert_eq!(plan.chunks().count(), 2);
     }
 
-    fn refused(root_entries: Vec<Entry>, limits: &Limits) -> PlanError {
+    fn refused(root_entries: Vec<Entry>, bounds: &TreeBounds) -> PlanError {
         let keys = keys();
         let root = Tree {
             entries: root_entries,
         };
         let (meta, ids) = meta_of(&keys, &[root]);
-        build_plan(&meta, &keys, ids[0], limits).unwrap_err()
+        build_plan(&meta, &keys, ids[0], bounds).unwrap_err()
     }
 
     #[test]
     fn special_files_and_oversized_files_are_refused_by_path() {
-        let err = refused(vec![entry(b"pipe", EntryKind::Fifo)], &Limits::default());
+        let err = refused(
+            vec![entry(b"pipe", EntryKind::Fifo)],
+            &TreeBounds::default(),
+        );
         assert!(err.to_string().contains("\"pipe\""), "{err}");
         assert!(err.to_string().contains("fifo"), "{err}");
         let err = refused(
             vec![entry(b"dev", EntryKind::BlockDevice)],
-            &Limits::default(),
+            &TreeBounds::default(),
         );
         assert!(err.to_string().contains("block device"), "{err}");
 
@@ -578,11 +581,11 @@ pub(crate) mod tests {
             size: 8192,
             chunks: vec![chunk, chunk],
         };
-        let limits = Limits {
+        let bounds = TreeBounds {
             max_file_size: 4096,
-            ..Limits::default()
+            ..TreeBounds::default()
         };
-        let err = refused(vec![entry(b"big", big)], &limits);
+        let err = refused(vec![entry(b"big", big)], &bounds);
         assert!(
             err.to_string().contains("\"big\"") && err.to_string().contains("8192"),
             "{err}"
@@ -600,11 +603,11 @@ pub(crate) mod tests {
             });
         }
         let (meta, ids) = meta_of(&keys, &trees);
-        let limits = Limits {
+        let bounds = TreeBounds {
             max_depth: 3,
-            ..Limits::default()
+            ..TreeBounds::default()
         };
-        let err = build_plan(&meta, &keys, *ids.last().unwrap(), &limits).unwrap_err();
+        let err = build_plan(&meta, &keys, *ids.last().unwrap(), &bounds).unwrap_err();
         assert!(err.to_string().contains("nested deeper than 3"), "{err}");
 
         // Ten directories sharing one subtree of ten entries: 110 entries, not 20.
@@ -627,12 +630,12 @@ pub(crate) mod tests {
                 .collect(),
         };
         let (meta, ids) = meta_of(&keys, &[leaf, root]);
-        let limits = Limits {
+        let bounds = TreeBounds {
             max_entries: 100,
-            ..Limits::default()
+            ..TreeBounds::default()
         };
         assert!(matches!(
-            build_plan(&meta, &keys, ids[1], &limits),
+            build_plan(&meta, &keys, ids[1], &bounds),
             Err(PlanError::TooManyEntries { limit: 100 })
         ));
     }
@@ -642,13 +645,13 @@ pub(crate) mod tests {
         let keys = keys();
         let (meta, _) = meta_of(&keys, &[Tree::default()]);
         assert!(matches!(
-            build_plan(&meta, &keys, BlobId([9; 32]), &Limits::default()),
+            build_plan(&meta, &keys, BlobId([9; 32]), &TreeBounds::default()),
             Err(PlanError::MissingTree { .. })
         ));
         let stranger = TenantKeys::derive("k2", &[1; 32]).unwrap();
         let (meta, ids) = meta_of(&stranger, &[Tree::default()]);
         assert!(matches!(
-            build_plan(&meta, &keys, ids[0], &Limits::default()),
+            build_plan(&meta, &keys, ids[0], &TreeBounds::default()),
             Err(PlanError::CorruptTree { .. })
         ));
     }
@@ -682,7 +685,7 @@ pub(crate) mod tests {
         objects.push(encoded.root.clone());
         objects.push(root.encode());
         let (meta, ids) = meta_of_objects(&keys, &objects);
-        let plan = build_plan(&meta, &keys, *ids.last().unwrap(), &Limits::default()).unwrap();
+        let plan = build_plan(&meta, &keys, *ids.last().unwrap(), &TreeBounds::default()).unwrap();
         assert_eq!(plan.entries.len(), 301);
         assert!(plan.entries.iter().any(|e| e.path == b"big/f299"));
 
@@ -693,7 +696,8 @@ pub(crate) mod tests {
             .cloned()
             .collect();
         let (meta, ids) = meta_of_objects(&keys, &without);
-        let err = build_plan(&meta, &keys, *ids.last().unwrap(), &Limits::default()).unwrap_err();
+        let err =
+            build_plan(&meta, &keys, *ids.last().unwrap(), &TreeBounds::default()).unwrap_err();
         assert!(
             matches!(&err, PlanError::MissingTree { path } if path == "big"),
             "{err:?}"

@@ -664,10 +664,10 @@ async fn hostile_trees_are_refused_by_name_and_write_nothing() {
         let opts = RestoreOptions {
             checkpoint: Some(published.id.clone()),
             cache_dir: Some(cache.clone()),
-            limits: Limits {
+            tree_bounds: TreeBounds {
                 max_file_size: 1 << 20,
                 max_depth: 32,
-                ..Limits::default()
+                ..TreeBounds::default()
             },
             ..fixture.options(&root)
         };
