@@ -66,7 +66,8 @@ use cairn_engine::client::{ConnectError, CoordinatorClient};
 pub use control::{Control, ControlError};
 pub use outcome::Outcome as OutcomeFile;
 pub use store::{
-    CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreError, StoreTarget, WorkspaceStore,
+    CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreTarget, WorkspaceStore,
+    WorkspaceStoreError,
 };
 
 /// Patterns no checkpoint of a run contains, whatever the harness. Service
@@ -120,7 +121,7 @@ pub enum RunError {
     #[error(transparent)]
     Control(ControlError),
     #[error("cannot prepare the workspace: {0}")]
-    Prepare(#[source] StoreError),
+    Prepare(#[source] WorkspaceStoreError),
     #[error("cannot create the workspace {}: {source}", .path.display())]
     Workspace {
         path: PathBuf,

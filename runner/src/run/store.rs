@@ -68,14 +68,14 @@ impl Checkpointed {
 
 /// Why a restore or checkpoint failed.
 #[derive(Debug, thiserror::Error)]
-pub enum StoreError {
+pub enum WorkspaceStoreError {
     #[error(transparent)]
     Restore(#[from] RestoreError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
 }
 
-impl StoreError {
+impl WorkspaceStoreError {
     /// The coordinator refuses this attempt's writes: a newer attempt owns
     /// the workspace now (or the run token stopped counting).
     pub fn is_fenced(&self) -> bool {
@@ -107,12 +107,12 @@ impl StoreError {
 /// Restores and checkpoints the run's workspace.
 pub trait WorkspaceStore: Send + Sync {
     /// Restores the newest restorable checkpoint into the root.
-    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>>;
+    fn restore(&self) -> BoxFuture<'_, Result<Restored, WorkspaceStoreError>>;
     /// Cuts a checkpoint of the root; `None` when `unless_unchanged` held.
     fn checkpoint(
         &self,
         request: CheckpointRequest,
-    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>>;
+    ) -> BoxFuture<'_, Result<Option<Checkpointed>, WorkspaceStoreError>>;
 }
 
 /// What a store is for: one attempt's workspace.
@@ -192,7 +192,7 @@ impl RemoteStore {
 }
 
 impl WorkspaceStore for RemoteStore {
-    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>> {
+    fn restore(&self) -> BoxFuture<'_, Result<Restored, WorkspaceStoreError>> {
         let (address, token) = (self.coordinator.clone(), self.token.clone());
         let root = self.root.clone();
         let opts = RestoreOptions {
@@ -246,7 +246,7 @@ impl WorkspaceStore for RemoteStore {
     fn checkpoint(
         &self,
         request: CheckpointRequest,
-    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>> {
+    ) -> BoxFuture<'_, Result<Option<Checkpointed>, WorkspaceStoreError>> {
         Box::pin(async move {
             let opts = self
                 .checkpoint_options(request.reason, request.harness)
@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn fencing_and_permanent_failures_are_told_apart() {
-        let stale = StoreError::Checkpoint(CheckpointError::Rpc {
+        let stale = WorkspaceStoreError::Checkpoint(CheckpointError::Rpc {
             call: "CommitCheckpoint",
             status: Refusal::StaleGeneration {
                 given: Generation(2),
@@ -296,7 +296,7 @@ mod tests {
             .into_status("generation 2 is older than the workspace's generation 3"),
         });
         assert!(stale.is_fenced() && !stale.is_permanent());
-        let lost_pack = StoreError::Checkpoint(CheckpointError::Rpc {
+        let lost_pack = WorkspaceStoreError::Checkpoint(CheckpointError::Rpc {
             call: "CommitCheckpoint",
             status: Refusal::PacksMissing {
                 packs: vec![PackId::from_digest(&[0xff; 32])],
@@ -307,7 +307,7 @@ mod tests {
             !lost_pack.is_fenced(),
             "a lost pack is the engine's to redo, not a fence"
         );
-        let untyped = StoreError::Checkpoint(CheckpointError::Rpc {
+        let untyped = WorkspaceStoreError::Checkpoint(CheckpointError::Rpc {
             call: "CommitCheckpoint",
             status: tonic::Status::failed_precondition("generation 2 is older"),
         });
@@ -315,12 +315,12 @@ mod tests {
             !untyped.is_fenced(),
             "a refusal without a typed reason is a failure, whatever its message"
         );
-        let unrestorable = StoreError::Restore(RestoreError::NothingRestorable {
+        let unrestorable = WorkspaceStoreError::Restore(RestoreError::NothingRestorable {
             workspace: "w".into(),
             failures: vec![],
         });
         assert!(unrestorable.is_permanent() && !unrestorable.is_fenced());
-        let down = StoreError::Restore(RestoreError::CoordinatorClient(
+        let down = WorkspaceStoreError::Restore(RestoreError::CoordinatorClient(
             tonic::Status::unavailable("down"),
         ));
         assert!(!down.is_permanent());

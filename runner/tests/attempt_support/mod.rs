@@ -21,8 +21,8 @@ use cairn_proto::ids::BlobId;
 use cairn_proto::pb::runner_service_server::{RunnerService, RunnerServiceServer};
 use cairn_proto::pb::{self, AttemptPhase};
 use cairn_runner::run::{
-    self, CheckpointRequest, Checkpointed, Control, Finished, Restored, RunOptions, StoreError,
-    StoreTarget, WorkspaceStore,
+    self, CheckpointRequest, Checkpointed, Control, Finished, Restored, RunOptions, StoreTarget,
+    WorkspaceStore, WorkspaceStoreError,
 };
 use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
@@ -368,7 +368,7 @@ impl SnapshotStore {
 }
 
 impl WorkspaceStore for SnapshotStore {
-    fn restore(&self) -> BoxFuture<'_, Result<Restored, StoreError>> {
+    fn restore(&self) -> BoxFuture<'_, Result<Restored, WorkspaceStoreError>> {
         Box::pin(async move {
             let mut state = self.state.lock().unwrap();
             state.restores += 1;
@@ -394,7 +394,7 @@ impl WorkspaceStore for SnapshotStore {
     fn checkpoint(
         &self,
         request: CheckpointRequest,
-    ) -> BoxFuture<'_, Result<Option<Checkpointed>, StoreError>> {
+    ) -> BoxFuture<'_, Result<Option<Checkpointed>, WorkspaceStoreError>> {
         Box::pin(async move {
             let mut files = BTreeMap::new();
             read_tree(&self.root, &self.root, &mut files);
@@ -402,7 +402,7 @@ impl WorkspaceStore for SnapshotStore {
             let root_tree = digest(&files);
             let mut state = self.state.lock().unwrap();
             if state.fenced {
-                return Err(StoreError::Checkpoint(CheckpointError::Rpc {
+                return Err(WorkspaceStoreError::Checkpoint(CheckpointError::Rpc {
                     call: "CommitCheckpoint",
                     status: cairn_proto::refusal::Refusal::StaleGeneration {
                         given: cairn_proto::ids::Generation(1),
