@@ -54,6 +54,7 @@ pub mod conn_limits;
 pub mod datadir;
 pub mod db;
 pub mod grpc;
+pub mod runlife;
 pub mod scheduler;
 pub mod signing;
 pub mod store;

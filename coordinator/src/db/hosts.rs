@@ -26,19 +26,7 @@ use super::{
 };
 use crate::tokens::Scope;
 
-/// Why a host is told to destroy a sandbox (`DestroyOrder.reason`).
-pub mod destroy_reason {
-    pub const HOLD_EXPIRED: &str = "hold_expired";
-    pub const CANCELLED: &str = "cancelled";
-    pub const SUSPENDED: &str = "suspended";
-    pub const DRAINING: &str = "draining";
-    /// The host agent is shutting down.
-    pub const HOST_STOPPING: &str = "host_stopping";
-    /// The attempt was ended while the host was away (lost, or restarted).
-    pub const SUPERSEDED: &str = "superseded";
-    /// The coordinator knows no such sandbox on this host.
-    pub const UNKNOWN: &str = "unknown";
-}
+pub use crate::runlife::destroy_reason;
 
 /// A registered host.
 #[derive(Debug, Clone, PartialEq, Eq)]
