@@ -17,13 +17,13 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
 use super::runs::{
-    EndCause, EventDraft, Run, end_attempt, event_reason, load_run, release_sandbox, sandbox_gone,
-    set_state_reason,
+    EndCause, EventDraft, Run, end_attempt, event_reason, load_run, sandbox_gone, transition,
 };
 use super::tokens::{NewTokenRow, TokenInfo, insert_token};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
 };
+use crate::runlife::Event;
 use crate::tokens::Scope;
 
 pub use crate::runlife::destroy_reason;
@@ -296,16 +296,12 @@ async fn release_host_sandboxes(
     release: HostRelease,
     now: i64,
 ) -> Result<(), DbError> {
-    let (doing, word, order) = match release {
-        HostRelease::Draining => (
-            "is draining",
-            event_reason::DRAINING,
-            destroy_reason::DRAINING,
-        ),
+    let (doing, word, event) = match release {
+        HostRelease::Draining => ("is draining", event_reason::DRAINING, Event::HostDraining),
         HostRelease::Stopping => (
             "is shutting down",
             event_reason::HOST_STOPPING,
-            destroy_reason::HOST_STOPPING,
+            Event::HostStopping,
         ),
     };
     for (run_id, number) in attempts_on_host(tx.conn(), &host.id).await? {
@@ -320,11 +316,14 @@ async fn release_host_sandboxes(
             "host {} {doing}; releasing sandbox {}",
             host.id, attempt.sandbox_id
         );
-        if matches!(release, HostRelease::Draining) {
-            set_state_reason(tx, &mut run, &reason).await?;
-        }
-        let event = EventDraft::new(word, reason);
-        release_sandbox(tx, &mut run, &attempt, event, order, now).await?;
+        // The run stays as it is until its sandbox is gone; only a drain
+        // says so in its state reason.
+        let state_reason = match release {
+            HostRelease::Draining => reason.clone(),
+            HostRelease::Stopping => String::new(),
+        };
+        let draft = EventDraft::new(word, reason).of(&attempt);
+        transition(tx, &mut run, event, state_reason, draft, now).await?;
     }
     Ok(())
 }

@@ -130,6 +130,14 @@ pub enum DbError {
     /// does not have, a checkpoint of another workspace).
     #[error("{0}")]
     Invalid(String),
+    /// A run was to change in a way its life ([`crate::runlife`]) does not
+    /// allow. Callers are checked before, so this is a bug of the
+    /// coordinator, never the caller's doing (an INTERNAL status).
+    #[error("run {run}: {illegal}")]
+    IllegalTransition {
+        run: RunId,
+        illegal: crate::runlife::IllegalTransition,
+    },
 }
 
 pub(crate) fn generation_message(given: Generation, current: Generation) -> String {

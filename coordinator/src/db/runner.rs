@@ -14,11 +14,12 @@ use cairn_proto::runs::{AttemptPhase, AttemptState, Outcome, RunState};
 
 use super::runs::{
     Attempt, EventDraft, OutcomeReport, ProgressReport, Run, RunInput, SessionRecord,
-    StartedAttempt, add_event, event_reason, load_run, mark_attempt_ended, pending_inputs,
-    set_attempt_state, transition,
+    StartedAttempt, add_event, decide, event_reason, load_run, mark_attempt_ended, pending_inputs,
+    persist, set_attempt_state, transition,
 };
 use super::stations::{NOTES_PER_ATTEMPT, laid_files, record_note, workspace_notes};
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
+use crate::runlife::Event;
 use sqlx::SqliteConnection;
 
 /// The attempt a runner speaks for, if it is the run's current one and has
@@ -172,7 +173,7 @@ impl MetadataStore {
                 transition(
                     &mut tx,
                     &mut run,
-                    RunState::Starting,
+                    Event::Claimed,
                     format!("starting on host {}", attempt.host_id),
                     event,
                     now,
@@ -297,38 +298,25 @@ impl MetadataStore {
                 if attempt.state != AttemptState::Running {
                     set_attempt_state(&mut tx, &mut run, number, AttemptState::Running).await?;
                 }
-                if follows_runner(&run, &attempt) && run.state != RunState::Running {
-                    let word = if run.state == RunState::Waiting {
-                        event_reason::RUNNING
-                    } else {
-                        event_reason::HARNESS_STARTED
-                    };
-                    sqlx::query("UPDATE runs SET question = '' WHERE id = $1")
-                        .bind(run_id.as_str())
-                        .execute(tx.conn())
-                        .await
-                        .map_err(query_error("clear question"))?;
-                    run.question.clear();
-                    transition(
-                        &mut tx,
-                        &mut run,
-                        RunState::Running,
-                        format!("running on host {}", attempt.host_id),
-                        EventDraft::new(word, report.detail.clone()).of(&attempt),
-                        now,
-                    )
-                    .await?;
-                } else if follows_runner(&run, &attempt) && !report.detail.is_empty() {
-                    // A turn after the first: whoever follows the run must
-                    // see what it continues, and above all a conversation
-                    // that was lost and replaced by a briefed one.
-                    add_event(
-                        &mut tx,
-                        &run,
-                        EventDraft::new(event_reason::TURN, report.detail.clone()).of(&attempt),
-                        now,
-                    )
-                    .await?;
+                if follows_runner(&run, &attempt) {
+                    let decided = decide(&run, Event::HarnessRunning)?;
+                    if decided.enters() {
+                        let word = if run.state == RunState::Waiting {
+                            event_reason::RUNNING
+                        } else {
+                            event_reason::HARNESS_STARTED
+                        };
+                        let reason = format!("running on host {}", attempt.host_id);
+                        let draft = EventDraft::new(word, report.detail.clone()).of(&attempt);
+                        persist(&mut tx, &mut run, decided, reason, draft, now).await?;
+                    } else if !report.detail.is_empty() {
+                        // A turn after the first: whoever follows the run must
+                        // see what it continues, and above all a conversation
+                        // that was lost and replaced by a briefed one.
+                        let draft =
+                            EventDraft::new(event_reason::TURN, report.detail.clone()).of(&attempt);
+                        persist(&mut tx, &mut run, decided, String::new(), draft, now).await?;
+                    }
                 }
             }
             AttemptPhase::Checkpointed => {
@@ -439,7 +427,7 @@ impl MetadataStore {
             transition(
                 &mut tx,
                 &mut run,
-                RunState::Waiting,
+                Event::QuestionAsked,
                 reason,
                 EventDraft::new(event_reason::WAITING, question)
                     .of(&attempt)
@@ -535,10 +523,10 @@ impl MetadataStore {
                 .await?;
             }
             Outcome::Succeeded | Outcome::Failed => {
-                let (end_reason, state, word, why) = if outcome == Outcome::Succeeded {
+                let succeeded = outcome == Outcome::Succeeded;
+                let (end_reason, word, why) = if succeeded {
                     (
                         "succeeded".to_owned(),
-                        RunState::Succeeded,
                         event_reason::SUCCEEDED,
                         if summary.is_empty() {
                             "the agent finished".to_owned()
@@ -554,19 +542,19 @@ impl MetadataStore {
                     };
                     (
                         format!("failed: {error}"),
-                        RunState::Failed,
                         event_reason::FAILED,
                         error.to_owned(),
                     )
                 };
                 mark_attempt_ended(&mut tx, &mut run, number, &end_reason, now).await?;
-                let event = EventDraft::new(word, why.clone())
+                let draft = EventDraft::new(word, why.clone())
                     .of(&attempt)
                     .checkpoint(&checkpoint_text);
                 if run.state.is_terminal() {
-                    add_event(&mut tx, &run, event, now).await?;
+                    add_event(&mut tx, &run, draft, now).await?;
                 } else {
-                    transition(&mut tx, &mut run, state, why, event, now).await?;
+                    let event = Event::Finished { succeeded };
+                    transition(&mut tx, &mut run, event, why, draft, now).await?;
                 }
             }
         }

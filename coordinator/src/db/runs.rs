@@ -1,24 +1,18 @@
 //! Runs, their attempts, events and inputs, and every run state change
 //! (what runners report is in [`super::runner`]).
 //!
-//! The state machine of a run lives here, next to the SQL that stores it, so
-//! that each change and its event commit together:
-//!
-//! ```text
-//! queued ─assign─► assigned ─claim─► starting ─RUNNING─► running ─waiting─► waiting
-//!   ▲                                                                        │ hold expires / suspend
-//!   │◄─────────── host lost, runner exited, drained (attempts left) ─────────┤ (sandbox gone)
-//!   │                                                                        ▼
-//!   └──────────────────────────── answer ◄──────────────────────────── suspended
-//! any non-terminal ─cancel─► cancelled; outcome ─► succeeded | failed;
-//! infrastructure failures reaching max_attempts ─► failed
-//! ```
+//! Where a run goes on each event, and what the end of an attempt makes of
+//! it, is decided by [`crate::runlife`]; here it is persisted, so that each
+//! change and its event commit together. [`transition`] asks the table and
+//! writes its answer (the state, its reason, the hold), the run's event and
+//! the effects; an event the table refuses is a
+//! [`DbError::IllegalTransition`] and changes nothing.
 //!
 //! An attempt ends exactly once ([`end_attempt`]); what the run does next
 //! depends on why: the destroy order's reason if there was one, else the
-//! cause (host lost, runner exited). A run that was waiting for a person is
-//! never retried as a failure: it is suspended (or queued again at once when
-//! an answer is already pending).
+//! cause (host lost, runner exited). A run that was
+//! waiting for a person is never retried as a failure: it is suspended (or
+//! queued again at once when an answer is already pending).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
@@ -34,13 +28,13 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 use super::checkpoints::push_in_list;
-use super::hosts::destroy_reason;
 use super::stations::HandoffNote;
 use super::workspaces::{KeyLineage, ensure_active_workspace, insert_workspace};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
     unsigned,
 };
+use crate::runlife::{self, AttemptEnd, Change, Effect, Event, Transition, destroy_reason};
 
 /// Short machine words of run events (`RunEvent.reason`).
 pub mod event_reason {
@@ -558,36 +552,102 @@ pub(super) async fn add_event(
     Ok(())
 }
 
-/// Moves the run to `state` (updating `run` too) and records the event.
-/// Leaving `waiting` clears the hold.
+/// What `event` does to `run` ([`runlife::next`]), or why it may not.
+pub(super) fn decide(run: &Run, event: Event) -> Result<Transition, DbError> {
+    runlife::next(run.state, event).map_err(|illegal| DbError::IllegalTransition {
+        run: run.id.clone(),
+        illegal,
+    })
+}
+
+/// Carries `event` out on the run (updating `run` too) as [`runlife`]
+/// decides: see [`persist`].
 pub(super) async fn transition(
     tx: &mut WriteTx,
     run: &mut Run,
-    state: RunState,
+    event: Event,
     state_reason: impl Into<String>,
-    event: EventDraft,
+    draft: EventDraft,
     now: i64,
 ) -> Result<(), DbError> {
-    let state_reason = state_reason.into();
-    if state != RunState::Waiting {
-        run.hold_until = None;
+    let decided = decide(run, event)?;
+    persist(tx, run, decided, state_reason.into(), draft, now).await
+}
+
+/// Writes what was `decided` for the run as it is: a run that enters a state
+/// gets it with `state_reason`, and its hold is cleared when the change says
+/// so; a run that stays keeps its state, and its reason unless
+/// `state_reason` is not empty. Then the event is recorded with the run's
+/// state, and the effects are carried out in order.
+pub(super) async fn persist(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    decided: Transition,
+    state_reason: String,
+    draft: EventDraft,
+    now: i64,
+) -> Result<(), DbError> {
+    if decided.from != run.state {
+        return Err(DbError::Corrupt(format!(
+            "a change decided for a {} run was applied to run {}, which is {}",
+            decided.from, run.id, run.state
+        )));
     }
-    sqlx::query(
-        "UPDATE runs SET state = $1, state_reason = $2, hold_until = $3, updated_at = $4 WHERE id = $5",
-    )
-    .bind(state.as_str())
-    .bind(&state_reason)
-    .bind(run.hold_until.map(millis))
-    .bind(now)
-    .bind(run.id.as_str())
-    .execute(tx.conn())
-    .await
-    .map_err(query_error("update run state"))?;
-    run.state = state;
-    run.state_reason = state_reason;
-    add_event(tx, run, event, now).await?;
-    if state.is_terminal() {
-        super::messages::give_back_messages(tx, run, now).await?;
+    match decided.change {
+        Change::Enter(state) => {
+            if decided.effects.contains(&Effect::ClearHold) {
+                run.hold_until = None;
+            }
+            sqlx::query(
+                "UPDATE runs SET state = $1, state_reason = $2, hold_until = $3, updated_at = $4 WHERE id = $5",
+            )
+            .bind(state.as_str())
+            .bind(&state_reason)
+            .bind(run.hold_until.map(millis))
+            .bind(now)
+            .bind(run.id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("update run state"))?;
+            run.state = state;
+            run.state_reason = state_reason;
+        }
+        Change::Stay if state_reason.is_empty() => {}
+        Change::Stay => set_state_reason(tx, run, &state_reason).await?,
+    }
+    add_event(tx, run, draft, now).await?;
+    for effect in decided.effects {
+        match effect {
+            // Written with the state above.
+            Effect::ClearHold => {}
+            Effect::ClearQuestion => {
+                sqlx::query("UPDATE runs SET question = '' WHERE id = $1")
+                    .bind(run.id.as_str())
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("clear question"))?;
+                run.question.clear();
+            }
+            Effect::CountFailedAttempt => {
+                run.failed_attempts += 1;
+                sqlx::query("UPDATE runs SET failed_attempts = $1 WHERE id = $2")
+                    .bind(i64::from(run.failed_attempts))
+                    .bind(run.id.as_str())
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("count failed attempts"))?;
+            }
+            Effect::GiveBackMessages => {
+                super::messages::give_back_messages(tx, run, now).await?;
+            }
+            Effect::OrderDestroy(reason) => {
+                if let Some(number) = run.active_attempt().map(|a| a.number) {
+                    // Boxed: a sandbox that never started is gone at once,
+                    // and its attempt's end moves the run again.
+                    Box::pin(order_destroy(tx, run, number, reason, now)).await?;
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -763,39 +823,38 @@ pub(super) async fn end_attempt(
             None => NextStep::Requeue { failure: true },
         }
     };
-    let event = EventDraft::new(event_word, detail.clone()).of(&attempt);
-    let moved = match step {
-        NextStep::Nothing => add_event(tx, run, event, now).await,
-        NextStep::Release => {
-            if pending_input_count(tx.conn(), &run.id).await? > 0 {
-                let reason =
-                    format!("answered; attempt {number} ended ({end_reason}); waiting for a host");
-                transition(tx, run, RunState::Queued, reason, event, now).await
-            } else {
-                let reason = format!("suspended ({end_reason}); an answer resumes the run");
-                transition(tx, run, RunState::Suspended, reason, event, now).await
-            }
-        }
-        NextStep::Requeue { failure } => {
-            if failure {
-                run.failed_attempts += 1;
-                sqlx::query("UPDATE runs SET failed_attempts = $1 WHERE id = $2")
-                    .bind(i64::from(run.failed_attempts))
-                    .bind(run.id.as_str())
-                    .execute(tx.conn())
-                    .await
-                    .map_err(query_error("count failed attempts"))?;
-            }
-            if failure && run.failed_attempts >= run.max_attempts {
-                let reason = format!(
+    let draft = EventDraft::new(event_word, detail.clone()).of(&attempt);
+    let end = match step {
+        NextStep::Nothing => None,
+        NextStep::Release => Some(AttemptEnd::Released {
+            input_pending: pending_input_count(tx.conn(), &run.id).await? > 0,
+        }),
+        NextStep::Requeue { failure } => Some(AttemptEnd::Retried {
+            failure,
+            failed_attempts: run.failed_attempts,
+            max_attempts: run.max_attempts,
+        }),
+    };
+    let moved = match end {
+        None => add_event(tx, run, draft, now).await,
+        Some(end) => {
+            let decided = decide(run, Event::AttemptEnded(end))?;
+            let reason = match (end, decided.to()) {
+                (AttemptEnd::Released { .. }, RunState::Queued) => {
+                    format!("answered; attempt {number} ended ({end_reason}); waiting for a host")
+                }
+                (AttemptEnd::Released { .. }, _) => {
+                    format!("suspended ({end_reason}); an answer resumes the run")
+                }
+                (AttemptEnd::Retried { .. }, RunState::Failed) => format!(
                     "gave up after {} failed attempts; the last: {detail}",
-                    run.failed_attempts
-                );
-                transition(tx, run, RunState::Failed, reason, event, now).await
-            } else {
-                let reason = format!("attempt {number} ended ({end_reason}); waiting for a host");
-                transition(tx, run, RunState::Queued, reason, event, now).await
-            }
+                    run.failed_attempts + 1
+                ),
+                (AttemptEnd::Retried { .. }, _) => {
+                    format!("attempt {number} ended ({end_reason}); waiting for a host")
+                }
+            };
+            persist(tx, run, decided, reason, draft, now).await
         }
     };
     moved?;
@@ -898,19 +957,6 @@ pub(super) async fn set_state_reason(
     Ok(())
 }
 
-/// Records `event` of `attempt` and orders its sandbox destroyed for `order`.
-pub(super) async fn release_sandbox(
-    tx: &mut WriteTx,
-    run: &mut Run,
-    attempt: &Attempt,
-    event: EventDraft,
-    order: &str,
-    now: i64,
-) -> Result<(), DbError> {
-    add_event(tx, run, event.of(attempt), now).await?;
-    order_destroy(tx, run, attempt.number, order, now).await
-}
-
 /// Adds input `text` of `kind` to the run; returns its id.
 pub(super) async fn add_input(
     tx: &mut WriteTx,
@@ -961,8 +1007,15 @@ pub(super) async fn hand_on_input(
     news: InputNews,
     now: i64,
 ) -> Result<bool, DbError> {
-    match (run.state, run.active_attempt().cloned()) {
-        (RunState::Waiting, Some(attempt)) => {
+    if !matches!(run.state, RunState::Waiting | RunState::Suspended) {
+        return Ok(false);
+    }
+    let attempt = run.active_attempt().cloned();
+    let event = Event::InputArrived {
+        sandbox_held: attempt.is_some(),
+    };
+    match attempt {
+        Some(attempt) => {
             let detail = if attempt.destroy_reason.is_some() {
                 format!(
                     "the held sandbox is being released; the {} goes to the next attempt",
@@ -971,14 +1024,13 @@ pub(super) async fn hand_on_input(
             } else {
                 "delivered to the held sandbox".to_owned()
             };
-            let event = EventDraft::new(news.reason, detail).of(&attempt);
-            add_event(tx, run, event, now).await?;
+            let draft = EventDraft::new(news.reason, detail).of(&attempt);
+            transition(tx, run, event, "", draft, now).await?;
         }
-        (RunState::Waiting | RunState::Suspended, _) => {
-            let event = EventDraft::new(news.reason, news.next_attempt);
-            transition(tx, run, RunState::Queued, news.queued, event, now).await?;
+        None => {
+            let draft = EventDraft::new(news.reason, news.next_attempt);
+            transition(tx, run, event, news.queued, draft, now).await?;
         }
-        _ => return Ok(false),
     }
     Ok(true)
 }
@@ -1033,7 +1085,7 @@ impl MetadataStore {
         .bind(duration_millis(new.hold))
         .bind(duration_millis(new.checkpoint_interval))
         .bind(i64::from(new.max_attempts))
-        .bind(RunState::Queued.as_str())
+        .bind(runlife::INITIAL.as_str())
         .bind(state_reason)
         .bind(now)
         .execute(tx.conn())
@@ -1213,7 +1265,7 @@ impl MetadataStore {
                 transition(
                     &mut tx,
                     &mut run,
-                    RunState::Suspended,
+                    Event::SuspendRequested,
                     why.clone(),
                     EventDraft::new(event_reason::SUSPENDED, why),
                     now,
@@ -1225,18 +1277,12 @@ impl MetadataStore {
                     DbError::Corrupt(format!("run {id} is {} without an attempt", run.state))
                 })?;
                 if attempt.destroy_reason.is_none() {
+                    // The run stays as it is until its sandbox is gone.
                     let reason = format!("{why}; releasing sandbox {}", attempt.sandbox_id);
-                    set_state_reason(&mut tx, &mut run, &reason).await?;
-                    let event = EventDraft::new(event_reason::SUSPEND_REQUESTED, reason);
-                    release_sandbox(
-                        &mut tx,
-                        &mut run,
-                        &attempt,
-                        event,
-                        destroy_reason::SUSPENDED,
-                        now,
-                    )
-                    .await?;
+                    let draft = EventDraft::new(event_reason::SUSPEND_REQUESTED, reason.clone())
+                        .of(&attempt);
+                    let event = Event::SuspendRequested;
+                    transition(&mut tx, &mut run, event, reason, draft, now).await?;
                 }
             }
         }
@@ -1268,22 +1314,12 @@ impl MetadataStore {
         } else {
             format!("cancelled: {reason}")
         };
-        let attempt = run.active_attempt().cloned();
         let mut event = EventDraft::new(event_reason::CANCELLED, why.clone());
-        if let Some(attempt) = &attempt {
+        if let Some(attempt) = run.active_attempt() {
             event = event.of(attempt);
         }
-        transition(&mut tx, &mut run, RunState::Cancelled, why, event, now).await?;
-        if let Some(attempt) = attempt {
-            order_destroy(
-                &mut tx,
-                &mut run,
-                attempt.number,
-                destroy_reason::CANCELLED,
-                now,
-            )
-            .await?;
-        }
+        // A live attempt's sandbox is ordered destroyed too.
+        transition(&mut tx, &mut run, Event::CancelRequested, why, event, now).await?;
         self.commit(tx).await?;
         Ok(run)
     }

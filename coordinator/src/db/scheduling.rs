@@ -10,11 +10,10 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
 
-use super::hosts::{destroy_reason, lose_host};
-use super::runs::{
-    Attempt, EventDraft, Run, add_event, event_reason, load_run, release_sandbox, transition,
-};
+use super::hosts::lose_host;
+use super::runs::{Attempt, EventDraft, Run, add_event, event_reason, load_run, transition};
 use super::{DbError, MetadataStore, from_millis, millis, parse_column, query_error, unsigned};
+use crate::runlife::Event;
 use crate::tokens::Scope;
 
 /// A run waiting for a host.
@@ -170,7 +169,7 @@ impl MetadataStore {
             transition(
                 &mut tx,
                 &mut run,
-                RunState::Failed,
+                Event::WorkspaceInactive,
                 why.clone(),
                 EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
                 now,
@@ -244,7 +243,7 @@ impl MetadataStore {
         transition(
             &mut tx,
             &mut run,
-            RunState::Assigned,
+            Event::Assigned,
             format!("assigned to host {host_id}"),
             EventDraft::new(event_reason::ASSIGNED, detail).of(&attempt),
             now,
@@ -357,9 +356,9 @@ impl MetadataStore {
                 humantime::format_duration(run.hold),
                 attempt.sandbox_id
             );
-            let event = EventDraft::new(event_reason::HOLD_EXPIRED, detail);
-            let order = destroy_reason::HOLD_EXPIRED;
-            release_sandbox(&mut tx, &mut run, &attempt, event, order, now).await?;
+            // The run stays waiting until its sandbox is gone.
+            let draft = EventDraft::new(event_reason::HOLD_EXPIRED, detail).of(&attempt);
+            transition(&mut tx, &mut run, Event::HoldExpired, "", draft, now).await?;
             self.commit(tx).await?;
             expired.push(id);
         }

@@ -355,3 +355,65 @@ async fn workspaces_list_in_pages_by_id() {
     let listed: Vec<_> = first.iter().chain(&rest).map(|w| w.id.clone()).collect();
     assert_eq!(listed, ids);
 }
+
+#[tokio::test]
+async fn an_illegal_transition_is_refused_and_changes_nothing() {
+    use crate::runlife::{Event, IllegalTransition};
+    use cairn_proto::runs::RunState;
+
+    let (_dir, db, tenant) = open().await;
+    let new = runs::NewRun {
+        target: runs::NewRunTarget::NewWorkspace(None),
+        station: "implement".into(),
+        harness: pb::HarnessSpec {
+            name: "command".into(),
+            ..Default::default()
+        },
+        prompt: "do it".into(),
+        labels: Default::default(),
+        hold: Duration::from_secs(60),
+        max_attempts: 3,
+        repos: Vec::new(),
+        image: String::new(),
+        checkpoint_interval: Duration::ZERO,
+        checkpoint_limits: Default::default(),
+        lay: Default::default(),
+    };
+    let created = db.create_run(&tenant, new).await.unwrap();
+    assert_eq!(created.state, RunState::Queued);
+    let events = db.run_events(&created.id, 0, 100).await.unwrap().len();
+
+    let mut tx = db.begin_write().await.unwrap();
+    let mut run = runs::load_run(tx.conn(), &created.id)
+        .await
+        .unwrap()
+        .unwrap();
+    let draft = runs::EventDraft::new(runs::event_reason::CLAIMED, "");
+    let err = runs::transition(&mut tx, &mut run, Event::Claimed, "claimed", draft, 0)
+        .await
+        .unwrap_err();
+    let DbError::IllegalTransition { run: id, illegal } = &err else {
+        panic!("expected an illegal transition, got {err:?}");
+    };
+    assert_eq!(id, &created.id);
+    assert_eq!(
+        illegal,
+        &IllegalTransition {
+            from: RunState::Queued,
+            event: Event::Claimed
+        }
+    );
+    assert_eq!(run.state, RunState::Queued);
+    db.commit(tx).await.unwrap();
+
+    let after = db.run(&tenant, &created.id).await.unwrap().unwrap();
+    assert_eq!(after.state, RunState::Queued);
+    assert_eq!(after.state_reason, created.state_reason);
+    assert_eq!(
+        db.run_events(&created.id, 0, 100).await.unwrap().len(),
+        events
+    );
+    // A bug of the coordinator, not the caller's doing.
+    let status = tonic::Status::from(crate::grpc::ServiceError::from(err));
+    assert_eq!(status.code(), tonic::Code::Internal);
+}
