@@ -4,8 +4,9 @@
 //! enters a state ([`Change::Enter`], its own again for a new question) or
 //! stays where it is ([`Change::Stay`]), and the database then carries out
 //! the [`Effect`]s, in order. Every other pair is an [`IllegalTransition`].
-//! `db` asks it and persists its answers; nothing here reads or writes
-//! anything.
+//! [`next_step`] is the policy that decides what the end of an attempt
+//! (without an outcome) makes of its run. `db` asks these two and persists
+//! their answers; nothing here reads or writes anything.
 //!
 //! A run is created queued ([`INITIAL`]). Assigned, starting, running and
 //! waiting are the *live* states: a run in one holds exactly one attempt that
@@ -44,16 +45,26 @@
 //!   sandbox destroyed (`draining` / `host_stopping`).
 //! - **cancel requested**: any state but a terminal one → cancelled; a live
 //!   one also orders its sandbox destroyed (`cancelled`).
-//! - **attempt ended, released**: a live state →
+//! - **attempt ended, released** ([`NextStep::Release`]): a live state →
 //!   queued when an input no harness heard is pending, else suspended.
-//! - **attempt ended, retried**: assigned, starting or running → queued. A
-//!   failure is counted, and once the failed attempts reach `max_attempts`
-//!   the run goes to failed instead. A waiting run is never retried.
+//! - **attempt ended, retried** ([`NextStep::Requeue`]): assigned, starting
+//!   or running → queued. A failure is counted, and once the failed attempts
+//!   reach `max_attempts` the run goes to failed instead. A waiting run is
+//!   never retried (the policy releases it).
 //! - Succeeded, failed and cancelled runs take no event at all.
 //!
 //! Two effects follow from where the run goes: leaving waiting clears the
 //! hold, and entering a terminal state gives the messages no harness heard
 //! back to the workspace.
+//!
+//! The policy, for an attempt that ended without an outcome (its sandbox is
+//! gone or its host lost): a terminal run does nothing more. A sandbox
+//! destroyed because the run was suspended or its hold expired releases the
+//! run, as does any end of a waiting run's attempt. Any other destroy order
+//! (draining, a stopping host) requeues it without counting a failure, as
+//! does a runner that reported `interrupted` before it stopped. Anything
+//! else (the runner exited, the sandbox failed, the host was lost) requeues
+//! it and counts a failure.
 //!
 //! What the table does not see is decided before it is asked: requests that
 //! find the run where they would take it (cancel a cancelled run, suspend a
@@ -110,18 +121,18 @@ pub enum Event {
     HostStopping,
     /// Someone cancelled the run.
     CancelRequested,
-    /// The run's attempt ended without an outcome (its sandbox is gone or
-    /// its host lost).
+    /// The run's attempt ended without an outcome, and [`next_step`] said
+    /// what follows.
     AttemptEnded(AttemptEnd),
 }
 
 /// What follows an attempt's end, with what the move depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptEnd {
-    /// The run waits for a person, unless an input
+    /// [`NextStep::Release`]: the run waits for a person, unless an input
     /// (an answer, a message) no harness heard is pending already.
     Released { input_pending: bool },
-    /// The run is retried; `failure` counts against
+    /// [`NextStep::Requeue`]: the run is retried; `failure` counts against
     /// `max_attempts`. `failed_attempts` is the count before this attempt.
     Retried {
         failure: bool,
@@ -270,6 +281,40 @@ pub fn next(from: RunState, event: Event) -> Result<Transition, IllegalTransitio
         change,
         effects,
     })
+}
+
+/// What a run does after its attempt ended without an outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NextStep {
+    /// Released to wait for a person ([`AttemptEnd::Released`]).
+    Release,
+    /// Queued again; `failure` counts it against max_attempts
+    /// ([`AttemptEnd::Retried`]).
+    Requeue { failure: bool },
+    /// The run is terminal already; only the attempt ends.
+    Nothing,
+}
+
+/// The policy for an attempt that ended without an outcome, in a run in
+/// `state`: `destroy_order` is the reason of the order that destroyed its
+/// sandbox (a [`destroy_reason`]), if there was one; `interrupted`, whether
+/// its runner reported the outcome interrupted before it stopped.
+pub fn next_step(state: RunState, destroy_order: Option<&str>, interrupted: bool) -> NextStep {
+    if state.is_terminal() {
+        return NextStep::Nothing;
+    }
+    let waiting = state == RunState::Waiting;
+    match destroy_order {
+        Some(destroy_reason::SUSPENDED | destroy_reason::HOLD_EXPIRED) => NextStep::Release,
+        Some(_) if waiting => NextStep::Release,
+        // Drained or superseded: the operator's doing, not a failure.
+        Some(_) => NextStep::Requeue { failure: false },
+        // The runner stops on its own when the hold runs out.
+        None if waiting => NextStep::Release,
+        // A runner that checkpointed and reported before stopping lost nothing.
+        None if interrupted => NextStep::Requeue { failure: false },
+        None => NextStep::Requeue { failure: true },
+    }
 }
 
 #[cfg(test)]
@@ -473,6 +518,69 @@ mod tests {
                 );
                 let gives_back = t.effects.contains(&Effect::GiveBackMessages);
                 assert_eq!(gives_back, t.to().is_terminal(), "{from} on {event:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_suspended_or_expired_hold_releases_the_run() {
+        for &state in &LIVE {
+            for order in [destroy_reason::SUSPENDED, destroy_reason::HOLD_EXPIRED] {
+                assert_eq!(next_step(state, Some(order), false), NextStep::Release);
+                assert_eq!(next_step(state, Some(order), true), NextStep::Release);
+            }
+        }
+    }
+
+    #[test]
+    fn a_drained_run_is_requeued_without_a_failure() {
+        for state in [S::Assigned, S::Starting, S::Running] {
+            for order in [destroy_reason::DRAINING, destroy_reason::HOST_STOPPING] {
+                assert_eq!(
+                    next_step(state, Some(order), false),
+                    NextStep::Requeue { failure: false }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_runner_that_crashed_costs_an_attempt_and_an_interrupted_one_does_not() {
+        for state in [S::Assigned, S::Starting, S::Running] {
+            assert_eq!(
+                next_step(state, None, false),
+                NextStep::Requeue { failure: true }
+            );
+            assert_eq!(
+                next_step(state, None, true),
+                NextStep::Requeue { failure: false }
+            );
+        }
+    }
+
+    #[test]
+    fn a_waiting_run_is_released_whatever_ended_its_attempt() {
+        for order in [
+            None,
+            Some(destroy_reason::DRAINING),
+            Some(destroy_reason::HOST_STOPPING),
+            Some(destroy_reason::SUPERSEDED),
+        ] {
+            for interrupted in [false, true] {
+                assert_eq!(
+                    next_step(S::Waiting, order, interrupted),
+                    NextStep::Release,
+                    "{order:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_terminal_run_does_nothing_when_its_attempt_ends() {
+        for state in [S::Succeeded, S::Failed, S::Cancelled] {
+            for order in [None, Some(destroy_reason::CANCELLED)] {
+                assert_eq!(next_step(state, order, false), NextStep::Nothing);
             }
         }
     }

@@ -9,8 +9,8 @@
 //! [`DbError::IllegalTransition`] and changes nothing.
 //!
 //! An attempt ends exactly once ([`end_attempt`]); what the run does next
-//! depends on why: the destroy order's reason if there was one, else the
-//! cause (host lost, runner exited). A run that was
+//! depends on why ([`runlife::next_step`]): the destroy order's reason if
+//! there was one, else the cause (host lost, runner exited). A run that was
 //! waiting for a person is never retried as a failure: it is suspended (or
 //! queued again at once when an answer is already pending).
 
@@ -34,7 +34,7 @@ use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
     unsigned,
 };
-use crate::runlife::{self, AttemptEnd, Change, Effect, Event, Transition, destroy_reason};
+use crate::runlife::{self, AttemptEnd, Change, Effect, Event, NextStep, Transition};
 
 /// Short machine words of run events (`RunEvent.reason`).
 pub mod event_reason {
@@ -697,16 +697,6 @@ pub(super) enum EndCause {
     HostLost { lease: Duration },
 }
 
-/// What the run does after its attempt ended without an outcome.
-enum NextStep {
-    /// Released to wait for a person (queued at once if an answer is pending).
-    Release,
-    /// Queued again; `failure` counts it against max_attempts.
-    Requeue { failure: bool },
-    /// The run is terminal already; only the attempt ends.
-    Nothing,
-}
-
 fn describe_exit(code: i32) -> String {
     if code < 0 {
         format!(
@@ -807,22 +797,7 @@ pub(super) async fn end_attempt(
     };
     mark_attempt_ended(tx, run, number, &end_reason, now).await?;
 
-    let waiting = run.state == RunState::Waiting;
-    let step = if run.state.is_terminal() {
-        NextStep::Nothing
-    } else {
-        match attempt.destroy_reason.as_deref() {
-            Some(destroy_reason::SUSPENDED | destroy_reason::HOLD_EXPIRED) => NextStep::Release,
-            Some(_) if waiting => NextStep::Release,
-            // Drained or superseded: the operator's doing, not a failure.
-            Some(_) => NextStep::Requeue { failure: false },
-            // The runner stops on its own when the hold runs out.
-            None if waiting => NextStep::Release,
-            // A runner that checkpointed and reported before stopping lost nothing.
-            None if interrupted => NextStep::Requeue { failure: false },
-            None => NextStep::Requeue { failure: true },
-        }
-    };
+    let step = runlife::next_step(run.state, attempt.destroy_reason.as_deref(), interrupted);
     let draft = EventDraft::new(event_word, detail.clone()).of(&attempt);
     let end = match step {
         NextStep::Nothing => None,
