@@ -74,7 +74,7 @@ use crate::blob_http::BlobServer;
 use crate::conn_limits::{ConnectionCaps, Timeouts};
 use crate::datadir::{DataDir, DataDirError};
 use crate::db::{DbError, MetadataStore};
-use crate::grpc::{GrpcError, HostTiming, Limits, ServerLimits, Shared};
+use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, StoreLayer};
@@ -91,7 +91,7 @@ pub struct ServerConfig {
     /// listener's address, `http://IP:PORT`).
     pub blob_public_url: Option<String>,
     /// URL lifetime and request limits.
-    pub limits: Limits,
+    pub limits: ServiceLimits,
     /// Wraps the object store the services use (tests inject a
     /// [`store::FaultyStore`] here).
     pub store_layer: Option<StoreLayer>,
@@ -133,14 +133,14 @@ impl std::fmt::Debug for ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults: URLs live an hour (see [`Limits`]); hosts heartbeat every
+    /// Defaults: URLs live an hour (see [`ServiceLimits`]); hosts heartbeat every
     /// second and are lost after 10 seconds of silence.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         let timing = HostTiming::default();
         Self {
             data_dir: data_dir.into(),
             blob_public_url: None,
-            limits: Limits::default(),
+            limits: ServiceLimits::default(),
             store_layer: None,
             host_lease: timing.lease,
             heartbeat_interval: timing.heartbeat_interval,

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use cairn_coordinator::conn_limits::Timeouts;
 use cairn_coordinator::datadir::DataDir;
-use cairn_coordinator::grpc::{Limits, ServerLimits};
+use cairn_coordinator::grpc::{ServerLimits, ServiceLimits};
 use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand};
@@ -54,10 +54,10 @@ struct ServeArgs {
     url_ttl: Duration,
     /// Most blob ids one checkpoint commit may declare in its new packs
     /// (recording them holds the metadata's write lock).
-    #[arg(long, value_name = "COUNT", default_value_t = Limits::default().max_commit_blobs)]
+    #[arg(long, value_name = "COUNT", default_value_t = ServiceLimits::default().max_commit_blobs)]
     max_commit_blobs: u64,
     /// Most packs one checkpoint commit may reference.
-    #[arg(long, value_name = "COUNT", default_value_t = Limits::default().max_commit_referenced_packs)]
+    #[arg(long, value_name = "COUNT", default_value_t = ServiceLimits::default().max_commit_referenced_packs)]
     max_commit_packs: usize,
     /// A host whose last heartbeat is older than this is lost: its attempts
     /// end and its runs are queued again elsewhere.
@@ -144,11 +144,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     data_dir.remove_endpoints()?;
     let mut config = ServerConfig::new(&args.data_dir);
     config.blob_public_url = args.blob_public_url;
-    config.limits = Limits {
+    config.limits = ServiceLimits {
         url_ttl: args.url_ttl,
         max_commit_blobs: args.max_commit_blobs,
         max_commit_referenced_packs: args.max_commit_packs,
-        ..Limits::default()
+        ..ServiceLimits::default()
     };
     config.host_lease = args.host_lease;
     config.heartbeat_interval = args.heartbeat_interval;

@@ -19,7 +19,7 @@ use prost::Message;
 use tonic::{Request, Response, Status};
 
 use super::{
-    Limits, ServiceError, Shared, checkpoint_to_pb, decode_page_token, encode_page_token,
+    ServiceError, ServiceLimits, Shared, checkpoint_to_pb, decode_page_token, encode_page_token,
     ensure_active, page_size,
 };
 use crate::auth::principal;
@@ -426,7 +426,10 @@ impl CheckpointApi {
 /// Why a run token's checkpoint at `given` is refused: its attempt owns `own`.
 /// Refuses a commit over any of the per-commit limits before it costs
 /// anything: no lookup, no store call, no write lock.
-fn check_commit_limits(limits: &Limits, commit: &CommitCheckpoint) -> Result<(), ServiceError> {
+fn check_commit_limits(
+    limits: &ServiceLimits,
+    commit: &CommitCheckpoint,
+) -> Result<(), ServiceError> {
     let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     if commit.new_packs.len() > limits.max_packs_per_call {
         return Err(ServiceError::over_limit(

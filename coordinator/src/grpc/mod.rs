@@ -46,7 +46,7 @@ use crate::db::{
     Attempt, Checkpoint, DbError, HandoffNote, Host, MetadataStore, Run, RunEvent, Workspace,
 };
 use crate::scheduler::SchedulerHandle;
-use crate::store::{ObjectStore, StoreError};
+use crate::store::{ObjectStore, ObjectStoreError};
 use crate::tls::{Peer, ServerTls};
 use crate::tokens::{Action, Principal, RunTokenKey};
 
@@ -102,9 +102,9 @@ const DEFAULT_PAGE_SIZE: u32 = 100;
 /// Largest page a list request gets.
 const MAX_PAGE_SIZE: u32 = 1000;
 
-/// Limits and lifetimes the services apply.
+/// Limits and lifetimes the services apply (per request and per commit).
 #[derive(Debug, Clone)]
-pub struct Limits {
+pub struct ServiceLimits {
     /// Lifetime of signed URLs.
     pub url_ttl: Duration,
     /// Blob ids one FindMissingBlobs call may carry.
@@ -125,7 +125,7 @@ pub struct Limits {
     pub max_commit_details_bytes: usize,
 }
 
-impl Default for Limits {
+impl Default for ServiceLimits {
     fn default() -> Self {
         Self {
             url_ttl: Duration::from_secs(3600),
@@ -161,7 +161,7 @@ impl Default for HostTiming {
 pub struct Shared {
     pub db: Arc<MetadataStore>,
     pub store: Arc<dyn ObjectStore>,
-    pub limits: Limits,
+    pub limits: ServiceLimits,
     pub host_timing: HostTiming,
     /// Derives each attempt's run token.
     pub run_tokens: RunTokenKey,
@@ -199,7 +199,7 @@ pub enum ServiceError {
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(#[from] ObjectStoreError),
 }
 
 impl ServiceError {
@@ -769,7 +769,7 @@ mod tests {
             }),
             "the caller decides on the typed reason"
         );
-        let down = StoreError::Unavailable {
+        let down = ObjectStoreError::Unavailable {
             op: crate::store::StoreOp::Stat,
             key: "k".into(),
             reason: "down".into(),

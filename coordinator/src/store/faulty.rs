@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{ObjectKey, ObjectMeta, ObjectStore, PresignedUrl, StoreError, StoreFuture, StoreOp};
+use super::{
+    ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
+};
 use crate::tokens::RunBinding;
 
 #[derive(Debug, Default)]
@@ -65,13 +67,13 @@ impl Faults {
     }
 
     /// Counts a call and says whether it must fail.
-    fn enter(&self, op: StoreOp, key: &str) -> Result<(), StoreError> {
+    fn enter(&self, op: StoreOp, key: &str) -> Result<(), ObjectStoreError> {
         let mut state = self.state();
         *state.calls.entry(op).or_default() += 1;
         match state.failures.get_mut(&op) {
             Some(left) if *left > 0 => {
                 *left -= 1;
-                Err(StoreError::Unavailable {
+                Err(ObjectStoreError::Unavailable {
                     op,
                     key: key.to_owned(),
                     reason: "injected fault".into(),

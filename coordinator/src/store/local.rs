@@ -8,7 +8,9 @@ use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, UNIX_EPOCH};
 
-use super::{ObjectKey, ObjectMeta, ObjectStore, PresignedUrl, StoreError, StoreFuture, StoreOp};
+use super::{
+    ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
+};
 use crate::signing::{Grant, UrlSigner, expiry_after};
 use crate::tokens::RunBinding;
 
@@ -66,8 +68,8 @@ pub(crate) fn object_path(root: &Path, key: &ObjectKey) -> PathBuf {
     root.join(key.as_str())
 }
 
-fn io_error(op: StoreOp, key: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
+fn io_error(op: StoreOp, key: &str) -> impl FnOnce(std::io::Error) -> ObjectStoreError + '_ {
+    move |source| ObjectStoreError::Io {
         op,
         key: key.to_owned(),
         source,
@@ -182,7 +184,7 @@ impl ObjectStore for LocalStore {
                 collect(&root, &dir, &owned_prefix, &mut out).map(|()| out)
             })
             .await
-            .map_err(|e| StoreError::Unavailable {
+            .map_err(|e| ObjectStoreError::Unavailable {
                 op: StoreOp::List,
                 key: prefix.to_owned(),
                 reason: format!("listing task failed: {e}"),

@@ -38,11 +38,11 @@ pub const MAX_KEY_LEN: usize = 1024;
 pub struct ObjectKey(String);
 
 impl ObjectKey {
-    pub fn new(key: impl Into<String>) -> Result<Self, StoreError> {
+    pub fn new(key: impl Into<String>) -> Result<Self, ObjectStoreError> {
         let key = key.into();
         match Self::problem(&key) {
             None => Ok(Self(key)),
-            Some(reason) => Err(StoreError::InvalidKey { key, reason }),
+            Some(reason) => Err(ObjectStoreError::InvalidKey { key, reason }),
         }
     }
 
@@ -149,7 +149,7 @@ impl fmt::Display for StoreOp {
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
-pub enum StoreError {
+pub enum ObjectStoreError {
     #[error("invalid object key {key:?}: {reason}")]
     InvalidKey { key: String, reason: &'static str },
     #[error("object store: {op} {key}: {source}")]
@@ -167,7 +167,7 @@ pub enum StoreError {
     },
 }
 
-impl StoreError {
+impl ObjectStoreError {
     /// Whether the same operation may succeed if tried again.
     pub fn is_retryable(&self) -> bool {
         use std::io::ErrorKind;
@@ -189,7 +189,8 @@ impl StoreError {
 }
 
 /// A boxed future of a store operation (keeps [`ObjectStore`] object safe).
-pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+pub type StoreFuture<'a, T> =
+    Pin<Box<dyn Future<Output = Result<T, ObjectStoreError>> + Send + 'a>>;
 
 /// What the coordinator needs from an object store.
 pub trait ObjectStore: Send + Sync + 'static {
@@ -279,7 +280,7 @@ mod tests {
         ];
         for (key, reason) in refused {
             match ObjectKey::new(key) {
-                Err(StoreError::InvalidKey { reason: got, .. }) => {
+                Err(ObjectStoreError::InvalidKey { reason: got, .. }) => {
                     assert_eq!(got, reason, "{key:?}")
                 }
                 other => panic!("{key:?} was not refused: {other:?}"),
@@ -299,7 +300,7 @@ mod tests {
 
     #[test]
     fn only_transient_failures_are_retryable() {
-        let io = |kind: std::io::ErrorKind| StoreError::Io {
+        let io = |kind: std::io::ErrorKind| ObjectStoreError::Io {
             op: StoreOp::Stat,
             key: "k".into(),
             source: kind.into(),
@@ -307,7 +308,7 @@ mod tests {
         assert!(io(std::io::ErrorKind::TimedOut).is_retryable());
         assert!(!io(std::io::ErrorKind::PermissionDenied).is_retryable());
         assert!(!ObjectKey::new("..").unwrap_err().is_retryable());
-        let down = StoreError::Unavailable {
+        let down = ObjectStoreError::Unavailable {
             op: StoreOp::Stat,
             key: "k".into(),
             reason: "down".into(),
