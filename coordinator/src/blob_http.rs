@@ -40,12 +40,8 @@ use crate::conn_limits::{self, CappedListener, ConnMeter, Timeouts};
 use crate::db::MetadataStore;
 use crate::signing::{Grant, SignedQuery, UrlSigner, unix_now};
 use crate::store::ObjectKey;
-use crate::store::local::object_path;
+use crate::store::local::{TEMP_DIR, object_path};
 use crate::tokens::RunBinding;
-
-/// Name of the directory (under the blob root) that holds uploads in flight.
-/// Object keys cannot start a segment with '.', so it is never addressable.
-pub const TEMP_DIR: &str = ".tmp";
 
 const STREAM_CHUNK: usize = 256 << 10;
 

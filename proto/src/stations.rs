@@ -26,6 +26,9 @@ pub const MAX_NOTE_FIELD_BYTES: usize = 16 << 10;
 /// What a note says for a field nobody gave.
 pub const NOT_STATED: &str = "not stated";
 
+/// Station of a run that names none.
+pub const DEFAULT_STATION: &str = "default";
+
 /// Checks that `path` may be laid (or named in `.cairn/laid.json`): relative,
 /// `/`-separated normal components, not in a `.git` directory, and not in
 /// `.cairn` except under `.cairn/state/` (the harness state directories).

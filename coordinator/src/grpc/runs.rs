@@ -10,7 +10,7 @@ use cairn_proto::ids::RunId;
 use cairn_proto::pb;
 use cairn_proto::pb::run_service_server::RunService;
 use cairn_proto::runs::{Labels, RunState, from_proto_duration, validate_station};
-use cairn_proto::stations::LaidFiles;
+use cairn_proto::stations::{DEFAULT_STATION, LaidFiles};
 use futures::Stream;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -27,8 +27,6 @@ use crate::tokens::{Action, Principal};
 
 const PAGE_KIND: &str = "runs";
 
-/// Station of a run that names none.
-pub const DEFAULT_STATION: &str = "default";
 /// How long a waiting sandbox is held when the run says nothing.
 pub const DEFAULT_HOLD: Duration = Duration::from_secs(5 * 60);
 /// Longest hold accepted.

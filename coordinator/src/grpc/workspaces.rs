@@ -8,7 +8,6 @@ use cairn_proto::pb::workspace_service_server::WorkspaceService;
 use cairn_proto::runs::validate_station;
 use tonic::{Request, Response, Status};
 
-use super::runs::DEFAULT_STATION;
 use super::{
     ServiceError, Shared, decode_page_token, encode_page_token, ensure_active, handoff_note_to_pb,
     page_size, workspace_to_pb,
@@ -16,6 +15,7 @@ use super::{
 use crate::auth::principal;
 use crate::db::{Message, MessageState};
 use crate::tokens::Action;
+use cairn_proto::stations::DEFAULT_STATION;
 
 const PAGE_KIND: &str = "workspaces";
 

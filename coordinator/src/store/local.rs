@@ -62,6 +62,10 @@ impl LocalStore {
     }
 }
 
+/// Name of the directory (under the blob root) that holds uploads in flight.
+/// Object keys cannot start a segment with '.', so it is never addressable.
+pub const TEMP_DIR: &str = ".tmp";
+
 /// The file of `key` under the store's `root`.
 pub(crate) fn object_path(root: &Path, key: &ObjectKey) -> PathBuf {
     // Keys are validated: relative, no dot segments, so this stays under root.
@@ -80,7 +84,7 @@ fn io_error(op: StoreOp, key: &str) -> impl FnOnce(std::io::Error) -> ObjectStor
 /// (`blobs/.tmp`), returning how many. Only for start-up, before the blob
 /// server accepts uploads: any file there was left by a process that died.
 pub fn sweep_uploads(root: &Path) -> std::io::Result<u64> {
-    let dir = root.join(crate::blob_http::TEMP_DIR);
+    let dir = root.join(TEMP_DIR);
     let entries = match std::fs::read_dir(&dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(0),

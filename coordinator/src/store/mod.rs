@@ -26,7 +26,7 @@ use crate::tokens::RunBinding;
 use cairn_proto::ids::{PackId, TenantId};
 
 pub use faulty::{Faults, FaultyStore};
-pub use local::LocalStore;
+pub use local::{LocalStore, TEMP_DIR};
 
 /// Longest object key accepted.
 pub const MAX_KEY_LEN: usize = 1024;

@@ -145,7 +145,7 @@ impl TestServer {
         let temp = self
             .data_dir
             .join("blobs")
-            .join(cairn_coordinator::blob_http::TEMP_DIR);
+            .join(cairn_coordinator::store::TEMP_DIR);
         std::fs::read_dir(temp).map(|d| d.count()).unwrap_or(0)
     }
 }
