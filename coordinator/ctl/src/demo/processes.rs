@@ -47,9 +47,11 @@ fn build_with_cargo(dir: &Path) -> anyhow::Result<bool> {
         return Ok(false);
     };
     let profile = dir.file_name().and_then(|n| n.to_str());
+    // This crate is coordinator/ctl in the workspace.
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .context("the coordinator crate has no workspace directory")?;
+        .ancestors()
+        .nth(2)
+        .context("cairnctl's crate is not two levels below the workspace")?;
     let mut build = std::process::Command::new(cargo);
     build
         .arg("build")
