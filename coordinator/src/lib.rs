@@ -25,6 +25,8 @@
 //! - [`grpc`]: the `cairn.v1` services (workspaces, checkpoints, runs, hosts,
 //!   runners, admin), health and reflection; [`grpc::ServiceError`] → status
 //!   codes in one place.
+//! - [`runlife`]: the run's life as a pure transition table and the
+//!   retry/release policy; [`db`] persists what it decides.
 //! - [`scheduler`]: the background task that marks lost hosts, expires
 //!   holds and assigns queued runs.
 //! - [`auth`] and [`tokens`]: the bearer-token layer over every gRPC service,

@@ -15,7 +15,8 @@
 //! attacks (each token scope against what it must not reach), faults (the
 //! coordinator SIGKILLed under concurrent checkpoints), server_limits
 //! (floods, slow uploads, temp sweep), restore_space (small tmpfs), tls
-//! (TLS on both listeners, CAIRN_CA, mutual TLS for hosts).
+//! (TLS on both listeners, CAIRN_CA, mutual TLS for hosts). Issue 30: layout
+//! (the crate graph ARCHITECTURE.md promises, from `cargo metadata`).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -35,6 +36,7 @@ mod fork;
 mod hostile;
 mod hosts;
 mod incremental;
+mod layout;
 mod limits;
 mod partial;
 mod restore_space;
