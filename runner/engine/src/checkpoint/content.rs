@@ -34,6 +34,7 @@ use crate::format::{ChunkRef, TenantKeys};
 use crate::gitobj::{self, GitStored};
 use crate::restore::fsops::open_for_read;
 
+use super::dir::{DirFiles, FileContent};
 use super::memo::Memo;
 use super::treebases::{Base, TreeBases};
 use crate::scan::{Meta, NodeKind, Scan, ScannedDir, display_rel, join_rel, join_rel_into};
@@ -56,40 +57,6 @@ type Hashed = (ChunkRef, Vec<u8>);
 pub struct Batch {
     pub blobs: Vec<(BlobId, Vec<u8>)>,
 }
-
-/// A file as it goes into the checkpoint.
-#[derive(Debug, Clone)]
-pub struct FileContent {
-    pub chunks: std::sync::Arc<[ChunkRef]>,
-    pub size: u64,
-    pub meta: Meta,
-    /// The fingerprint under which the cache may remember `chunks` (None
-    /// when the file changed too recently, or while it was read).
-    pub cacheable: Option<Fingerprint>,
-    /// A git loose object stored by what it holds ([`crate::gitobj`]).
-    pub git: Option<GitStored>,
-}
-
-impl FileContent {
-    /// Whether it is a loose git tree stored as a delta against a base.
-    pub fn is_tree_delta(&self) -> bool {
-        matches!(self.git, Some(GitStored::TreeDelta { .. }))
-    }
-
-    /// What the fingerprint cache learns about this file, if anything.
-    pub fn cache_entry(&self) -> Option<CachedFile> {
-        self.cacheable.map(|fingerprint| CachedFile {
-            fingerprint,
-            chunks: self.chunks.clone(),
-            git: self.git,
-        })
-    }
-}
-
-/// One directory's files, per node: the file's content (None for other
-/// kinds and for files that vanished or could not be read). Shared with the
-/// [`Memo`] when the next checkpoint finds the same listing.
-pub type DirFiles = Arc<Vec<Option<FileContent>>>;
 
 /// Everything the reader found out.
 #[derive(Debug)]

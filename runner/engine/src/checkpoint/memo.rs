@@ -35,8 +35,7 @@ use std::sync::Arc;
 
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 
-use super::content::{DirFiles, FileContent};
-use super::trees::{self, DirTree};
+use super::dir::{DirFiles, DirTree, FileContent};
 use crate::cache::{Cache, FastMap, Fingerprint};
 use crate::format::TenantKeys;
 use crate::gitobj::GitStored;
@@ -181,7 +180,7 @@ impl Memo {
                 continue;
             };
             let mut committed = true;
-            let tree = trees::encode(listing, &files, subtrees, keys, &mut |id, _| {
+            let tree = DirTree::encode(listing, &files, subtrees, keys, &mut |id, _| {
                 committed &= cache.knows_blob(&id);
             });
             if !committed {

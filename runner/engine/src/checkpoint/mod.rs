@@ -30,6 +30,7 @@
 //! is already in the store), and the commit is skipped.
 
 mod content;
+mod dir;
 pub mod limits;
 mod memo;
 mod remote;
@@ -54,7 +55,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 use tonic::Code;
 
-use self::content::{Cancelled, Content, FileContent};
+use self::content::{Cancelled, Content};
+use self::dir::{DirTree, FileContent};
 use self::memo::Memo;
 use self::remote::Session;
 use self::treebases::TreeBases;
@@ -541,7 +543,7 @@ async fn run(
     let next_memo = {
         let (workspace, key_id) = (session.workspace_id.clone(), keys.key_id().to_owned());
         let previous = memo.clone();
-        move |scan: &Arc<Scan>, content: &Content, trees: &[trees::DirTree], placed: &Placed| {
+        move |scan: &Arc<Scan>, content: &Content, trees: &[DirTree], placed: &Placed| {
             Memo::new(
                 workspace,
                 key_id,
@@ -702,7 +704,7 @@ fn remembered_trees<'m>(
     scan: &Scan,
     content: &Content,
     memo: Option<&'m Memo>,
-) -> Vec<Option<&'m trees::DirTree>> {
+) -> Vec<Option<&'m DirTree>> {
     let Some(memo) = memo else {
         return Vec::new();
     };
@@ -795,7 +797,7 @@ fn save_cache(
     cache: Arc<Cache>,
     scan: &Scan,
     content: Content,
-    trees: &[trees::DirTree],
+    trees: &[DirTree],
     located: &FastMap<BlobId, PackId>,
 ) -> Option<Cache> {
     let started = Instant::now();

@@ -8,46 +8,12 @@
 //! the paths to what changed.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use cairn_proto::ids::BlobId;
 
-use super::content::{DirFiles, FileContent};
-use crate::format::{Entry, EntryKind, TenantKeys, Tree};
-use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into, parent_rel};
-
-/// What the tree holds, entry by entry.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counts {
-    pub files: u64,
-    pub directories: u64,
-    pub symlinks: u64,
-    pub total_bytes: u64,
-}
-
-impl std::ops::AddAssign for Counts {
-    fn add_assign(&mut self, other: Self) {
-        self.files += other.files;
-        self.directories += other.directories;
-        self.symlinks += other.symlinks;
-        self.total_bytes += other.total_bytes;
-    }
-}
-
-/// One directory's tree.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DirTree {
-    pub id: BlobId,
-    /// Its pages, when it is a large directory, and the chunk-list parts of
-    /// its long files (see format::tree).
-    pub pages: Vec<BlobId>,
-    /// The tree of each subdirectory, in entry order (None: it vanished
-    /// during the walk, and is left out): the tree can be taken again only
-    /// while these are the same.
-    pub subtrees: Arc<[Option<BlobId>]>,
-    /// Its own entries, not those below its subdirectories.
-    pub counts: Counts,
-}
+use super::dir::{Counts, DirFiles, DirTree};
+use crate::format::TenantKeys;
+use crate::scan::{NodeKind, Scan, join_rel_into, parent_rel};
 
 /// The encoded trees of a checkpoint.
 #[derive(Debug)]
@@ -108,7 +74,7 @@ pub fn build(
                 }
                 match remembered {
                     Some(tree) if *tree.subtrees == subtrees[..] => tree.clone(),
-                    _ => encode(dir, &files[d], subtrees, keys, &mut |id, bytes| {
+                    _ => DirTree::encode(dir, &files[d], subtrees, keys, &mut |id, bytes| {
                         if !known(&id) && sent.insert(id) {
                             unknown.push((id, bytes));
                         }
@@ -138,79 +104,6 @@ pub fn build(
     }
 }
 
-/// Encodes one directory whose subdirectories have the trees `subtrees`
-/// (one per subdirectory, in entry order); every page and the tree itself
-/// go to `offer`.
-pub(super) fn encode(
-    dir: &ScannedDir,
-    files: &[Option<FileContent>],
-    subtrees: Vec<Option<BlobId>>,
-    keys: &TenantKeys,
-    offer: &mut dyn FnMut(BlobId, Vec<u8>),
-) -> DirTree {
-    let mut counts = Counts::default();
-    let mut entries = Vec::with_capacity(dir.nodes.len());
-    let mut next_subtree = subtrees.iter();
-    for (node, file) in dir.nodes.iter().zip(files) {
-        let (kind, meta) = match &node.kind {
-            NodeKind::File(_) => {
-                let Some(file) = file else { continue };
-                counts.files += 1;
-                counts.total_bytes += file.size;
-                let kind = match file.git {
-                    Some(stored) => EntryKind::Git {
-                        size: file.size,
-                        stored,
-                        chunks: file.chunks.to_vec(),
-                    },
-                    None => EntryKind::File {
-                        size: file.size,
-                        chunks: file.chunks.to_vec(),
-                    },
-                };
-                (kind, &file.meta)
-            }
-            NodeKind::Dir => match next_subtree.next().copied().flatten() {
-                Some(tree) => {
-                    counts.directories += 1;
-                    (EntryKind::Dir { tree }, &node.meta)
-                }
-                None => continue,
-            },
-            NodeKind::Symlink(target) => {
-                counts.symlinks += 1;
-                let kind = EntryKind::Symlink {
-                    target: target.clone(),
-                };
-                (kind, &node.meta)
-            }
-        };
-        entries.push(Entry {
-            name: node.name.to_vec(),
-            kind,
-            mode: meta.mode,
-            mtime_sec: meta.mtime_sec,
-            mtime_nsec: meta.mtime_nsec,
-            uid: meta.uid,
-            gid: meta.gid,
-        });
-    }
-    let encoded = Tree { entries }.encode_paged(&|bytes| keys.blob_id(bytes));
-    let mut pages = Vec::with_capacity(encoded.pages.len() + encoded.parts.len());
-    for (page, bytes) in encoded.pages.into_iter().chain(encoded.parts) {
-        pages.push(page);
-        offer(page, bytes);
-    }
-    let id = keys.blob_id(&encoded.root);
-    offer(id, encoded.root);
-    DirTree {
-        id,
-        pages,
-        subtrees: subtrees.into(),
-        counts,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -218,7 +111,8 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     use super::*;
-    use crate::format::{ChunkRef, TreeObject};
+    use crate::checkpoint::dir::FileContent;
+    use crate::format::{ChunkRef, Tree, TreeObject};
     use crate::scan::{ScanOptions, join_rel, scan};
 
     fn keys() -> TenantKeys {
