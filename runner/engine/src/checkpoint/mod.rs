@@ -31,8 +31,10 @@
 
 mod content;
 mod dir;
+mod learn;
 pub mod limits;
 mod memo;
+mod recall;
 mod remote;
 mod resident;
 mod treebases;
@@ -56,8 +58,10 @@ use serde::Serialize;
 use tonic::Code;
 
 use self::content::{Cancelled, Content};
-use self::dir::{DirTree, FileContent};
+use self::dir::DirTree;
+use self::learn::Learned;
 use self::memo::Memo;
+use self::recall::{Known, OneShot, Recall, RepoReading};
 use self::remote::Session;
 use self::treebases::TreeBases;
 use self::upload::{Packer, Spool, SpooledPack, Uploader};
@@ -66,9 +70,8 @@ use crate::client::{ConnectError, CoordinatorClient};
 use crate::failpoint::{self, FailpointError};
 use crate::format::{FORMAT_VERSION, seal};
 use crate::git::{self, RepoState};
-use crate::scan::{self, Scan, ScanError, ScanOptions, join_rel};
+use crate::scan::{self, Scan, ScanError, ScanOptions};
 use crate::task::blocking;
-use crate::tracker::ScanKind;
 
 pub use self::limits::Limits;
 pub use self::resident::Resident;
@@ -298,25 +301,32 @@ async fn cut(
     opts: CheckpointOptions,
     baseline: Option<&Baseline>,
 ) -> Result<Option<CheckpointReport>, CheckpointError> {
+    match opts.resident.clone() {
+        Some(resident) => cut_with(&resident, &opts, baseline).await,
+        None => cut_with(&OneShot, &opts, baseline).await,
+    }
+}
+
+/// Cuts the checkpoint with what `recall` remembers, again while the
+/// commit is refused for a pack that is gone (see the module doc).
+async fn cut_with(
+    recall: &impl Recall,
+    opts: &CheckpointOptions,
+    baseline: Option<&Baseline>,
+) -> Result<Option<CheckpointReport>, CheckpointError> {
     let started = Instant::now();
     let root = scan::resolve_root(&opts.root)?;
     scan::exclude_matcher(&root, &opts.excludes)?;
-    let coordinator = match &opts.resident {
-        Some(resident) => {
-            resident
-                .coordinator(&opts.coordinator, opts.token.as_deref())
-                .await?
-        }
-        None => {
-            CoordinatorClient::connect_retrying(&opts.coordinator, opts.token.as_deref()).await?
-        }
-    };
+    let coordinator = recall
+        .coordinator(&opts.coordinator, opts.token.as_deref())
+        .await?;
     let mut lost: HashSet<PackId> = HashSet::new();
     let mut redos = 0;
     loop {
         match run(
+            recall,
             &coordinator,
-            &opts,
+            opts,
             &root,
             baseline,
             redos > 0,
@@ -339,7 +349,9 @@ async fn cut(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
+    recall: &impl Recall,
     coordinator: &CoordinatorClient,
     opts: &CheckpointOptions,
     root: &Path,
@@ -357,52 +369,27 @@ async fn run(
     let ms = || started.elapsed().as_millis() as u64;
 
     let scan_options = opts.scan_options(root, &cache_dir);
-    let resident = opts.resident.clone();
-    // A resident runner reads each repository for what changed since its
-    // last reading, which needs the whole walk; and it may settle an "only
-    // if changed" checkpoint from the walk alone, reading no repository.
-    // Otherwise repositories are read while the walk goes on (a resident
-    // runner's readings are remembered for the next checkpoint's). A
-    // reading that began when the runner started is waited for, after the
-    // walk, rather than done again beside it.
-    let hold_repos = resident.as_ref().is_some_and(|r| {
-        r.has_status_memory() || r.status_reading_in_flight() || baseline.is_some()
-    });
-    let remember_repos = resident.is_some();
-    let scanning = blocking(move || {
-        let inspector = git::Inspector::start();
-        let held_repos = std::sync::Mutex::new(Vec::new());
-        let on_repo = |found| {
-            if hold_repos {
-                held_repos.lock().expect("held repos lock").push(found);
-            } else if remember_repos {
-                inspector.submit_remembered(found);
-            } else {
-                inspector.submit(found);
-            }
-        };
-        let scanned = match resident.as_ref().and_then(|r| r.tracker()) {
-            Some(tracker) => tracker.scan(&scan_options, &on_repo),
-            None => scan::scan(&scan_options, &on_repo).map(|scan| {
-                let kind = ScanKind::Full {
-                    reason: "no change tracker".into(),
-                };
-                (Arc::new(scan), kind)
-            }),
-        };
-        let held_repos = held_repos.into_inner().expect("held repos lock");
-        (scanned, inspector, held_repos)
-    });
+    let repo_reading = recall.repo_reading(baseline.is_some());
+    let scanning = {
+        let recall = recall.clone();
+        blocking(move || {
+            let inspector = git::Inspector::start();
+            let held_repos = std::sync::Mutex::new(Vec::new());
+            let on_repo = |found| match repo_reading {
+                RepoReading::AfterWalk => held_repos.lock().expect("held repos lock").push(found),
+                RepoReading::AtOnceRemembered => inspector.submit_remembered(found),
+                RepoReading::AtOnce => inspector.submit(found),
+            };
+            let scanned = recall.walk(&scan_options, &on_repo);
+            let held_repos = held_repos.into_inner().expect("held repos lock");
+            (scanned, inspector, held_repos)
+        })
+    };
     let begin = Session::begin(coordinator, &opts.workspace, opts.generation);
-    let (session, (scanned, inspector, held_repos)) = if opts.resident.is_some() {
-        // A resident runner's walk is short (the tracker lists only what
-        // changed), so it goes on while the coordinator answers: an
-        // unchanged workspace is then settled in one round trip's time.
+    let (session, (scanned, inspector, held_repos)) = if recall.walk_beside_begin() {
         let (session, scanning) = tokio::join!(begin, scanning);
         (session?, scanning)
     } else {
-        // A whole walk waits until the coordinator has vouched for the
-        // workspace, so a mistyped one is refused at once.
         let session = begin.await?;
         (session, scanning.await)
     };
@@ -416,33 +403,25 @@ async fn run(
         elapsed_ms = ms(),
         "workspace scanned"
     );
-    if let (Some(baseline), Some(resident)) = (baseline, &opts.resident)
+    if let Some(baseline) = baseline
         && baseline.checkpoint_id == session.parent
-        && resident.cut_from(baseline, &walked)
+        && recall.cut_from(baseline, &walked)
     {
         // The very walk the newest checkpoint was cut from: nothing to read.
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
         return Ok(None);
     }
-    if let Some(resident) = &opts.resident
-        && hold_repos
-    {
-        resident.await_status_reading().await;
-    }
-    let status_memory = opts.resident.as_ref().and_then(|r| r.status_memory());
-    let status_memory = status_memory.filter(|memory| memory.walk.root == walked.root);
-    for found in held_repos {
-        inspector.submit_following(found, status_memory.as_ref(), &walked);
+    if repo_reading == RepoReading::AfterWalk {
+        let status_memory = recall.repo_statuses().await;
+        let status_memory = status_memory.filter(|memory| memory.walk.root == walked.root);
+        for found in held_repos {
+            inspector.submit_following(found, status_memory.as_ref(), &walked);
+        }
     }
 
-    let mut cache = match &opts.resident {
-        Some(resident) => {
-            resident
-                .take_cache(&cache_dir, &session.workspace_id, session.keys.key_id())
-                .await
-        }
-        None => Cache::load(&cache_dir, &session.workspace_id, session.keys.key_id()),
-    };
+    let Known { mut cache, memo } = recall
+        .known(&cache_dir, &session.workspace_id, session.keys.key_id())
+        .await;
     if forget_blobs {
         // Which of the remembered blobs sat in a lost pack is not known.
         cache.forget_blobs();
@@ -457,12 +436,7 @@ async fn run(
     let keys = session.keys.clone();
     let (scan, limit_warnings) = limits::apply(walked.clone(), &opts.limits);
     // After a refused commit a remembered pack may be gone: start afresh.
-    let memo = match &opts.resident {
-        Some(resident) if !forget_blobs => {
-            resident.memo(&session.workspace_id, session.keys.key_id())
-        }
-        _ => None,
-    };
+    let memo = memo.filter(|_| !forget_blobs);
 
     let mut store = Store::new(&session, &spool, lost);
 
@@ -540,46 +514,37 @@ async fn run(
         "trees stored, uploads finished"
     );
     let placed = place(&scan, &content, &trees, &located, &cache, memo.as_deref())?;
-    let next_memo = {
-        let (workspace, key_id) = (session.workspace_id.clone(), keys.key_id().to_owned());
-        let previous = memo.clone();
-        move |scan: &Arc<Scan>, content: &Content, trees: &[DirTree], placed: &Placed| {
-            Memo::new(
-                workspace,
-                key_id,
-                scan,
-                &content.files,
-                trees,
-                &placed.per_dir,
-                previous.as_deref(),
-            )
-        }
-    };
-    let tree_dirs = std::mem::take(&mut trees.dirs);
     let inspected = blocking(move || inspector.finish()).await;
     tracing::debug!(
         repos = inspected.repos.len(),
         elapsed_ms = ms(),
         "git state read"
     );
-    if let Some(resident) = &opts.resident {
-        resident.remember_status(git::StatusMemory {
-            walk: walked.clone(),
-            repos: inspected.statuses,
-        });
-    }
+    recall.remember_statuses(git::StatusMemory {
+        walk: walked.clone(),
+        repos: inspected.statuses,
+    });
     let (repos, git_warnings) = (inspected.repos, inspected.warnings);
+    let learned = Learned {
+        walk: walked,
+        root: trees.root,
+        cache,
+        scan,
+        content,
+        trees: std::mem::take(&mut trees.dirs),
+        packs: placed.per_dir,
+        located,
+        workspace: session.workspace_id.clone(),
+        key_id: keys.key_id().to_owned(),
+        memo,
+    };
 
     if let Some(baseline) = baseline
         && baseline.checkpoint_id == session.parent
         && baseline.root_tree == trees.root
     {
         tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
-        if let Some(resident) = &opts.resident {
-            let memo = next_memo(&scan, &content, &tree_dirs, &placed);
-            resident.remember(baseline.clone(), walked.clone(), memo);
-            resident.put_back(cache).await;
-        }
+        recall.unchanged(baseline.clone(), learned).await;
         return Ok(None);
     }
 
@@ -589,15 +554,17 @@ async fn run(
     stats.directories = trees.counts.directories;
     stats.symlinks = trees.counts.symlinks;
     stats.total_bytes = trees.counts.total_bytes;
-    stats.files_read = content.files_read;
-    stats.bytes_read = content.bytes_read;
+    stats.files_read = learned.content.files_read;
+    stats.bytes_read = learned.content.bytes_read;
     stats.duration_ms = started.elapsed().as_millis() as u64;
-    stats.scan_started = Some(scan.started);
+    stats.scan_started = Some(learned.scan.started);
     let warnings = capped_warnings(
-        scan.warnings
+        learned
+            .scan
+            .warnings
             .iter()
             .chain(&limit_warnings)
-            .chain(&content.warnings)
+            .chain(&learned.content.warnings)
             .chain(&git_warnings)
             .cloned()
             .collect(),
@@ -620,70 +587,11 @@ async fn run(
         // after a cut-off call gets the checkpoint the first one made.
         request_id: CommitRequestId::generate().to_string(),
     };
-    let committed = match &opts.resident {
-        // A resident runner answers first and writes the cache afterwards,
-        // in the background: on two cores, writing ~50k entries while the
-        // coordinator commits slows the commit the agent waits for.
-        Some(resident) => {
-            tracing::debug!(elapsed_ms = ms(), "committing");
-            let committed = match remote::commit(&session.client, request).await {
-                Ok(committed) => committed,
-                Err(e) => {
-                    // Unchanged, it still places blobs only in committed packs.
-                    resident.put_back(cache).await;
-                    return Err(e);
-                }
-            };
-            let baseline = Baseline {
-                checkpoint_id: committed.id.clone(),
-                root_tree: trees.root,
-            };
-            // What this checkpoint found is worked out for the next one
-            // after the answer, with the cache, which the next checkpoint
-            // waits for first.
-            resident.remember_cut(baseline, walked.clone());
-            let (scan, resident_now) = (scan.clone(), resident.clone());
-            let saving = resident::in_background(move || {
-                resident_now.remember_memo(next_memo(&scan, &content, &tree_dirs, &placed));
-                save_cache(cache, &scan, content, &tree_dirs, &located)
-            });
-            resident.keep(saving).await;
-            committed
-        }
-        // A one-off runner writes the cache while the coordinator commits:
-        // it only records what this checkpoint read and where its blobs
-        // are, all known now.
-        None => {
-            let cache_path = Cache::path_for(&cache_dir, &session.workspace_id);
-            let saving = {
-                let scan = scan.clone();
-                tokio::task::spawn_blocking(move || {
-                    save_cache(cache, &scan, content, &tree_dirs, &located)
-                })
-            };
-            tracing::debug!(elapsed_ms = ms(), "committing");
-            match remote::commit(&session.client, request).await {
-                Ok(committed) => {
-                    saving.await.map_err(|e| {
-                        CheckpointError::Task(format!("a checkpoint worker failed: {e}"))
-                    })?;
-                    committed
-                }
-                Err(e) => {
-                    // The saved cache places blobs in packs no checkpoint
-                    // holds; start the next checkpoint from nothing rather
-                    // than be refused.
-                    let _ = saving.await;
-                    if let Err(remove) = fs::remove_file(&cache_path)
-                        && remove.kind() != io::ErrorKind::NotFound
-                    {
-                        tracing::warn!(error = %remove, path = %cache_path.display(), "cannot remove the fingerprint cache of a failed commit");
-                    }
-                    return Err(e);
-                }
-            }
-        }
+    let committing = async {
+        tracing::debug!(elapsed_ms = ms(), "committing");
+        remote::commit(&session.client, request).await
     };
+    let committed = recall.commit(committing, learned).await?;
     tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
     drop(spool);
     Ok(Some(CheckpointReport {
@@ -788,67 +696,6 @@ fn capped_warnings(mut warnings: Vec<String>) -> Vec<String> {
         warnings.push(format!("… and {more} more warnings"));
     }
     warnings
-}
-
-/// Teaches the cache what this committed checkpoint holds and saves it. A
-/// cache that cannot be saved only makes the next checkpoint slower.
-/// Returns the cache, for a resident runner to keep.
-fn save_cache(
-    cache: Arc<Cache>,
-    scan: &Scan,
-    content: Content,
-    trees: &[DirTree],
-    located: &FastMap<BlobId, PackId>,
-) -> Option<Cache> {
-    let started = Instant::now();
-    let Ok(mut cache) = Arc::try_unwrap(cache) else {
-        tracing::warn!("the fingerprint cache is still in use; not updating it");
-        return None;
-    };
-    let mut files = FastMap::default();
-    for (dir, results) in scan.dirs.iter().zip(&content.files) {
-        for (node, result) in dir.nodes.iter().zip(results.iter()) {
-            if let Some(entry) = result.as_ref().and_then(FileContent::cache_entry) {
-                files.insert(join_rel(&dir.path, &node.name), entry);
-            }
-        }
-    }
-    cache.replace_files(files);
-    // The cache places only this checkpoint's blobs: a pack only an older
-    // checkpoint holds may be collected.
-    let mut reachable: FastMap<BlobId, PackId> = FastMap::default();
-    let chunks = content
-        .files
-        .iter()
-        .flat_map(|files| files.iter().flatten());
-    let ids = chunks.flat_map(|f| f.chunks.iter().map(|c| c.id));
-    let tree_ids = trees
-        .iter()
-        .flat_map(|tree| std::iter::once(tree.id).chain(tree.pages.iter().copied()));
-    for id in ids.chain(tree_ids) {
-        if reachable.contains_key(&id) {
-            continue;
-        }
-        // A blob a remembered directory holds that the cache forgot is
-        // only read again by a later checkpoint that has no memo.
-        if let Some(pack) = located.get(&id).or_else(|| cache.blob_pack(&id)) {
-            reachable.insert(id, pack.clone());
-        }
-    }
-    cache.forget_blobs();
-    for (id, pack) in &reachable {
-        cache.insert_blob(*id, pack);
-    }
-    if let Err(e) = cache.save() {
-        tracing::warn!(error = %e, "cannot save the fingerprint cache; the next checkpoint reads every file");
-    }
-    tracing::debug!(
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "fingerprint cache written"
-    );
-    // What the checkpoint read is dropped here too, off its path.
-    drop(content);
-    Some(cache)
 }
 
 /// Stores new blobs: asks which the store lacks, seals and packs those, and

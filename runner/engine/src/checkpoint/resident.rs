@@ -16,21 +16,28 @@
 //!   ([`crate::git::narrow`]);
 //! - the connection to the coordinator, so a checkpoint does not wait for a
 //!   TCP and HTTP/2 handshake first.
+//!
+//! A checkpoint's stages reach all of it through [`Recall`], which a
+//! [`Resident`] implements (and [`OneShot`] for a runner that keeps nothing).
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cairn_proto::ids::WorkspaceId;
+use cairn_proto::pb;
 use tokio::task::JoinHandle;
 
-use super::Baseline;
+use super::learn::Learned;
 use super::memo::Memo;
+use super::recall::{Known, OneShot, Recall, RepoReading};
+use super::{Baseline, CheckpointError};
 use crate::cache::Cache;
 use crate::client::{ConnectError, CoordinatorClient};
 use crate::format::TenantKeys;
 use crate::git::StatusMemory;
-use crate::scan::{Scan, ScanOptions};
-use crate::tracker::ChangeTracker;
+use crate::scan::{RepoFound, Scan, ScanError, ScanOptions};
+use crate::tracker::{ChangeTracker, ScanKind};
 
 /// A resident runner's state across checkpoints.
 #[derive(Debug)]
@@ -88,63 +95,23 @@ impl Resident {
         }
     }
 
-    /// The connection to the coordinator at `address` with `token`: the one
-    /// the last checkpoint used if it was made for both, else a new one,
-    /// kept for the next. A kept connection that broke is made again by its
-    /// channel on the next call.
-    pub async fn coordinator(
-        &self,
-        address: &str,
-        token: Option<&str>,
-    ) -> Result<CoordinatorClient, ConnectError> {
-        let mut kept = self.coordinator.lock().await;
-        if let Some(kept) = kept.as_ref()
-            && kept.address == address
-            && kept.token.as_deref() == token
-        {
-            return Ok(kept.coordinator.clone());
-        }
-        let coordinator = CoordinatorClient::connect(address, token).await?;
-        *kept = Some(KeptConnection {
-            address: address.to_owned(),
-            token: token.map(str::to_owned),
-            coordinator: coordinator.clone(),
-        });
-        Ok(coordinator)
-    }
-
-    /// Whether `baseline` was cut from `scan` itself: the tracker handed
-    /// back the same walk, so nothing changed since.
-    pub fn cut_from(&self, baseline: &Baseline, scan: &Arc<Scan>) -> bool {
-        let last = self.last_cut.lock().expect("last-cut lock");
-        last.as_ref()
-            .is_some_and(|(cut, walk)| cut == baseline && Arc::ptr_eq(walk, scan))
-    }
-
-    /// Remembers that `baseline` holds the workspace as `walk` saw it, and
-    /// what it found per listing.
-    pub fn remember(&self, baseline: Baseline, walk: Arc<Scan>, memo: Memo) {
-        self.remember_cut(baseline, walk);
-        self.remember_memo(memo);
-    }
-
     /// Remembers that `baseline` holds the workspace as `walk` saw it, and
     /// forgets what the checkpoint before found until
     /// [`Resident::remember_memo`] tells what this one did: a listing
     /// unchanged since both must not be taken from the older one.
-    pub fn remember_cut(&self, baseline: Baseline, walk: Arc<Scan>) {
+    fn remember_cut(&self, baseline: Baseline, walk: Arc<Scan>) {
         *self.last_cut.lock().expect("last-cut lock") = Some((baseline, walk));
         *self.memo.lock().expect("memo lock") = None;
     }
 
     /// Remembers what the last checkpoint found per listing.
-    pub fn remember_memo(&self, memo: Memo) {
+    fn remember_memo(&self, memo: Memo) {
         *self.memo.lock().expect("memo lock") = Some(Arc::new(memo));
     }
 
     /// What the last checkpoint of `workspace` (tenant key `key_id`) found
     /// per listing.
-    pub fn memo(&self, workspace: &WorkspaceId, key_id: &str) -> Option<Arc<Memo>> {
+    fn memo(&self, workspace: &WorkspaceId, key_id: &str) -> Option<Arc<Memo>> {
         let memo = self.memo.lock().expect("memo lock");
         memo.clone().filter(|memo| memo.is_of(workspace, key_id))
     }
@@ -156,10 +123,6 @@ impl Resident {
 
     pub fn has_status_memory(&self) -> bool {
         self.status.lock().expect("status lock").is_some()
-    }
-
-    pub fn remember_status(&self, memory: StatusMemory) {
-        *self.status.lock().expect("status lock") = Some(memory);
     }
 
     /// Whether the background reading of [`Resident::read_repos_after`]
@@ -243,12 +206,7 @@ impl Resident {
     /// the one kept from the last checkpoint if it is that one, else loaded
     /// from disk. Until [`Resident::keep`] or [`Resident::put_back`], no other
     /// checkpoint gets it.
-    pub async fn take_cache(
-        &self,
-        cache_dir: &Path,
-        workspace: &WorkspaceId,
-        key_id: &str,
-    ) -> Cache {
+    async fn take_cache(&self, cache_dir: &Path, workspace: &WorkspaceId, key_id: &str) -> Cache {
         let kept = std::mem::take(&mut *self.cache.lock().await).settle().await;
         match kept {
             Some(cache)
@@ -263,14 +221,14 @@ impl Resident {
 
     /// Gives back a cache taken by a checkpoint that did not commit, unless
     /// something still holds it (then the next checkpoint loads it).
-    pub async fn put_back(&self, cache: Arc<Cache>) {
+    async fn put_back(&self, cache: Arc<Cache>) {
         if let Ok(cache) = Arc::try_unwrap(cache) {
             *self.cache.lock().await = Kept::Ready(cache);
         }
     }
 
     /// Keeps the cache a checkpoint is writing, for the next one.
-    pub async fn keep(&self, saving: JoinHandle<Option<Cache>>) {
+    async fn keep(&self, saving: JoinHandle<Option<Cache>>) {
         *self.cache.lock().await = Kept::Busy(saving);
     }
 
@@ -335,6 +293,131 @@ impl Resident {
         if kept.is_none() {
             *kept = Some(Arc::new(memo));
         }
+    }
+}
+
+/// A resident runner remembers what its checkpoints worked out (see the
+/// module doc).
+impl Recall for Arc<Resident> {
+    /// The one the last checkpoint used if it was made for both, else a new
+    /// one, kept for the next. A kept connection that broke is made again
+    /// by its channel on the next call.
+    async fn coordinator(
+        &self,
+        address: &str,
+        token: Option<&str>,
+    ) -> Result<CoordinatorClient, ConnectError> {
+        let mut kept = self.coordinator.lock().await;
+        if let Some(kept) = kept.as_ref()
+            && kept.address == address
+            && kept.token.as_deref() == token
+        {
+            return Ok(kept.coordinator.clone());
+        }
+        let coordinator = CoordinatorClient::connect(address, token).await?;
+        *kept = Some(KeptConnection {
+            address: address.to_owned(),
+            token: token.map(str::to_owned),
+            coordinator: coordinator.clone(),
+        });
+        Ok(coordinator)
+    }
+
+    /// The tracker lists only what changed.
+    fn walk_beside_begin(&self) -> bool {
+        true
+    }
+
+    /// Each repository is read for what changed since its last reading,
+    /// when there is one or one is on its way, and when the checkpoint may
+    /// be settled from the walk; otherwise in full beside the walk, and
+    /// remembered for the next checkpoint. A reading that began when the
+    /// runner started is waited for, after the walk, rather than done
+    /// again beside it.
+    fn repo_reading(&self, only_if_changed: bool) -> RepoReading {
+        if self.has_status_memory() || self.status_reading_in_flight() || only_if_changed {
+            RepoReading::AfterWalk
+        } else {
+            RepoReading::AtOnceRemembered
+        }
+    }
+
+    fn walk(
+        &self,
+        options: &ScanOptions,
+        on_repo: &(dyn Fn(RepoFound) + Sync),
+    ) -> Result<(Arc<Scan>, ScanKind), ScanError> {
+        match self.tracker() {
+            Some(tracker) => tracker.scan(options, on_repo),
+            None => OneShot.walk(options, on_repo),
+        }
+    }
+
+    /// The tracker handed back the very walk `baseline` was cut from.
+    fn cut_from(&self, baseline: &Baseline, walk: &Arc<Scan>) -> bool {
+        let last = self.last_cut.lock().expect("last-cut lock");
+        last.as_ref()
+            .is_some_and(|(cut, was)| cut == baseline && Arc::ptr_eq(was, walk))
+    }
+
+    async fn repo_statuses(&self) -> Option<StatusMemory> {
+        self.await_status_reading().await;
+        self.status_memory()
+    }
+
+    fn remember_statuses(&self, memory: StatusMemory) {
+        *self.status.lock().expect("status lock") = Some(memory);
+    }
+
+    /// The cache kept from the last checkpoint if it is this one (else
+    /// loaded from disk), once written; then the memo, which the last
+    /// checkpoint's writing of the cache remembers first.
+    async fn known(&self, cache_dir: &Path, workspace: &WorkspaceId, key_id: &str) -> Known {
+        let cache = self.take_cache(cache_dir, workspace, key_id).await;
+        let memo = self.memo(workspace, key_id);
+        Known { cache, memo }
+    }
+
+    /// Remembers that `baseline` holds the workspace as this walk saw it,
+    /// and what was found per listing; keeps the cache.
+    async fn unchanged(&self, baseline: Baseline, learned: Learned) {
+        let memo = learned.memo();
+        self.remember_cut(baseline, learned.walk.clone());
+        self.remember_memo(memo);
+        self.put_back(learned.cache).await;
+    }
+
+    /// Answers first and writes the cache afterwards, in the background: on
+    /// two cores, writing ~50k entries while the coordinator commits slows
+    /// the commit the agent waits for.
+    async fn commit(
+        &self,
+        committing: impl Future<Output = Result<pb::Checkpoint, CheckpointError>> + Send,
+        learned: Learned,
+    ) -> Result<pb::Checkpoint, CheckpointError> {
+        let committed = match committing.await {
+            Ok(committed) => committed,
+            Err(e) => {
+                // Unchanged, it still places blobs only in committed packs.
+                self.put_back(learned.cache).await;
+                return Err(e);
+            }
+        };
+        let baseline = Baseline {
+            checkpoint_id: committed.id.clone(),
+            root_tree: learned.root,
+        };
+        // What this checkpoint found is worked out for the next one after
+        // the answer, with the cache, which the next checkpoint waits for
+        // first.
+        self.remember_cut(baseline, learned.walk.clone());
+        let resident = self.clone();
+        let saving = in_background(move || {
+            resident.remember_memo(learned.memo());
+            learned.save_cache()
+        });
+        self.keep(saving).await;
+        Ok(committed)
     }
 }
 
