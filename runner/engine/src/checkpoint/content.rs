@@ -1,6 +1,8 @@
-//! Turning the scanned files into chunk lists, and new chunks into batches.
+//! The content stage ([`store_contents`]): turning the scanned files into
+//! chunk lists, and new chunks into batches that it stores.
 //!
-//! Runs on a blocking thread while the async side stores what it sends. For
+//! The reading runs on a blocking thread while the async side stores what it
+//! sends. For
 //! each file, in path order:
 //! - a fingerprint the cache knows, whose chunks are all known to be
 //!   committed, reuses the cached chunk list without reading the file;
@@ -24,7 +26,9 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
 
+use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId};
 use rayon::prelude::*;
 
@@ -34,9 +38,12 @@ use crate::format::{ChunkRef, TenantKeys};
 use crate::gitobj::{self, GitStored};
 use crate::restore::fsops::open_for_read;
 
+use super::CheckpointError;
 use super::dir::{DirFiles, FileContent};
 use super::memo::Memo;
 use super::treebases::{Base, TreeBases};
+use super::upload::Store;
+use crate::gitobj::TreeCache;
 use crate::scan::{Meta, NodeKind, Scan, ScannedDir, display_rel, join_rel, join_rel_into};
 
 /// Plaintext gathered before the store is asked which blobs it lacks.
@@ -88,6 +95,73 @@ pub struct TakenEarlier {
 /// The receiving side went away (the checkpoint failed elsewhere).
 #[derive(Debug, Clone, Copy)]
 pub struct Cancelled;
+
+/// What the content stage reads with.
+pub(crate) struct Reading {
+    /// The walk, as the limits left it.
+    pub scan: Arc<Scan>,
+    pub cache: Arc<Cache>,
+    pub memo: Option<Arc<Memo>>,
+    pub keys: Arc<TenantKeys>,
+    /// The git trees the repositories' readings read.
+    pub git_trees: Arc<TreeCache>,
+    pub started: Instant,
+}
+
+/// The content stage: reads what must be read on a blocking thread (see
+/// [`read_all`]), while this task has `store` store the new chunks it sends
+/// in DATA packs, whose uploads start as they fill.
+pub(crate) async fn store_contents(
+    store: &mut Store<'_>,
+    reading: Reading,
+) -> Result<Content, CheckpointError> {
+    let Reading {
+        scan,
+        cache,
+        memo,
+        keys,
+        git_trees,
+        started,
+    } = reading;
+    let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
+    let reader = tokio::task::spawn_blocking(move || {
+        std::thread::scope(|s| {
+            let finding = s.spawn(|| {
+                let bases = TreeBases::find(&scan, &cache, memo.as_deref(), &git_trees);
+                let elapsed_ms = started.elapsed().as_millis() as u64;
+                tracing::debug!(elapsed_ms, "git tree bases found");
+                bases
+            });
+            // Without bases (the thread panicked) loose trees are
+            // stored as the files they are.
+            let bases = || finding.join().unwrap_or_default();
+            read_all(&scan, &cache, bases, &keys, memo.as_deref(), batches)
+        })
+    });
+    let mut stored = Ok(());
+    while let Some(batch) = incoming.recv().await {
+        if let Err(e) = store.store(PackKind::Data, batch.blobs).await {
+            stored = Err(e);
+            break;
+        }
+    }
+    // Closing the channel stops the reader if storing failed.
+    drop(incoming);
+    let read = reader
+        .await
+        .map_err(|e| CheckpointError::Task(format!("the file reader failed: {e}")));
+    stored?;
+    let content =
+        read?.map_err(|Cancelled| CheckpointError::Task("the file reader stopped early".into()))?;
+    store.finish_pack(PackKind::Data).await?;
+    tracing::debug!(
+        files_read = content.files_read,
+        bytes_read = content.bytes_read,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "contents stored"
+    );
+    Ok(content)
+}
 
 /// Reads what must be read and sends new blobs through `batches`. A
 /// listing `memo` remembers keeps what it found then.
@@ -761,6 +835,7 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     use super::*;
+    use crate::checkpoint::dir::DirTree;
     use crate::scan::{ScanOptions, scan};
 
     fn keys() -> TenantKeys {
@@ -913,8 +988,15 @@ mod tests {
         let first_scan = Arc::new(first_scan);
         let (first, _) = read(&first_scan, &Cache::empty(tmp.path().join("unused"), "k"));
         assert_eq!(first.files_read, 3);
-        let known = |_: &BlobId| false;
-        let trees = super::super::trees::build(&first_scan, &first.files, &keys(), &known, &[]);
+        // One directory, the root, without subdirectories.
+        assert_eq!(first_scan.dirs.len(), 1);
+        let trees = [DirTree::encode(
+            &first_scan.dirs[0],
+            &first.files[0],
+            Vec::new(),
+            &keys(),
+            &mut |_, _| {},
+        )];
         let packs: Vec<Arc<[PackId]>> = vec![Arc::from(Vec::new()); first_scan.dirs.len()];
         let workspace = cairn_proto::ids::WorkspaceId::generate();
         let memo = Memo::new(
@@ -922,7 +1004,7 @@ mod tests {
             "k".into(),
             &first_scan,
             &first.files,
-            &trees.dirs,
+            &trees,
             &packs,
             None,
         );

@@ -1,16 +1,33 @@
 //! Cutting a checkpoint.
 //!
+//! `Cut::attempt` runs the stages in order, each a module with its input
+//! and output:
+//!
 //! ```text
-//!  BeginCheckpoint ─► tenant keys, generation, parent          (remote)
-//!  walk the root in parallel ──────► git metadata, own thread   (scan, git)
-//!  per file: fingerprint cached? reuse chunks : read, cut, hash (content)
-//!     └─ new chunks, ~16 MiB batches ─► FindMissingBlobs
-//!          └─ missing ones sealed in parallel ─► DATA packs ─► upload, 4 at a time (upload)
-//!  one tree per directory, deepest first ─► FindMissingBlobs    (trees)
-//!     └─ missing trees sealed ─► META packs ─► upload
-//!  all uploads done ─► failpoint checkpoint-before-commit ─► CommitCheckpoint
-//!  committed ─► the fingerprint cache learns stable files and blob → pack
+//!  walk::walk               BeginCheckpoint ─► tenant keys, generation, parent    (remote)
+//!    Walking ─► Walked      walk the root in parallel ──► git metadata, own thread (git)
+//!  content::store_contents  per file: memo or cache knows it? reuse chunks : read, cut, hash
+//!    Reading ─► Content        └─ new chunks, ~16 MiB batches ─► FindMissingBlobs
+//!                                   └─ missing ones sealed in parallel ─► DATA packs ─► upload
+//!  trees::store_trees       one tree per directory, deepest first ─► FindMissingBlobs
+//!    Building ─► Trees         └─ missing trees sealed ─► META packs ─► upload
+//!  upload::Store::finish    all uploads done (they start as packs fill, 4 at a time)
+//!    ─► Uploaded
+//!  commit::place            the pack of every blob the checkpoint reaches
+//!  commit::commit           failpoint checkpoint-before-commit ─► CommitCheckpoint
+//!    Committing, Learned    committed ─► the fingerprint cache learns stable files and
+//!      ─► CheckpointReport  blob → pack (learn), a resident runner's memo what it found
 //! ```
+//!
+//! The `upload::Store` that uploads is made before the content
+//! stage and fed by it and by the trees stage: packs upload while later
+//! batches are read. The stages ask a `recall::Recall` for all
+//! that earlier checkpoints can spare them (the connection, the walk, the
+//! repositories' last readings, the fingerprint cache, the memo) and hand
+//! it what this one learned: `recall::OneShot` remembers
+//! nothing, a [`Resident`] runner everything. The modules the stages share
+//! depend on none of them: `dir` (a directory's files and tree), `memo`,
+//! `treebases`, `remote`, `limits`.
 //!
 //! Memory stays bounded by the batch size, not the workspace: chunks the
 //! cache or this checkpoint already know are dropped as soon as they are
@@ -27,8 +44,11 @@
 //! differs from a known one (the runner's periodic checkpoints): the root
 //! tree id is a keyed digest of the whole tree, so equal ids mean equal
 //! content. Nothing new is uploaded for an unchanged workspace (every blob
-//! is already in the store), and the commit is skipped.
+//! is already in the store), and the commit is skipped. A resident runner
+//! whose tracker saw no change since that checkpoint's walk settles it
+//! right after the walk (`Recall::cut_from`), reading nothing.
 
+mod commit;
 mod content;
 mod dir;
 mod learn;
@@ -40,45 +60,38 @@ mod resident;
 mod treebases;
 mod trees;
 mod upload;
+mod walk;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cairn_proto::domain::{CheckpointReason, PackKind};
-use cairn_proto::ids::{BlobId, CommitRequestId, PackId, WorkspaceId};
+use cairn_proto::domain::CheckpointReason;
+use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::refusal::Refusal;
 
-use rayon::prelude::*;
 use serde::Serialize;
 use tonic::Code;
 
-use self::content::{Cancelled, Content};
-use self::dir::DirTree;
 use self::learn::Learned;
 use self::memo::Memo;
-use self::recall::{Known, OneShot, Recall, RepoReading};
+use self::recall::{Known, OneShot, Recall};
 use self::remote::Session;
-use self::treebases::TreeBases;
-use self::upload::{Packer, Spool, SpooledPack, Uploader};
-use crate::cache::{Cache, FastMap};
+use self::upload::{Store, Uploaded};
+use self::walk::Walked;
+use crate::cache::Cache;
 use crate::client::{ConnectError, CoordinatorClient};
-use crate::failpoint::{self, FailpointError};
-use crate::format::{FORMAT_VERSION, seal};
-use crate::git::{self, RepoState};
-use crate::scan::{self, Scan, ScanError, ScanOptions};
-use crate::task::blocking;
+use crate::failpoint::FailpointError;
+use crate::git::RepoState;
+use crate::scan::{self, ScanError, ScanOptions};
 
 pub use self::limits::Limits;
 pub use self::resident::Resident;
 use crate::transfer::TransferError;
-
-/// At most this many warnings are recorded on a checkpoint; the rest are counted.
-const MAX_WARNINGS: usize = 100;
 
 /// What to checkpoint and where to send it.
 #[derive(Debug, Clone)]
@@ -320,21 +333,18 @@ async fn cut_with(
     let coordinator = recall
         .coordinator(&opts.coordinator, opts.token.as_deref())
         .await?;
+    let cut = Cut {
+        recall,
+        coordinator: &coordinator,
+        opts,
+        root: &root,
+        baseline,
+        started,
+    };
     let mut lost: HashSet<PackId> = HashSet::new();
     let mut redos = 0;
     loop {
-        match run(
-            recall,
-            &coordinator,
-            opts,
-            &root,
-            baseline,
-            redos > 0,
-            &lost,
-            started,
-        )
-        .await
-        {
+        match cut.attempt(redos > 0, &lost).await {
             Err(e) if e.is_missing_pack() && redos < MAX_REDOS => {
                 let named = e.named_packs();
                 if redos > 0 && named.iter().all(|p| lost.contains(p)) {
@@ -349,465 +359,166 @@ async fn cut_with(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    recall: &impl Recall,
-    coordinator: &CoordinatorClient,
-    opts: &CheckpointOptions,
-    root: &Path,
-    baseline: Option<&Baseline>,
-    forget_blobs: bool,
-    lost: &HashSet<PackId>,
+/// One checkpoint being cut: what each attempt at it shares.
+struct Cut<'a, R> {
+    recall: &'a R,
+    coordinator: &'a CoordinatorClient,
+    opts: &'a CheckpointOptions,
+    /// The root, resolved.
+    root: &'a Path,
+    /// Commit only if the workspace differs from this one.
+    baseline: Option<&'a Baseline>,
     started: Instant,
-) -> Result<Option<CheckpointReport>, CheckpointError> {
+}
+
+impl<R: Recall> Cut<'_, R> {
+    /// Cuts the checkpoint, stage by stage (see the module doc). A redo
+    /// (`redo`) trusts no blob the cache or the memo places, and sends
+    /// again every blob the store places in a `lost` pack.
+    async fn attempt(
+        &self,
+        redo: bool,
+        lost: &HashSet<PackId>,
+    ) -> Result<Option<CheckpointReport>, CheckpointError> {
+        let Self {
+            recall,
+            coordinator,
+            opts,
+            root,
+            baseline,
+            started,
+        } = *self;
+        let ms = || started.elapsed().as_millis() as u64;
+        let cache_dir = cache_dir(opts)?;
+
+        // BeginCheckpoint and the walk; git metadata on a thread of its own.
+        let walking = walk::Walking {
+            coordinator,
+            opts,
+            root,
+            cache_dir: &cache_dir,
+            only_if_changed: baseline.is_some(),
+            started,
+        };
+        let Walked {
+            session,
+            spool,
+            walk,
+            repos,
+        } = walk::walk(recall, walking).await?;
+        if let Some(baseline) = baseline
+            && baseline.checkpoint_id == session.parent
+            && recall.cut_from(baseline, &walk)
+        {
+            // The very walk the newest checkpoint was cut from: nothing to read.
+            tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
+            return Ok(None);
+        }
+        let repos = repos.follow(recall, &walk).await;
+        let (cache, memo) = known(recall, &cache_dir, &session, redo, started).await;
+        let (scan, limit_warnings) = limits::apply(walk.clone(), &opts.limits);
+
+        // Contents, then trees; their packs upload as they fill.
+        let mut store = Store::new(&session, &spool, lost);
+        let reading = content::Reading {
+            scan: scan.clone(),
+            cache: cache.clone(),
+            memo: memo.clone(),
+            keys: session.keys.clone(),
+            git_trees: repos.trees(),
+            started,
+        };
+        let content = content::store_contents(&mut store, reading).await?;
+        let building = trees::Building {
+            scan: scan.clone(),
+            content,
+            cache: cache.clone(),
+            memo: memo.clone(),
+            keys: session.keys.clone(),
+            started,
+        };
+        let (mut trees, content) = trees::store_trees(&mut store, building).await?;
+        let Uploaded {
+            new_packs,
+            located,
+            stats,
+        } = store.finish(started).await?;
+
+        // The commit, unless the workspace is the baseline's.
+        let placed = commit::place(&scan, &content, &trees, &located, &cache, memo.as_deref())?;
+        let inspected = repos.finish(recall, &walk, started).await;
+        let learned = Learned {
+            walk,
+            root: trees.root,
+            cache,
+            scan,
+            content,
+            trees: std::mem::take(&mut trees.dirs),
+            packs: placed.per_dir,
+            located,
+            workspace: session.workspace_id.clone(),
+            key_id: session.keys.key_id().to_owned(),
+            memo,
+        };
+        if let Some(baseline) = baseline
+            && baseline.checkpoint_id == session.parent
+            && baseline.root_tree == trees.root
+        {
+            tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
+            recall.unchanged(baseline.clone(), learned).await;
+            return Ok(None);
+        }
+        let committing = commit::Committing {
+            session: &session,
+            opts,
+            trees: &trees,
+            stats,
+            new_packs,
+            referenced: &placed.referenced,
+            repos: inspected.repos,
+            limit_warnings,
+            git_warnings: inspected.warnings,
+            started,
+        };
+        let report = commit::commit(recall, committing, learned).await?;
+        drop(spool);
+        Ok(Some(report))
+    }
+}
+
+/// The cache directory, made if need be, canonical.
+fn cache_dir(opts: &CheckpointOptions) -> Result<PathBuf, CheckpointError> {
     let cache_dir_error = |source| CheckpointError::CacheDir {
         path: opts.cache_dir.clone(),
         source,
     };
     fs::create_dir_all(&opts.cache_dir).map_err(cache_dir_error)?;
-    let cache_dir = fs::canonicalize(&opts.cache_dir).map_err(cache_dir_error)?;
-    let ms = || started.elapsed().as_millis() as u64;
+    fs::canonicalize(&opts.cache_dir).map_err(cache_dir_error)
+}
 
-    let scan_options = opts.scan_options(root, &cache_dir);
-    let repo_reading = recall.repo_reading(baseline.is_some());
-    let scanning = {
-        let recall = recall.clone();
-        blocking(move || {
-            let inspector = git::Inspector::start();
-            let held_repos = std::sync::Mutex::new(Vec::new());
-            let on_repo = |found| match repo_reading {
-                RepoReading::AfterWalk => held_repos.lock().expect("held repos lock").push(found),
-                RepoReading::AtOnceRemembered => inspector.submit_remembered(found),
-                RepoReading::AtOnce => inspector.submit(found),
-            };
-            let scanned = recall.walk(&scan_options, &on_repo);
-            let held_repos = held_repos.into_inner().expect("held repos lock");
-            (scanned, inspector, held_repos)
-        })
-    };
-    let begin = Session::begin(coordinator, &opts.workspace, opts.generation);
-    let (session, (scanned, inspector, held_repos)) = if recall.walk_beside_begin() {
-        let (session, scanning) = tokio::join!(begin, scanning);
-        (session?, scanning)
-    } else {
-        let session = begin.await?;
-        (session, scanning.await)
-    };
-    let spool = Spool::create(&cache_dir).map_err(cache_dir_error)?;
-    tracing::debug!(elapsed_ms = ms(), "checkpoint begun");
-    let (walked, scan_kind) = scanned?;
-    tracing::debug!(
-        files = walked.file_count(),
-        directories = walked.dirs.len(),
-        walk = ?scan_kind,
-        elapsed_ms = ms(),
-        "workspace scanned"
-    );
-    if let Some(baseline) = baseline
-        && baseline.checkpoint_id == session.parent
-        && recall.cut_from(baseline, &walked)
-    {
-        // The very walk the newest checkpoint was cut from: nothing to read.
-        tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
-        return Ok(None);
-    }
-    if repo_reading == RepoReading::AfterWalk {
-        let status_memory = recall.repo_statuses().await;
-        let status_memory = status_memory.filter(|memory| memory.walk.root == walked.root);
-        for found in held_repos {
-            inspector.submit_following(found, status_memory.as_ref(), &walked);
-        }
-    }
-
+/// What earlier checkpoints tell this one; a redo after a refused commit
+/// trusts no blob they place (a remembered pack may be gone).
+async fn known(
+    recall: &impl Recall,
+    cache_dir: &Path,
+    session: &Session,
+    redo: bool,
+    started: Instant,
+) -> (Arc<Cache>, Option<Arc<Memo>>) {
     let Known { mut cache, memo } = recall
-        .known(&cache_dir, &session.workspace_id, session.keys.key_id())
+        .known(cache_dir, &session.workspace_id, session.keys.key_id())
         .await;
-    if forget_blobs {
+    if redo {
         // Which of the remembered blobs sat in a lost pack is not known.
         cache.forget_blobs();
     }
     tracing::debug!(
         files = cache.file_count(),
         blobs = cache.blob_count(),
-        elapsed_ms = ms(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
         "fingerprint cache loaded"
     );
-    let cache = Arc::new(cache);
-    let keys = session.keys.clone();
-    let (scan, limit_warnings) = limits::apply(walked.clone(), &opts.limits);
-    // After a refused commit a remembered pack may be gone: start afresh.
-    let memo = memo.filter(|_| !forget_blobs);
-
-    let mut store = Store::new(&session, &spool, lost);
-
-    // File contents: the reader sends batches of new chunks while this task stores them.
-    let (batches, mut incoming) = tokio::sync::mpsc::channel(1);
-    let reader = {
-        let (scan, cache, keys, memo) = (scan.clone(), cache.clone(), keys.clone(), memo.clone());
-        let git_trees = inspector.trees();
-        tokio::task::spawn_blocking(move || {
-            std::thread::scope(|s| {
-                let finding = s.spawn(|| {
-                    let bases = TreeBases::find(&scan, &cache, memo.as_deref(), &git_trees);
-                    let elapsed_ms = started.elapsed().as_millis() as u64;
-                    tracing::debug!(elapsed_ms, "git tree bases found");
-                    bases
-                });
-                // Without bases (the thread panicked) loose trees are
-                // stored as the files they are.
-                let bases = || finding.join().unwrap_or_default();
-                content::read_all(&scan, &cache, bases, &keys, memo.as_deref(), batches)
-            })
-        })
-    };
-    let mut stored = Ok(());
-    while let Some(batch) = incoming.recv().await {
-        if let Err(e) = store.store(PackKind::Data, batch.blobs).await {
-            stored = Err(e);
-            break;
-        }
-    }
-    // Closing the channel stops the reader if storing failed.
-    drop(incoming);
-    let read = reader
-        .await
-        .map_err(|e| CheckpointError::Task(format!("the file reader failed: {e}")));
-    stored?;
-    let content =
-        read?.map_err(|Cancelled| CheckpointError::Task("the file reader stopped early".into()))?;
-    store.finish_pack(PackKind::Data).await?;
-    tracing::debug!(
-        files_read = content.files_read,
-        bytes_read = content.bytes_read,
-        elapsed_ms = ms(),
-        "contents stored"
-    );
-
-    // Trees, then what is left to upload.
-    let (mut trees, content) = {
-        let (scan, cache, keys, memo) = (scan.clone(), cache.clone(), keys.clone(), memo.clone());
-        blocking(move || {
-            let remembered = remembered_trees(&scan, &content, memo.as_deref());
-            let known = |id: &BlobId| cache.knows_blob(id);
-            let trees = trees::build(&scan, &content.files, &keys, &known, &remembered);
-            drop(remembered);
-            (trees, content)
-        })
-        .await
-    };
-    tracing::debug!(dirs_reused = trees.reused, elapsed_ms = ms(), "trees built");
-    store
-        .store(PackKind::Meta, std::mem::take(&mut trees.unknown))
-        .await?;
-    store.finish_pack(PackKind::Meta).await?;
-    let Store {
-        uploader,
-        located,
-        mut stats,
-        ..
-    } = store;
-    let (new_packs, upload_wait) = uploader.finish().await?;
-    stats.upload_wait_ms = upload_wait.as_millis() as u64;
-    tracing::debug!(
-        packs = new_packs.len(),
-        elapsed_ms = ms(),
-        "trees stored, uploads finished"
-    );
-    let placed = place(&scan, &content, &trees, &located, &cache, memo.as_deref())?;
-    let inspected = blocking(move || inspector.finish()).await;
-    tracing::debug!(
-        repos = inspected.repos.len(),
-        elapsed_ms = ms(),
-        "git state read"
-    );
-    recall.remember_statuses(git::StatusMemory {
-        walk: walked.clone(),
-        repos: inspected.statuses,
-    });
-    let (repos, git_warnings) = (inspected.repos, inspected.warnings);
-    let learned = Learned {
-        walk: walked,
-        root: trees.root,
-        cache,
-        scan,
-        content,
-        trees: std::mem::take(&mut trees.dirs),
-        packs: placed.per_dir,
-        located,
-        workspace: session.workspace_id.clone(),
-        key_id: keys.key_id().to_owned(),
-        memo,
-    };
-
-    if let Some(baseline) = baseline
-        && baseline.checkpoint_id == session.parent
-        && baseline.root_tree == trees.root
-    {
-        tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
-        recall.unchanged(baseline.clone(), learned).await;
-        return Ok(None);
-    }
-
-    failpoint::hit("checkpoint-before-commit")?;
-
-    stats.files = trees.counts.files;
-    stats.directories = trees.counts.directories;
-    stats.symlinks = trees.counts.symlinks;
-    stats.total_bytes = trees.counts.total_bytes;
-    stats.files_read = learned.content.files_read;
-    stats.bytes_read = learned.content.bytes_read;
-    stats.duration_ms = started.elapsed().as_millis() as u64;
-    stats.scan_started = Some(learned.scan.started);
-    let warnings = capped_warnings(
-        learned
-            .scan
-            .warnings
-            .iter()
-            .chain(&limit_warnings)
-            .chain(&learned.content.warnings)
-            .chain(&git_warnings)
-            .cloned()
-            .collect(),
-    );
-    let request = pb::CommitCheckpointRequest {
-        workspace: session.workspace_id.to_string(),
-        generation: session.generation,
-        parent_checkpoint_id: session.parent.clone(),
-        reason: pb::CheckpointReason::from(opts.reason) as i32,
-        format_version: FORMAT_VERSION,
-        root_tree: trees.root.as_bytes().to_vec(),
-        new_packs,
-        referenced_packs: placed.referenced.iter().map(|p| p.to_string()).collect(),
-        stats: Some(pb::CheckpointStats::from(&stats)),
-        repos: repos.iter().cloned().map(pb::GitRepoState::from).collect(),
-        warnings: warnings.clone(),
-        harness: opts.harness.clone(),
-        key_id: keys.key_id().to_owned(),
-        // One name for this commit, however often it is sent: a retry
-        // after a cut-off call gets the checkpoint the first one made.
-        request_id: CommitRequestId::generate().to_string(),
-    };
-    let committing = async {
-        tracing::debug!(elapsed_ms = ms(), "committing");
-        remote::commit(&session.client, request).await
-    };
-    let committed = recall.commit(committing, learned).await?;
-    tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
-    drop(spool);
-    Ok(Some(CheckpointReport {
-        checkpoint_id: committed.id,
-        workspace_id: session.workspace_id.to_string(),
-        sequence: committed.sequence,
-        reason: opts.reason,
-        stats,
-        warnings,
-        repos,
-        root_tree: trees.root,
-    }))
-}
-
-/// Per directory, the tree `memo` remembers for it if its files were taken
-/// from the memo.
-fn remembered_trees<'m>(
-    scan: &Scan,
-    content: &Content,
-    memo: Option<&'m Memo>,
-) -> Vec<Option<&'m DirTree>> {
-    let Some(memo) = memo else {
-        return Vec::new();
-    };
-    scan.dirs
-        .iter()
-        .zip(&content.from_memo)
-        .map(|(dir, &from_memo)| {
-            memo.get(dir)
-                .filter(|_| from_memo)
-                .map(|outcome| &outcome.tree)
-        })
-        .collect()
-}
-
-/// Where a checkpoint's blobs are.
-struct Placed {
-    /// Per directory: the packs holding its file chunks, tree and pages.
-    per_dir: Vec<Arc<[PackId]>>,
-    /// All of them, for the commit.
-    referenced: BTreeSet<PackId>,
-}
-
-/// Finds the pack of every blob the checkpoint reaches: found or written by
-/// this checkpoint, else known to the cache. A directory whose files were
-/// taken from `memo`, and whose tree is the one remembered, keeps the packs
-/// remembered with it.
-fn place(
-    scan: &Scan,
-    content: &Content,
-    trees: &trees::Trees,
-    located: &FastMap<BlobId, PackId>,
-    cache: &Cache,
-    memo: Option<&Memo>,
-) -> Result<Placed, CheckpointError> {
-    let mut per_dir = Vec::with_capacity(scan.dirs.len());
-    let mut referenced = crate::cache::FastSet::default();
-    let dirs = scan.dirs.iter().zip(&content.files).zip(&content.from_memo);
-    for (d, (((dir, files), &from_memo), tree)) in dirs.zip(&trees.dirs).enumerate() {
-        let remembered = memo
-            .and_then(|memo| memo.get(dir))
-            .filter(|outcome| from_memo && outcome.tree == *tree);
-        let packs = match remembered {
-            Some(outcome) => outcome.packs.clone(),
-            None => {
-                let taken = content.from_earlier[d].as_ref();
-                let read = files.iter().enumerate().filter_map(|(n, file)| {
-                    let taken = taken.is_some_and(|taken| taken.nodes[n]);
-                    file.as_ref().filter(|_| !taken)
-                });
-                let locate = |id: &BlobId| located.get(id).or_else(|| cache.blob_pack(id));
-                let earlier = taken.map_or_else(Vec::new, |taken| taken.packs.to_vec());
-                memo::packs_of(earlier, read, tree, locate)
-                    .map_err(CheckpointError::UnlocatedBlob)?
-                    .into()
-            }
-        };
-        // Neighbouring directories mostly sit in the same packs: one
-        // comparison with the last list instead of a lookup per pack.
-        let same_as_last = per_dir
-            .last()
-            .is_some_and(|last: &Arc<[PackId]>| last[..] == packs[..]);
-        if !same_as_last {
-            for pack in packs.iter() {
-                if !referenced.contains(pack) {
-                    referenced.insert(pack.clone());
-                }
-            }
-        }
-        per_dir.push(packs);
-    }
-    Ok(Placed {
-        per_dir,
-        referenced: referenced.into_iter().collect(),
-    })
-}
-
-fn capped_warnings(mut warnings: Vec<String>) -> Vec<String> {
-    if warnings.len() > MAX_WARNINGS {
-        let more = warnings.len() - (MAX_WARNINGS - 1);
-        warnings.truncate(MAX_WARNINGS - 1);
-        warnings.push(format!("… and {more} more warnings"));
-    }
-    warnings
-}
-
-/// Stores new blobs: asks which the store lacks, seals and packs those, and
-/// uploads every pack as it fills.
-struct Store<'a> {
-    session: &'a Session,
-    /// Packs known to be gone: blobs the store places there are sent again.
-    lost: &'a HashSet<PackId>,
-    uploader: Uploader,
-    /// One packer per kind; lent to a blocking task while it seals a batch.
-    data: Option<Packer>,
-    meta: Option<Packer>,
-    /// Blobs of this checkpoint found in the store or written to a new pack.
-    located: FastMap<BlobId, PackId>,
-    stats: Stats,
-}
-
-impl<'a> Store<'a> {
-    fn new(session: &'a Session, spool: &Spool, lost: &'a HashSet<PackId>) -> Self {
-        Self {
-            session,
-            lost,
-            uploader: Uploader::new(session),
-            data: Some(Packer::new(PackKind::Data, session.keys.clone(), spool)),
-            meta: Some(Packer::new(PackKind::Meta, session.keys.clone(), spool)),
-            located: FastMap::default(),
-            stats: Stats::default(),
-        }
-    }
-
-    fn packer(&mut self, kind: PackKind) -> &mut Option<Packer> {
-        match kind {
-            PackKind::Data => &mut self.data,
-            PackKind::Meta => &mut self.meta,
-        }
-    }
-
-    async fn store(
-        &mut self,
-        kind: PackKind,
-        blobs: Vec<(BlobId, Vec<u8>)>,
-    ) -> Result<(), CheckpointError> {
-        if blobs.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<BlobId> = blobs.iter().map(|(id, _)| *id).collect();
-        let present = self.session.find_missing(&ids).await?;
-        let mut missing = Vec::new();
-        for ((id, data), pack) in blobs.into_iter().zip(present) {
-            match pack {
-                Some(pack) if !self.lost.contains(&pack) => {
-                    self.located.insert(id, pack);
-                }
-                _ => missing.push((id, data)),
-            }
-        }
-        if missing.is_empty() {
-            return Ok(());
-        }
-        self.stats.new_blobs += missing.len() as u64;
-        self.stats.new_bytes += missing
-            .iter()
-            .map(|(_, data)| data.len() as u64)
-            .sum::<u64>();
-        let keys = self.session.keys.clone();
-        let mut packer = self
-            .packer(kind)
-            .take()
-            .expect("a failed batch ends the checkpoint, so the packer is back");
-        let (packer, finished) = blocking(move || -> Result<_, CheckpointError> {
-            let sealed: Vec<(BlobId, Vec<u8>, u32)> = missing
-                .into_par_iter()
-                .map(|(id, data)| {
-                    // seal() reserves exactly what the sealed blob needs.
-                    let mut out = Vec::new();
-                    seal(&keys, &id, &data, &mut out);
-                    (id, out, data.len() as u32)
-                })
-                .collect();
-            let mut finished = Vec::new();
-            for (id, bytes, plain_len) in sealed {
-                finished.extend(packer.add(id, &bytes, plain_len)?);
-            }
-            Ok((packer, finished))
-        })
-        .await?;
-        *self.packer(kind) = Some(packer);
-        for pack in finished {
-            self.upload(pack).await?;
-        }
-        Ok(())
-    }
-
-    /// Finishes and uploads the last pack of `kind`, if it holds anything.
-    async fn finish_pack(&mut self, kind: PackKind) -> Result<(), CheckpointError> {
-        let Some(mut packer) = self.packer(kind).take() else {
-            return Ok(());
-        };
-        if let Some(pack) = packer.finish()? {
-            self.upload(pack).await?;
-        }
-        Ok(())
-    }
-
-    async fn upload(&mut self, pack: SpooledPack) -> Result<(), CheckpointError> {
-        for id in &pack.blob_ids {
-            self.located.insert(*id, pack.id.clone());
-        }
-        self.stats.uploaded_bytes += pack.record.size;
-        self.stats.packs_uploaded += 1;
-        self.uploader.upload(pack).await
-    }
+    (Arc::new(cache), memo.filter(|_| !redo))
 }
 
 /// The newest checkpoint of a workspace: what a later one is compared
@@ -902,13 +613,6 @@ pub async fn prime(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn too_many_warnings_are_summed_up() {
-        let warnings = capped_warnings((0..250).map(|i| format!("w{i}")).collect());
-        assert_eq!(warnings.len(), MAX_WARNINGS);
-        assert_eq!(warnings.last().unwrap(), "… and 151 more warnings");
-    }
 
     #[test]
     fn a_commit_refused_for_a_missing_pack_is_told_apart_by_its_refusal() {

@@ -1,4 +1,5 @@
-//! Building the checkpoint's Merkle tree: one tree object per directory.
+//! The trees stage ([`store_trees`]): building the checkpoint's Merkle tree,
+//! one tree object per directory, and storing the trees the store lacks.
 //!
 //! Directories are encoded deepest first, so every subdirectory's id is
 //! known when its parent is encoded. A tree's id is the keyed hash of its
@@ -8,12 +9,21 @@
 //! the paths to what changed.
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
 
+use cairn_proto::domain::PackKind;
 use cairn_proto::ids::BlobId;
 
+use super::CheckpointError;
+use super::content::Content;
 use super::dir::{Counts, DirFiles, DirTree};
+use super::memo::Memo;
+use super::upload::Store;
+use crate::cache::Cache;
 use crate::format::TenantKeys;
 use crate::scan::{NodeKind, Scan, join_rel_into, parent_rel};
+use crate::task::blocking;
 
 /// The encoded trees of a checkpoint.
 #[derive(Debug)]
@@ -26,6 +36,76 @@ pub struct Trees {
     pub counts: Counts,
     /// Directories whose remembered tree was taken as it was.
     pub reused: u64,
+}
+
+/// What the trees stage builds from.
+pub(crate) struct Building {
+    /// The walk, as the limits left it.
+    pub scan: Arc<Scan>,
+    /// What the content stage found.
+    pub content: Content,
+    pub cache: Arc<Cache>,
+    pub memo: Option<Arc<Memo>>,
+    pub keys: Arc<TenantKeys>,
+    pub started: Instant,
+}
+
+/// The trees stage: encodes every directory's tree on a blocking thread
+/// (see [`build`]), taking the memo's where it can, and has `store` store
+/// those it lacks in META packs, whose uploads start as they fill. Gives
+/// the content back with the trees.
+pub(crate) async fn store_trees(
+    store: &mut Store<'_>,
+    building: Building,
+) -> Result<(Trees, Content), CheckpointError> {
+    let Building {
+        scan,
+        content,
+        cache,
+        memo,
+        keys,
+        started,
+    } = building;
+    let (mut trees, content) = blocking(move || {
+        let remembered = remembered_trees(&scan, &content, memo.as_deref());
+        let known = |id: &BlobId| cache.knows_blob(id);
+        let trees = build(&scan, &content.files, &keys, &known, &remembered);
+        drop(remembered);
+        (trees, content)
+    })
+    .await;
+    let elapsed_ms = || started.elapsed().as_millis() as u64;
+    tracing::debug!(
+        dirs_reused = trees.reused,
+        elapsed_ms = elapsed_ms(),
+        "trees built"
+    );
+    store
+        .store(PackKind::Meta, std::mem::take(&mut trees.unknown))
+        .await?;
+    store.finish_pack(PackKind::Meta).await?;
+    Ok((trees, content))
+}
+
+/// Per directory, the tree `memo` remembers for it if its files were taken
+/// from the memo.
+fn remembered_trees<'m>(
+    scan: &Scan,
+    content: &Content,
+    memo: Option<&'m Memo>,
+) -> Vec<Option<&'m DirTree>> {
+    let Some(memo) = memo else {
+        return Vec::new();
+    };
+    scan.dirs
+        .iter()
+        .zip(&content.from_memo)
+        .map(|(dir, &from_memo)| {
+            memo.get(dir)
+                .filter(|_| from_memo)
+                .map(|outcome| &outcome.tree)
+        })
+        .collect()
 }
 
 /// Encodes every directory of `scan`, with file contents from `files`

@@ -1,4 +1,6 @@
-//! Packing sealed blobs into spool files and uploading them as they fill.
+//! The upload stage ([`Store`]): asking which new blobs the store lacks,
+//! sealing those, packing them into spool files and uploading the packs as
+//! they fill.
 //!
 //! A [`Packer`] writes one kind of pack (tree objects or file chunks, never
 //! mixed) to a spool file and starts a new one at [`PACK_TARGET`] bytes. An
@@ -8,21 +10,26 @@
 //! deleted once uploaded, and the [`Spool`] directory with whatever is left
 //! when the checkpoint ends, committed or not.
 
+use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{self, BufWriter};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use cairn_proto::pb;
 use rand::Rng;
+use rayon::prelude::*;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::CheckpointError;
 use super::remote::{self, Session};
-use crate::format::{PackBuilder, TenantKeys};
+use super::{CheckpointError, Stats};
+use crate::cache::FastMap;
+use crate::format::{PackBuilder, TenantKeys, seal};
+use crate::task::blocking;
 use crate::transfer::{BlobTransfer, TransferError};
 
 /// A pack is finished once it holds about this many bytes.
@@ -193,6 +200,152 @@ impl Packer {
             path,
         }))
     }
+}
+
+/// The upload stage: stores new blobs, asking which the store lacks,
+/// sealing and packing those, and uploading every pack as it fills (at
+/// most [`PARALLEL_UPLOADS`] at a time) while the content and trees stages
+/// go on; [`Store::finish`] waits for the last uploads.
+pub(crate) struct Store<'a> {
+    session: &'a Session,
+    /// Packs known to be gone: blobs the store places there are sent again.
+    lost: &'a HashSet<PackId>,
+    uploader: Uploader,
+    /// One packer per kind; lent to a blocking task while it seals a batch.
+    data: Option<Packer>,
+    meta: Option<Packer>,
+    /// Blobs of this checkpoint found in the store or written to a new pack.
+    located: FastMap<BlobId, PackId>,
+    stats: Stats,
+}
+
+impl<'a> Store<'a> {
+    pub fn new(session: &'a Session, spool: &Spool, lost: &'a HashSet<PackId>) -> Self {
+        Self {
+            session,
+            lost,
+            uploader: Uploader::new(session),
+            data: Some(Packer::new(PackKind::Data, session.keys.clone(), spool)),
+            meta: Some(Packer::new(PackKind::Meta, session.keys.clone(), spool)),
+            located: FastMap::default(),
+            stats: Stats::default(),
+        }
+    }
+
+    fn packer(&mut self, kind: PackKind) -> &mut Option<Packer> {
+        match kind {
+            PackKind::Data => &mut self.data,
+            PackKind::Meta => &mut self.meta,
+        }
+    }
+
+    pub async fn store(
+        &mut self,
+        kind: PackKind,
+        blobs: Vec<(BlobId, Vec<u8>)>,
+    ) -> Result<(), CheckpointError> {
+        if blobs.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<BlobId> = blobs.iter().map(|(id, _)| *id).collect();
+        let present = self.session.find_missing(&ids).await?;
+        let mut missing = Vec::new();
+        for ((id, data), pack) in blobs.into_iter().zip(present) {
+            match pack {
+                Some(pack) if !self.lost.contains(&pack) => {
+                    self.located.insert(id, pack);
+                }
+                _ => missing.push((id, data)),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.stats.new_blobs += missing.len() as u64;
+        self.stats.new_bytes += missing
+            .iter()
+            .map(|(_, data)| data.len() as u64)
+            .sum::<u64>();
+        let keys = self.session.keys.clone();
+        let mut packer = self
+            .packer(kind)
+            .take()
+            .expect("a failed batch ends the checkpoint, so the packer is back");
+        let (packer, finished) = blocking(move || -> Result<_, CheckpointError> {
+            let sealed: Vec<(BlobId, Vec<u8>, u32)> = missing
+                .into_par_iter()
+                .map(|(id, data)| {
+                    // seal() reserves exactly what the sealed blob needs.
+                    let mut out = Vec::new();
+                    seal(&keys, &id, &data, &mut out);
+                    (id, out, data.len() as u32)
+                })
+                .collect();
+            let mut finished = Vec::new();
+            for (id, bytes, plain_len) in sealed {
+                finished.extend(packer.add(id, &bytes, plain_len)?);
+            }
+            Ok((packer, finished))
+        })
+        .await?;
+        *self.packer(kind) = Some(packer);
+        for pack in finished {
+            self.upload(pack).await?;
+        }
+        Ok(())
+    }
+
+    /// Finishes and uploads the last pack of `kind`, if it holds anything.
+    pub async fn finish_pack(&mut self, kind: PackKind) -> Result<(), CheckpointError> {
+        let Some(mut packer) = self.packer(kind).take() else {
+            return Ok(());
+        };
+        if let Some(pack) = packer.finish()? {
+            self.upload(pack).await?;
+        }
+        Ok(())
+    }
+
+    async fn upload(&mut self, pack: SpooledPack) -> Result<(), CheckpointError> {
+        for id in &pack.blob_ids {
+            self.located.insert(*id, pack.id.clone());
+        }
+        self.stats.uploaded_bytes += pack.record.size;
+        self.stats.packs_uploaded += 1;
+        self.uploader.upload(pack).await
+    }
+    /// Waits for every upload: the end of the upload stage.
+    pub async fn finish(self, started: Instant) -> Result<Uploaded, CheckpointError> {
+        let Self {
+            uploader,
+            located,
+            mut stats,
+            ..
+        } = self;
+        let (new_packs, upload_wait) = uploader.finish().await?;
+        stats.upload_wait_ms = upload_wait.as_millis() as u64;
+        tracing::debug!(
+            packs = new_packs.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "trees stored, uploads finished"
+        );
+        Ok(Uploaded {
+            new_packs,
+            located,
+            stats,
+        })
+    }
+}
+
+/// What the upload stage stored.
+pub(crate) struct Uploaded {
+    /// The packs uploaded.
+    pub new_packs: Vec<pb::NewPack>,
+    /// Blobs of this checkpoint found in the store or written to a new pack.
+    pub located: FastMap<BlobId, PackId>,
+    /// New blobs, their bytes, and the packs uploaded, and how long the
+    /// checkpoint waited for them.
+    pub stats: Stats,
 }
 
 /// Uploads finished packs in the background, a few at a time.
