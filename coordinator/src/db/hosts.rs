@@ -16,9 +16,8 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::runs::{
-    EndCause, EventDraft, Run, end_attempt, event_reason, load_run, sandbox_gone, transition,
-};
+use super::run_records::{EventDraft, Run, event_reason, load_run};
+use super::runs::{EndCause, end_attempt, sandbox_gone, transition};
 use super::tokens::{NewTokenRow, TokenInfo, insert_token};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,

@@ -5,20 +5,19 @@
 //! the next run created there takes it. An input is consumed only when the
 //! runner reports its harness heard it; a run that ends before that gives
 //! its messages back to the workspace (a duplicate beats a loss).
+//!
+//! Sending one hands it on to its run, a run state change, so
+//! [`MetadataStore::send_message`] is in [`super::runs`]. Below runs:
+//! imports only [`super::run_records`] of the run modules.
 
 use std::time::SystemTime;
 
-use cairn_proto::ids::{RunId, TenantId, WorkspaceId};
+use cairn_proto::ids::{RunId, WorkspaceId};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-use super::runs::{
-    EventDraft, InputNews, Run, add_event, add_input, event_reason, hand_on_input, load_run,
-};
-use super::workspaces::ensure_active_workspace;
-use super::{
-    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
-};
+use super::run_records::{EventDraft, Run, add_event, add_input, event_reason};
+use super::{DbError, MetadataStore, WriteTx, from_millis, parse_column, query_error, unsigned};
 
 /// The kind of the inputs chat messages become (`RunInput.kind`).
 pub const MESSAGE_INPUT: &str = "message";
@@ -80,7 +79,7 @@ fn message_from_row(row: &SqliteRow) -> Result<Message, DbError> {
     })
 }
 
-async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
+pub(super) async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
     let row = sqlx::query(&format!(
         "SELECT {MESSAGE_COLUMNS} FROM workspace_messages m
          LEFT JOIN run_inputs i ON i.run_id = m.run_id AND i.id = m.input_id
@@ -94,7 +93,7 @@ async fn load_message(tx: &mut WriteTx, id: i64) -> Result<Message, DbError> {
 }
 
 /// Makes message `message` (saying `text`) an input of `run`.
-async fn deliver(
+pub(super) async fn deliver(
     tx: &mut WriteTx,
     run: &Run,
     message: i64,
@@ -214,65 +213,6 @@ pub(super) async fn note_unheard_messages(
 }
 
 impl MetadataStore {
-    /// Stores a message to `station` of an active workspace: an input of the
-    /// workspace's unfinished run at the station if there is one (a held
-    /// sandbox gets it at once, a suspended run is queued, a running one
-    /// picks it up at its next turn or attempt), else pending.
-    pub async fn send_message(
-        &self,
-        tenant: &TenantId,
-        workspace: &WorkspaceId,
-        station: &str,
-        text: &str,
-    ) -> Result<Message, DbError> {
-        let now = millis(SystemTime::now());
-        let mut tx = self.begin_write().await?;
-        ensure_active_workspace(tx.conn(), tenant, workspace, "find workspace").await?;
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO workspace_messages (workspace_id, station, text, created_at)
-             VALUES ($1, $2, $3, $4) RETURNING id",
-        )
-        .bind(workspace.as_str())
-        .bind(station)
-        .bind(text)
-        .bind(now)
-        .fetch_one(tx.conn())
-        .await
-        .map_err(query_error("insert message"))?;
-        let run: Option<String> = sqlx::query_scalar(
-            "SELECT id FROM runs WHERE workspace_id = $1 AND station = $2
-             AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
-        )
-        .bind(workspace.as_str())
-        .bind(station)
-        .fetch_optional(tx.conn())
-        .await
-        .map_err(query_error("find unfinished run"))?;
-        if let Some(run_id) = run {
-            let run_id: RunId = parse_column(&run_id, "run id")?;
-            let mut run = load_run(tx.conn(), &run_id)
-                .await?
-                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished")))?;
-            deliver(&mut tx, &run, id, text, now).await?;
-            let news = InputNews {
-                reason: event_reason::MESSAGE,
-                noun: "message",
-                queued: "a message arrived; waiting for a host",
-                next_attempt: "the next attempt takes it",
-            };
-            if !hand_on_input(&mut tx, &mut run, news, now).await? {
-                let event = EventDraft::new(
-                    event_reason::MESSAGE,
-                    "the next turn or attempt picks it up",
-                );
-                add_event(&mut tx, &run, event, now).await?;
-            }
-        }
-        let message = load_message(&mut tx, id).await?;
-        self.commit(tx).await?;
-        Ok(message)
-    }
-
     /// The messages of a workspace, oldest first.
     pub async fn list_messages(&self, workspace: &WorkspaceId) -> Result<Vec<Message>, DbError> {
         let rows = sqlx::query(&format!(

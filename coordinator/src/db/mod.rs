@@ -26,6 +26,7 @@
 mod checkpoints;
 mod hosts;
 mod messages;
+mod run_records;
 mod runner;
 mod runs;
 mod scheduling;
@@ -38,9 +39,9 @@ pub use hosts::{
     ReportedSandbox, destroy_reason,
 };
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
+pub use run_records::{Attempt, Run, RunEvent, RunInput, event_reason};
 pub use runs::{
-    Attempt, NewRun, NewRunTarget, OutcomeReport, ProgressReport, Run, RunEvent, RunFilter,
-    RunInput, SessionRecord, StartedAttempt, event_reason,
+    NewRun, NewRunTarget, OutcomeReport, ProgressReport, RunFilter, SessionRecord, StartedAttempt,
 };
 pub use scheduling::{HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};

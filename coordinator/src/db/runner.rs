@@ -12,9 +12,11 @@ use cairn_proto::ids::{CheckpointId, RunId};
 use cairn_proto::refusal::NotCurrent;
 use cairn_proto::runs::{AttemptPhase, AttemptState, Outcome, RunState};
 
+use super::run_records::{
+    Attempt, EventDraft, Run, RunInput, add_event, event_reason, load_run, pending_inputs,
+};
 use super::runs::{
-    Attempt, EventDraft, OutcomeReport, ProgressReport, Run, RunInput, SessionRecord,
-    StartedAttempt, add_event, decide, event_reason, load_run, mark_attempt_ended, pending_inputs,
+    OutcomeReport, ProgressReport, SessionRecord, StartedAttempt, decide, mark_attempt_ended,
     persist, set_attempt_state, transition,
 };
 use super::stations::{NOTES_PER_ATTEMPT, laid_files, record_note, workspace_notes};

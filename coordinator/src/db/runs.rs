@@ -1,5 +1,8 @@
-//! Runs, their attempts, events and inputs, and every run state change
-//! (what runners report is in [`super::runner`]).
+//! Every run state change, and the requests that make them: creating,
+//! answering, messaging, suspending and cancelling runs (their records are
+//! in [`super::run_records`]; what runners report is in [`super::runner`]).
+//! Above run_records, messages, stations and workspaces: none of them
+//! imports this module.
 //!
 //! Where a run goes on each event, and what the end of an attempt makes of
 //! it, is decided by [`crate::runlife`]; here it is persisted, so that each
@@ -14,20 +17,24 @@
 //! waiting for a person is never retried as a failure: it is suspended (or
 //! queued again at once when an answer is already pending).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
-use cairn_proto::ids::{CheckpointId, Generation, HostId, RunId, TenantId, WorkspaceId};
+use cairn_proto::ids::{CheckpointId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::runs::{
     AttemptPhase, AttemptState, CheckpointLimits, Labels, Outcome, RunState, SandboxState,
 };
 use cairn_proto::stations::{HandoffText, LaidFiles};
-use prost::Message;
-use sqlx::sqlite::SqliteRow;
-use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
+use prost::Message as _;
+use sqlx::{QueryBuilder, Sqlite, SqliteConnection};
 
-use super::checkpoints::push_in_list;
+use super::messages::{Message, deliver, load_message};
+use super::run_records::{
+    ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, RUN_COLUMNS, Run, RunEvent, RunInput,
+    add_event, add_input, attach_attempts, attempt_from_row, event_from_row, event_reason,
+    load_run, load_tenant_run, run_from_row,
+};
 use super::stations::HandoffNote;
 use super::workspaces::{KeyLineage, ensure_active_workspace, insert_workspace};
 use super::{
@@ -36,150 +43,8 @@ use super::{
 };
 use crate::runlife::{self, AttemptEnd, Change, Effect, Event, NextStep, Transition};
 
-/// Short machine words of run events (`RunEvent.reason`).
-pub mod event_reason {
-    pub const CREATED: &str = "created";
-    pub const PLACEMENT: &str = "placement";
-    pub const ASSIGNED: &str = "assigned";
-    pub const CLAIMED: &str = "claimed";
-    pub const RESTORED: &str = "restored";
-    pub const PREPARED: &str = "prepared";
-    pub const HARNESS_STARTED: &str = "harness_started";
-    pub const RUNNING: &str = "running";
-    /// A later turn of a running harness: the conversation it continues,
-    /// or that the one to continue was lost and a briefed one started.
-    pub const TURN: &str = "turn";
-    pub const CHECKPOINT: &str = "checkpoint";
-    pub const HARNESS_SESSION: &str = "harness_session";
-    pub const WAITING: &str = "waiting";
-    pub const ANSWERED: &str = "answered";
-    pub const HOLD_EXPIRED: &str = "hold_expired";
-    pub const SUSPEND_REQUESTED: &str = "suspend_requested";
-    pub const SUSPENDED: &str = "suspended";
-    pub const DRAINING: &str = "draining";
-    pub const HOST_STOPPING: &str = "host_stopping";
-    pub const SANDBOX_RELEASED: &str = "sandbox_released";
-    pub const HOST_LOST: &str = "host_lost";
-    pub const RUNNER_EXITED: &str = "runner_exited";
-    pub const SANDBOX_FAILED: &str = "sandbox_failed";
-    pub const INTERRUPTED: &str = "interrupted";
-    pub const SUCCEEDED: &str = "succeeded";
-    pub const FAILED: &str = "failed";
-    pub const CANCELLED: &str = "cancelled";
-    pub const WORKSPACE_INACTIVE: &str = "workspace_inactive";
-    pub const MESSAGE: &str = "message";
-    pub const MESSAGE_GIVEN_BACK: &str = "message_given_back";
-}
-
 /// The kind of every input a person sends (`RunInput.kind`).
 pub const ANSWER_INPUT: &str = "answer";
-
-/// One attempt of a run: a sandbox on a host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Attempt {
-    pub number: u32,
-    pub generation: Generation,
-    pub host_id: HostId,
-    pub sandbox_id: String,
-    pub state: AttemptState,
-    pub started_at: SystemTime,
-    pub ended_at: Option<SystemTime>,
-    pub end_reason: String,
-    pub prepare: String,
-    pub restored_checkpoint_id: String,
-    pub outcome: Option<Outcome>,
-    pub destroy_reason: Option<String>,
-    pub sandbox_state: Option<SandboxState>,
-    pub exit_code: Option<i32>,
-    pub sandbox_gone_at: Option<SystemTime>,
-}
-
-impl Attempt {
-    pub fn is_ended(&self) -> bool {
-        self.state == AttemptState::Ended
-    }
-}
-
-/// A run with its attempts (oldest first).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Run {
-    pub id: RunId,
-    pub tenant: TenantId,
-    pub workspace_id: WorkspaceId,
-    pub station: String,
-    pub harness: pb::HarnessSpec,
-    pub prompt: String,
-    pub labels: Labels,
-    pub repos: Vec<pb::RepoSpec>,
-    pub image: String,
-    pub hold: Duration,
-    pub checkpoint_interval: Duration,
-    /// The run's own limits on each checkpoint (the runner keeps the
-    /// stricter of these and its own).
-    pub checkpoint_limits: CheckpointLimits,
-    pub max_attempts: u32,
-    pub state: RunState,
-    pub state_reason: String,
-    pub question: String,
-    pub summary: String,
-    pub harness_session_id: String,
-    pub last_checkpoint_id: String,
-    pub hold_until: Option<SystemTime>,
-    pub attempt_count: u32,
-    pub failed_attempts: u32,
-    pub created_at: SystemTime,
-    pub updated_at: SystemTime,
-    pub attempts: Vec<Attempt>,
-    /// The paths the run lays (their contents are read only at a claim).
-    pub laid_paths: Vec<String>,
-}
-
-impl Run {
-    /// The newest attempt, if the run was ever assigned.
-    pub fn current_attempt(&self) -> Option<&Attempt> {
-        self.attempts
-            .iter()
-            .find(|a| a.number == self.attempt_count)
-    }
-
-    /// The newest attempt unless it ended.
-    pub fn active_attempt(&self) -> Option<&Attempt> {
-        self.current_attempt().filter(|a| !a.is_ended())
-    }
-
-    /// Attempt `number`, if the run has it.
-    pub fn attempt(&self, number: u32) -> Option<&Attempt> {
-        self.attempts.iter().find(|a| a.number == number)
-    }
-
-    pub(super) fn attempt_mut(&mut self, number: u32) -> Option<&mut Attempt> {
-        self.attempts.iter_mut().find(|a| a.number == number)
-    }
-}
-
-/// One entry of a run's history.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunEvent {
-    pub run_id: RunId,
-    pub sequence: u64,
-    pub at: SystemTime,
-    pub state: RunState,
-    pub reason: String,
-    pub host_id: String,
-    pub attempt: u32,
-    pub generation: u64,
-    pub checkpoint_id: String,
-    pub detail: String,
-}
-
-/// A message for the run's harness.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunInput {
-    pub id: u64,
-    pub kind: String,
-    pub text: String,
-    pub created_at: SystemTime,
-}
 
 /// Where a new run works.
 #[derive(Debug, Clone)]
@@ -265,18 +130,6 @@ pub struct SessionRecord {
     pub session_id: String,
 }
 
-const RUN_COLUMNS: &str = "id, tenant, workspace_id, station, prompt, spec, image, hold_ms,
-     checkpoint_interval_ms, max_attempts, state, state_reason, question, summary,
-     harness_session_id, last_checkpoint_id, hold_until, attempt_count, failed_attempts,
-     created_at, updated_at";
-
-const ATTEMPT_COLUMNS: &str = "run_id, number, generation, host_id, sandbox_id, state, started_at,
-     ended_at, end_reason, prepare, restored_checkpoint_id, outcome, destroy_reason,
-     sandbox_state, exit_code, sandbox_gone_at";
-
-const EVENT_COLUMNS: &str =
-    "run_id, sequence, at, state, reason, host_id, attempt, generation, checkpoint_id, detail";
-
 fn encode_spec(new: &NewRun) -> Vec<u8> {
     pb::Run {
         harness: Some(new.harness.clone()),
@@ -289,267 +142,8 @@ fn encode_spec(new: &NewRun) -> Vec<u8> {
     .encode_to_vec()
 }
 
-fn millis_duration(ms: i64, what: &str) -> Result<Duration, DbError> {
-    Ok(Duration::from_millis(unsigned(ms, what)?))
-}
-
 fn duration_millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
-    let read = |source| DbError::Query {
-        op: "read run",
-        source,
-    };
-    let id: String = row.try_get("id").map_err(read)?;
-    let tenant: String = row.try_get("tenant").map_err(read)?;
-    let workspace: String = row.try_get("workspace_id").map_err(read)?;
-    let spec: Vec<u8> = row.try_get("spec").map_err(read)?;
-    let spec = pb::Run::decode(spec.as_slice())
-        .map_err(|e| DbError::Corrupt(format!("stored spec of run {id}: {e}")))?;
-    let state: String = row.try_get("state").map_err(read)?;
-    let hold_until: Option<i64> = row.try_get("hold_until").map_err(read)?;
-    Ok(Run {
-        id: parse_column(&id, "run id")?,
-        tenant: parse_column(&tenant, "tenant")?,
-        workspace_id: parse_column(&workspace, "workspace id")?,
-        station: row.try_get("station").map_err(read)?,
-        harness: spec.harness.unwrap_or_default(),
-        prompt: row.try_get("prompt").map_err(read)?,
-        labels: Labels(spec.labels.into_iter().collect()),
-        repos: spec.repos,
-        image: row.try_get("image").map_err(read)?,
-        hold: millis_duration(row.try_get("hold_ms").map_err(read)?, "hold")?,
-        checkpoint_interval: millis_duration(
-            row.try_get("checkpoint_interval_ms").map_err(read)?,
-            "checkpoint interval",
-        )?,
-        checkpoint_limits: spec.checkpoint_limits.map(Into::into).unwrap_or_default(),
-        max_attempts: unsigned(row.try_get("max_attempts").map_err(read)?, "max attempts")?,
-        state: parse_column::<RunState>(&state, "run state")?,
-        state_reason: row.try_get("state_reason").map_err(read)?,
-        question: row.try_get("question").map_err(read)?,
-        summary: row.try_get("summary").map_err(read)?,
-        harness_session_id: row.try_get("harness_session_id").map_err(read)?,
-        last_checkpoint_id: row.try_get("last_checkpoint_id").map_err(read)?,
-        hold_until: hold_until.map(from_millis),
-        attempt_count: unsigned(row.try_get("attempt_count").map_err(read)?, "attempt count")?,
-        failed_attempts: unsigned(
-            row.try_get("failed_attempts").map_err(read)?,
-            "failed attempts",
-        )?,
-        created_at: from_millis(row.try_get("created_at").map_err(read)?),
-        updated_at: from_millis(row.try_get("updated_at").map_err(read)?),
-        attempts: Vec::new(),
-        laid_paths: spec.laid_paths,
-    })
-}
-
-fn attempt_from_row(row: &SqliteRow) -> Result<(RunId, Attempt), DbError> {
-    let read = |source| DbError::Query {
-        op: "read attempt",
-        source,
-    };
-    let run: String = row.try_get("run_id").map_err(read)?;
-    let host: String = row.try_get("host_id").map_err(read)?;
-    let state: String = row.try_get("state").map_err(read)?;
-    let outcome: Option<String> = row.try_get("outcome").map_err(read)?;
-    let sandbox_state: Option<String> = row.try_get("sandbox_state").map_err(read)?;
-    let exit_code: Option<i64> = row.try_get("exit_code").map_err(read)?;
-    let ended_at: Option<i64> = row.try_get("ended_at").map_err(read)?;
-    let gone_at: Option<i64> = row.try_get("sandbox_gone_at").map_err(read)?;
-    let attempt = Attempt {
-        number: unsigned(row.try_get("number").map_err(read)?, "attempt number")?,
-        generation: Generation(unsigned(
-            row.try_get("generation").map_err(read)?,
-            "generation",
-        )?),
-        host_id: parse_column(&host, "host id")?,
-        sandbox_id: row.try_get("sandbox_id").map_err(read)?,
-        state: parse_column::<AttemptState>(&state, "attempt state")?,
-        started_at: from_millis(row.try_get("started_at").map_err(read)?),
-        ended_at: ended_at.map(from_millis),
-        end_reason: row.try_get("end_reason").map_err(read)?,
-        prepare: row.try_get("prepare").map_err(read)?,
-        restored_checkpoint_id: row.try_get("restored_checkpoint_id").map_err(read)?,
-        outcome: outcome
-            .map(|o| parse_column::<Outcome>(&o, "outcome"))
-            .transpose()?,
-        destroy_reason: row.try_get("destroy_reason").map_err(read)?,
-        sandbox_state: sandbox_state
-            .map(|s| parse_column::<SandboxState>(&s, "sandbox state"))
-            .transpose()?,
-        exit_code: exit_code
-            .map(|c| i32::try_from(c).map_err(|_| DbError::Corrupt(format!("exit code {c}"))))
-            .transpose()?,
-        sandbox_gone_at: gone_at.map(from_millis),
-    };
-    Ok((parse_column(&run, "run id")?, attempt))
-}
-
-fn event_from_row(row: &SqliteRow) -> Result<RunEvent, DbError> {
-    let read = |source| DbError::Query {
-        op: "read run event",
-        source,
-    };
-    let run: String = row.try_get("run_id").map_err(read)?;
-    let state: String = row.try_get("state").map_err(read)?;
-    Ok(RunEvent {
-        run_id: parse_column(&run, "run id")?,
-        sequence: unsigned(row.try_get("sequence").map_err(read)?, "event sequence")?,
-        at: from_millis(row.try_get("at").map_err(read)?),
-        state: parse_column::<RunState>(&state, "run state")?,
-        reason: row.try_get("reason").map_err(read)?,
-        host_id: row.try_get("host_id").map_err(read)?,
-        attempt: unsigned(row.try_get("attempt").map_err(read)?, "attempt")?,
-        generation: unsigned(row.try_get("generation").map_err(read)?, "generation")?,
-        checkpoint_id: row.try_get("checkpoint_id").map_err(read)?,
-        detail: row.try_get("detail").map_err(read)?,
-    })
-}
-
-fn input_from_row(row: &SqliteRow) -> Result<RunInput, DbError> {
-    let read = |source| DbError::Query {
-        op: "read run input",
-        source,
-    };
-    Ok(RunInput {
-        id: unsigned(row.try_get("id").map_err(read)?, "input id")?,
-        kind: row.try_get("kind").map_err(read)?,
-        text: row.try_get("text").map_err(read)?,
-        created_at: from_millis(row.try_get("created_at").map_err(read)?),
-    })
-}
-
-/// Fills in the attempts of `runs`.
-async fn attach_attempts(conn: &mut SqliteConnection, runs: &mut [Run]) -> Result<(), DbError> {
-    if runs.is_empty() {
-        return Ok(());
-    }
-    let ids: Vec<RunId> = runs.iter().map(|r| r.id.clone()).collect();
-    let mut by_run: HashMap<RunId, Vec<Attempt>> = HashMap::new();
-    for chunk in ids.chunks(super::ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(format!(
-            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE run_id IN"
-        ));
-        push_in_list(&mut query, chunk, RunId::as_str);
-        query.push(" ORDER BY run_id, number");
-        let rows = query
-            .build()
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(query_error("attempts"))?;
-        for row in &rows {
-            let (run, attempt) = attempt_from_row(row)?;
-            by_run.entry(run).or_default().push(attempt);
-        }
-    }
-    for run in runs {
-        run.attempts = by_run.remove(&run.id).unwrap_or_default();
-    }
-    Ok(())
-}
-
-/// A run (of any tenant) with its attempts.
-pub(super) async fn load_run(
-    conn: &mut SqliteConnection,
-    id: &RunId,
-) -> Result<Option<Run>, DbError> {
-    let row = sqlx::query(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"))
-        .bind(id.as_str())
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(query_error("run"))?;
-    let Some(row) = row else { return Ok(None) };
-    let mut runs = [run_from_row(&row)?];
-    attach_attempts(conn, &mut runs).await?;
-    let [run] = runs;
-    Ok(Some(run))
-}
-
-/// A run of `tenant`, or NotFound.
-pub(super) async fn load_tenant_run(
-    conn: &mut SqliteConnection,
-    tenant: &TenantId,
-    id: &RunId,
-) -> Result<Run, DbError> {
-    load_run(conn, id)
-        .await?
-        .filter(|r| &r.tenant == tenant)
-        .ok_or_else(|| DbError::NotFound(format!("run {id} does not exist")))
-}
-
-/// What an event records besides the run's state.
-#[derive(Debug, Default)]
-pub(super) struct EventDraft {
-    pub reason: &'static str,
-    pub detail: String,
-    pub host_id: String,
-    pub attempt: u32,
-    pub generation: u64,
-    pub checkpoint_id: String,
-}
-
-impl EventDraft {
-    pub fn new(reason: &'static str, detail: impl Into<String>) -> Self {
-        Self {
-            reason,
-            detail: detail.into(),
-            ..Default::default()
-        }
-    }
-
-    /// Names the attempt (its host, number and generation).
-    pub fn of(mut self, attempt: &Attempt) -> Self {
-        self.host_id = attempt.host_id.to_string();
-        self.attempt = attempt.number;
-        self.generation = attempt.generation.0;
-        self
-    }
-
-    pub fn checkpoint(mut self, id: &str) -> Self {
-        self.checkpoint_id = id.to_owned();
-        self
-    }
-}
-
-/// Appends an event to the run's history with the run's current state.
-pub(super) async fn add_event(
-    tx: &mut WriteTx,
-    run: &Run,
-    event: EventDraft,
-    now: i64,
-) -> Result<(), DbError> {
-    let sequence: i64 = sqlx::query_scalar(
-        "UPDATE runs SET last_event_sequence = last_event_sequence + 1, updated_at = $1
-         WHERE id = $2 RETURNING last_event_sequence",
-    )
-    .bind(now)
-    .bind(run.id.as_str())
-    .fetch_one(tx.conn())
-    .await
-    .map_err(query_error("advance event sequence"))?;
-    sqlx::query(
-        "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt, generation,
-                                 checkpoint_id, detail)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-    )
-    .bind(run.id.as_str())
-    .bind(sequence)
-    .bind(now)
-    .bind(run.state.as_str())
-    .bind(event.reason)
-    .bind(&event.host_id)
-    .bind(i64::from(event.attempt))
-    .bind(signed(event.generation, "generation")?)
-    .bind(&event.checkpoint_id)
-    .bind(&event.detail)
-    .execute(tx.conn())
-    .await
-    .map_err(query_error("insert run event"))?;
-    tx.touch(&run.id);
-    Ok(())
 }
 
 /// What `event` does to `run` ([`runlife::next`]), or why it may not.
@@ -932,34 +526,6 @@ pub(super) async fn set_state_reason(
     Ok(())
 }
 
-/// Adds input `text` of `kind` to the run; returns its id.
-pub(super) async fn add_input(
-    tx: &mut WriteTx,
-    run: &RunId,
-    kind: &str,
-    text: &str,
-    now: i64,
-) -> Result<i64, DbError> {
-    let id: i64 =
-        sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM run_inputs WHERE run_id = $1")
-            .bind(run.as_str())
-            .fetch_one(tx.conn())
-            .await
-            .map_err(query_error("next input id"))?;
-    sqlx::query(
-        "INSERT INTO run_inputs (run_id, id, kind, text, created_at) VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(run.as_str())
-    .bind(id)
-    .bind(kind)
-    .bind(text)
-    .bind(now)
-    .execute(tx.conn())
-    .await
-    .map_err(query_error("insert input"))?;
-    Ok(id)
-}
-
 /// How the history tells of an input a person sent (an answer, a message).
 pub(super) struct InputNews {
     /// The events' reason.
@@ -1213,6 +779,65 @@ impl MetadataStore {
         Ok(run)
     }
 
+    /// Stores a message to `station` of an active workspace: an input of the
+    /// workspace's unfinished run at the station if there is one (a held
+    /// sandbox gets it at once, a suspended run is queued, a running one
+    /// picks it up at its next turn or attempt), else pending.
+    pub async fn send_message(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        station: &str,
+        text: &str,
+    ) -> Result<Message, DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        ensure_active_workspace(tx.conn(), tenant, workspace, "find workspace").await?;
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO workspace_messages (workspace_id, station, text, created_at)
+             VALUES ($1, $2, $3, $4) RETURNING id",
+        )
+        .bind(workspace.as_str())
+        .bind(station)
+        .bind(text)
+        .bind(now)
+        .fetch_one(tx.conn())
+        .await
+        .map_err(query_error("insert message"))?;
+        let run: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM runs WHERE workspace_id = $1 AND station = $2
+             AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
+        )
+        .bind(workspace.as_str())
+        .bind(station)
+        .fetch_optional(tx.conn())
+        .await
+        .map_err(query_error("find unfinished run"))?;
+        if let Some(run_id) = run {
+            let run_id: RunId = parse_column(&run_id, "run id")?;
+            let mut run = load_run(tx.conn(), &run_id)
+                .await?
+                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} vanished")))?;
+            deliver(&mut tx, &run, id, text, now).await?;
+            let news = InputNews {
+                reason: event_reason::MESSAGE,
+                noun: "message",
+                queued: "a message arrived; waiting for a host",
+                next_attempt: "the next attempt takes it",
+            };
+            if !hand_on_input(&mut tx, &mut run, news, now).await? {
+                let event = EventDraft::new(
+                    event_reason::MESSAGE,
+                    "the next turn or attempt picks it up",
+                );
+                add_event(&mut tx, &run, event, now).await?;
+            }
+        }
+        let message = load_message(&mut tx, id).await?;
+        self.commit(tx).await?;
+        Ok(message)
+    }
+
     /// Releases the run's sandbox so it waits for input: at once for a queued
     /// run, after the host destroyed the sandbox otherwise.
     pub async fn suspend_run(
@@ -1298,19 +923,4 @@ impl MetadataStore {
         self.commit(tx).await?;
         Ok(run)
     }
-}
-
-pub(super) async fn pending_inputs(
-    conn: &mut SqliteConnection,
-    run: &RunId,
-) -> Result<Vec<RunInput>, DbError> {
-    let rows = sqlx::query(
-        "SELECT id, kind, text, created_at FROM run_inputs
-         WHERE run_id = $1 AND consumed_at IS NULL ORDER BY id",
-    )
-    .bind(run.as_str())
-    .fetch_all(conn)
-    .await
-    .map_err(query_error("pending inputs"))?;
-    rows.iter().map(input_from_row).collect()
 }

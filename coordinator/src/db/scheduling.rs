@@ -11,7 +11,8 @@ use prost::Message;
 use sqlx::Row;
 
 use super::hosts::lose_host;
-use super::runs::{Attempt, EventDraft, Run, add_event, event_reason, load_run, transition};
+use super::run_records::{Attempt, EventDraft, Run, add_event, event_reason, load_run};
+use super::runs::transition;
 use super::{DbError, MetadataStore, from_millis, millis, parse_column, query_error, unsigned};
 use crate::runlife::Event;
 use crate::tokens::Scope;

@@ -8,6 +8,9 @@
 //! oldest first, to brief a new conversation with. A fork starts with the
 //! notes of the work it was forked from: those not written after the
 //! checkpoint it was made from.
+//!
+//! Below runs and workspaces: imports only [`super::run_records`] of the run
+//! modules.
 
 use std::collections::BTreeMap;
 use std::time::SystemTime;
@@ -18,7 +21,7 @@ use cairn_proto::stations::{HandoffText, LaidFiles, NoteField};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection, SqliteExecutor};
 
-use super::runs::Run;
+use super::run_records::Run;
 use super::{
     Checkpoint, DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error,
     signed, unsigned,

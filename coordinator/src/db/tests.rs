@@ -384,11 +384,11 @@ async fn an_illegal_transition_is_refused_and_changes_nothing() {
     let events = db.run_events(&created.id, 0, 100).await.unwrap().len();
 
     let mut tx = db.begin_write().await.unwrap();
-    let mut run = runs::load_run(tx.conn(), &created.id)
+    let mut run = run_records::load_run(tx.conn(), &created.id)
         .await
         .unwrap()
         .unwrap();
-    let draft = runs::EventDraft::new(runs::event_reason::CLAIMED, "");
+    let draft = run_records::EventDraft::new(run_records::event_reason::CLAIMED, "");
     let err = runs::transition(&mut tx, &mut run, Event::Claimed, "claimed", draft, 0)
         .await
         .unwrap_err();
