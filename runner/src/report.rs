@@ -82,9 +82,10 @@ mod tests {
 
     #[test]
     fn the_summary_reads_like_the_contract() {
+        let (checkpoint_id, workspace_id) = (CheckpointId::generate(), WorkspaceId::generate());
         let report = CheckpointReport {
-            checkpoint_id: "ck-1".into(),
-            workspace_id: "ws-1".into(),
+            checkpoint_id: checkpoint_id.clone(),
+            workspace_id: workspace_id.clone(),
             sequence: 3,
             reason: CheckpointReason::Manual,
             stats: Stats {
@@ -103,10 +104,14 @@ mod tests {
         };
         assert_eq!(
             checkpoint_summary(&report),
-            "checkpoint ck-1 of ws-1 (#3, manual): 50123 files, 312.4 MiB; read 10 files (41.0 KiB); \
-             uploaded 1 pack, 143.0 KiB, in 85 ms"
+            format!(
+                "checkpoint {checkpoint_id} of {workspace_id} (#3, manual): 50123 files, 312.4 MiB; \
+                 read 10 files (41.0 KiB); uploaded 1 pack, 143.0 KiB, in 85 ms"
+            )
         );
         let json: serde_json::Value = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["checkpoint_id"], checkpoint_id.as_str());
+        assert_eq!(json["workspace_id"], workspace_id.as_str());
         assert_eq!(json["reason"], "manual");
         assert_eq!(json["stats"]["files_read"], 10);
         assert!(json["repos"].is_array() && json["warnings"].is_array());

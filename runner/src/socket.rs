@@ -26,6 +26,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use cairn_proto::domain::CheckpointReason;
+use cairn_proto::ids::CheckpointId;
 
 use cairn_engine::checkpoint::CheckpointReport;
 
@@ -71,7 +72,7 @@ impl Request {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unchanged {
     /// The newest checkpoint, which still holds the workspace as it is.
-    pub unchanged_since: String,
+    pub unchanged_since: CheckpointId,
     pub duration_ms: u64,
 }
 

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cairn_proto::domain::CheckpointReason;
+use cairn_proto::ids::CheckpointId;
 use tokio::net::UnixListener;
 use tokio::sync::Mutex;
 
@@ -43,6 +44,14 @@ pub struct Checkpointer {
     baseline: Mutex<Option<Baseline>>,
 }
 
+/// What one checkpoint request came to.
+#[derive(Debug)]
+pub enum Cut {
+    Committed(CheckpointReport),
+    /// Nothing changed since this checkpoint, the newest; none was cut.
+    Unchanged(CheckpointId),
+}
+
 impl Checkpointer {
     /// A checkpointer whose first interval checkpoint is skipped when the
     /// workspace still matches `baseline` (its newest checkpoint).
@@ -53,29 +62,30 @@ impl Checkpointer {
         }
     }
 
-    /// Cuts a checkpoint; with `only_if_changed`, `None` when nothing changed
+    /// Cuts a checkpoint; with `only_if_changed`, none when nothing changed
     /// since the last one.
     pub async fn checkpoint(
         &self,
         reason: CheckpointReason,
         only_if_changed: bool,
-    ) -> Result<Option<CheckpointReport>, checkpoint::CheckpointError> {
+    ) -> Result<Cut, checkpoint::CheckpointError> {
         let mut baseline = self.baseline.lock().await;
         let opts = CheckpointOptions {
             reason,
             ..self.options.clone()
         };
         let report = match (only_if_changed, baseline.as_ref()) {
-            (true, Some(base)) => checkpoint::checkpoint_if_changed(opts, base).await?,
-            _ => Some(checkpoint::checkpoint(opts).await?),
+            (true, Some(base)) => match checkpoint::checkpoint_if_changed(opts, base).await? {
+                Some(report) => report,
+                None => return Ok(Cut::Unchanged(base.checkpoint_id.clone())),
+            },
+            _ => checkpoint::checkpoint(opts).await?,
         };
-        if let Some(report) = &report {
-            *baseline = Some(Baseline {
-                checkpoint_id: report.checkpoint_id.clone(),
-                root_tree: report.root_tree,
-            });
-        }
-        Ok(report)
+        *baseline = Some(Baseline {
+            checkpoint_id: report.checkpoint_id.clone(),
+            root_tree: report.root_tree,
+        });
+        Ok(Cut::Committed(report))
     }
 
     async fn answer(&self, request: Result<Request, String>) -> Response {
@@ -89,15 +99,9 @@ impl Checkpointer {
             Err(refused) => return refused,
         };
         match self.checkpoint(reason, request.if_changed).await {
-            Ok(Some(report)) => Response::committed(&report),
-            Ok(None) => Response::unchanged(Unchanged {
-                unchanged_since: self
-                    .baseline
-                    .lock()
-                    .await
-                    .as_ref()
-                    .map(|b| b.checkpoint_id.clone())
-                    .unwrap_or_default(),
+            Ok(Cut::Committed(report)) => Response::committed(&report),
+            Ok(Cut::Unchanged(since)) => Response::unchanged(Unchanged {
+                unchanged_since: since,
                 duration_ms: started.elapsed().as_millis() as u64,
             }),
             Err(e) => {
@@ -125,8 +129,8 @@ pub async fn serve(
             () = &mut shutdown => break,
             _ = ticker.tick() => {
                 match checkpointer.checkpoint(CheckpointReason::Interval, true).await {
-                    Ok(Some(report)) => tracing::info!("{}", crate::report::checkpoint_summary(&report)),
-                    Ok(None) => tracing::debug!("nothing changed; no interval checkpoint"),
+                    Ok(Cut::Committed(report)) => tracing::info!("{}", crate::report::checkpoint_summary(&report)),
+                    Ok(Cut::Unchanged(_)) => tracing::debug!("nothing changed; no interval checkpoint"),
                     Err(e) => tracing::warn!(error = %e, "the interval checkpoint failed; trying again at the next one"),
                 }
             }

@@ -62,7 +62,7 @@ fn options(
         cache_dir: cache.to_owned(),
         skip_ignored: false,
         excludes: vec![],
-        generation: 0,
+        generation: None,
         harness: None,
         limits: Default::default(),
         resident: None,

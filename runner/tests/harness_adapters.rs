@@ -1158,7 +1158,7 @@ async fn a_forked_workspace_forks_the_conversation(kind: Kind) -> (Snapshot, Str
 
     let mut fork = s.attempt(1, "recall codeword");
     fork.run_id = "run-2".into();
-    fork.workspace_id = "ws-2".into();
+    fork.workspace_id = "ws-00000000000000000000000002".into();
     fork.resume_session_id = source.clone();
     fork.prompt_delivered = false;
     fork.fork_session = true;

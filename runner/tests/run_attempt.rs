@@ -228,8 +228,8 @@ async fn a_suspended_run_resumes_after_a_restore_and_recalls_the_first_turn() {
         h.fake.progress(AttemptPhase::Restoring),
         [Call::Progress {
             phase: AttemptPhase::Restoring,
-            detail: "restored checkpoint ck-2".into(),
-            checkpoint: "ck-2".into()
+            detail: format!("restored checkpoint {}", checkpoint_id(2)),
+            checkpoint: checkpoint_id(2),
         }]
     );
     assert_eq!(h.fake.sessions(), [session], "the same conversation");
@@ -383,7 +383,9 @@ async fn the_agent_asks_the_runner_for_checkpoints_through_its_socket() {
     );
     assert!(
         summary.contains("which exited with status 1")
-            && summary.contains("this run checkpoints workspace ws-1, not someone-else"),
+            && summary.contains(&format!(
+                "this run checkpoints workspace {WORKSPACE_ID}, not someone-else"
+            )),
         "another workspace is refused, naming both: {summary}"
     );
     assert!(

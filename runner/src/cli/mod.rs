@@ -121,7 +121,7 @@ impl WorkspaceArgs {
             reason,
             skip_ignored: self.skip_ignored,
             excludes: self.excludes,
-            generation: 0,
+            generation: None,
             harness: None,
             limits,
             resident: None,

@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use cairn_proto::ids::CheckpointId;
 use cairn_proto::pb;
 use cairn_proto::pb::runner_service_client::RunnerServiceClient;
 use cairn_proto::refusal::Refusal;
@@ -126,12 +127,12 @@ impl Control {
         &self,
         phase: pb::AttemptPhase,
         detail: impl Into<String>,
-        checkpoint_id: impl Into<String>,
+        checkpoint: Option<&CheckpointId>,
     ) -> Result<(), ControlError> {
         let request = pb::ReportProgressRequest {
             phase: phase as i32,
             detail: clip(detail.into()),
-            checkpoint_id: checkpoint_id.into(),
+            checkpoint_id: checkpoint.map(ToString::to_string).unwrap_or_default(),
         };
         self.call("ReportProgress", |mut c| {
             let request = request.clone();
@@ -157,12 +158,12 @@ impl Control {
     pub async fn waiting(
         &self,
         question: &str,
-        checkpoint_id: &str,
+        checkpoint: Option<&CheckpointId>,
         consumed_inputs: Vec<u64>,
     ) -> Result<pb::ReportWaitingResponse, ControlError> {
         let request = pb::ReportWaitingRequest {
             question: clip(question.to_owned()),
-            checkpoint_id: checkpoint_id.to_owned(),
+            checkpoint_id: checkpoint.map(ToString::to_string).unwrap_or_default(),
             consumed_inputs,
         };
         self.call("ReportWaiting", |mut c| {

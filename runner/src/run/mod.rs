@@ -52,6 +52,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cairn_proto::domain::CheckpointReason;
+use cairn_proto::ids::{CheckpointId, Generation, WorkspaceId};
 use cairn_proto::pb::{self, AttemptPhase};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -159,6 +160,20 @@ pub async fn run(
         resume = %spec.resume_session_id,
         "attempt claimed"
     );
+    let workspace_id = match spec.workspace_id.parse::<WorkspaceId>() {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::error!(error = %e, "the attempt names no valid workspace");
+            control
+                .outcome(pb::ReportOutcomeRequest {
+                    outcome: pb::Outcome::Failed as i32,
+                    error: format!("the attempt names no valid workspace: {e}"),
+                    ..Default::default()
+                })
+                .await?;
+            return Ok(Finished::Failed);
+        }
+    };
     let harness_spec = spec.harness.clone().unwrap_or_default();
     let harness = match harness::from_spec(&harness_spec, &options.root) {
         Ok(harness) => harness,
@@ -177,8 +192,8 @@ pub async fn run(
     let mut excludes: Vec<String> = ALWAYS_EXCLUDED.iter().map(|p| p.to_string()).collect();
     excludes.extend(harness.excludes());
     let store = stores(StoreTarget {
-        workspace_id: spec.workspace_id.clone(),
-        generation: spec.generation,
+        workspace_id,
+        generation: Generation(spec.generation),
         excludes,
         limits: spec.checkpoint_limits.map(Into::into).unwrap_or_default(),
     });
@@ -193,7 +208,7 @@ pub async fn run(
         reported_session: None,
         heard: BTreeSet::new(),
         baseline: None,
-        last_checkpoint: String::new(),
+        last_checkpoint: None,
         harness_started: false,
         cloned: BTreeSet::new(),
         start_heads: handoff::Heads::default(),
@@ -259,7 +274,7 @@ struct Attempt {
     heard: BTreeSet<u64>,
     /// The last checkpoint restored or committed, to compare with.
     baseline: Option<Baseline>,
-    last_checkpoint: String,
+    last_checkpoint: Option<CheckpointId>,
     harness_started: bool,
     /// Repositories this attempt cloned (nothing to fast-forward).
     cloned: BTreeSet<String>,
@@ -297,7 +312,7 @@ impl Attempt {
         };
         for line in started {
             self.control
-                .progress(AttemptPhase::Preparing, line, "")
+                .progress(AttemptPhase::Preparing, line, None)
                 .await?;
         }
         let finished = self.converse().await;
@@ -340,9 +355,9 @@ impl Attempt {
                     checkpoint_id: id.clone(),
                     root_tree,
                 });
-                self.last_checkpoint = id.clone();
+                self.last_checkpoint = Some(id.clone());
                 self.control
-                    .progress(AttemptPhase::Restoring, summary, id)
+                    .progress(AttemptPhase::Restoring, summary, Some(&id))
                     .await?;
             }
             Ok(Restored::NoCheckpoint) => {
@@ -369,7 +384,7 @@ impl Attempt {
                         .progress(
                             AttemptPhase::Preparing,
                             "workspace has no checkpoint: started empty",
-                            "",
+                            None,
                         )
                         .await?;
                 }
@@ -385,7 +400,7 @@ impl Attempt {
                                 self.cloned.insert(done.name);
                             }
                             self.control
-                                .progress(AttemptPhase::Preparing, done.said, "")
+                                .progress(AttemptPhase::Preparing, done.said, None)
                                 .await?;
                         }
                         Err(e) => return Ok(Prepared::Failed(e.to_string())),
@@ -425,7 +440,7 @@ impl Attempt {
         if let Some(line) = cleared.describe() {
             tracing::info!("{line}");
             self.control
-                .progress(AttemptPhase::Preparing, line, "")
+                .progress(AttemptPhase::Preparing, line, None)
                 .await?;
         }
         // Laying creates no checkout (no laid path is in a `.git`): one look
@@ -438,7 +453,7 @@ impl Attempt {
         };
         for line in lines {
             self.control
-                .progress(AttemptPhase::Preparing, line, "")
+                .progress(AttemptPhase::Preparing, line, None)
                 .await?;
         }
         let (station, run_id) = (self.spec.station.clone(), self.spec.run_id.clone());
@@ -451,7 +466,7 @@ impl Attempt {
             Ok(Ok(Some(line))) => {
                 tracing::info!("{line}");
                 self.control
-                    .progress(AttemptPhase::Preparing, line, "")
+                    .progress(AttemptPhase::Preparing, line, None)
                     .await?;
             }
             Ok(Ok(None)) => {}
@@ -499,7 +514,7 @@ impl Attempt {
                                  handoff briefing (lossy handoff)",
                                 self.harness.name()
                             ),
-                            "",
+                            None,
                         )
                         .await?;
                     self.session = None;
@@ -518,12 +533,12 @@ impl Attempt {
                 TurnEnd::Asked(asked) => {
                     tracing::info!(question = %asked, "the agent asks a person");
                     let checkpoint = match self.checkpoint(CheckpointReason::Pause).await? {
-                        Cut::Committed(checkpoint) => checkpoint.id,
+                        Cut::Committed(checkpoint) => Some(checkpoint.id),
                         Cut::Failed(_) => self.last_checkpoint.clone(),
                     };
                     let held = self
                         .control
-                        .waiting(&asked, &checkpoint, self.heard())
+                        .waiting(&asked, checkpoint.as_ref(), self.heard())
                         .await?;
                     tracing::info!(hold_until = ?held.hold_until, "waiting for an answer");
                     let Some(inputs) = self.wait_for_answers().await? else {
@@ -539,7 +554,7 @@ impl Attempt {
                         }
                     };
                     self.control
-                        .progress(AttemptPhase::Running, detail, "")
+                        .progress(AttemptPhase::Running, detail, None)
                         .await?;
                     question = Some(asked);
                 }
@@ -692,7 +707,7 @@ impl Attempt {
         tracing::info!(pgid = running.pgid(), "{detail}");
         let driven = match self
             .control
-            .progress(AttemptPhase::Running, detail, "")
+            .progress(AttemptPhase::Running, detail, None)
             .await
         {
             Ok(()) => self.drive(&mut running, &mut events, turn, &cwd).await,
@@ -816,6 +831,7 @@ impl Attempt {
             harness: self.harness_session(),
             unless_unchanged: request.if_changed.then(|| self.baseline.clone()).flatten(),
         };
+        let checkpoint_request_baseline = checkpoint_request.unless_unchanged.clone();
         let (store, shutdown) = (self.store.clone(), self.shutdown.clone());
         let result = tokio::select! {
             result = store.checkpoint(checkpoint_request) => result,
@@ -835,8 +851,10 @@ impl Attempt {
                 Ok(())
             }
             Ok(None) => {
+                let baseline = checkpoint_request_baseline
+                    .expect("only a checkpoint with a baseline is left uncommitted");
                 answer(Response::unchanged(Unchanged {
-                    unchanged_since: self.last_checkpoint.clone(),
+                    unchanged_since: baseline.checkpoint_id,
                     duration_ms: started.elapsed().as_millis() as u64,
                 }));
                 Ok(())
@@ -938,12 +956,12 @@ impl Attempt {
     async fn committed(&mut self, checkpoint: &Checkpointed) -> Result<(), RunError> {
         tracing::info!(checkpoint = %checkpoint.id, "{}", checkpoint.summary);
         self.baseline = Some(checkpoint.baseline());
-        self.last_checkpoint = checkpoint.id.clone();
+        self.last_checkpoint = Some(checkpoint.id.clone());
         self.control
             .progress(
                 AttemptPhase::Checkpointed,
                 checkpoint.summary.clone(),
-                checkpoint.id.clone(),
+                Some(&checkpoint.id),
             )
             .await?;
         Ok(())
@@ -1053,7 +1071,7 @@ impl Attempt {
         {
             error = format!("the destroy checkpoint failed: {reason}");
         }
-        tracing::info!(checkpoint = %self.last_checkpoint, "interrupted");
+        tracing::info!(checkpoint = ?self.last_checkpoint, "interrupted");
         let note = if self.harness_started {
             Some(self.handoff_note(&handoff::Ending::Interrupted).await)
         } else {
@@ -1065,11 +1083,9 @@ impl Attempt {
     }
 
     fn last_checkpoint_or_none(&self) -> &str {
-        if self.last_checkpoint.is_empty() {
-            "(none)"
-        } else {
-            &self.last_checkpoint
-        }
+        self.last_checkpoint
+            .as_ref()
+            .map_or("(none)", CheckpointId::as_str)
     }
 
     /// The run's handoff note: the agent's words where it gave them, the
@@ -1091,7 +1107,11 @@ impl Attempt {
                 outcome: outcome as i32,
                 summary,
                 error,
-                checkpoint_id: self.last_checkpoint.clone(),
+                checkpoint_id: self
+                    .last_checkpoint
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
                 consumed_inputs: self.heard(),
                 handoff,
             })

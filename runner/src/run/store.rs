@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cairn_proto::domain::CheckpointReason;
-use cairn_proto::ids::BlobId;
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::size::human_bytes;
 use futures::future::BoxFuture;
@@ -26,7 +26,7 @@ use cairn_engine::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 pub enum Restored {
     /// A checkpoint was restored.
     Checkpoint {
-        id: String,
+        id: CheckpointId,
         /// Its root tree, when the record carried a well-formed one.
         root_tree: Option<BlobId>,
         /// What the restore did, in one line.
@@ -48,7 +48,7 @@ pub struct CheckpointRequest {
 /// A committed checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Checkpointed {
-    pub id: String,
+    pub id: CheckpointId,
     pub root_tree: BlobId,
     /// Sizes and times in one line, for the run's timeline.
     pub summary: String,
@@ -118,8 +118,8 @@ pub trait WorkspaceStore: Send + Sync {
 /// What a store is for: one attempt's workspace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreTarget {
-    pub workspace_id: String,
-    pub generation: u64,
+    pub workspace_id: WorkspaceId,
+    pub generation: Generation,
     /// Gitignore-style patterns (relative to the root) never checkpointed.
     pub excludes: Vec<String>,
     /// The run's own limits on each checkpoint (AttemptSpec.checkpoint_limits).
@@ -177,13 +177,13 @@ impl RemoteStore {
         CheckpointOptions {
             coordinator: self.coordinator.clone(),
             token: Some(self.token.clone()),
-            workspace: self.target.workspace_id.clone(),
+            workspace: self.target.workspace_id.to_string(),
             root: self.root.clone(),
             reason,
             cache_dir: self.cache_dir.clone(),
             skip_ignored: false,
             excludes: self.target.excludes.clone(),
-            generation: self.target.generation,
+            generation: Some(self.target.generation),
             harness,
             limits: self.limits.stricter(self.target.limits),
             resident: Some(self.resident().await),
@@ -231,7 +231,7 @@ impl WorkspaceStore for RemoteStore {
                         .await;
                     }
                     Ok(Restored::Checkpoint {
-                        id: report.checkpoint_id.to_string(),
+                        id: report.checkpoint_id.clone(),
                         root_tree: BlobId::from_slice(&report.checkpoint.root_tree).ok(),
                         summary: crate::report::restore_summary(&report, &root)
                             .replace("\n  ", "; "),

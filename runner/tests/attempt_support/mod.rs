@@ -259,6 +259,14 @@ pub async fn serve(fake: &FakeRunnerService) -> Control {
 }
 
 /// A checkpoint the store took: the reason and the workspace's files then.
+/// The workspace every attempt of the fake coordinator names.
+pub const WORKSPACE_ID: &str = "ws-00000000000000000000000001";
+
+/// The id the store double gives its `n`th checkpoint (from 1).
+pub fn checkpoint_id(n: usize) -> String {
+    format!("ck-{n:026}")
+}
+
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub id: String,
@@ -345,7 +353,7 @@ impl SnapshotStore {
             .unwrap()
             .targets
             .iter()
-            .map(|t| t.generation)
+            .map(|t| t.generation.0)
             .collect()
     }
 
@@ -384,7 +392,7 @@ impl WorkspaceStore for SnapshotStore {
                 fs::write(full, content).unwrap();
             }
             Ok(Restored::Checkpoint {
-                id: newest.id.clone(),
+                id: newest.id.parse().unwrap(),
                 root_tree: Some(digest(&newest.files)),
                 summary: format!("restored checkpoint {}", newest.id),
             })
@@ -420,13 +428,13 @@ impl WorkspaceStore for SnapshotStore {
                 checkpoint_id,
                 root_tree: before,
             }) = &request.unless_unchanged
-                && *checkpoint_id == newest
+                && checkpoint_id.as_str() == newest
                 && *before == root_tree
             {
                 state.skipped += 1;
                 return Ok(None);
             }
-            let id = format!("ck-{}", state.committed.len() + 1);
+            let id = checkpoint_id(state.committed.len() + 1);
             state.committed.push(Snapshot {
                 id: id.clone(),
                 reason: request.reason,
@@ -434,12 +442,12 @@ impl WorkspaceStore for SnapshotStore {
                 files,
             });
             Ok(Some(Checkpointed {
-                id: id.clone(),
+                id: id.parse().unwrap(),
                 root_tree,
                 summary: format!("{} checkpoint {id}", request.reason),
                 report: serde_json::json!({
                     "checkpoint_id": id,
-                    "workspace_id": "ws-1",
+                    "workspace_id": WORKSPACE_ID,
                     "reason": request.reason.to_string(),
                 }),
             }))
@@ -513,7 +521,7 @@ impl Harnessed {
             run_id: "run-1".into(),
             attempt,
             generation: u64::from(attempt),
-            workspace_id: "ws-1".into(),
+            workspace_id: WORKSPACE_ID.into(),
             station: "default".into(),
             harness: Some(harness),
             prompt: prompt.into(),

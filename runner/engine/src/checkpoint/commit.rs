@@ -148,8 +148,12 @@ pub(crate) async fn commit(
     );
     let request = pb::CommitCheckpointRequest {
         workspace: session.workspace_id.to_string(),
-        generation: session.generation,
-        parent_checkpoint_id: session.parent.clone(),
+        generation: session.generation.0,
+        parent_checkpoint_id: session
+            .parent
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
         reason: pb::CheckpointReason::from(opts.reason) as i32,
         format_version: FORMAT_VERSION,
         root_tree: trees.root.as_bytes().to_vec(),
@@ -172,7 +176,7 @@ pub(crate) async fn commit(
     tracing::debug!(checkpoint = %committed.id, sequence = committed.sequence, elapsed_ms = ms(), "checkpoint committed");
     Ok(CheckpointReport {
         checkpoint_id: committed.id,
-        workspace_id: session.workspace_id.to_string(),
+        workspace_id: session.workspace_id.clone(),
         sequence: committed.sequence,
         reason: opts.reason,
         stats,

@@ -70,7 +70,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cairn_proto::domain::CheckpointReason;
-use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::refusal::Refusal;
 
@@ -109,8 +109,8 @@ pub struct CheckpointOptions {
     pub skip_ignored: bool,
     /// Gitignore-style patterns relative to the root.
     pub excludes: Vec<String>,
-    /// The attempt's generation; 0 checkpoints at the workspace's current one.
-    pub generation: u64,
+    /// The attempt's generation (None: the workspace's current one).
+    pub generation: Option<Generation>,
     /// The harness session the checkpoint belongs to, if any.
     pub harness: Option<pb::HarnessSession>,
     /// What one checkpoint may hold; files above are left out, with warnings.
@@ -181,8 +181,8 @@ impl From<&Stats> for pb::CheckpointStats {
 /// A committed checkpoint (the JSON output of `cairn-runner checkpoint`).
 #[derive(Debug, Clone, Serialize)]
 pub struct CheckpointReport {
-    pub checkpoint_id: String,
-    pub workspace_id: String,
+    pub checkpoint_id: CheckpointId,
+    pub workspace_id: WorkspaceId,
     pub sequence: u64,
     pub reason: CheckpointReason,
     pub stats: Stats,
@@ -196,7 +196,7 @@ pub struct CheckpointReport {
 /// A committed checkpoint that a later one is compared with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Baseline {
-    pub checkpoint_id: String,
+    pub checkpoint_id: CheckpointId,
     pub root_tree: BlobId,
 }
 
@@ -407,11 +407,11 @@ impl<R: Recall> Cut<'_, R> {
             repos,
         } = walk::walk(recall, walking).await?;
         if let Some(baseline) = baseline
-            && baseline.checkpoint_id == session.parent
+            && session.parent.as_ref() == Some(&baseline.checkpoint_id)
             && recall.cut_from(baseline, &walk)
         {
             // The very walk the newest checkpoint was cut from: nothing to read.
-            tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
+            tracing::debug!(parent = ?session.parent, elapsed_ms = ms(), "no change since the last checkpoint; nothing committed");
             return Ok(None);
         }
         let repos = repos.follow(recall, &walk).await;
@@ -461,10 +461,10 @@ impl<R: Recall> Cut<'_, R> {
             memo,
         };
         if let Some(baseline) = baseline
-            && baseline.checkpoint_id == session.parent
+            && session.parent.as_ref() == Some(&baseline.checkpoint_id)
             && baseline.root_tree == trees.root
         {
-            tracing::debug!(parent = %session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
+            tracing::debug!(parent = ?session.parent, elapsed_ms = ms(), "workspace unchanged; nothing committed");
             recall.unchanged(baseline.clone(), learned).await;
             return Ok(None);
         }
@@ -567,7 +567,7 @@ pub async fn newest_checkpoint(
         .map_err(|e| bad("workspace id", &e))?;
     Ok(Some(Newest {
         baseline: Baseline {
-            checkpoint_id: newest.id,
+            checkpoint_id: newest.id.parse().map_err(|e| bad("id", &e))?,
             root_tree,
         },
         workspace_id,

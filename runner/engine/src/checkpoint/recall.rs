@@ -17,10 +17,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cairn_proto::ids::WorkspaceId;
-use cairn_proto::pb;
 
 use super::learn::Learned;
 use super::memo::Memo;
+use super::remote::Committed;
 use super::{Baseline, CheckpointError};
 use crate::cache::Cache;
 use crate::client::{ConnectError, CoordinatorClient};
@@ -84,9 +84,9 @@ pub(crate) trait Recall: Clone + Send + Sync + 'static {
     /// written, beside the commit or after it, is the provider's choice.
     async fn commit(
         &self,
-        committing: impl Future<Output = Result<pb::Checkpoint, CheckpointError>> + Send,
+        committing: impl Future<Output = Result<Committed, CheckpointError>> + Send,
         learned: Learned,
-    ) -> Result<pb::Checkpoint, CheckpointError>;
+    ) -> Result<Committed, CheckpointError>;
 }
 
 /// How the walk hands the repositories it finds to the git reader.
@@ -169,9 +169,9 @@ impl Recall for OneShot {
     /// what this checkpoint read and where its blobs are, all known now.
     async fn commit(
         &self,
-        committing: impl Future<Output = Result<pb::Checkpoint, CheckpointError>> + Send,
+        committing: impl Future<Output = Result<Committed, CheckpointError>> + Send,
         learned: Learned,
-    ) -> Result<pb::Checkpoint, CheckpointError> {
+    ) -> Result<Committed, CheckpointError> {
         let cache_path = learned.cache.path().to_path_buf();
         let saving = tokio::task::spawn_blocking(move || learned.save_cache());
         match committing.await {

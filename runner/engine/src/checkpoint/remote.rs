@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
+use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
 use cairn_proto::pb;
 use tonic::Code;
 
@@ -73,21 +73,30 @@ pub(super) struct Session {
     pub client: CheckpointClient,
     pub workspace_id: WorkspaceId,
     pub keys: std::sync::Arc<TenantKeys>,
-    pub generation: u64,
-    pub parent: String,
+    pub generation: Generation,
+    /// The workspace's newest checkpoint, which this one follows (None: the first).
+    pub parent: Option<CheckpointId>,
     pub find_batch: usize,
+}
+
+/// A checkpoint the coordinator recorded.
+#[derive(Debug, Clone)]
+pub(crate) struct Committed {
+    pub id: CheckpointId,
+    pub sequence: u64,
 }
 
 impl Session {
     pub async fn begin(
         coordinator: &CoordinatorClient,
         workspace: &str,
-        generation: u64,
+        generation: Option<Generation>,
     ) -> Result<Self, CheckpointError> {
         let client = coordinator.checkpoints.clone();
         let request = pb::BeginCheckpointRequest {
             workspace: workspace.to_owned(),
-            generation,
+            // 0 asks for the workspace's current generation.
+            generation: generation.map_or(0, |g| g.0),
         };
         let begun = call("BeginCheckpoint", || {
             let mut client = client.clone();
@@ -114,6 +123,10 @@ impl Session {
             return Err(bad("the tenant key has no id".into()));
         }
         let keys = TenantKeys::derive(key.key_id, &key.secret).map_err(|e| bad(e.to_string()))?;
+        let parent = match begun.parent_checkpoint_id.as_str() {
+            "" => None,
+            id => Some(id.parse().map_err(|e| bad(format!("parent: {e}")))?),
+        };
         let find_batch = match begun.max_find_batch {
             0 => DEFAULT_FIND_BATCH,
             n => n as usize,
@@ -122,8 +135,8 @@ impl Session {
             client,
             workspace_id,
             keys: std::sync::Arc::new(keys),
-            generation: begun.generation,
-            parent: begun.parent_checkpoint_id,
+            generation: Generation(begun.generation),
+            parent,
             find_batch,
         })
     }
@@ -211,11 +224,22 @@ pub(super) async fn prepare_upload(
 pub(super) async fn commit(
     client: &CheckpointClient,
     request: pb::CommitCheckpointRequest,
-) -> Result<pb::Checkpoint, CheckpointError> {
-    call("CommitCheckpoint", || {
+) -> Result<Committed, CheckpointError> {
+    let committed = call("CommitCheckpoint", || {
         let mut client = client.clone();
         let request = request.clone();
         async move { client.commit_checkpoint(request).await }
     })
-    .await
+    .await?;
+    let id = committed
+        .id
+        .parse()
+        .map_err(|e| CheckpointError::BadResponse {
+            call: "CommitCheckpoint",
+            reason: format!("{e}"),
+        })?;
+    Ok(Committed {
+        id,
+        sequence: committed.sequence,
+    })
 }

@@ -25,12 +25,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cairn_proto::ids::WorkspaceId;
-use cairn_proto::pb;
 use tokio::task::JoinHandle;
 
 use super::learn::Learned;
 use super::memo::Memo;
 use super::recall::{Known, OneShot, Recall, RepoReading};
+use super::remote::Committed;
 use super::{Baseline, CheckpointError};
 use crate::cache::Cache;
 use crate::client::{ConnectError, CoordinatorClient};
@@ -392,9 +392,9 @@ impl Recall for Arc<Resident> {
     /// the commit the agent waits for.
     async fn commit(
         &self,
-        committing: impl Future<Output = Result<pb::Checkpoint, CheckpointError>> + Send,
+        committing: impl Future<Output = Result<Committed, CheckpointError>> + Send,
         learned: Learned,
-    ) -> Result<pb::Checkpoint, CheckpointError> {
+    ) -> Result<Committed, CheckpointError> {
         let committed = match committing.await {
             Ok(committed) => committed,
             Err(e) => {
