@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_proto::auth::BearerInterceptor;
+use cairn_proto::ids::Generation;
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_proto::runs::{HostState, SandboxState, from_proto_duration};
@@ -471,7 +472,7 @@ impl<D: Driver> Agent<D> {
             sandbox_id: id.to_owned(),
             run_id: assignment.run_id.clone(),
             attempt: assignment.attempt,
-            generation: assignment.generation,
+            generation: Generation(assignment.generation),
             workspace_id: assignment.workspace_id.clone(),
             image: Some(assignment.image.clone())
                 .filter(|i| !i.is_empty())
@@ -697,7 +698,7 @@ impl<D: Driver> Agent<D> {
                     sandbox_id: id.to_owned(),
                     run_id: String::new(),
                     attempt: 0,
-                    generation: 0,
+                    generation: Generation::default(),
                     workspace_id: String::new(),
                     image: String::new(),
                     driver: self.driver.kind().to_owned(),

@@ -106,7 +106,7 @@ pub enum Keeping {
 /// A kept tree's record, written last into its directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct KeptRecord {
-    workspace_id: String,
+    workspace_id: WorkspaceId,
     /// Disk use of the tree (allocated blocks).
     bytes: u64,
     /// Nanoseconds since the epoch when it was kept.
@@ -185,7 +185,7 @@ impl KeptWorkspaces {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let staging = self.dir.join(format!("{STAGING_PREFIX}{sandbox_id}"));
         let record = KeptRecord {
-            workspace_id: workspace.to_string(),
+            workspace_id: workspace.clone(),
             bytes,
             kept_at_ns: unix_now_ns(),
         };
@@ -246,7 +246,7 @@ impl KeptWorkspaces {
                 return Ok(None);
             }
         };
-        if record.workspace_id != workspace.as_str() || self.expired(&record) {
+        if record.workspace_id != *workspace || self.expired(&record) {
             layout::remove_tree(&entry)?;
             return Ok(None);
         }
@@ -299,7 +299,7 @@ impl KeptWorkspaces {
         // Oldest first; the tree just kept goes last, whatever its clock says.
         entries.sort_by_key(|(_, record)| {
             (
-                newest.is_some_and(|w| w.as_str() == record.workspace_id),
+                newest.is_some_and(|w| *w == record.workspace_id),
                 record.kept_at_ns,
             )
         });

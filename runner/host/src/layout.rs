@@ -30,6 +30,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use cairn_proto::ids::Generation;
 use cairn_proto::runs::SandboxState;
 use serde::{Deserialize, Serialize};
 
@@ -74,9 +75,12 @@ impl std::fmt::Debug for HostCredential {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub sandbox_id: String,
+    /// The run and workspace as the assignment named them (empty for a
+    /// destroy order of a sandbox this host never knew). The host only
+    /// passes them on; where it acts on one (keeping a tree) it parses it.
     pub run_id: String,
     pub attempt: u32,
-    pub generation: u64,
+    pub generation: Generation,
     pub workspace_id: String,
     /// The image the sandbox was started from (after `--default-image`).
     pub image: String,
@@ -521,7 +525,7 @@ mod tests {
             sandbox_id: "sbx-r-a1".into(),
             run_id: "run-r".into(),
             attempt: 1,
-            generation: 7,
+            generation: Generation(7),
             workspace_id: "ws-1".into(),
             image: String::new(),
             driver: "local".into(),
