@@ -104,7 +104,7 @@ impl WorkspaceArgs {
         self.cache_dir.clone().unwrap_or_else(default_cache_dir)
     }
 
-    pub fn limits(&self) -> cairn_engine::checkpoint::Limits {
+    pub fn limits(&self) -> cairn_proto::runs::CheckpointLimits {
         self.limits.limits()
     }
 
@@ -146,8 +146,8 @@ pub struct LimitArgs {
 }
 
 impl LimitArgs {
-    pub fn limits(&self) -> cairn_engine::checkpoint::Limits {
-        cairn_engine::checkpoint::Limits {
+    pub fn limits(&self) -> cairn_proto::runs::CheckpointLimits {
+        cairn_proto::runs::CheckpointLimits {
             max_file_bytes: self.max_file_size,
             max_total_bytes: self.max_total_size,
         }

@@ -123,7 +123,7 @@ pub struct StoreTarget {
     /// Gitignore-style patterns (relative to the root) never checkpointed.
     pub excludes: Vec<String>,
     /// The run's own limits on each checkpoint (AttemptSpec.checkpoint_limits).
-    pub limits: checkpoint::Limits,
+    pub limits: cairn_proto::runs::CheckpointLimits,
 }
 
 /// The checkpoint engine against the coordinator.
@@ -138,7 +138,7 @@ pub struct RemoteStore {
     pub target: StoreTarget,
     /// What one checkpoint may hold, by the runner's own flags; the run's
     /// limits ([`StoreTarget::limits`]) can only tighten them.
-    pub limits: checkpoint::Limits,
+    pub limits: cairn_proto::runs::CheckpointLimits,
     /// Made by the first checkpoint (after the restore, whose writes the
     /// change tracker need not see) and kept for the later ones.
     pub resident: Arc<tokio::sync::OnceCell<Arc<Resident>>>,

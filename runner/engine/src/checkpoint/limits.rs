@@ -21,9 +21,7 @@ use cairn_proto::size::human_bytes;
 
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel};
 
-/// What one checkpoint may hold; the run's limits and the runner's own,
-/// combined by [`Limits::stricter`].
-pub use cairn_proto::runs::CheckpointLimits as Limits;
+use cairn_proto::runs::CheckpointLimits;
 
 /// One regular file of the walk (its path is only made when it is named).
 struct Candidate {
@@ -43,7 +41,7 @@ impl Candidate {
 /// `scan` without the files the limits leave out, and one warning per file
 /// left out (or kept above a limit). The same walk, shared, when nothing is
 /// left out; otherwise only the listings that lost a file are copied.
-pub fn apply(scan: Arc<Scan>, limits: &Limits) -> (Arc<Scan>, Vec<String>) {
+pub fn apply(scan: Arc<Scan>, limits: &CheckpointLimits) -> (Arc<Scan>, Vec<String>) {
     if limits.is_unlimited() {
         return (scan, Vec::new());
     }
@@ -223,7 +221,7 @@ mod tests {
     fn no_limits_share_the_walk_and_say_nothing() {
         let tmp = workspace();
         let scan = walk(tmp.path());
-        let (limited, warnings) = apply(scan.clone(), &Limits::default());
+        let (limited, warnings) = apply(scan.clone(), &CheckpointLimits::default());
         assert!(Arc::ptr_eq(&scan, &limited));
         assert!(warnings.is_empty());
     }
@@ -231,7 +229,7 @@ mod tests {
     #[test]
     fn a_file_above_the_per_file_limit_is_left_out_and_named() {
         let tmp = workspace();
-        let limits = Limits {
+        let limits = CheckpointLimits {
             max_file_bytes: Some(60_000),
             max_total_bytes: None,
         };
@@ -268,7 +266,7 @@ mod tests {
         let tmp = workspace();
         // Ordinary files come to 132,010 bytes; the repository's and the
         // conversation's 210,000 do not count.
-        let limits = Limits {
+        let limits = CheckpointLimits {
             max_file_bytes: None,
             max_total_bytes: Some(60_000),
         };
@@ -282,7 +280,7 @@ mod tests {
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].contains("the checkpoint would exceed its limit"));
 
-        let limits = Limits {
+        let limits = CheckpointLimits {
             max_file_bytes: None,
             max_total_bytes: Some(2_010),
         };

@@ -73,6 +73,7 @@ use cairn_proto::domain::CheckpointReason;
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::refusal::Refusal;
+use cairn_proto::runs::CheckpointLimits;
 
 use serde::Serialize;
 use tonic::Code;
@@ -89,7 +90,6 @@ use crate::failpoint::FailpointError;
 use crate::git::RepoState;
 use crate::scan::{self, ScanError, ScanOptions};
 
-pub use self::limits::Limits;
 pub use self::resident::Resident;
 use crate::transfer::TransferError;
 
@@ -114,7 +114,7 @@ pub struct CheckpointOptions {
     /// The harness session the checkpoint belongs to, if any.
     pub harness: Option<pb::HarnessSession>,
     /// What one checkpoint may hold; files above are left out, with warnings.
-    pub limits: Limits,
+    pub limits: CheckpointLimits,
     /// What a resident runner keeps between checkpoints (None: every
     /// checkpoint walks the whole workspace and loads the cache from disk).
     pub resident: Option<Arc<Resident>>,
