@@ -12,7 +12,7 @@
 //! would leave its fingerprint as it was. Git loose objects and packs are
 //! named by what they hold and never written in place, so they are
 //! remembered as soon as they are read. A loose object whose times git moved
-//! ("freshened") is still known by its inode and size ([`Cache::lookup`]).
+//! ("freshened") is still known by its inode and size ([`FingerprintCache::lookup`]).
 //!
 //! The cache is only an accelerator. A missing, corrupt or foreign cache file
 //! (another tenant key, another format) loads as empty and the next
@@ -134,7 +134,7 @@ pub struct CachedFile {
     pub git: Option<GitStored>,
 }
 
-/// One file of the cache, as [`Cache::save_with_files`] writes it.
+/// One file of the cache, as [`FingerprintCache::save_with_files`] writes it.
 #[derive(Debug, Clone, Copy)]
 pub struct FileRecord<'a> {
     pub path: &'a [u8],
@@ -145,7 +145,7 @@ pub struct FileRecord<'a> {
 
 /// The per-workspace fingerprint cache.
 #[derive(Debug)]
-pub struct Cache {
+pub struct FingerprintCache {
     path: PathBuf,
     key_id: String,
     files: FastMap<Vec<u8>, CachedFile>,
@@ -154,7 +154,7 @@ pub struct Cache {
     blobs: FastMap<BlobId, u32>,
 }
 
-impl Cache {
+impl FingerprintCache {
     /// Where the cache of `workspace` lives under `cache_dir`.
     pub fn path_for(cache_dir: &Path, workspace: &WorkspaceId) -> PathBuf {
         cache_dir.join(format!("{workspace}.fpcache"))
@@ -500,7 +500,7 @@ mod tests {
     fn a_saved_cache_loads_back_and_matches_only_identical_fingerprints() {
         let dir = tempfile::tempdir().unwrap();
         let ws = WorkspaceId::generate();
-        let mut cache = Cache::load(dir.path(), &ws, "k1");
+        let mut cache = FingerprintCache::load(dir.path(), &ws, "k1");
         let pack: PackId = "ab".repeat(32).parse().unwrap();
         let chunk = ChunkRef {
             id: BlobId([4; 32]),
@@ -532,7 +532,7 @@ mod tests {
         cache.insert_file(b".git/objects/ab/cd".to_vec(), loose.clone());
         cache.save().unwrap();
 
-        let loaded = Cache::load(dir.path(), &ws, "k1");
+        let loaded = FingerprintCache::load(dir.path(), &ws, "k1");
         assert_eq!(
             loaded.lookup(b"src/a.rs", &fp(42)).map(|f| &f.chunks[..]),
             Some(&[chunk][..])
@@ -549,7 +549,7 @@ mod tests {
         );
         assert_eq!(loaded.blob_pack(&chunk.id), Some(&pack));
 
-        let foreign = Cache::load(dir.path(), &ws, "another-key");
+        let foreign = FingerprintCache::load(dir.path(), &ws, "another-key");
         assert_eq!(
             foreign.file_count(),
             0,
@@ -561,11 +561,18 @@ mod tests {
     fn a_corrupt_cache_file_loads_as_empty() {
         let dir = tempfile::tempdir().unwrap();
         let ws = WorkspaceId::generate();
-        std::fs::write(Cache::path_for(dir.path(), &ws), b"CFPC\x02garbage").unwrap();
-        assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 0);
+        std::fs::write(
+            FingerprintCache::path_for(dir.path(), &ws),
+            b"CFPC\x02garbage",
+        )
+        .unwrap();
+        assert_eq!(
+            FingerprintCache::load(dir.path(), &ws, "k1").file_count(),
+            0
+        );
 
         // A saved cache with a few bytes changed (a torn write) is not trusted.
-        let mut cache = Cache::load(dir.path(), &ws, "k1");
+        let mut cache = FingerprintCache::load(dir.path(), &ws, "k1");
         for i in 0..3u8 {
             cache.insert_file(
                 vec![b'f', i],
@@ -581,15 +588,21 @@ mod tests {
             );
         }
         cache.save().unwrap();
-        assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 3);
-        let path = Cache::path_for(dir.path(), &ws);
+        assert_eq!(
+            FingerprintCache::load(dir.path(), &ws, "k1").file_count(),
+            3
+        );
+        let path = FingerprintCache::path_for(dir.path(), &ws);
         let mut bytes = std::fs::read(&path).unwrap();
         let middle = bytes.len() / 2;
         for b in &mut bytes[middle..middle + 4] {
             *b ^= 0x5a;
         }
         std::fs::write(&path, bytes).unwrap();
-        assert_eq!(Cache::load(dir.path(), &ws, "k1").file_count(), 0);
+        assert_eq!(
+            FingerprintCache::load(dir.path(), &ws, "k1").file_count(),
+            0
+        );
     }
 
     #[test]

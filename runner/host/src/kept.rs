@@ -162,7 +162,8 @@ impl KeptWorkspaces {
         // Only a tree the runner restored or checkpointed: it left its
         // fingerprint cache, and the workspace has a checkpoint to restore
         // onto the tree.
-        let fingerprints = cairn_engine::cache::Cache::path_for(&sandbox.cache, workspace);
+        let fingerprints =
+            cairn_engine::cache::FingerprintCache::path_for(&sandbox.cache, workspace);
         if !fingerprints.is_file() {
             return Ok(Keeping::Passed(
                 "its runner restored and checkpointed nothing".to_owned(),
@@ -432,7 +433,7 @@ mod tests {
         }
         if checkpointed {
             fs::write(
-                cairn_engine::cache::Cache::path_for(&paths.cache, workspace),
+                cairn_engine::cache::FingerprintCache::path_for(&paths.cache, workspace),
                 "x",
             )
             .unwrap();
@@ -489,7 +490,7 @@ mod tests {
             Some("fn main() { 2 }"),
             "the newer tree replaced the older one"
         );
-        assert!(cairn_engine::cache::Cache::path_for(&next.cache, &a).is_file());
+        assert!(cairn_engine::cache::FingerprintCache::path_for(&next.cache, &a).is_file());
         let again = host.layout.create_sandbox_dirs("sbx-4").unwrap();
         assert_eq!(host.kept.take(&a, &again).unwrap(), None, "taken once");
     }
@@ -577,7 +578,7 @@ mod tests {
         let strict = KeptWorkspaces::open(host.kept.dir().join("../kept-strict"), tiny).unwrap();
         fs::write(small.workspace.join("f"), "x").unwrap();
         fs::write(
-            cairn_engine::cache::Cache::path_for(&small.cache, &ids[0]),
+            cairn_engine::cache::FingerprintCache::path_for(&small.cache, &ids[0]),
             "x",
         )
         .unwrap();

@@ -16,7 +16,7 @@ use super::recall::Recall;
 use super::remote::{self, Session};
 use super::trees::Trees;
 use super::{CheckpointError, CheckpointOptions, CheckpointReport, Stats};
-use crate::cache::{Cache, FastMap, FastSet};
+use crate::cache::{FastMap, FastSet, FingerprintCache};
 use crate::failpoint;
 use crate::format::FORMAT_VERSION;
 use crate::git::RepoState;
@@ -42,7 +42,7 @@ pub(crate) fn place(
     content: &Content,
     trees: &Trees,
     located: &FastMap<BlobId, PackId>,
-    cache: &Cache,
+    cache: &FingerprintCache,
     memo: Option<&Memo>,
 ) -> Result<Placed, CheckpointError> {
     let mut per_dir = Vec::with_capacity(scan.dirs.len());

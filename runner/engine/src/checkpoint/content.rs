@@ -32,7 +32,7 @@ use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId};
 use rayon::prelude::*;
 
-use crate::cache::{Cache, CachedFile, Fingerprint};
+use crate::cache::{CachedFile, Fingerprint, FingerprintCache};
 use crate::chunker;
 use crate::format::{ChunkRef, TenantKeys};
 use crate::gitobj::{self, GitStored};
@@ -100,7 +100,7 @@ pub struct Cancelled;
 pub(crate) struct Reading {
     /// The walk, as the limits left it.
     pub scan: Arc<Scan>,
-    pub cache: Arc<Cache>,
+    pub cache: Arc<FingerprintCache>,
     pub memo: Option<Arc<Memo>>,
     pub keys: Arc<TenantKeys>,
     /// The git trees the repositories' readings read.
@@ -171,7 +171,7 @@ pub(crate) async fn store_contents(
 /// other file is compared and read first.
 pub fn read_all(
     scan: &Scan,
-    cache: &Cache,
+    cache: &FingerprintCache,
     bases: impl FnOnce() -> TreeBases,
     keys: &TenantKeys,
     memo: Option<&Memo>,
@@ -224,7 +224,7 @@ pub fn read_all(
 /// What the files of a directory are compared with: the memo, then the cache.
 struct Comparer<'a> {
     scan: &'a Scan,
-    cache: &'a Cache,
+    cache: &'a FingerprintCache,
     keys: &'a TenantKeys,
     memo: Option<&'a Memo>,
 }
@@ -555,7 +555,7 @@ fn record(
 /// Collects new chunks and sends them on in batches.
 struct Batcher<'a> {
     sender: tokio::sync::mpsc::Sender<Batch>,
-    cache: &'a Cache,
+    cache: &'a FingerprintCache,
     seen: HashSet<BlobId>,
     pending: Batch,
     pending_bytes: usize,
@@ -853,14 +853,14 @@ mod tests {
     }
 
     /// Reads everything, gathering the batches it sends.
-    fn read(scan: &Scan, cache: &Cache) -> (Content, Vec<(BlobId, Vec<u8>)>) {
+    fn read(scan: &Scan, cache: &FingerprintCache) -> (Content, Vec<(BlobId, Vec<u8>)>) {
         read_with(scan, cache, None)
     }
 
     /// Reads what neither `memo` nor `cache` knows, gathering the batches.
     fn read_with(
         scan: &Scan,
-        cache: &Cache,
+        cache: &FingerprintCache,
         memo: Option<&Memo>,
     ) -> (Content, Vec<(BlobId, Vec<u8>)>) {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
@@ -886,7 +886,7 @@ mod tests {
         fs::write(tmp.path().join("b"), b"same").unwrap();
         fs::write(tmp.path().join("empty"), b"").unwrap();
         let scan = scan_of(tmp.path());
-        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let cache = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let (content, blobs) = read(&scan, &cache);
 
         let names: Vec<_> = scan.dirs[0].nodes.iter().map(|n| n.name.to_vec()).collect();
@@ -934,7 +934,7 @@ mod tests {
             .unwrap()
             .set_modified(later)
             .unwrap();
-        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let cache = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let mut scan = scan_of(tmp.path());
         scan.started = later;
         let (first, _) = read(&scan, &cache);
@@ -951,7 +951,7 @@ mod tests {
             .expect("old files are cached");
 
         // A cache that knows the old file and its blob: it is not read again.
-        let mut cache = Cache::empty(tmp.path().join("unused"), "k");
+        let mut cache = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let pack = "ab".repeat(32).parse().unwrap();
         for chunk in old_entry.chunks.iter() {
             cache.insert_blob(chunk.id, &pack);
@@ -966,7 +966,7 @@ mod tests {
         assert_eq!(blobs.len(), 1, "only the new file's blob is new");
 
         // The same fingerprint whose blob is not known to be stored is read again.
-        let mut forgetful = Cache::empty(tmp.path().join("unused"), "k");
+        let mut forgetful = FingerprintCache::empty(tmp.path().join("unused"), "k");
         forgetful.insert_file(b"old".to_vec(), old_entry);
         let (third, _) = read(&scan, &forgetful);
         assert_eq!(third.files_read, 2);
@@ -986,7 +986,10 @@ mod tests {
         let mut first_scan = scan_of(tmp.path());
         first_scan.started = later;
         let first_scan = Arc::new(first_scan);
-        let (first, _) = read(&first_scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        let (first, _) = read(
+            &first_scan,
+            &FingerprintCache::empty(tmp.path().join("unused"), "k"),
+        );
         assert_eq!(first.files_read, 3);
         // One directory, the root, without subdirectories.
         assert_eq!(first_scan.dirs.len(), 1);
@@ -1018,7 +1021,7 @@ mod tests {
             .unwrap();
         let mut second_scan = scan_of(tmp.path());
         second_scan.started = later;
-        let nothing = Cache::empty(tmp.path().join("unused"), "k");
+        let nothing = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let (second, _) = read_with(&second_scan, &nothing, Some(&memo));
         assert_eq!(second.files_read, 2, "b changed, c has other times");
         assert_eq!(
@@ -1036,8 +1039,8 @@ mod tests {
     }
 
     /// A cache that knows everything `content` holds, as a committed checkpoint leaves it.
-    fn cache_of(scan: &Scan, content: &Content, dir: &std::path::Path) -> Cache {
-        let mut cache = Cache::empty(dir.join("unused"), "k");
+    fn cache_of(scan: &Scan, content: &Content, dir: &std::path::Path) -> FingerprintCache {
+        let mut cache = FingerprintCache::empty(dir.join("unused"), "k");
         let pack = "ab".repeat(32).parse().unwrap();
         for (d, files) in content.files.iter().enumerate() {
             for (n, file) in files.iter().enumerate() {
@@ -1094,7 +1097,10 @@ mod tests {
         let later = SystemTime::now() + Duration::from_secs(60);
         let mut scan = scan_of(tmp.path());
         scan.started = later;
-        let (first, _) = read(&scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        let (first, _) = read(
+            &scan,
+            &FingerprintCache::empty(tmp.path().join("unused"), "k"),
+        );
         let (pack_rel, packed) = pack_of(&scan, &first);
         assert!(packed.chunks.len() > 1, "{:?}", packed.chunks);
         let cache = cache_of(&scan, &first, tmp.path());
@@ -1145,7 +1151,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         fs::write(tmp.path().join("locked"), b"secret").unwrap();
         let scan = scan_of(tmp.path());
-        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let cache = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let (sender, _receiver) = tokio::sync::mpsc::channel(1);
         let mut batcher = Batcher {
             sender,
@@ -1267,7 +1273,7 @@ mod tests {
         assert_eq!(read.size, 19, "what the last read saw is kept");
 
         let scan = scan_of(tmp.path());
-        let cache = Cache::empty(tmp.path().join("unused"), "k");
+        let cache = FingerprintCache::empty(tmp.path().join("unused"), "k");
         let (sender, _receiver) = tokio::sync::mpsc::channel(4);
         let mut batcher = Batcher {
             sender,
@@ -1307,7 +1313,10 @@ mod tests {
         fs::write(tmp.path().join("brief"), b"here for a moment").unwrap();
         let scan = scan_of(tmp.path());
         fs::remove_file(tmp.path().join("brief")).unwrap();
-        let (content, blobs) = read(&scan, &Cache::empty(tmp.path().join("unused"), "k"));
+        let (content, blobs) = read(
+            &scan,
+            &FingerprintCache::empty(tmp.path().join("unused"), "k"),
+        );
         assert!(content.files[0][0].is_none());
         assert!(content.warnings.is_empty());
         assert!(blobs.is_empty());

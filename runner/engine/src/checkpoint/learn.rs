@@ -11,7 +11,7 @@ use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 use super::content::Content;
 use super::dir::{DirTree, FileContent};
 use super::memo::Memo;
-use crate::cache::{Cache, FastMap};
+use crate::cache::{FastMap, FingerprintCache};
 use crate::scan::{Scan, join_rel};
 
 /// What a checkpoint worked out, for the cache and the memo.
@@ -22,7 +22,7 @@ pub(crate) struct Learned {
     /// Its root tree.
     pub root: BlobId,
     /// The fingerprint cache it was cut with; held by nothing else.
-    pub cache: Arc<Cache>,
+    pub cache: Arc<FingerprintCache>,
     /// What it held: the walk as the limits left it, and per directory of
     /// it, the files, the tree and the packs of both.
     pub scan: Arc<Scan>,
@@ -54,7 +54,7 @@ impl Learned {
     /// Teaches the cache what this committed checkpoint holds and saves
     /// it. A cache that cannot be saved only makes the next checkpoint
     /// slower. Returns the cache, for a resident runner to keep.
-    pub fn save_cache(self) -> Option<Cache> {
+    pub fn save_cache(self) -> Option<FingerprintCache> {
         let Self {
             cache,
             scan,

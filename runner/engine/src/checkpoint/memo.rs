@@ -36,7 +36,7 @@ use std::sync::Arc;
 use cairn_proto::ids::{BlobId, PackId, WorkspaceId};
 
 use super::dir::{DirFiles, DirTree, FileContent};
-use crate::cache::{Cache, FastMap, Fingerprint};
+use crate::cache::{FastMap, Fingerprint, FingerprintCache};
 use crate::format::TenantKeys;
 use crate::gitobj::GitStored;
 use crate::scan::{NodeKind, Scan, ScannedDir, join_rel_into};
@@ -167,7 +167,7 @@ impl Memo {
     pub fn prime(
         workspace: WorkspaceId,
         scan: &Arc<Scan>,
-        cache: &Cache,
+        cache: &FingerprintCache,
         keys: &TenantKeys,
     ) -> Self {
         let mut trees: HashMap<&[u8], BlobId> = HashMap::new();
@@ -243,7 +243,7 @@ struct KnownEntries {
 /// as a delta, or a subdirectory has no known tree.
 fn known_entries(
     listing: &ScannedDir,
-    cache: &Cache,
+    cache: &FingerprintCache,
     trees: &HashMap<&[u8], BlobId>,
     path: &mut Vec<u8>,
 ) -> Option<KnownEntries> {

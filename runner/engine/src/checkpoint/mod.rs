@@ -84,7 +84,7 @@ use self::recall::{Known, OneShot, Recall};
 use self::remote::Session;
 use self::upload::{Store, Uploaded};
 use self::walk::Walked;
-use crate::cache::Cache;
+use crate::cache::FingerprintCache;
 use crate::client::{ConnectError, CoordinatorClient};
 use crate::failpoint::FailpointError;
 use crate::git::RepoState;
@@ -504,7 +504,7 @@ async fn known(
     session: &Session,
     redo: bool,
     started: Instant,
-) -> (Arc<Cache>, Option<Arc<Memo>>) {
+) -> (Arc<FingerprintCache>, Option<Arc<Memo>>) {
     let Known { mut cache, memo } = recall
         .known(cache_dir, &session.workspace_id, session.keys.key_id())
         .await;

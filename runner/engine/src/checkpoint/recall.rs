@@ -22,7 +22,7 @@ use super::learn::Learned;
 use super::memo::Memo;
 use super::remote::Committed;
 use super::{Baseline, CheckpointError};
-use crate::cache::Cache;
+use crate::cache::FingerprintCache;
 use crate::client::{ConnectError, CoordinatorClient};
 use crate::git::StatusMemory;
 use crate::scan::{self, RepoFound, Scan, ScanError, ScanOptions};
@@ -107,7 +107,7 @@ pub(crate) enum RepoReading {
 /// What earlier checkpoints tell this one ([`Recall::known`]).
 #[derive(Debug)]
 pub(crate) struct Known {
-    pub cache: Cache,
+    pub cache: FingerprintCache,
     /// What the last checkpoint found per directory listing.
     pub memo: Option<Arc<Memo>>,
 }
@@ -158,7 +158,7 @@ impl Recall for OneShot {
 
     async fn known(&self, cache_dir: &Path, workspace: &WorkspaceId, key_id: &str) -> Known {
         Known {
-            cache: Cache::load(cache_dir, workspace, key_id),
+            cache: FingerprintCache::load(cache_dir, workspace, key_id),
             memo: None,
         }
     }

@@ -32,7 +32,7 @@ use super::memo::Memo;
 use super::recall::{Known, OneShot, Recall, RepoReading};
 use super::remote::Committed;
 use super::{Baseline, CheckpointError};
-use crate::cache::Cache;
+use crate::cache::FingerprintCache;
 use crate::client::{ConnectError, CoordinatorClient};
 use crate::format::TenantKeys;
 use crate::git::StatusMemory;
@@ -43,7 +43,8 @@ use crate::tracker::{ChangeTracker, ScanKind};
 #[derive(Debug)]
 pub struct Resident {
     tracker: Option<ChangeTracker>,
-    cache: tokio::sync::Mutex<Kept>,
+    /// The fingerprint cache between checkpoints.
+    cache: tokio::sync::Mutex<CacheSlot>,
     /// The last checkpoint committed (or found unchanged) and its walk.
     last_cut: Mutex<Option<(Baseline, Arc<Scan>)>>,
     /// What that checkpoint found per listing (or, before the first one,
@@ -59,24 +60,24 @@ pub struct Resident {
     status_reading: Mutex<Option<JoinHandle<()>>>,
     /// The last checkpoint's connection, with the address and token it was
     /// made for.
-    coordinator: tokio::sync::Mutex<Option<KeptConnection>>,
+    coordinator: tokio::sync::Mutex<Option<OpenConnection>>,
 }
 
 #[derive(Debug)]
-struct KeptConnection {
+struct OpenConnection {
     address: String,
     token: Option<String>,
     coordinator: CoordinatorClient,
 }
 
 #[derive(Debug, Default)]
-enum Kept {
+enum CacheSlot {
     #[default]
     Nothing,
-    Ready(Cache),
+    Ready(FingerprintCache),
     /// Being written or loaded; the task hands the cache back (None if it
     /// could not).
-    Busy(JoinHandle<Option<Cache>>),
+    Busy(JoinHandle<Option<FingerprintCache>>),
 }
 
 impl Resident {
@@ -85,7 +86,7 @@ impl Resident {
     pub fn new(tracker: Option<ChangeTracker>) -> Self {
         Self {
             tracker,
-            cache: tokio::sync::Mutex::new(Kept::Nothing),
+            cache: tokio::sync::Mutex::new(CacheSlot::Nothing),
             last_cut: Mutex::new(None),
             memo: Mutex::new(None),
             status: Mutex::new(None),
@@ -206,30 +207,35 @@ impl Resident {
     /// the one kept from the last checkpoint if it is that one, else loaded
     /// from disk. Until [`Resident::keep`] or [`Resident::put_back`], no other
     /// checkpoint gets it.
-    async fn take_cache(&self, cache_dir: &Path, workspace: &WorkspaceId, key_id: &str) -> Cache {
-        let kept = std::mem::take(&mut *self.cache.lock().await).settle().await;
-        match kept {
+    async fn take_cache(
+        &self,
+        cache_dir: &Path,
+        workspace: &WorkspaceId,
+        key_id: &str,
+    ) -> FingerprintCache {
+        let held = std::mem::take(&mut *self.cache.lock().await).settle().await;
+        match held {
             Some(cache)
-                if cache.path() == Cache::path_for(cache_dir, workspace)
+                if cache.path() == FingerprintCache::path_for(cache_dir, workspace)
                     && cache.key_id() == key_id =>
             {
                 cache
             }
-            _ => Cache::load(cache_dir, workspace, key_id),
+            _ => FingerprintCache::load(cache_dir, workspace, key_id),
         }
     }
 
     /// Gives back a cache taken by a checkpoint that did not commit, unless
     /// something still holds it (then the next checkpoint loads it).
-    async fn put_back(&self, cache: Arc<Cache>) {
+    async fn put_back(&self, cache: Arc<FingerprintCache>) {
         if let Ok(cache) = Arc::try_unwrap(cache) {
-            *self.cache.lock().await = Kept::Ready(cache);
+            *self.cache.lock().await = CacheSlot::Ready(cache);
         }
     }
 
     /// Keeps the cache a checkpoint is writing, for the next one.
-    async fn keep(&self, saving: JoinHandle<Option<Cache>>) {
-        *self.cache.lock().await = Kept::Busy(saving);
+    async fn keep(&self, saving: JoinHandle<Option<FingerprintCache>>) {
+        *self.cache.lock().await = CacheSlot::Busy(saving);
     }
 
     /// Starts loading the cache of `workspace` (tenant key `key_id`) in the
@@ -245,13 +251,13 @@ impl Resident {
         key_id: String,
         memo_from: Option<(Arc<TenantKeys>, ScanOptions)>,
     ) {
-        let mut kept = self.cache.lock().await;
-        if !matches!(*kept, Kept::Nothing) {
+        let mut slot = self.cache.lock().await;
+        if !matches!(*slot, CacheSlot::Nothing) {
             return;
         }
         let resident = self.clone();
-        *kept = Kept::Busy(tokio::task::spawn_blocking(move || {
-            let cache = Cache::load(&cache_dir, &workspace, &key_id);
+        *slot = CacheSlot::Busy(tokio::task::spawn_blocking(move || {
+            let cache = FingerprintCache::load(&cache_dir, &workspace, &key_id);
             if let (Some((keys, walk)), Some(tracker)) = (memo_from, resident.tracker()) {
                 match tracker.scan(&walk, &|_| {}) {
                     Ok((scan, _)) => {
@@ -272,15 +278,21 @@ impl Resident {
     /// it) is in memory, or one being written is on disk (as before the
     /// runner exits).
     pub async fn settle(&self) {
-        let mut kept = self.cache.lock().await;
-        if let Some(cache) = std::mem::take(&mut *kept).settle().await {
-            *kept = Kept::Ready(cache);
+        let mut slot = self.cache.lock().await;
+        if let Some(cache) = std::mem::take(&mut *slot).settle().await {
+            *slot = CacheSlot::Ready(cache);
         }
     }
 
     /// Keeps what `cache` tells of the newest checkpoint, unless a
     /// checkpoint got there first (it knows better).
-    fn prime(&self, workspace: WorkspaceId, scan: &Arc<Scan>, cache: &Cache, keys: &TenantKeys) {
+    fn prime(
+        &self,
+        workspace: WorkspaceId,
+        scan: &Arc<Scan>,
+        cache: &FingerprintCache,
+        keys: &TenantKeys,
+    ) {
         let started = std::time::Instant::now();
         let memo = Memo::prime(workspace, scan, cache, keys);
         tracing::debug!(
@@ -289,9 +301,9 @@ impl Resident {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "what the newest checkpoint holds worked out from the cache"
         );
-        let mut kept = self.memo.lock().expect("memo lock");
-        if kept.is_none() {
-            *kept = Some(Arc::new(memo));
+        let mut held = self.memo.lock().expect("memo lock");
+        if held.is_none() {
+            *held = Some(Arc::new(memo));
         }
     }
 }
@@ -300,22 +312,22 @@ impl Resident {
 /// module doc).
 impl Recall for Arc<Resident> {
     /// The one the last checkpoint used if it was made for both, else a new
-    /// one, kept for the next. A kept connection that broke is made again
+    /// one, kept for the next. A connection that broke is made again
     /// by its channel on the next call.
     async fn coordinator(
         &self,
         address: &str,
         token: Option<&str>,
     ) -> Result<CoordinatorClient, ConnectError> {
-        let mut kept = self.coordinator.lock().await;
-        if let Some(kept) = kept.as_ref()
-            && kept.address == address
-            && kept.token.as_deref() == token
+        let mut open = self.coordinator.lock().await;
+        if let Some(open) = open.as_ref()
+            && open.address == address
+            && open.token.as_deref() == token
         {
-            return Ok(kept.coordinator.clone());
+            return Ok(open.coordinator.clone());
         }
         let coordinator = CoordinatorClient::connect(address, token).await?;
-        *kept = Some(KeptConnection {
+        *open = Some(OpenConnection {
             address: address.to_owned(),
             token: token.map(str::to_owned),
             coordinator: coordinator.clone(),
@@ -464,9 +476,9 @@ fn lower_this_threads_priority() {
     }
 }
 
-impl Kept {
+impl CacheSlot {
     /// The cache, once any write of it has finished.
-    async fn settle(self) -> Option<Cache> {
+    async fn settle(self) -> Option<FingerprintCache> {
         match self {
             Self::Nothing => None,
             Self::Ready(cache) => Some(cache),

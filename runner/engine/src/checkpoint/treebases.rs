@@ -35,7 +35,7 @@ use std::sync::Arc;
 use git2::{Oid, Repository};
 
 use super::memo::Memo;
-use crate::cache::Cache;
+use crate::cache::FingerprintCache;
 use crate::gitobj::{self, GitStored, TreeCache};
 use crate::scan::{NodeKind, Scan, join_rel};
 
@@ -87,7 +87,12 @@ impl TreeBases {
     /// checkpoint stored (`memo` for the listings it remembers, else the
     /// cache) is kept while every pack is as it was then; only newer
     /// commits are walked, and contents are loaded only for their trees.
-    pub fn find(scan: &Scan, cache: &Cache, memo: Option<&Memo>, trees: &TreeCache) -> Self {
+    pub fn find(
+        scan: &Scan,
+        cache: &FingerprintCache,
+        memo: Option<&Memo>,
+        trees: &TreeCache,
+    ) -> Self {
         let mut bases = Self::default();
         for (objects, loose) in loose_objects(scan, cache, memo) {
             let packs_unchanged = packs_unchanged(scan, &objects, cache, memo);
@@ -130,7 +135,11 @@ impl TreeBases {
 }
 
 /// Per objects directory (relative path): its loose objects.
-fn loose_objects(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> HashMap<Vec<u8>, Loose> {
+fn loose_objects(
+    scan: &Scan,
+    cache: &FingerprintCache,
+    memo: Option<&Memo>,
+) -> HashMap<Vec<u8>, Loose> {
     let mut found: HashMap<Vec<u8>, Loose> = HashMap::new();
     for dir in &scan.dirs {
         let Some(slash) = dir.path.iter().rposition(|b| *b == b'/') else {
@@ -171,7 +180,12 @@ fn loose_objects(scan: &Scan, cache: &Cache, memo: Option<&Memo>) -> HashMap<Vec
 /// Whether every pack of `objects` is as it was when the loose objects
 /// known to an earlier checkpoint were stored: then each base they name is
 /// still in the pack it was found in.
-fn packs_unchanged(scan: &Scan, objects: &[u8], cache: &Cache, memo: Option<&Memo>) -> bool {
+fn packs_unchanged(
+    scan: &Scan,
+    objects: &[u8],
+    cache: &FingerprintCache,
+    memo: Option<&Memo>,
+) -> bool {
     let pack_dir = join_rel(objects, b"pack");
     let Some(listed) = scan.listing(&pack_dir) else {
         return cache.files_in(&pack_dir).next().is_none();

@@ -20,7 +20,7 @@ use super::content::Content;
 use super::dir::{Counts, DirFiles, DirTree};
 use super::memo::Memo;
 use super::upload::Store;
-use crate::cache::Cache;
+use crate::cache::FingerprintCache;
 use crate::format::TenantKeys;
 use crate::scan::{NodeKind, Scan, join_rel_into, parent_rel};
 use crate::task::blocking;
@@ -44,7 +44,7 @@ pub(crate) struct Building {
     pub scan: Arc<Scan>,
     /// What the content stage found.
     pub content: Content,
-    pub cache: Arc<Cache>,
+    pub cache: Arc<FingerprintCache>,
     pub memo: Option<Arc<Memo>>,
     pub keys: Arc<TenantKeys>,
     pub started: Instant,

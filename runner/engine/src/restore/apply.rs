@@ -47,7 +47,7 @@ use std::sync::{Arc, OnceLock};
 use cairn_proto::ids::{BlobId, PackId};
 use rayon::prelude::*;
 
-use crate::cache::{Cache, Fingerprint};
+use crate::cache::{Fingerprint, FingerprintCache};
 use crate::format::{self, ChunkRef, FormatError, TenantKeys};
 use crate::gitobj::{self, GitStored};
 use crate::scan::join_rel;
@@ -152,7 +152,10 @@ pub(crate) struct Survey {
 /// the mtime, so only a tool that sets mtimes back can fool it, and
 /// `--verify-existing` turns it off. Every other file is read and its chunk
 /// ids recomputed.
-pub(crate) fn survey(target: &Target, cache: Option<&Cache>) -> Result<Survey, LocalError> {
+pub(crate) fn survey(
+    target: &Target,
+    cache: Option<&FingerprintCache>,
+) -> Result<Survey, LocalError> {
     let plan = &target.plan;
     let mut survey = Survey {
         root_exists: false,
@@ -219,7 +222,7 @@ struct DirFindings {
 /// it holds.
 fn survey_dir(
     target: &Target,
-    cache: Option<&Cache>,
+    cache: Option<&FingerprintCache>,
     dir: Option<usize>,
 ) -> Result<DirFindings, LocalError> {
     let plan = &target.plan;
@@ -304,7 +307,12 @@ fn is_gone(e: &io::Error) -> bool {
 }
 
 /// What to do with plan file `i`, given what sits at its path.
-fn file_state(target: &Target, cache: Option<&Cache>, i: usize, stat: &DiskStat) -> FileState {
+fn file_state(
+    target: &Target,
+    cache: Option<&FingerprintCache>,
+    i: usize,
+    stat: &DiskStat,
+) -> FileState {
     let entry = &target.plan.entries[i];
     let PlanKind::File { size, chunks, git } = &entry.kind else {
         unreachable!("only files are surveyed");
@@ -371,7 +379,7 @@ struct OnDisk<'a> {
 /// The fingerprint of the file at `path` if it already holds what `want` says.
 fn reusable(
     target: &Target,
-    cache: Option<&Cache>,
+    cache: Option<&FingerprintCache>,
     rel: &[u8],
     stat: &DiskStat,
     want: &OnDisk<'_>,

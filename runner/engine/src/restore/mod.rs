@@ -59,7 +59,7 @@ use cairn_proto::pb;
 use cairn_proto::size::human_bytes;
 use futures::{StreamExt, TryStreamExt, stream};
 
-use crate::cache::{Cache, FastMap, FileRecord, Fingerprint};
+use crate::cache::{FastMap, FileRecord, Fingerprint, FingerprintCache};
 use crate::client::ConnectError;
 use crate::format::{IndexEntry, PackIndex};
 use crate::task::blocking;
@@ -809,7 +809,7 @@ impl Restored {
     /// Records the restored files whose fingerprint is stable (see
     /// [`restored_fingerprint_is_stable`]), and where their blobs live, in
     /// `cache`, and saves it.
-    fn save_in(&self, cache: &mut Cache, blob_packs: &BlobPacks) {
+    fn save_in(&self, cache: &mut FingerprintCache, blob_packs: &BlobPacks) {
         for (pack, blobs) in blob_packs {
             cache.insert_blobs(pack, blobs.iter().copied());
         }
@@ -974,8 +974,8 @@ async fn prepare_root(
     ctx: &AttemptContext<'_>,
     candidate: &ResolvedCandidate,
     plan: &Arc<Plan>,
-    cache: Option<Cache>,
-) -> Result<(Arc<Target>, apply::Prepared, Option<Cache>), AttemptError> {
+    cache: Option<FingerprintCache>,
+) -> Result<(Arc<Target>, apply::Prepared, Option<FingerprintCache>), AttemptError> {
     let target = Arc::new(Target {
         root: ctx.opts.root.clone(),
         plan: plan.clone(),
@@ -1056,11 +1056,14 @@ fn mark_incomplete(root: &Path) -> Result<(), LocalError> {
 /// The runner's fingerprint cache, which tells files on disk that need no
 /// rewrite (`None` without a cache directory). The restore records what it
 /// wrote in this copy and saves it.
-async fn load_cache(ctx: &AttemptContext<'_>, candidate: &ResolvedCandidate) -> Option<Cache> {
+async fn load_cache(
+    ctx: &AttemptContext<'_>,
+    candidate: &ResolvedCandidate,
+) -> Option<FingerprintCache> {
     let dir = ctx.opts.cache_dir.clone()?;
     let workspace_id = ctx.workspace_id.clone();
     let key_id = candidate.keys.key_id().to_owned();
-    Some(blocking(move || Cache::load(&dir, &workspace_id, &key_id)).await)
+    Some(blocking(move || FingerprintCache::load(&dir, &workspace_id, &key_id)).await)
 }
 
 /// Fetches the chunks of the files to write, coalesced per pack, and writes
@@ -1147,7 +1150,7 @@ async fn download(
 enum Source {
     Store,
     /// This piece of the host's pack cache holds the whole span.
-    Cache(packcache::Piece),
+    FingerprintCache(packcache::Piece),
 }
 
 /// One read of blob bytes: which pack, from where, which blobs.
@@ -1188,7 +1191,7 @@ fn plan_spans(
                     .into_iter()
                     .map(|span| PlannedSpan {
                         pack,
-                        source: Source::Cache(piece),
+                        source: Source::FingerprintCache(piece),
                         span,
                     }),
             );
@@ -1299,7 +1302,7 @@ async fn write_spans(
                         .await
                         .map_err(AttemptError::span)
                     }
-                    Source::Cache(piece) => {
+                    Source::FingerprintCache(piece) => {
                         let cache = cache.expect("cache spans are planned only with a cache");
                         let (done, bad, from_cache, dropped) = blocking(move || {
                             PIECE_BUFFER.with_borrow_mut(|bytes| {

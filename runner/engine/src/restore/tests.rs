@@ -767,7 +767,7 @@ async fn matching_files_are_reused_stale_ones_rewritten_and_extras_removed() {
         cache_dir.is_dir(),
         "the cache was saved inside the root and survived the extras pass"
     );
-    let cache = Cache::load(&cache_dir, &fixture.workspace, "k1");
+    let cache = FingerprintCache::load(&cache_dir, &fixture.workspace, "k1");
     let cached = cache
         .file(b"src/big.bin")
         .expect("restored files are in the fingerprint cache");
