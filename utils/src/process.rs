@@ -4,14 +4,28 @@
 use std::io;
 use std::process::ExitStatus;
 
+/// A wait status as one number: the exit status, or `-N` for signal N
+/// (the convention of cairn's sandbox and attempt records).
+pub fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt as _;
+    match status.code() {
+        Some(code) => code,
+        None => -status.signal().unwrap_or(0),
+    }
+}
+
+/// An [`exit_code`] for people (`None`: the status could not be learned).
+pub fn describe_exit(code: Option<i32>) -> String {
+    match code {
+        Some(n) if n < 0 => format!("was killed by signal {}", -n),
+        Some(n) => format!("exited with status {n}"),
+        None => "ended (exit status unknown)".to_owned(),
+    }
+}
+
 /// `exited with status 1`, `was killed by signal 9`.
 pub fn describe_status(status: ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt as _;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exited with status {code}"),
-        (None, Some(signal)) => format!("was killed by signal {signal}"),
-        (None, None) => "ended".to_owned(),
-    }
+    describe_exit(Some(exit_code(status)))
 }
 
 /// Sends `signal` to process group `pgid` (a gone group is not an error).
@@ -76,6 +90,20 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_signal_convention() {
+        use std::os::unix::process::ExitStatusExt as _;
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(ExitStatus::from_raw(9)), -9);
+        assert_eq!(
+            describe_status(ExitStatus::from_raw(9)),
+            "was killed by signal 9"
+        );
+        assert_eq!(describe_exit(Some(-15)), "was killed by signal 15");
+        assert_eq!(describe_exit(Some(0)), "exited with status 0");
+        assert_eq!(describe_exit(None), "ended (exit status unknown)");
+    }
 
     #[test]
     fn parses_proc_stat_with_odd_command_names() {

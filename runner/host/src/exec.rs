@@ -129,9 +129,10 @@ use super::driver::{
     open_log,
 };
 use super::layout::SandboxRecord;
-use super::process::{ProcessSandbox, SessionLeader, child_prelude, describe_exit, exit_code};
+use super::process::{ProcessSandbox, SessionLeader, child_prelude};
 use super::template::{Placeholder, Template, TemplateError, Values, is_shell_safe};
 use cairn_utils::process::signal_group;
+use cairn_utils::process::{describe_exit, exit_code};
 
 /// The variable that carries the attempt's run token.
 pub const RUN_TOKEN_VAR: &str = "CAIRN_RUN_TOKEN";

@@ -19,12 +19,13 @@
 //! worker threads (alive as long as the agent), never from `spawn_blocking`.
 
 use std::io;
-use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
 use tokio::process::Child;
 
 use cairn_utils::process::{read_stat, session_members, signal_group};
+
+use cairn_utils::process::{describe_exit, exit_code};
 
 use super::driver::{Destroyed, ExitCode, Sandbox, SandboxEvent};
 use super::layout::SandboxRecord;
@@ -34,23 +35,6 @@ const KILL_WAIT: Duration = Duration::from_secs(30);
 
 /// How often an adopted process (not our child) is checked for exit.
 const ADOPTED_POLL: Duration = Duration::from_millis(100);
-
-/// Turns a wait status into cairn's convention (signals as `-N`).
-pub fn exit_code(status: std::process::ExitStatus) -> i32 {
-    match status.code() {
-        Some(code) => code,
-        None => -status.signal().unwrap_or(0),
-    }
-}
-
-/// Describes an exit code for people.
-pub fn describe_exit(code: ExitCode) -> String {
-    match code {
-        Some(n) if n < 0 => format!("was killed by signal {}", -n),
-        Some(n) => format!("exited with status {n}"),
-        None => "ended (exit status unknown)".to_owned(),
-    }
-}
 
 /// How a terminated sandbox ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,17 +345,4 @@ fn kill_session_members(sid: i32) -> usize {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     found
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exit_codes_follow_the_signal_convention() {
-        assert_eq!(exit_code(std::process::ExitStatus::from_raw(3 << 8)), 3);
-        assert_eq!(exit_code(std::process::ExitStatus::from_raw(9)), -9);
-        assert_eq!(describe_exit(Some(-15)), "was killed by signal 15");
-        assert_eq!(describe_exit(Some(0)), "exited with status 0");
-    }
 }

@@ -21,8 +21,8 @@ use super::driver::ExitCode;
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
 use super::kept::{Keeping, KeptWorkspaces};
 use super::layout::{SandboxPaths, remove_tree};
-use super::process::describe_exit;
 use cairn_engine::restore::PackCacheConfig;
+use cairn_utils::process::describe_exit;
 
 /// Names the host sets in every sandbox; `--env` may not set them.
 pub const RESERVED_ENV: &[&str] = &[
