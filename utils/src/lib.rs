@@ -4,11 +4,14 @@
 //! - [`process`]: process groups and `/proc/<pid>/stat`, for the host agent
 //!   that supervises sandboxes and the runner that supervises a harness.
 //! - [`logging`] (feature `cli`): the `--log-format` flag and the tracing
-//!   setup every binary starts with.
+//!   setup every binary starts with; [`program`] (feature `cli`): the
+//!   runtime and error printing every binary's `main` goes through.
 //!
 //! Nothing here knows of workspaces, runs or the coordinator.
 
 #[cfg(feature = "cli")]
 pub mod logging;
 pub mod process;
+#[cfg(feature = "cli")]
+pub mod program;
 pub mod text;

@@ -292,23 +292,7 @@ pub enum WorkspaceCommand {
 
 /// Runs a parsed command line to completion and prints any error.
 pub fn run_to_exit(cli: Cli) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli)) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cairn_utils::program::run(run(cli))
 }
 
 /// Runs one command. `Ok(FAILURE)` means the command ran and found problems.

@@ -271,23 +271,11 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(super::run(config, stop_signal())) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    cairn_utils::program::run(async {
+        super::run(config, stop_signal())
+            .await
+            .map(|()| ExitCode::SUCCESS)
+    })
 }
 
 #[cfg(test)]

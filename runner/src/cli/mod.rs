@@ -335,17 +335,7 @@ pub fn default_cache_dir() -> PathBuf {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     cairn_utils::logging::init(cli.log_format, "info");
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
+    cairn_utils::program::run(async {
         match cli.command {
             Command::Checkpoint(args) => checkpoint::main(args).await,
             Command::Restore(args) => restore::main(args).await,
@@ -353,12 +343,6 @@ pub fn main() -> ExitCode {
             Command::Run(args) => run::main(args).await,
             Command::Ask(args) => ask::main(args),
         }
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+        .map(|()| ExitCode::SUCCESS)
+    })
 }
