@@ -23,17 +23,6 @@ use cairn_engine::tracker::ChangeTracker;
 use cairn_proto::domain::CheckpointReason;
 use cairn_proto::pb;
 
-/// The coordinator binary, or None after saying the test is skipped.
-fn coordinator_or_skip() -> Option<std::path::PathBuf> {
-    let binary = coordinator_binary();
-    if binary.is_none() {
-        println!(
-            "skipped: no cairn-coordinator binary next to the tests (cargo build -p cairn-coordinator)"
-        );
-    }
-    binary
-}
-
 async fn create_workspace(grpc: &str, token: &str, name: &str) -> String {
     let coordinator = CoordinatorClient::connect(grpc, Some(token)).await.unwrap();
     coordinator
@@ -71,9 +60,7 @@ fn options(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_changed_workspace_is_committed() {
-    let Some(binary) = coordinator_or_skip() else {
-        return;
-    };
+    let binary = coordinator_binary();
     let dir = tempfile::tempdir().unwrap();
     let (_server, grpc, token) =
         start_coordinator(&binary, &dir.path().join("data"), Duration::from_secs(60));
@@ -131,9 +118,7 @@ async fn only_a_changed_workspace_is_committed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resident_runner_goes_on_across_a_coordinator_restart() {
-    let Some(binary) = coordinator_or_skip() else {
-        return;
-    };
+    let binary = coordinator_binary();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let (server, grpc, token) = start_coordinator(&binary, &data, Duration::from_secs(60));
@@ -231,9 +216,7 @@ fn app_status(resident: &Resident) -> (ReadBy, u32) {
 /// changed since.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resident_runners_first_reading_of_a_repository_narrows_the_next() {
-    let Some(binary) = coordinator_or_skip() else {
-        return;
-    };
+    let binary = coordinator_binary();
     let ResidentRepo {
         root,
         resident,
@@ -260,9 +243,7 @@ async fn a_resident_runners_first_reading_of_a_repository_narrows_the_next() {
 /// narrows from it all the same.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_during_the_runners_first_status_reading_narrows_from_it() {
-    let Some(binary) = coordinator_or_skip() else {
-        return;
-    };
+    let binary = coordinator_binary();
     let ResidentRepo {
         root,
         resident,

@@ -31,7 +31,7 @@ impl Harnessed {
 
     /// The `claude` adapter running the demo agent.
     fn claude(&self) -> pb::HarnessSpec {
-        self.harness("claude", demo_agent_binary())
+        self.harness("claude", &demo_agent_binary())
     }
 
     /// Runs one attempt to its end, with no SIGTERM on the way.

@@ -224,10 +224,7 @@ const PROMPT: &str = "The codeword is PELICAN.\ncommit notes.md first line\nedit
                       untracked scratch.txt draft\nask Which colour should the button be?";
 
 async fn world(base: &Path) -> World {
-    let binary = coordinator_binary().expect(
-        "no cairn-coordinator binary next to the tests: build it first (scripts/test does: \
-         cargo build --workspace --bins)",
-    );
+    let binary = coordinator_binary();
     let (server, grpc, token) = start_coordinator(&binary, &base.join("data"), LIMIT);
     let coordinator = CoordinatorClient::connect(&grpc, Some(&token))
         .await

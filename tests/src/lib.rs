@@ -45,25 +45,10 @@ pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(240);
 /// How long a coordinator may take to write its endpoints and token.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The path of a binary built by `cargo build --bins` (same profile as the tests).
+/// The path of a binary built by `cargo build --workspace --bins` (same
+/// profile as the tests).
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test executable has a path");
-    let mut dir = exe
-        .parent()
-        .expect("the test executable is in a directory")
-        .to_path_buf();
-    // Test executables live in target/<profile>/deps; binaries one level up.
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let path = dir.join(name);
-    if !path.is_file() {
-        panic!(
-            "{} is missing: run `cargo build --bins` first (scripts/test does)",
-            path.display()
-        );
-    }
-    path
+    cairn_utils::testing::sibling_binary(name)
 }
 
 /// Runs a future to completion on a private runtime (tests are synchronous).

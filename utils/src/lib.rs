@@ -6,6 +6,8 @@
 //! - [`logging`] (feature `cli`): the `--log-format` flag and the tracing
 //!   setup every binary starts with; [`program`] (feature `cli`): the
 //!   runtime and error printing every binary's `main` goes through.
+//! - [`testing`] (feature `testing`): finding another package's binary
+//!   from a test.
 //!
 //! Nothing here knows of workspaces, runs or the coordinator.
 
@@ -14,4 +16,6 @@ pub mod logging;
 pub mod process;
 #[cfg(feature = "cli")]
 pub mod program;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod text;

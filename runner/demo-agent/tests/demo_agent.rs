@@ -268,7 +268,7 @@ fn flags_are_checked_like_claude_code_checks_them() {
 }
 
 fn ask(outcome_file: &Path, args: &[&str]) -> Output {
-    Command::new(runner_binary())
+    Command::new(cairn_utils::testing::sibling_binary("cairn-runner"))
         .arg("ask")
         .args(args)
         .env("CAIRN_OUTCOME_FILE", outcome_file)
@@ -313,22 +313,4 @@ fn cairn_runner_ask_writes_the_outcome_file() {
         Some(2),
         "clap refuses a missing question"
     );
-}
-
-/// The `cairn-runner` binary: another package's, so cargo does not build it
-/// for this test; `cargo build --workspace --bins` (scripts/test runs it)
-/// puts it next to this test's target dir.
-fn runner_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("the test executable has a path");
-    let path = exe
-        .parent()
-        .and_then(std::path::Path::parent)
-        .expect("test executables live in target/<profile>/deps")
-        .join("cairn-runner");
-    assert!(
-        path.is_file(),
-        "{} is missing: run `cargo build --workspace --bins` first (scripts/test does)",
-        path.display()
-    );
-    path
 }

@@ -591,32 +591,16 @@ impl Drop for Reaped {
     }
 }
 
-/// The `cairn-demo-agent` binary: another package's, so cargo does not
-/// build it for this test; `cargo build --workspace --bins` (scripts/test
-/// runs it) puts it next to this test's target dir.
-pub fn demo_agent_binary() -> &'static str {
-    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let exe = std::env::current_exe().expect("the test executable has a path");
-        let path = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("test executables live in target/<profile>/deps")
-            .join("cairn-demo-agent");
-        assert!(
-            path.is_file(),
-            "{} is missing: run `cargo build --workspace --bins` first (scripts/test does)",
-            path.display()
-        );
-        path.to_string_lossy().into_owned()
-    })
+/// The `cairn-demo-agent` binary (another package's).
+pub fn demo_agent_binary() -> String {
+    cairn_utils::testing::sibling_binary("cairn-demo-agent")
+        .to_string_lossy()
+        .into_owned()
 }
 
-/// The `cairn-coordinator` binary next to this test's target dir, if built.
-pub fn coordinator_binary() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let binary = exe.parent()?.parent()?.join("cairn-coordinator");
-    binary.is_file().then_some(binary)
+/// The `cairn-coordinator` binary (another package's).
+pub fn coordinator_binary() -> PathBuf {
+    cairn_utils::testing::sibling_binary("cairn-coordinator")
 }
 
 /// Starts the coordinator, waiting at most `patience` for it; returns it,
