@@ -1,6 +1,7 @@
 //! What cairn's programs share that is not about checkpoints.
 //!
 //! - [`text`]: words for people (`3 files`, `5m ago`, an error chain on one line).
+//! - [`failpoint`]: named places where tests make a process fail or wait.
 //! - [`process`]: process groups and `/proc/<pid>/stat`, for the host agent
 //!   that supervises sandboxes and the runner that supervises a harness.
 //! - [`logging`] (feature `cli`): the `--log-format` flag and the tracing
@@ -11,6 +12,7 @@
 //!
 //! Nothing here knows of workspaces, runs or the coordinator.
 
+pub mod failpoint;
 #[cfg(feature = "cli")]
 pub mod logging;
 pub mod process;

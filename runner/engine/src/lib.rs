@@ -31,14 +31,12 @@
 //!   the git command line as cairn runs it.
 //! - [`transfer`]: HTTP transfers through signed URLs, with retries.
 //! - [`tls`]: the CA clients trust (`CAIRN_CA`) and hosts' client certificates.
-//! - [`failpoint`]: named places where tests make a process fail on purpose.
 //! - [`task`]: running blocking work off the async runtime.
 
 pub mod cache;
 pub mod checkpoint;
 pub mod chunker;
 pub mod client;
-pub mod failpoint;
 pub mod format;
 pub mod git;
 pub mod gitobj;

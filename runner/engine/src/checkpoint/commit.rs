@@ -17,10 +17,10 @@ use super::remote::{self, Session};
 use super::trees::Trees;
 use super::{CheckpointError, CheckpointOptions, CheckpointReport, Stats};
 use crate::cache::{FastMap, FastSet, FingerprintCache};
-use crate::failpoint;
 use crate::format::FORMAT_VERSION;
 use crate::git::RepoState;
 use crate::scan::Scan;
+use cairn_utils::failpoint;
 
 /// At most this many warnings are recorded on a checkpoint; the rest are counted.
 const MAX_WARNINGS: usize = 100;

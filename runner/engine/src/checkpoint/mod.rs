@@ -86,9 +86,9 @@ use self::upload::{Store, Uploaded};
 use self::walk::Walked;
 use crate::cache::FingerprintCache;
 use crate::client::{ConnectError, CoordinatorClient};
-use crate::failpoint::FailpointError;
 use crate::git::RepoState;
 use crate::scan::{self, ScanError, ScanOptions};
+use cairn_utils::failpoint::FailpointError;
 
 pub use self::resident::Resident;
 use crate::transfer::TransferError;
