@@ -73,7 +73,7 @@ pub struct CoordinatorClient {
 
 impl std::fmt::Debug for CoordinatorClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Coordinator")
+        f.debug_struct("CoordinatorClient")
             .field("address", &self.address)
             .finish_non_exhaustive()
     }
