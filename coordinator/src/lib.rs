@@ -58,6 +58,7 @@ pub mod db;
 pub mod grpc;
 pub mod runlife;
 pub mod scheduler;
+pub mod retention;
 pub mod signing;
 pub mod store;
 pub mod tls;
