@@ -52,13 +52,15 @@
 
 pub mod auth;
 pub mod blob_http;
+pub mod clock;
 pub mod conn_limits;
 pub mod datadir;
 pub mod db;
+pub mod gc;
 pub mod grpc;
+pub mod retention;
 pub mod runlife;
 pub mod scheduler;
-pub mod retention;
 pub mod signing;
 pub mod store;
 pub mod tls;
@@ -74,9 +76,11 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::blob_http::BlobServer;
+use crate::clock::Clock;
 use crate::conn_limits::{ConnectionCaps, Timeouts};
 use crate::datadir::{DataDir, DataDirError};
 use crate::db::{DbError, MetadataStore};
+use crate::gc::{Collector, GcConfig};
 use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
@@ -115,6 +119,10 @@ pub struct ServerConfig {
     pub tls: Option<TlsFiles>,
     /// How often the certificate files are looked at for a renewal.
     pub tls_reload_interval: Duration,
+    /// Retention defaults and garbage collection (grace, interval).
+    pub gc: GcConfig,
+    /// What retention and garbage collection take as now (tests move it).
+    pub clock: Clock,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -131,6 +139,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("grpc_limits", &self.grpc_limits)
             .field("tls", &self.tls)
             .field("tls_reload_interval", &self.tls_reload_interval)
+            .field("gc", &self.gc)
             .finish()
     }
 }
@@ -152,6 +161,8 @@ impl ServerConfig {
             grpc_limits: ServerLimits::default(),
             tls: None,
             tls_reload_interval: Duration::from_secs(30),
+            gc: GcConfig::default(),
+            clock: Clock::system(),
         }
     }
 }
@@ -170,6 +181,10 @@ pub enum ServeError {
     BadPublicUrl(String),
     #[error("signed URLs must live at least a second")]
     UrlTtlTooShort,
+    #[error(
+        "the garbage collection grace ({grace}) must be longer than signed URLs live ({url_ttl}): a pack could go while a URL to it is still used"
+    )]
+    GraceTooShort { grace: String, url_ttl: String },
     #[error(
         "the heartbeat interval ({interval}) must be positive and shorter than the host lease ({lease})"
     )]
@@ -210,6 +225,12 @@ impl Coordinator {
     pub async fn open(config: ServerConfig) -> Result<Self, ServeError> {
         if config.limits.url_ttl.as_secs() < 1 {
             return Err(ServeError::UrlTtlTooShort);
+        }
+        if config.gc.grace <= config.limits.url_ttl {
+            return Err(ServeError::GraceTooShort {
+                grace: humantime::format_duration(config.gc.grace).to_string(),
+                url_ttl: humantime::format_duration(config.limits.url_ttl).to_string(),
+            });
         }
         if let Some(url) = &config.blob_public_url
             && !(url.starts_with("http://") || url.starts_with("https://"))
@@ -302,7 +323,7 @@ impl Coordinator {
         let scheduler = SchedulerHandle::new();
         let shared = Shared {
             db: self.db.clone(),
-            store,
+            store: store.clone(),
             limits: self.config.limits.clone(),
             host_timing: HostTiming {
                 heartbeat_interval: self.config.heartbeat_interval,
@@ -311,6 +332,12 @@ impl Coordinator {
             run_tokens: self.run_tokens.clone(),
             scheduler: scheduler.clone(),
             shutdown: stop.clone(),
+            collector: Collector::new(
+                self.db.clone(),
+                store.clone(),
+                self.config.gc.clone(),
+                self.config.clock.clone(),
+            ),
         };
         // Uploads in flight when an earlier process died stay in the temp
         // dir otherwise; none of them can be in flight now, this process
@@ -327,6 +354,7 @@ impl Coordinator {
                 .router();
 
         tracing::info!(grpc = %local_url(grpc_addr, self.uses_tls()), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
+        let shared_collector = shared.collector.clone();
         let scheduling = scheduler::run(
             self.db.clone(),
             self.run_tokens.clone(),
@@ -399,8 +427,9 @@ impl Coordinator {
             }
             stop.cancel();
         };
-        let (grpc_result, blob_result, (), (), ()) =
-            tokio::join!(grpc, blob, signal, scheduling, reload);
+        let collecting = shared_collector.run(stop.clone().cancelled_owned());
+        let (grpc_result, blob_result, (), (), (), ()) =
+            tokio::join!(grpc, blob, signal, scheduling, reload, collecting);
         self.db.close().await;
         grpc_result?;
         blob_result.map_err(ServeError::BlobServer)?;

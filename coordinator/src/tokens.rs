@@ -105,6 +105,9 @@ pub enum Action<'a> {
     WriteCheckpoints(&'a WorkspaceId),
     /// List checkpoints and get restore manifests.
     ReadCheckpoints(&'a WorkspaceId),
+    /// Finish or delete a workspace, set its retention, pin and unpin its
+    /// checkpoints: never a sandbox's (run token) to do.
+    ManageWorkspace(&'a WorkspaceId),
     CreateRun,
     ListRuns,
     /// Get a run and watch its events.
@@ -620,6 +623,18 @@ mod tests {
         assert!(denied.contains(other.as_str()), "{denied}");
         assert!(run.authorize(Action::ListWorkspaces).is_err());
         assert!(run.authorize(Action::CreateWorkspace).is_err());
+        // A sandbox may not finish or delete its own workspace, nor pin.
+        assert!(run.authorize(Action::ManageWorkspace(&own)).is_err());
+        assert!(
+            principal(Scope::Client, None)
+                .authorize(Action::ManageWorkspace(&own))
+                .is_ok()
+        );
+        assert!(
+            principal(Scope::Host, None)
+                .authorize(Action::ManageWorkspace(&own))
+                .is_err()
+        );
     }
 
     #[test]

@@ -99,6 +99,12 @@ pub enum Refusal {
     /// A host call over a connection without a client certificate, on a
     /// coordinator that requires hosts to present one.
     ClientCertificateRequired,
+    /// The workspace has runs that have not ended (finishing or deleting
+    /// it waits for them).
+    WorkspaceHasRuns {
+        workspace: WorkspaceId,
+        runs: Vec<RunId>,
+    },
 }
 
 impl Refusal {
@@ -107,7 +113,8 @@ impl Refusal {
         match self {
             Self::StaleGeneration { .. }
             | Self::PacksMissing { .. }
-            | Self::WorkspaceNotActive { .. } => Code::FailedPrecondition,
+            | Self::WorkspaceNotActive { .. }
+            | Self::WorkspaceHasRuns { .. } => Code::FailedPrecondition,
             Self::LimitExceeded { .. } => Code::InvalidArgument,
             Self::AttemptNotCurrent { .. } | Self::Token(_) | Self::WrongHost { .. } => {
                 Code::PermissionDenied
@@ -183,6 +190,14 @@ impl fmt::Display for Refusal {
                 f,
                 "hosts must present a client certificate the coordinator trusts (mutual TLS)"
             ),
+            Self::WorkspaceHasRuns { workspace, runs } => {
+                let ids: Vec<&str> = runs.iter().map(RunId::as_str).collect();
+                write!(
+                    f,
+                    "workspace {workspace} has runs that have not ended: {}",
+                    ids.join(", ")
+                )
+            }
         }
     }
 }
@@ -225,6 +240,12 @@ impl From<Refusal> for pb::Refusal {
             }),
             Refusal::ClientCertificateRequired => {
                 Reason::ClientCertificateRequired(pb::ClientCertificateRequired {})
+            }
+            Refusal::WorkspaceHasRuns { workspace, runs } => {
+                Reason::WorkspaceHasRuns(pb::WorkspaceHasRuns {
+                    workspace_id: workspace.to_string(),
+                    run_ids: runs.iter().map(ToString::to_string).collect(),
+                })
             }
         };
         Self {
@@ -285,6 +306,17 @@ impl TryFrom<pb::Refusal> for Refusal {
                 asked: h.asked_host_id.parse().map_err(|e| bad("host id", &e))?,
             },
             Some(Reason::ClientCertificateRequired(_)) => Self::ClientCertificateRequired,
+            Some(Reason::WorkspaceHasRuns(w)) => Self::WorkspaceHasRuns {
+                workspace: w
+                    .workspace_id
+                    .parse()
+                    .map_err(|e| bad("workspace id", &e))?,
+                runs: w
+                    .run_ids
+                    .iter()
+                    .map(|id| id.parse().map_err(|e| bad("run id", &e)))
+                    .collect::<Result<_, _>>()?,
+            },
         })
     }
 }
@@ -327,6 +359,10 @@ mod tests {
             why: NotCurrent::Superseded,
         });
         round_trip(Refusal::Token(TokenRefusal::Revoked));
+        round_trip(Refusal::WorkspaceHasRuns {
+            workspace: WorkspaceId::generate(),
+            runs: vec![RunId::generate(), RunId::generate()],
+        });
         round_trip(Refusal::WrongHost {
             bound: HostId::generate(),
             asked: HostId::generate(),

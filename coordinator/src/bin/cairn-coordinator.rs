@@ -13,7 +13,9 @@ use std::time::Duration;
 use anyhow::Context;
 use cairn_coordinator::conn_limits::Timeouts;
 use cairn_coordinator::datadir::DataDir;
+use cairn_coordinator::gc::GcConfig;
 use cairn_coordinator::grpc::{ServerLimits, ServiceLimits};
+use cairn_coordinator::retention::Policy;
 use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand};
@@ -121,6 +123,27 @@ struct ServeArgs {
     /// renewal) are served from then on, without a restart.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
     tls_reload_interval: Duration,
+    /// How many of each workspace's newest checkpoints retention keeps
+    /// (the newest always is; a workspace may set its own).
+    #[arg(long, value_name = "N", default_value_t = Policy::DEFAULT_KEEP_LAST, value_parser = clap::value_parser!(u32).range(1..))]
+    keep_last: u32,
+    /// How long a finished workspace stays before it is deleted (a
+    /// workspace may set its own).
+    #[arg(long, value_name = "DURATION", default_value = "7days", value_parser = humantime::parse_duration)]
+    finished_retention: Duration,
+    /// How long the checkpoint a run started from is kept after the run
+    /// started.
+    #[arg(long, value_name = "DURATION", default_value = "30days", value_parser = humantime::parse_duration)]
+    run_start_hold: Duration,
+    /// How long garbage collection waits before deleting a pack no
+    /// checkpoint references (or an upload no commit recorded). Must be
+    /// longer than --url-ttl: a pack must outlive every URL to it.
+    #[arg(long, value_name = "DURATION", default_value = "2h", value_parser = humantime::parse_duration)]
+    gc_grace: Duration,
+    /// How often garbage collection runs on its own (0: only when
+    /// `cairnctl gc` asks).
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]
+    gc_interval: Duration,
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: cairn_utils::logging::LogFormat,
@@ -176,6 +199,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     config.tls_reload_interval = args.tls_reload_interval;
+    config.gc = GcConfig {
+        policy: Policy {
+            keep_last: args.keep_last,
+            run_start_hold: args.run_start_hold,
+            finished_expiry: args.finished_retention,
+        },
+        grace: args.gc_grace,
+        interval: (!args.gc_interval.is_zero()).then_some(args.gc_interval),
+    };
     let coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(

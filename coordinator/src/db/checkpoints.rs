@@ -12,6 +12,7 @@ use prost::Message;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{QueryBuilder, Row, Sqlite};
 
+use super::gc::{deletions_pending_in, unusable_packs_in};
 use super::{
     Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
     from_millis, millis, parse_column, query_error, signed, unsigned,
@@ -541,12 +542,20 @@ impl MetadataStore {
             }
         }
 
+        // A pack whose object a sweep is deleting cannot be recorded again
+        // now: the object may go after this commit. Upload it again later.
+        let pending = deletions_pending_in(&mut tx, tenant, &new_ids).await?;
+        if !pending.is_empty() {
+            return Err(DbError::PacksMissing { packs: pending });
+        }
+
         for pack in &new.new_packs {
-            // A pack found lost earlier and uploaded again is back.
+            // A pack found lost earlier and uploaded again is back; one
+            // condemned is referenced again.
             sqlx::query(
                 "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (tenant, id) DO UPDATE SET lost_at = NULL",
+                 ON CONFLICT (tenant, id) DO UPDATE SET lost_at = NULL, condemned_at = NULL",
             )
             .bind(tenant.as_str())
             .bind(pack.pack_id.as_str())
@@ -575,6 +584,26 @@ impl MetadataStore {
                     .await
                     .map_err(query_error("insert blobs"))?;
             }
+        }
+
+        // What was checked before this transaction may have changed: a
+        // sweep may have deleted a pack this checkpoint deduplicated
+        // against since. Refused then, with the packs to upload again.
+        let unusable = unusable_packs_in(&mut tx, tenant, &new.referenced_packs).await?;
+        if !unusable.is_empty() {
+            return Err(DbError::PacksMissing { packs: unusable });
+        }
+        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+            let mut query = QueryBuilder::<Sqlite>::new(
+                "UPDATE packs SET condemned_at = NULL WHERE condemned_at IS NOT NULL AND tenant = ",
+            );
+            query.push_bind(tenant.as_str()).push(" AND id IN");
+            push_in_list(&mut query, chunk, PackId::as_str);
+            query
+                .build()
+                .execute(&mut *tx)
+                .await
+                .map_err(query_error("absolve referenced packs"))?;
         }
 
         let id = CheckpointId::generate();

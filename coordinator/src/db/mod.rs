@@ -24,8 +24,10 @@
 //!   after the commit the run's id is published to [`MetadataStore::subscribe_runs`].
 
 mod checkpoints;
+mod gc;
 mod hosts;
 mod messages;
+mod retention;
 mod run_records;
 mod runner;
 mod runs;
@@ -34,11 +36,13 @@ mod stations;
 mod tokens;
 mod workspaces;
 
+pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
 pub use hosts::{
     AssignmentRecord, BoundToken, HeartbeatAnswer, Host, HostRegistration, Registered,
     ReportedSandbox, destroy_reason,
 };
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
+pub use retention::{Deleted, RetainedWorkspace, RetentionChange, RetentionFacts};
 pub use run_records::{Attempt, Run, RunEvent, RunInput, event_reason};
 pub use runs::{
     NewRun, NewRunTarget, OutcomeReport, ProgressReport, RunFilter, SessionRecord, StartedAttempt,
@@ -118,6 +122,16 @@ pub enum DbError {
         pack: PackId,
         workspace: WorkspaceId,
     },
+    /// Packs a commit references are gone from the records or being
+    /// deleted from the store (garbage collection): upload them again.
+    #[error("{}", packs_missing_message(packs))]
+    PacksMissing { packs: Vec<PackId> },
+    /// Finishing or deleting a workspace waits for its runs to end.
+    #[error("{}", cairn_proto::refusal::Refusal::WorkspaceHasRuns { workspace: workspace.clone(), runs: runs.clone() })]
+    WorkspaceHasRuns {
+        workspace: WorkspaceId,
+        runs: Vec<RunId>,
+    },
     #[error("tenant {0} has no current key")]
     NoTenantKey(TenantId),
     /// A run, host or other record the request names does not exist.
@@ -139,6 +153,14 @@ pub enum DbError {
         run: RunId,
         illegal: crate::runlife::IllegalTransition,
     },
+}
+
+fn packs_missing_message(packs: &[PackId]) -> String {
+    let ids: Vec<&str> = packs.iter().map(PackId::as_str).collect();
+    format!(
+        "packs {} were deleted by garbage collection (or are being deleted); upload them again",
+        ids.join(", ")
+    )
 }
 
 pub(crate) fn generation_message(given: Generation, current: Generation) -> String {
@@ -199,6 +221,10 @@ pub struct Workspace {
     pub updated_at: SystemTime,
     pub checkpoint_count: u64,
     pub latest_checkpoint: Option<Checkpoint>,
+    /// When it was finished (finished workspaces only).
+    pub finished_at: Option<SystemTime>,
+    /// Its own retention settings.
+    pub retention: crate::retention::Overrides,
 }
 
 /// A committed checkpoint.

@@ -1,12 +1,14 @@
 //! Workspace records.
 
 use std::collections::HashMap;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{CheckpointId, Generation, TenantId, WorkspaceId};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
+
+use crate::retention::Overrides;
 
 use super::checkpoints::{checkpoint_in, copy_checkpoint_in, newest_checkpoint_in};
 use super::{
@@ -28,6 +30,7 @@ pub(super) const FIRST_GENERATION: Generation = Generation(1);
 
 const WORKSPACE_COLUMNS: &str =
     "w.id, w.tenant, w.name, w.state, w.generation, w.created_at, w.updated_at,
+     w.finished_at, w.keep_last, w.finished_retention_ms,
      (SELECT COUNT(*) FROM checkpoints c WHERE c.workspace_id = w.id) AS checkpoint_count";
 
 fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
@@ -40,6 +43,9 @@ fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
     let state: String = row.try_get("state").map_err(read)?;
     let generation: i64 = row.try_get("generation").map_err(read)?;
     let count: i64 = row.try_get("checkpoint_count").map_err(read)?;
+    let finished_at: Option<i64> = row.try_get("finished_at").map_err(read)?;
+    let keep_last: Option<i64> = row.try_get("keep_last").map_err(read)?;
+    let finished_retention: Option<i64> = row.try_get("finished_retention_ms").map_err(read)?;
     Ok(Workspace {
         id: parse_column(&id, "workspace id")?,
         tenant: parse_column(&tenant, "tenant")?,
@@ -50,6 +56,13 @@ fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
         updated_at: from_millis(row.try_get("updated_at").map_err(read)?),
         checkpoint_count: unsigned(count, "checkpoint count")?,
         latest_checkpoint: None,
+        finished_at: finished_at.map(from_millis),
+        retention: Overrides {
+            keep_last: keep_last.map(|n| unsigned(n, "keep_last")).transpose()?,
+            finished_expiry: finished_retention
+                .map(|ms| unsigned::<u64>(ms, "finished retention").map(Duration::from_millis))
+                .transpose()?,
+        },
     })
 }
 

@@ -1,5 +1,6 @@
-//! `cairn.v1.AdminService`: hosts (list, cordon, uncordon, drain) and
-//! client and host tokens (create, list, revoke), for admin tokens only.
+//! `cairn.v1.AdminService`: hosts (list, cordon, uncordon, drain), client
+//! and host tokens (create, list, revoke), garbage collection and storage,
+//! for admin tokens only.
 
 use std::time::{Duration, SystemTime};
 
@@ -7,12 +8,13 @@ use cairn_proto::domain::to_timestamp;
 use cairn_proto::ids::TokenId;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_server::AdminService;
-use cairn_proto::runs::{HostState, from_proto_duration};
+use cairn_proto::runs::{HostState, from_proto_duration, to_proto_duration};
 use tonic::{Request, Response, Status};
 
 use super::{ServiceError, Shared, host_to_pb};
 use crate::auth::principal;
 use crate::db::{NewTokenRow, TokenInfo, expiry_after};
+use crate::gc::GcError;
 use crate::tokens::{self, Action, Principal, Scope};
 
 /// Longest token description kept.
@@ -47,8 +49,72 @@ fn host_reference(request: &pb::HostRequest) -> Result<&str, ServiceError> {
     }
 }
 
+fn tally_bytes(t: crate::db::PackTally) -> (u64, u64) {
+    (t.packs, t.bytes)
+}
+
 #[tonic::async_trait]
 impl AdminService for AdminApi {
+    async fn collect_garbage(
+        &self,
+        request: Request<pb::CollectGarbageRequest>,
+    ) -> Result<Response<pb::GcReport>, Status> {
+        let principal = admin(&request)?;
+        let dry_run = request.get_ref().dry_run;
+        let report = self
+            .shared
+            .collector
+            .cycle(Some(&principal.tenant), dry_run)
+            .await
+            .map_err(|e| match e {
+                GcError::Db(e) => ServiceError::Db(e),
+                GcError::Store(e) => ServiceError::Store(e),
+                GcError::Failpoint(e) => ServiceError::FailedPrecondition(e.to_string()),
+            })?;
+        tracing::info!(tenant = %principal.tenant, dry_run, checkpoints_deleted = report.checkpoints_deleted, packs_swept = report.swept.packs, orphans_swept = report.orphans_swept.packs, "garbage collection asked for");
+        let (packs_condemned, bytes_condemned) = tally_bytes(report.condemned);
+        let (packs_swept, bytes_swept) = tally_bytes(report.swept);
+        let (orphans_swept, orphan_bytes_swept) = tally_bytes(report.orphans_swept);
+        let (packs_awaiting_grace, bytes_awaiting_grace) = tally_bytes(report.awaiting_grace);
+        Ok(Response::new(pb::GcReport {
+            dry_run: report.dry_run,
+            checkpoints_deleted: report.checkpoints_deleted,
+            workspaces_expired: report.workspaces_expired,
+            packs_condemned,
+            bytes_condemned,
+            packs_swept,
+            bytes_swept,
+            orphans_swept,
+            orphan_bytes_swept,
+            packs_awaiting_grace,
+            bytes_awaiting_grace,
+            grace: Some(to_proto_duration(report.grace)),
+            took: Some(to_proto_duration(report.took)),
+        }))
+    }
+
+    async fn get_storage(
+        &self,
+        request: Request<pb::GetStorageRequest>,
+    ) -> Result<Response<pb::TenantStorage>, Status> {
+        let principal = admin(&request)?;
+        let storage = self
+            .shared
+            .db
+            .tenant_storage(&principal.tenant)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::TenantStorage {
+            tenant: principal.tenant.to_string(),
+            packs: storage.stored.packs,
+            stored_bytes: storage.stored.bytes,
+            condemned_packs: storage.condemned.packs,
+            condemned_bytes: storage.condemned.bytes,
+            workspaces: storage.workspaces,
+            checkpoints: storage.checkpoints,
+        }))
+    }
+
     async fn list_hosts(
         &self,
         request: Request<pb::ListHostsRequest>,

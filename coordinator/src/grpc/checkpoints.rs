@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::SystemTime;
 
-use cairn_proto::domain::{CommitCheckpoint, PackKind, to_timestamp};
+use cairn_proto::domain::{CommitCheckpoint, PackKind, WorkspaceRef, to_timestamp};
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId};
 use cairn_proto::pb;
 use cairn_proto::pb::checkpoint_service_server::CheckpointService;
@@ -20,14 +20,38 @@ use tonic::{Request, Response, Status};
 
 use super::{
     ServiceError, ServiceLimits, Shared, checkpoint_to_pb, decode_page_token, encode_page_token,
-    ensure_active, page_size,
+    ensure_active, page_size, verdict_to_pb,
 };
 use crate::auth::principal;
-use crate::db::{Checkpoint, DbError, NewCheckpoint};
+use crate::db::{Checkpoint, DbError, NewCheckpoint, Workspace};
+use crate::retention::{self, Verdict};
 use crate::store::ObjectKey;
 use crate::tokens::{Action, Principal};
 
 const PAGE_KIND: &str = "checkpoints";
+
+/// Where a commit stops after checking its packs in the store, before its
+/// transaction.
+pub const FAILPOINT_COMMIT_BEFORE_TRANSACTION: &str = "commit-before-transaction";
+
+/// Longest pin reason.
+const MAX_PIN_REASON: usize = 64;
+
+/// A pin reason: 1-64 of a-z, 0-9, '-', '_'.
+fn pin_reason(reason: &str) -> Result<&str, ServiceError> {
+    let ok = !reason.is_empty()
+        && reason.len() <= MAX_PIN_REASON
+        && reason
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(reason)
+    } else {
+        Err(ServiceError::InvalidArgument(format!(
+            "pin reason {reason:?} is not 1-64 of a-z, 0-9, '-', '_'"
+        )))
+    }
+}
 
 /// Restore candidates when the request names no number.
 const DEFAULT_CANDIDATES: u32 = 5;
@@ -265,6 +289,11 @@ impl CheckpointApi {
         }
 
         let stored_bytes = self.check_packs_in_store(principal, &expected).await?;
+        // Tests hold a commit here, between its store checks and its
+        // transaction, to race it with a garbage collection sweep.
+        cairn_utils::failpoint::hit_async(FAILPOINT_COMMIT_BEFORE_TRANSACTION)
+            .await
+            .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;
         let new_pack_count = commit.new_packs.len();
         let checkpoint = db
             .commit_checkpoint(
@@ -506,6 +535,68 @@ fn attempt_stale(principal: &Principal, given: Generation, own: Generation) -> S
     }
 }
 
+/// `c` with what retention makes of it (`verdicts`, by checkpoint).
+fn with_retention(c: &Checkpoint, verdicts: &HashMap<CheckpointId, Verdict>) -> pb::Checkpoint {
+    let mut answer = checkpoint_to_pb(c);
+    answer.retention = verdicts.get(&c.id).map(verdict_to_pb);
+    answer
+}
+
+impl CheckpointApi {
+    /// What retention makes of every checkpoint of `workspace` now.
+    async fn verdicts(
+        &self,
+        workspace: &Workspace,
+    ) -> Result<HashMap<CheckpointId, Verdict>, ServiceError> {
+        let policy = self
+            .shared
+            .collector
+            .config()
+            .policy
+            .with_overrides(&workspace.retention);
+        let facts = self.shared.db.retention_facts(&workspace.id).await?;
+        let now = self.shared.collector.clock().now();
+        Ok(retention::decide(
+            &policy,
+            &facts.checkpoints,
+            &facts.pins,
+            &facts.run_starts,
+            now,
+        )
+        .into_iter()
+        .map(|v| (v.checkpoint.clone(), v))
+        .collect())
+    }
+
+    /// Checkpoint `c` as an answer, with what retention makes of it.
+    async fn answer(
+        &self,
+        principal: &Principal,
+        c: &Checkpoint,
+    ) -> Result<pb::Checkpoint, ServiceError> {
+        let workspace = self
+            .shared
+            .workspace_by_ref(principal, &WorkspaceRef::Id(c.workspace_id.clone()))
+            .await?;
+        Ok(with_retention(c, &self.verdicts(&workspace).await?))
+    }
+
+    /// The checkpoint `id` names, of a workspace the caller may manage.
+    async fn managed(&self, principal: &Principal, id: &str) -> Result<Checkpoint, ServiceError> {
+        let id: CheckpointId = id.parse()?;
+        let checkpoint = self
+            .shared
+            .db
+            .checkpoint(&principal.tenant, &id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound(format!("checkpoint {id} does not exist")))?;
+        principal
+            .authorize(Action::ManageWorkspace(&checkpoint.workspace_id))
+            .map_err(ServiceError::Denied)?;
+        Ok(checkpoint)
+    }
+}
+
 #[tonic::async_trait]
 impl CheckpointService for CheckpointApi {
     async fn begin_checkpoint(
@@ -727,8 +818,12 @@ impl CheckpointService for CheckpointApi {
         } else {
             String::new()
         };
+        let verdicts = self.verdicts(&workspace).await?;
         Ok(Response::new(pb::ListCheckpointsResponse {
-            checkpoints: checkpoints.iter().map(checkpoint_to_pb).collect(),
+            checkpoints: checkpoints
+                .iter()
+                .map(|c| with_retention(c, &verdicts))
+                .collect(),
             next_page_token,
         }))
     }
@@ -753,7 +848,57 @@ impl CheckpointService for CheckpointApi {
         principal
             .authorize(Action::ReadCheckpoints(&checkpoint.workspace_id))
             .map_err(ServiceError::Denied)?;
-        Ok(Response::new(checkpoint_to_pb(&checkpoint)))
+        Ok(Response::new(self.answer(&principal, &checkpoint).await?))
+    }
+
+    async fn pin_checkpoint(
+        &self,
+        request: Request<pb::PinCheckpointRequest>,
+    ) -> Result<Response<pb::Checkpoint>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        let checkpoint = self.managed(&principal, &req.checkpoint_id).await?;
+        let reason = pin_reason(&req.reason)?;
+        let until = req.until.as_ref().map(cairn_proto::domain::from_timestamp);
+        let now = self.shared.collector.clock().now();
+        if until.is_some_and(|until| until <= now) {
+            return Err(ServiceError::InvalidArgument(
+                "until is in the past: the pin would keep nothing".into(),
+            )
+            .into());
+        }
+        self.shared
+            .db
+            .pin_checkpoint(&principal.tenant, &checkpoint.id, reason, until, now)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(checkpoint = %checkpoint.id, reason, ?until, "checkpoint pinned");
+        Ok(Response::new(self.answer(&principal, &checkpoint).await?))
+    }
+
+    async fn unpin_checkpoint(
+        &self,
+        request: Request<pb::UnpinCheckpointRequest>,
+    ) -> Result<Response<pb::Checkpoint>, Status> {
+        let principal = principal(&request)?.clone();
+        let req = request.into_inner();
+        let checkpoint = self.managed(&principal, &req.checkpoint_id).await?;
+        let reason = pin_reason(&req.reason)?;
+        let removed = self
+            .shared
+            .db
+            .unpin_checkpoint(&principal.tenant, &checkpoint.id, reason)
+            .await
+            .map_err(ServiceError::from)?;
+        if !removed {
+            return Err(ServiceError::NotFound(format!(
+                "checkpoint {} has no pin {reason:?}",
+                checkpoint.id
+            ))
+            .into());
+        }
+        tracing::info!(checkpoint = %checkpoint.id, reason, "checkpoint unpinned");
+        Ok(Response::new(self.answer(&principal, &checkpoint).await?))
     }
 
     async fn get_restore_manifest(

@@ -45,13 +45,15 @@ use crate::auth::AuthLayer;
 use crate::db::{
     Attempt, Checkpoint, DbError, HandoffNote, Host, MetadataStore, Run, RunEvent, Workspace,
 };
+use crate::gc::Collector;
+use crate::retention::{self, KeepReason, Policy, Verdict};
 use crate::scheduler::SchedulerHandle;
 use crate::store::{ObjectStore, ObjectStoreError};
 use crate::tls::{Peer, ServerTls};
 use crate::tokens::{Action, Principal, RunTokenKey};
 
 pub use admin::AdminApi;
-pub use checkpoints::CheckpointApi;
+pub use checkpoints::{CheckpointApi, FAILPOINT_COMMIT_BEFORE_TRANSACTION};
 pub use hosts::HostApi;
 pub use runner::RunnerApi;
 pub use runs::RunApi;
@@ -169,6 +171,8 @@ pub struct Shared {
     pub scheduler: SchedulerHandle,
     /// Cancelled when the server shuts down: long calls end then.
     pub shutdown: CancellationToken,
+    /// Retention and garbage collection (with the clock they go by).
+    pub collector: Collector,
 }
 
 impl std::fmt::Debug for Shared {
@@ -241,6 +245,18 @@ impl From<ServiceError> for Status {
                     why,
                     detail,
                 } => Refusal::AttemptNotCurrent { run, attempt, why }.into_status(detail),
+                DbError::PacksMissing { ref packs } => Refusal::PacksMissing {
+                    packs: packs.clone(),
+                }
+                .into_status(e.to_string()),
+                DbError::WorkspaceHasRuns {
+                    ref workspace,
+                    ref runs,
+                } => Refusal::WorkspaceHasRuns {
+                    workspace: workspace.clone(),
+                    runs: runs.clone(),
+                }
+                .into_status(e.to_string()),
                 DbError::NameTaken(_) => Status::already_exists(e.to_string()),
                 DbError::WorkspaceNotFound(_) | DbError::NotFound(_) => {
                     Status::not_found(e.to_string())
@@ -297,7 +313,7 @@ impl Shared {
         Ok(workspace)
     }
 
-    async fn workspace_by_ref(
+    pub(super) async fn workspace_by_ref(
         &self,
         principal: &Principal,
         reference: &WorkspaceRef,
@@ -372,10 +388,52 @@ fn checkpoint_to_pb(c: &Checkpoint) -> pb::Checkpoint {
         pack_count: c.pack_count,
         stored_bytes: c.stored_bytes,
         key_id: c.key_id.clone(),
+        retention: None,
     }
 }
 
-fn workspace_to_pb(w: &Workspace) -> pb::Workspace {
+fn keep_reason_to_pb(reason: &KeepReason) -> pb::KeepReason {
+    use pb::keep_reason::{Newest, Pinned, Reason, Recent, RunStart};
+    let reason = match reason {
+        KeepReason::Newest => Reason::Newest(Newest {}),
+        KeepReason::Recent { rank, of } => Reason::Recent(Recent {
+            rank: *rank,
+            of: *of,
+        }),
+        KeepReason::Pinned { reason, until } => Reason::Pinned(Pinned {
+            reason: reason.clone(),
+            until: until.map(to_timestamp),
+        }),
+        KeepReason::RunStart { run, until } => Reason::RunStart(RunStart {
+            run_id: run.to_string(),
+            until: Some(to_timestamp(*until)),
+        }),
+    };
+    pb::KeepReason {
+        reason: Some(reason),
+    }
+}
+
+fn verdict_to_pb(verdict: &Verdict) -> pb::CheckpointRetention {
+    pb::CheckpointRetention {
+        kept_by: verdict.kept_by.iter().map(keep_reason_to_pb).collect(),
+        kept_until: verdict.kept_until.map(to_timestamp),
+    }
+}
+
+/// The retention that applies to `w`: the server's `defaults` under its own.
+fn retention_to_pb(w: &Workspace, defaults: &Policy) -> pb::Retention {
+    let policy = defaults.with_overrides(&w.retention);
+    pb::Retention {
+        keep_last: policy.keep_last,
+        finished_expiry: Some(to_proto_duration(policy.finished_expiry)),
+        own_keep_last: w.retention.keep_last.is_some(),
+        own_finished_expiry: w.retention.finished_expiry.is_some(),
+    }
+}
+
+fn workspace_to_pb(w: &Workspace, defaults: &Policy) -> pb::Workspace {
+    let policy = defaults.with_overrides(&w.retention);
     pb::Workspace {
         id: w.id.to_string(),
         name: w.name.clone().unwrap_or_default(),
@@ -386,6 +444,10 @@ fn workspace_to_pb(w: &Workspace) -> pb::Workspace {
         generation: w.generation.0,
         checkpoint_count: u32::try_from(w.checkpoint_count).unwrap_or(u32::MAX),
         latest_checkpoint: w.latest_checkpoint.as_ref().map(checkpoint_to_pb),
+        finished_at: w.finished_at.map(to_timestamp),
+        expires_at: retention::expires_at(&policy, w.state, w.finished_at).map(to_timestamp),
+        retention: Some(retention_to_pb(w, defaults)),
+        storage: None,
     }
 }
 

@@ -1,11 +1,11 @@
 //! `cairn.v1.WorkspaceService`: create, show, list and fork workspaces; chat
 //! messages; the handoff notes runs left.
 
-use cairn_proto::domain::{to_timestamp, validate_name};
+use cairn_proto::domain::{WorkspaceRef, to_timestamp, validate_name};
 use cairn_proto::ids::{CheckpointId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::workspace_service_server::WorkspaceService;
-use cairn_proto::runs::validate_station;
+use cairn_proto::runs::{from_proto_duration, validate_station};
 use tonic::{Request, Response, Status};
 
 use super::{
@@ -13,8 +13,9 @@ use super::{
     page_size, workspace_to_pb,
 };
 use crate::auth::principal;
-use crate::db::{Message, MessageState};
-use crate::tokens::Action;
+use crate::db::{Message, MessageState, RetentionChange, Workspace};
+use crate::retention::Policy;
+use crate::tokens::{Action, Principal};
 use cairn_proto::stations::DEFAULT_STATION;
 
 const PAGE_KIND: &str = "workspaces";
@@ -31,6 +32,34 @@ pub struct WorkspaceApi {
 impl WorkspaceApi {
     pub fn new(shared: Shared) -> Self {
         Self { shared }
+    }
+
+    fn policy(&self) -> &Policy {
+        &self.shared.collector.config().policy
+    }
+
+    /// The workspace `reference` names, which the caller may manage.
+    async fn managed(
+        &self,
+        principal: &Principal,
+        reference: &str,
+    ) -> Result<Workspace, ServiceError> {
+        self.shared
+            .authorized_workspace(principal, reference, |id| Action::ManageWorkspace(id))
+            .await
+    }
+
+    /// `id` as it is now, for an answer.
+    async fn reread(
+        &self,
+        principal: &Principal,
+        id: &WorkspaceId,
+    ) -> Result<pb::Workspace, Status> {
+        let workspace = self
+            .shared
+            .workspace_by_ref(principal, &WorkspaceRef::Id(id.clone()))
+            .await?;
+        Ok(workspace_to_pb(&workspace, self.policy()))
     }
 }
 
@@ -143,8 +172,101 @@ pub(super) fn message_to_pb(m: &Message) -> pb::Message {
     }
 }
 
+/// Longest retention a workspace may set (keep-last and finished expiry).
+const MAX_KEEP_LAST: u32 = 10_000;
+const MAX_FINISHED_EXPIRY: std::time::Duration =
+    std::time::Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// A SetRetention request, validated.
+fn retention_change(req: &pb::SetRetentionRequest) -> Result<RetentionChange, ServiceError> {
+    let keep_last = match req.keep_last {
+        None => None,
+        Some(0) => Some(None),
+        Some(n) if n > MAX_KEEP_LAST => {
+            return Err(ServiceError::over_limit(
+                "retention.keep_last",
+                u64::from(MAX_KEEP_LAST),
+                u64::from(n),
+                format!("keep_last {n} is more than a workspace may keep"),
+            ));
+        }
+        Some(n) => Some(Some(n)),
+    };
+    let finished_expiry = match &req.finished_expiry {
+        None => None,
+        Some(d) => {
+            let d = from_proto_duration(d, "finished_expiry")?;
+            if d > MAX_FINISHED_EXPIRY {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "finished_expiry {} is longer than ten years",
+                    humantime::format_duration(d)
+                )));
+            }
+            Some((!d.is_zero()).then_some(d))
+        }
+    };
+    Ok(RetentionChange {
+        keep_last,
+        finished_expiry,
+    })
+}
+
 #[tonic::async_trait]
 impl WorkspaceService for WorkspaceApi {
+    async fn finish_workspace(
+        &self,
+        request: Request<pb::FinishWorkspaceRequest>,
+    ) -> Result<Response<pb::Workspace>, Status> {
+        let principal = principal(&request)?.clone();
+        let workspace = self
+            .managed(&principal, &request.get_ref().workspace)
+            .await?;
+        let now = self.shared.collector.clock().now();
+        self.shared
+            .db
+            .finish_workspace(&principal.tenant, &workspace.id, now)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(workspace = %workspace.id, "workspace finished");
+        Ok(Response::new(self.reread(&principal, &workspace.id).await?))
+    }
+
+    async fn delete_workspace(
+        &self,
+        request: Request<pb::DeleteWorkspaceRequest>,
+    ) -> Result<Response<pb::Workspace>, Status> {
+        let principal = principal(&request)?.clone();
+        let workspace = self
+            .managed(&principal, &request.get_ref().workspace)
+            .await?;
+        let now = self.shared.collector.clock().now();
+        let deleted = self
+            .shared
+            .db
+            .delete_workspace(&principal.tenant, &workspace.id, now)
+            .await
+            .map_err(ServiceError::from)?;
+        tracing::info!(workspace = %workspace.id, checkpoints = deleted.checkpoints, packs_condemned = deleted.condemned.packs, "workspace deleted");
+        Ok(Response::new(self.reread(&principal, &workspace.id).await?))
+    }
+
+    async fn set_retention(
+        &self,
+        request: Request<pb::SetRetentionRequest>,
+    ) -> Result<Response<pb::Workspace>, Status> {
+        let principal = principal(&request)?.clone();
+        let change = retention_change(request.get_ref())?;
+        let workspace = self
+            .managed(&principal, &request.get_ref().workspace)
+            .await?;
+        self.shared
+            .db
+            .set_retention(&principal.tenant, &workspace.id, change)
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(self.reread(&principal, &workspace.id).await?))
+    }
+
     async fn send_message(
         &self,
         request: Request<pb::SendMessageRequest>,
@@ -263,7 +385,11 @@ impl WorkspaceService for WorkspaceApi {
             "workspace forked"
         );
         Ok(Response::new(pb::ForkWorkspaceResponse {
-            workspaces: forked.workspaces.iter().map(workspace_to_pb).collect(),
+            workspaces: forked
+                .workspaces
+                .iter()
+                .map(|w| workspace_to_pb(w, self.policy()))
+                .collect(),
             checkpoint_id: forked.checkpoint.to_string(),
         }))
     }
@@ -284,7 +410,7 @@ impl WorkspaceService for WorkspaceApi {
             .await
             .map_err(ServiceError::from)?;
         tracing::info!(workspace = %workspace.id, name = name.unwrap_or(""), tenant = %principal.tenant, "workspace created");
-        Ok(Response::new(workspace_to_pb(&workspace)))
+        Ok(Response::new(workspace_to_pb(&workspace, self.policy())))
     }
 
     async fn get_workspace(
@@ -298,7 +424,20 @@ impl WorkspaceService for WorkspaceApi {
                 Action::ReadWorkspace(id)
             })
             .await?;
-        Ok(Response::new(workspace_to_pb(&workspace)))
+        let storage = self
+            .shared
+            .db
+            .workspace_storage(&workspace.id)
+            .await
+            .map_err(ServiceError::from)?;
+        let mut answer = workspace_to_pb(&workspace, self.policy());
+        answer.storage = Some(pb::WorkspaceStorage {
+            referenced_bytes: storage.referenced.bytes,
+            referenced_packs: storage.referenced.packs,
+            unique_bytes: storage.unique_bytes,
+            shared_bytes: storage.shared_bytes,
+        });
+        Ok(Response::new(answer))
     }
 
     async fn list_workspaces(
@@ -331,7 +470,10 @@ impl WorkspaceService for WorkspaceApi {
             String::new()
         };
         Ok(Response::new(pb::ListWorkspacesResponse {
-            workspaces: workspaces.iter().map(workspace_to_pb).collect(),
+            workspaces: workspaces
+                .iter()
+                .map(|w| workspace_to_pb(w, self.policy()))
+                .collect(),
             next_page_token,
         }))
     }

@@ -138,9 +138,11 @@ fn collect(
             }
             // Files that are not valid keys were not put there by the store.
             if let Ok(key) = ObjectKey::new(key) {
+                let meta = entry.metadata()?;
                 out.push(ObjectMeta {
                     key,
-                    size: entry.metadata()?.len(),
+                    size: meta.len(),
+                    modified: meta.modified()?,
                 });
             }
         }

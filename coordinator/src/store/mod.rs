@@ -77,6 +77,24 @@ impl ObjectKey {
         Self(format!("packs/{tenant}/{}/{id}", &id[..2]))
     }
 
+    /// The tenant and pack a pack's key names ([`ObjectKey::for_pack`]
+    /// backwards); `None` for any other key.
+    pub fn pack(&self) -> Option<(TenantId, PackId)> {
+        let mut parts = self.0.split('/');
+        let (Some("packs"), Some(tenant), Some(fanout), Some(id), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            return None;
+        };
+        let pack: PackId = id.parse().ok()?;
+        (id.get(..2) == Some(fanout)).then_some(())?;
+        Some((tenant.parse().ok()?, pack))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -99,6 +117,9 @@ impl fmt::Debug for ObjectKey {
 pub struct ObjectMeta {
     pub key: ObjectKey,
     pub size: u64,
+    /// When it was last written (garbage collection spares uploads younger
+    /// than its grace period: they may still be committed).
+    pub modified: std::time::SystemTime,
 }
 
 /// A URL that lets its bearer do one thing to one object until it expires.
@@ -288,6 +309,27 @@ mod tests {
         }
         assert!(ObjectKey::new("x".repeat(MAX_KEY_LEN + 1)).is_err());
         assert!(ObjectKey::new("packs/default/ab/ab12-x_y.z").is_ok());
+    }
+
+    #[test]
+    fn a_pack_key_names_its_tenant_and_pack_and_no_other_key_does() {
+        let tenant: TenantId = "acme".parse().unwrap();
+        let pack = PackId::from_digest(&[0xab; 32]);
+        let key = ObjectKey::for_pack(&tenant, &pack);
+        assert_eq!(key.pack(), Some((tenant, pack.clone())));
+        for other in [
+            "keys/acme/k1".to_owned(),
+            format!("packs/acme/{}", pack.as_str()),
+            format!("packs/acme/cd/{}", pack.as_str()),
+            "packs/acme/ab/not-a-pack".to_owned(),
+            format!("packs/acme/ab/{}/x", pack.as_str()),
+        ] {
+            assert_eq!(
+                ObjectKey::new(other.clone()).unwrap().pack(),
+                None,
+                "{other}"
+            );
+        }
     }
 
     #[test]

@@ -110,7 +110,20 @@ async fn the_checkpoint_protocol_round_trips() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(shown, first);
+    // Shown, it also says why retention keeps it: the second newest of
+    // the last five.
+    let retention = shown
+        .retention
+        .clone()
+        .expect("GetCheckpoint says why it is kept");
+    assert_eq!(retention.kept_by.len(), 1);
+    assert_eq!(
+        pb::Checkpoint {
+            retention: None,
+            ..shown
+        },
+        first
+    );
     let workspace = get_workspace(&mut client, &ws.id).await;
     assert_eq!(workspace.checkpoint_count, 2);
     assert_eq!(workspace.latest_checkpoint.unwrap().id, second.id);

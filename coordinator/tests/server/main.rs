@@ -7,6 +7,7 @@ mod chats;
 mod checkpoints;
 mod fencing;
 mod fleet;
+mod gc;
 mod harness;
 mod hosts;
 mod isolation;
