@@ -1,11 +1,14 @@
-//! `cairnctl checkpoints WS`: a workspace's checkpoints, newest first.
+//! `cairnctl checkpoints [list] WS`: a workspace's checkpoints, newest
+//! first, with why retention keeps each; `checkpoints pin|unpin CID`.
 
 use std::process::ExitCode;
+use std::time::SystemTime;
 
 use cairn_engine::client::CoordinatorClient;
+use cairn_proto::pb;
 
 use super::output::{self, time_of};
-use super::{Output, all_checkpoints, emit, print_json};
+use super::{Output, all_checkpoints, emit, print_json, rpc_error};
 
 pub async fn list(
     coordinator: &CoordinatorClient,
@@ -32,16 +35,72 @@ pub async fn list(
                         output::bytes(stats.uploaded_bytes),
                         c.pack_count.to_string(),
                         output::repos(&c.repos),
+                        output::kept_by(c.retention.as_ref()),
+                        output::kept_until(c.retention.as_ref()),
                     ]
                 })
                 .collect();
             emit(&output::table(
                 &[
                     "ID", "#", "REASON", "CREATED", "FILES", "SIZE", "UPLOADED", "PACKS", "REPOS",
+                    "KEPT BY", "UNTIL",
                 ],
                 &rows,
             ))?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Pins `checkpoint` for `reason` until `until` (`None`: until unpinned).
+pub async fn pin(
+    coordinator: &CoordinatorClient,
+    checkpoint: &str,
+    reason: &str,
+    until: Option<SystemTime>,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.checkpoints.clone();
+    let pinned = client
+        .pin_checkpoint(pb::PinCheckpointRequest {
+            checkpoint_id: checkpoint.to_owned(),
+            reason: reason.to_owned(),
+            until: until.map(cairn_proto::domain::to_timestamp),
+        })
+        .await
+        .map_err(rpc_error("pinning the checkpoint"))?
+        .into_inner();
+    answer(&pinned, "pinned", out)
+}
+
+/// Removes the pin `reason` from `checkpoint`.
+pub async fn unpin(
+    coordinator: &CoordinatorClient,
+    checkpoint: &str,
+    reason: &str,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.checkpoints.clone();
+    let unpinned = client
+        .unpin_checkpoint(pb::UnpinCheckpointRequest {
+            checkpoint_id: checkpoint.to_owned(),
+            reason: reason.to_owned(),
+        })
+        .await
+        .map_err(rpc_error("unpinning the checkpoint"))?
+        .into_inner();
+    answer(&unpinned, "unpinned", out)
+}
+
+fn answer(c: &pb::Checkpoint, done: &str, out: Output) -> anyhow::Result<ExitCode> {
+    match out {
+        Output::Json => print_json(&output::checkpoint_json(c))?,
+        Output::Table => emit(&format!(
+            "{done} {}; kept by: {} (until {})",
+            output::checkpoint_brief(c),
+            output::kept_by(c.retention.as_ref()),
+            output::kept_until(c.retention.as_ref())
+        ))?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -11,8 +11,10 @@
 //! binaries.
 //!
 //! - [`output`]: tables, JSON shapes and human units.
-//! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes`.
-//! - [`checkpoints`]: `checkpoints WS`.
+//! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes|
+//!   finish|delete|retention`.
+//! - [`checkpoints`]: `checkpoints [list] WS`, `checkpoints pin|unpin CID`.
+//! - [`gc`]: `gc [--dry-run]`, `storage`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
 //! - [`verify`]: `verify WS [--read-data]`.
 //! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
@@ -25,6 +27,7 @@
 mod checkout;
 mod checkpoints;
 mod demo;
+mod gc;
 mod hosts;
 mod output;
 mod runs;
@@ -85,11 +88,25 @@ pub enum Command {
     /// Create, list and show workspaces.
     #[command(subcommand)]
     Workspace(WorkspaceCommand),
-    /// List a workspace's checkpoints, newest first.
+    /// List a workspace's checkpoints, newest first, with why retention
+    /// keeps each and until when; pin or unpin one.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Checkpoints {
-        /// Workspace id or name.
-        workspace: String,
+        /// Workspace id or name (as `checkpoints list WS`).
+        #[arg(required = true)]
+        workspace: Option<String>,
+        #[command(subcommand)]
+        command: Option<CheckpointsCommand>,
     },
+    /// Run a garbage collection cycle now (admin token): retention, then
+    /// the packs no checkpoint references, past the grace period.
+    Gc {
+        /// Say what it would delete and free; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// What the tenant stores: packs, bytes, what waits to be freed (admin token).
+    Storage,
     /// Restore a checkpoint (the newest restorable one by default) into a directory.
     Checkout {
         /// Workspace id or name.
@@ -180,6 +197,35 @@ pub enum RunsCommand {
         run: String,
         /// Why, for the run's events.
         #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CheckpointsCommand {
+    /// List a workspace's checkpoints (what `checkpoints WS` does).
+    List {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Keep a checkpoint past its workspace's retention.
+    Pin {
+        /// Checkpoint id (ck-…).
+        checkpoint: String,
+        /// Until when (RFC 3339, e.g. 2027-01-31T00:00:00Z); without it,
+        /// until unpinned.
+        #[arg(long, value_parser = humantime::parse_rfc3339_weak)]
+        until: Option<std::time::SystemTime>,
+        /// Why (a-z, 0-9, '-', '_'); one pin per reason.
+        #[arg(long, default_value = "pinned")]
+        reason: String,
+    },
+    /// Remove a pin.
+    Unpin {
+        /// Checkpoint id (ck-…).
+        checkpoint: String,
+        /// The pin's reason.
+        #[arg(long, default_value = "pinned")]
         reason: String,
     },
 }
@@ -288,6 +334,30 @@ pub enum WorkspaceCommand {
         /// Workspace id or name.
         workspace: String,
     },
+    /// Finish a workspace: it takes no new runs, checkpoints or forks, and
+    /// is deleted once its retention period has passed.
+    Finish {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Delete a workspace now: its checkpoints go at once, and garbage
+    /// collection frees the packs nothing else references.
+    Delete {
+        /// Workspace id or name.
+        workspace: String,
+    },
+    /// Set a workspace's own retention (without flags: show it).
+    Retention {
+        /// Workspace id or name.
+        workspace: String,
+        /// Keep this many of the newest checkpoints (0: the server's default).
+        #[arg(long)]
+        keep_last: Option<u32>,
+        /// Delete it this long after it is finished (e.g. 3days; 0s: the
+        /// server's default).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        finished_expiry: Option<std::time::Duration>,
+    },
 }
 
 /// Runs a parsed command line to completion and prints any error.
@@ -345,8 +415,42 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workspace(WorkspaceCommand::Notes { workspace }) => {
             workspace::notes(&coordinator, &workspace, output).await
         }
-        Command::Checkpoints { workspace } => {
-            checkpoints::list(&coordinator, &workspace, output).await
+        Command::Checkpoints { workspace, command } => match (workspace, command) {
+            (_, Some(CheckpointsCommand::List { workspace })) | (Some(workspace), None) => {
+                checkpoints::list(&coordinator, &workspace, output).await
+            }
+            (
+                _,
+                Some(CheckpointsCommand::Pin {
+                    checkpoint,
+                    until,
+                    reason,
+                }),
+            ) => checkpoints::pin(&coordinator, &checkpoint, &reason, until, output).await,
+            (_, Some(CheckpointsCommand::Unpin { checkpoint, reason })) => {
+                checkpoints::unpin(&coordinator, &checkpoint, &reason, output).await
+            }
+            (None, None) => anyhow::bail!("name a workspace: cairnctl checkpoints WS"),
+        },
+        Command::Gc { dry_run } => gc::collect(&coordinator, dry_run, output).await,
+        Command::Storage => gc::storage(&coordinator, output).await,
+        Command::Workspace(WorkspaceCommand::Finish { workspace }) => {
+            workspace::end(&coordinator, &workspace, workspace::Ending::Finish, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Delete { workspace }) => {
+            workspace::end(&coordinator, &workspace, workspace::Ending::Delete, output).await
+        }
+        Command::Workspace(WorkspaceCommand::Retention {
+            workspace,
+            keep_last,
+            finished_expiry,
+        }) => {
+            let request = pb::SetRetentionRequest {
+                workspace,
+                keep_last,
+                finished_expiry: finished_expiry.map(cairn_proto::runs::to_proto_duration),
+            };
+            workspace::set_retention(&coordinator, request, output).await
         }
         Command::Checkout {
             workspace,

@@ -130,7 +130,81 @@ pub fn workspace_json(w: &pb::Workspace) -> Value {
         "created_at": rfc3339(time_of!(w.created_at)),
         "updated_at": rfc3339(time_of!(w.updated_at)),
         "latest_checkpoint": w.latest_checkpoint.as_ref().map(checkpoint_json),
+        "finished_at": rfc3339(time_of!(w.finished_at)),
+        "expires_at": rfc3339(time_of!(w.expires_at)),
+        "retention": w.retention.as_ref().map(|r| json!({
+            "keep_last": r.keep_last,
+            "finished_expiry_secs": r.finished_expiry.as_ref().map(|d| d.seconds),
+            "own_keep_last": r.own_keep_last,
+            "own_finished_expiry": r.own_finished_expiry,
+        })),
+        "storage": w.storage.as_ref().map(|s| json!({
+            "referenced_bytes": s.referenced_bytes,
+            "referenced_packs": s.referenced_packs,
+            "unique_bytes": s.unique_bytes,
+            "shared_bytes": s.shared_bytes,
+        })),
     })
+}
+
+/// One reason retention keeps a checkpoint, in words.
+pub fn keep_reason(reason: &pb::KeepReason) -> String {
+    use pb::keep_reason::Reason;
+    match &reason.reason {
+        Some(Reason::Newest(_)) => "newest".into(),
+        Some(Reason::Recent(r)) => format!("last {} (#{})", r.of, r.rank),
+        Some(Reason::Pinned(p)) => match time_of!(p.until) {
+            Some(until) => format!(
+                "pin {} until {}",
+                p.reason,
+                humantime::format_rfc3339_seconds(until)
+            ),
+            None => format!("pin {}", p.reason),
+        },
+        Some(Reason::RunStart(r)) => format!("run {} started from it", r.run_id),
+        None => "unknown".into(),
+    }
+}
+
+/// Why retention keeps a checkpoint, in words (`-` when unknown).
+pub fn kept_by(retention: Option<&pb::CheckpointRetention>) -> String {
+    match retention {
+        None => "-".into(),
+        Some(r) if r.kept_by.is_empty() => "nothing: goes at the next gc".into(),
+        Some(r) => r
+            .kept_by
+            .iter()
+            .map(keep_reason)
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
+}
+
+/// Until when retention keeps a checkpoint, in words.
+pub fn kept_until(retention: Option<&pb::CheckpointRetention>) -> String {
+    match retention {
+        None => "-".into(),
+        Some(r) if r.kept_by.is_empty() => "next gc".into(),
+        Some(r) => match time_of!(r.kept_until) {
+            Some(until) => humantime::format_rfc3339_seconds(until).to_string(),
+            None => "while newest/recent".into(),
+        },
+    }
+}
+
+fn keep_reason_json(reason: &pb::KeepReason) -> Value {
+    use pb::keep_reason::Reason;
+    match &reason.reason {
+        Some(Reason::Newest(_)) => json!({"kind": "newest"}),
+        Some(Reason::Recent(r)) => json!({"kind": "recent", "rank": r.rank, "of": r.of}),
+        Some(Reason::Pinned(p)) => {
+            json!({"kind": "pinned", "reason": p.reason, "until": rfc3339(time_of!(p.until))})
+        }
+        Some(Reason::RunStart(r)) => {
+            json!({"kind": "run_start", "run_id": r.run_id, "until": rfc3339(time_of!(r.until))})
+        }
+        None => json!({"kind": "unknown"}),
+    }
 }
 
 pub fn checkpoint_json(c: &pb::Checkpoint) -> Value {
@@ -178,6 +252,10 @@ pub fn checkpoint_json(c: &pb::Checkpoint) -> Value {
             "harness": h.harness,
             "session_id": h.session_id,
             "station": h.station,
+        })),
+        "retention": c.retention.as_ref().map(|r| json!({
+            "kept_by": r.kept_by.iter().map(keep_reason_json).collect::<Vec<_>>(),
+            "kept_until": rfc3339(time_of!(r.kept_until)),
         })),
     })
 }

@@ -189,8 +189,129 @@ pub async fn show(
                 ("latest", latest),
                 ("created", output::when(time_of!(w.created_at))),
                 ("updated", output::when(time_of!(w.updated_at))),
+                ("finished", output::when(time_of!(w.finished_at))),
+                ("expires", output::when(time_of!(w.expires_at))),
+                ("retention", retention_words(w.retention.as_ref())),
+                ("stored", storage_words(w.storage.as_ref())),
             ]))?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `keep last 5 (server default); finished workspaces go after 7days (own)`.
+fn retention_words(r: Option<&pb::Retention>) -> String {
+    let Some(r) = r else { return "-".into() };
+    let whose = |own: bool| if own { "own" } else { "server default" };
+    let expiry = r
+        .finished_expiry
+        .as_ref()
+        .and_then(|d| cairn_proto::runs::from_proto_duration(d, "finished_expiry").ok())
+        .map(|d| humantime::format_duration(d).to_string())
+        .unwrap_or_else(|| "-".into());
+    format!(
+        "keep last {} ({}); deleted {expiry} after it is finished ({})",
+        r.keep_last,
+        whose(r.own_keep_last),
+        whose(r.own_finished_expiry)
+    )
+}
+
+/// `12.0 MiB in 8 packs: 10.0 MiB its own, 2.0 MiB shared with other workspaces`.
+fn storage_words(s: Option<&pb::WorkspaceStorage>) -> String {
+    let Some(s) = s else { return "-".into() };
+    format!(
+        "{} in {} packs: {} its own, {} shared with other workspaces (forks)",
+        output::bytes(s.referenced_bytes),
+        s.referenced_packs,
+        output::bytes(s.unique_bytes),
+        output::bytes(s.shared_bytes)
+    )
+}
+
+/// What finishing or deleting did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Finish,
+    Delete,
+}
+
+/// `cairnctl workspace finish|delete WS`.
+pub async fn end(
+    coordinator: &CoordinatorClient,
+    workspace: &str,
+    ending: Ending,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let result = match ending {
+        Ending::Finish => client
+            .finish_workspace(pb::FinishWorkspaceRequest {
+                workspace: workspace.to_owned(),
+            })
+            .await
+            .map_err(ended_error("finishing the workspace"))?,
+        Ending::Delete => client
+            .delete_workspace(pb::DeleteWorkspaceRequest {
+                workspace: workspace.to_owned(),
+            })
+            .await
+            .map_err(ended_error("deleting the workspace"))?,
+    }
+    .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&result))?,
+        Output::Table => emit(&match ending {
+            Ending::Finish => format!(
+                "finished workspace {}: no new runs; deleted {}",
+                result.id,
+                match time_of!(result.expires_at) {
+                    Some(at) => format!("at {}", humantime::format_rfc3339_seconds(at)),
+                    None => "after its retention".into(),
+                }
+            ),
+            Ending::Delete => format!(
+                "deleted workspace {}: its checkpoints are gone; garbage collection frees the packs nothing else uses after its grace period",
+                result.id
+            ),
+        })?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A refused finish or delete, naming the runs to end first when that is why.
+fn ended_error(what: &'static str) -> impl FnOnce(tonic::Status) -> anyhow::Error {
+    move |status| match cairn_proto::refusal::Refusal::of(&status) {
+        Some(cairn_proto::refusal::Refusal::WorkspaceHasRuns { workspace, runs }) => {
+            let ids: Vec<String> = runs.iter().map(ToString::to_string).collect();
+            anyhow::anyhow!(
+                "{what}: workspace {workspace} has runs that have not ended ({}); cancel them first (cairnctl runs cancel RUN) or wait for them",
+                ids.join(", ")
+            )
+        }
+        _ => rpc_error(what)(status),
+    }
+}
+
+/// `cairnctl workspace retention WS [--keep-last N] [--finished-expiry D]`.
+pub async fn set_retention(
+    coordinator: &CoordinatorClient,
+    request: pb::SetRetentionRequest,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let mut client = coordinator.workspaces.clone();
+    let w = client
+        .set_retention(request)
+        .await
+        .map_err(rpc_error("setting the workspace's retention"))?
+        .into_inner();
+    match out {
+        Output::Json => print_json(&output::workspace_json(&w))?,
+        Output::Table => emit(&format!(
+            "workspace {}: {}",
+            w.id,
+            retention_words(w.retention.as_ref())
+        ))?,
     }
     Ok(ExitCode::SUCCESS)
 }
