@@ -17,6 +17,8 @@
 //! (floods, slow uploads, temp sweep), restore_space (small tmpfs), tls
 //! (TLS on both listeners, CAIRN_CA, mutual TLS for hosts). Issue 30: layout
 //! (the crate graph ARCHITECTURE.md promises, from `cargo metadata`).
+//! Issue 31: retention (keep-last with churn, pins, forks outliving a
+//! deleted source, a sweep cut short by a crash).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -41,6 +43,7 @@ mod limits;
 mod partial;
 mod restore_space;
 mod restore_speed;
+mod retention;
 mod runs;
 mod server_limits;
 mod signed_urls;

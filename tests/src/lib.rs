@@ -75,6 +75,8 @@ pub fn tempdir(label: &str) -> TempDir {
 pub struct Coordinator {
     home: TempDir,
     extra_args: Vec<String>,
+    /// Environment variables its process gets (e.g. CAIRN_FAILPOINTS).
+    extra_env: Vec<(String, String)>,
     child: Option<Child>,
     /// `--listen` and `--blob-listen`: ephemeral ports until a restart
     /// in place pins the ones the first start got.
@@ -107,6 +109,7 @@ impl Coordinator {
         let mut coordinator = Self {
             home: tempdir("coordinator"),
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            extra_env: Vec::new(),
             child: None,
             listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
             grpc_url: String::new(),
@@ -127,6 +130,7 @@ impl Coordinator {
         let mut coordinator = Self {
             home: tempdir("coordinator"),
             extra_args: args,
+            extra_env: Vec::new(),
             child: None,
             listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
             grpc_url: String::new(),
@@ -211,6 +215,8 @@ impl Coordinator {
                 &self.listen[1],
             ])
             .args(&self.extra_args)
+            .env_remove("CAIRN_FAILPOINTS")
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log handle clones"))
             .stderr(log)
@@ -259,6 +265,51 @@ impl Coordinator {
                 .to_owned()
         };
         self.listen = [address(&self.grpc_url), address(&self.blob_url)];
+        self.restart();
+    }
+
+    /// Starts a coordinator with extra `serve` flags and environment
+    /// variables (e.g. `CAIRN_FAILPOINTS`).
+    pub fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut coordinator = Self {
+            home: tempdir("coordinator"),
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            child: None,
+            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
+            grpc_url: String::new(),
+            blob_url: String::new(),
+            admin_token: String::new(),
+            ca: None,
+        };
+        coordinator.spawn();
+        coordinator
+    }
+
+    /// Waits (bounded) for the process to exit by itself; its status.
+    pub fn wait_for_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        let child = self.child.as_mut().expect("the coordinator was started");
+        loop {
+            if let Some(status) = child.try_wait().expect("child status can be read") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the coordinator did not exit within {within:?}; its output:\n{}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts it again on the same data dir, with no extra environment.
+    pub fn restart_without_env(&mut self) {
+        self.extra_env.clear();
         self.restart();
     }
 
