@@ -356,6 +356,72 @@ impl TryFrom<pb::NewPack> for NewPack {
     }
 }
 
+/// A compaction (CompactPacksRequest), validated: every new pack a
+/// replacement names is among the new packs, no pack is replaced twice,
+/// and no pack both replaced and new.
+#[derive(Debug, Clone)]
+pub struct CompactPacks {
+    pub workspace: WorkspaceRef,
+    pub new_packs: Vec<NewPack>,
+    /// Old pack → the new packs that hold its live blobs.
+    pub replacements: Vec<(PackId, Vec<PackId>)>,
+    pub checkpoints: Vec<CheckpointId>,
+}
+
+impl TryFrom<pb::CompactPacksRequest> for CompactPacks {
+    type Error = ValidationError;
+    fn try_from(r: pb::CompactPacksRequest) -> Result<Self, Self::Error> {
+        let workspace: WorkspaceRef = r.workspace.parse()?;
+        let new_packs = r
+            .new_packs
+            .into_iter()
+            .map(NewPack::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        let new_ids: std::collections::HashSet<&PackId> =
+            new_packs.iter().map(|p| &p.pack_id).collect();
+        if new_ids.len() != new_packs.len() {
+            return Err(ValidationError::new("new_packs", "a pack is listed twice"));
+        }
+        let mut replaced = std::collections::HashSet::new();
+        let mut replacements = Vec::with_capacity(r.replacements.len());
+        for replacement in r.replacements {
+            let old: PackId = replacement.old_pack_id.parse()?;
+            if new_ids.contains(&old) || !replaced.insert(old.clone()) {
+                return Err(ValidationError::new(
+                    "replacements",
+                    format!("pack {old} is replaced twice, or is also new"),
+                ));
+            }
+            let news = replacement
+                .new_pack_ids
+                .iter()
+                .map(|id| id.parse::<PackId>())
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(unknown) = news.iter().find(|id| !new_ids.contains(id)) {
+                return Err(ValidationError::new(
+                    "replacements",
+                    format!("pack {unknown} is not among the new packs"),
+                ));
+            }
+            replacements.push((old, news));
+        }
+        if replacements.is_empty() {
+            return Err(ValidationError::new("replacements", "is empty"));
+        }
+        let checkpoints = r
+            .checkpoint_ids
+            .iter()
+            .map(|id| id.parse())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            workspace,
+            new_packs,
+            replacements,
+            checkpoints,
+        })
+    }
+}
+
 /// A checkpoint commit, validated.
 #[derive(Debug, Clone)]
 pub struct CommitCheckpoint {

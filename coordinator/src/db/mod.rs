@@ -24,6 +24,7 @@
 //!   after the commit the run's id is published to [`MetadataStore::subscribe_runs`].
 
 mod checkpoints;
+mod compaction;
 mod gc;
 mod hosts;
 mod messages;
@@ -36,6 +37,7 @@ mod stations;
 mod tokens;
 mod workspaces;
 
+pub use compaction::Compacted;
 pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
 pub use hosts::{
     AssignmentRecord, BoundToken, HeartbeatAnswer, Host, HostRegistration, Registered,

@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::SystemTime;
 
-use cairn_proto::domain::{CommitCheckpoint, PackKind, WorkspaceRef, to_timestamp};
+use cairn_proto::domain::{CommitCheckpoint, CompactPacks, PackKind, WorkspaceRef, to_timestamp};
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId};
 use cairn_proto::pb;
 use cairn_proto::pb::checkpoint_service_server::CheckpointService;
@@ -33,6 +33,9 @@ const PAGE_KIND: &str = "checkpoints";
 /// Where a commit stops after checking its packs in the store, before its
 /// transaction.
 pub const FAILPOINT_COMMIT_BEFORE_TRANSACTION: &str = "commit-before-transaction";
+
+/// Where a compaction stops after its checks, before its transaction.
+pub const FAILPOINT_COMPACT_BEFORE_TRANSACTION: &str = "compact-before-transaction";
 
 /// Longest pin reason.
 const MAX_PIN_REASON: usize = 64;
@@ -543,6 +546,117 @@ fn with_retention(c: &Checkpoint, verdicts: &HashMap<CheckpointId, Verdict>) -> 
 }
 
 impl CheckpointApi {
+    /// Checks a compaction and records it: the caller may manage the
+    /// workspace, the old packs are its own, each new pack holds only blobs
+    /// recorded for the packs it replaces (nothing else can be slipped into
+    /// a checkpoint this way) and is in the store at its size.
+    async fn compact(
+        &self,
+        principal: &Principal,
+        compaction: CompactPacks,
+    ) -> Result<crate::db::Compacted, ServiceError> {
+        let workspace = self
+            .shared
+            .workspace_by_ref(principal, &compaction.workspace)
+            .await?;
+        principal
+            .authorize(Action::ManageWorkspace(&workspace.id))
+            .map_err(ServiceError::Denied)?;
+        if workspace.state == cairn_proto::domain::WorkspaceState::Deleted {
+            return Err(DbError::WorkspaceNotActive {
+                id: workspace.id.clone(),
+                state: workspace.state,
+            }
+            .into());
+        }
+        let limits = &self.shared.limits;
+        if compaction.new_packs.len() > limits.max_packs_per_call {
+            return Err(ServiceError::over_limit(
+                "compact.new_packs",
+                limits.max_packs_per_call as u64,
+                compaction.new_packs.len() as u64,
+                format!("{} new packs in one compaction", compaction.new_packs.len()),
+            ));
+        }
+        let tenant = &principal.tenant;
+        let olds: Vec<PackId> = compaction
+            .replacements
+            .iter()
+            .map(|(old, _)| old.clone())
+            .collect();
+        let known = self
+            .shared
+            .db
+            .workspace_packs(tenant, &workspace.id, &olds)
+            .await?;
+        if let Some(unknown) = olds.iter().find(|id| !known.contains_key(id)) {
+            return Err(ServiceError::Refused {
+                refusal: Refusal::PacksMissing {
+                    packs: vec![unknown.clone()],
+                },
+                message: format!("pack {unknown} is not a pack of workspace {}", workspace.id),
+            });
+        }
+        let recorded = self.shared.db.blobs_of_packs(tenant, &olds).await?;
+        for new in &compaction.new_packs {
+            let sources: Vec<&PackId> = compaction
+                .replacements
+                .iter()
+                .filter(|(_, news)| news.contains(&new.pack_id))
+                .map(|(old, _)| old)
+                .collect();
+            let kinds_match = sources
+                .iter()
+                .all(|old| known.get(*old).is_some_and(|p| p.kind == new.kind));
+            if !kinds_match {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "new pack {} is not of the kind of the packs it replaces",
+                    new.pack_id
+                )));
+            }
+            if let Some(stray) = new.blob_ids.iter().find(|blob| {
+                !sources
+                    .iter()
+                    .any(|old| recorded.contains(&((*old).clone(), **blob)))
+            }) {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "new pack {} holds blob {stray}, which none of the packs it replaces holds",
+                    new.pack_id
+                )));
+            }
+        }
+        let expected: Vec<(PackId, u64)> = compaction
+            .new_packs
+            .iter()
+            .map(|p| (p.pack_id.clone(), p.size))
+            .collect();
+        self.check_packs_in_store(principal, &expected).await?;
+        cairn_utils::failpoint::hit_async(FAILPOINT_COMPACT_BEFORE_TRANSACTION)
+            .await
+            .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;
+        let now = self.shared.collector.clock().now();
+        let compacted = self
+            .shared
+            .db
+            .compact_packs(
+                tenant,
+                &workspace.id,
+                &compaction.new_packs,
+                &compaction.replacements,
+                &compaction.checkpoints,
+                now,
+            )
+            .await?;
+        tracing::info!(
+            workspace = %workspace.id,
+            new_packs = compaction.new_packs.len(),
+            packs_replaced = compacted.packs_replaced,
+            checkpoints_updated = compacted.checkpoints_updated,
+            "packs compacted"
+        );
+        Ok(compacted)
+    }
+
     /// What retention makes of every checkpoint of `workspace` now.
     async fn verdicts(
         &self,
@@ -874,6 +988,20 @@ impl CheckpointService for CheckpointApi {
             .map_err(ServiceError::from)?;
         tracing::info!(checkpoint = %checkpoint.id, reason, ?until, "checkpoint pinned");
         Ok(Response::new(self.answer(&principal, &checkpoint).await?))
+    }
+
+    async fn compact_packs(
+        &self,
+        request: Request<pb::CompactPacksRequest>,
+    ) -> Result<Response<pb::CompactPacksResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        let compaction =
+            CompactPacks::try_from(request.into_inner()).map_err(ServiceError::from)?;
+        let compacted = self.compact(&principal, compaction).await?;
+        Ok(Response::new(pb::CompactPacksResponse {
+            checkpoints_updated: u32::try_from(compacted.checkpoints_updated).unwrap_or(u32::MAX),
+            packs_replaced: u32::try_from(compacted.packs_replaced).unwrap_or(u32::MAX),
+        }))
     }
 
     async fn unpin_checkpoint(

@@ -573,3 +573,80 @@ async fn the_grace_must_outlive_every_signed_url() {
     );
     assert!(refused.to_string().contains("longer than signed URLs live"));
 }
+
+#[tokio::test]
+async fn compaction_moves_only_the_walked_checkpoints_and_takes_no_stray_blob() {
+    let clock = Clock::system();
+    let server = server(&clock).await;
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "").await.id;
+    let begun = begin(&mut client, &ws).await;
+    let keys = keys_of(&begun);
+    let root = build_pack(&keys, PackKind::Meta, &[b"tree"]);
+    let old = build_pack(&keys, PackKind::Data, &[b"live", b"dead"]);
+    upload(&mut client, &ws, &[&root, &old]).await;
+    let walked = commit(
+        &mut client,
+        commit_request(&begun, &root, &[&root, &old], &[&root, &old]),
+    )
+    .await;
+    // Committed after the compactor walked: it keeps the old pack.
+    let begun = begin(&mut client, &ws).await;
+    let later = commit(
+        &mut client,
+        commit_request(&begun, &root, &[], &[&root, &old]),
+    )
+    .await;
+
+    let compaction = |new: &FinishedPack<Vec<u8>>| pb::CompactPacksRequest {
+        workspace: ws.clone(),
+        new_packs: vec![new_pack(new)],
+        replacements: vec![pb::PackReplacement {
+            old_pack_id: old.id.to_string(),
+            new_pack_ids: vec![new.id.to_string()],
+        }],
+        checkpoint_ids: vec![walked.id.clone()],
+    };
+    let stray = build_pack(&keys, PackKind::Data, &[b"live", b"smuggled"]);
+    upload(&mut client, &ws, &[&stray]).await;
+    let refused = client
+        .checkpoints
+        .compact_packs(compaction(&stray))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("none of the packs it replaces"));
+
+    let compacted = build_pack(&keys, PackKind::Data, &[b"live"]);
+    upload(&mut client, &ws, &[&compacted]).await;
+    let answer = client
+        .checkpoints
+        .compact_packs(compaction(&compacted))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.checkpoints_updated, 1);
+    let packs_of = |manifest: pb::RestoreManifest| {
+        let mut ids: Vec<String> = manifest.candidates[0].packs.clone();
+        ids.sort();
+        ids
+    };
+    let mut expected_walked = vec![root.id.to_string(), compacted.id.to_string()];
+    expected_walked.sort();
+    assert_eq!(
+        packs_of(manifest(&mut client, &ws, &walked.id).await),
+        expected_walked
+    );
+    let mut expected_later = vec![root.id.to_string(), old.id.to_string()];
+    expected_later.sort();
+    assert_eq!(
+        packs_of(manifest(&mut client, &ws, &later.id).await),
+        expected_later
+    );
+
+    // The later checkpoint keeps the old pack alive through any collection.
+    gc(&client, false).await;
+    clock.advance(PAST_GRACE);
+    gc(&client, false).await;
+    assert!(object_exists(&server, &old) && object_exists(&server, &compacted));
+}
