@@ -16,6 +16,8 @@
 //! - [`restore`]: [`restore::restore`] restores the newest restorable
 //!   checkpoint (or a chosen one), with fallback to older ones; the pack
 //!   reading and tree walking that `cairnctl verify` reuses.
+//! - [`compact`]: rewriting data packs that are mostly dead, where the
+//!   key is ([`compact::compact`]).
 //! - [`client`]: the gRPC connection to the coordinator
 //!   ([`client::CoordinatorClient`]).
 //!
@@ -37,6 +39,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod chunker;
 pub mod client;
+pub mod compact;
 pub mod format;
 pub mod git;
 pub mod gitobj;
