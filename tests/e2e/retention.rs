@@ -231,3 +231,131 @@ fn a_sweep_cut_short_by_a_crash_finishes_at_the_next_cycle() {
     assert_restores(&client, "crashy", &newest, &newest_state);
     assert_verifies(&client, "crashy");
 }
+
+/// One agent turn that also leaves a file that lives on: each turn's pack
+/// then holds one live blob among dead ones, and keeps them all.
+fn churn_and_note(root: &Path, turn: u64) {
+    churn(root, turn);
+    write(
+        &root.join(format!("notes/kept-{turn}.md")),
+        format!("what turn {turn} learned\n").repeat(40),
+    );
+}
+
+/// Ten checkpoints with keep-last 2 whose packs are mostly dead but each
+/// hold a live note: the store after retention and collection.
+fn mostly_dead_packs(
+    coordinator: &Coordinator,
+    client: &Client,
+    workspace: &str,
+) -> Vec<(String, TreeSnapshot)> {
+    coordinator.create_workspace(workspace);
+    client.ctl_json(&["workspace", "retention", workspace, "--keep-last", "2"]);
+    let root = tempdir(workspace);
+    populate_small_workspace(root.path(), 5);
+    let mut made = Vec::new();
+    for turn in 0..10 {
+        churn_and_note(root.path(), turn);
+        let report = client.checkpoint(root.path(), workspace);
+        made.push((
+            json_str(&report, "checkpoint_id").to_owned(),
+            TreeSnapshot::take(root.path()),
+        ));
+    }
+    gc(client);
+    wait_out_the_grace();
+    gc(client);
+    made.split_off(8)
+}
+
+#[test]
+fn compaction_frees_what_partly_dead_packs_held_and_every_kept_checkpoint_restores() {
+    let coordinator = Coordinator::start_with(GC_FLAGS);
+    let client = coordinator.client();
+    let kept = mostly_dead_packs(&coordinator, &client, "notes");
+    let shown = client.ctl_json(&["workspace", "show", "notes"]);
+    let referenced = json_u64(&shown["storage"], "referenced_bytes");
+    assert_eq!(
+        store_bytes(&coordinator),
+        referenced,
+        "collection left only referenced packs"
+    );
+
+    let dry = client.ctl_json(&["compact", "notes", "--dry-run"]);
+    assert!(json_u64(&dry, "packs_rewritten") > 0, "{dry}");
+    assert_eq!(
+        store_bytes(&coordinator),
+        referenced,
+        "a dry run writes nothing"
+    );
+    let compacted = client.ctl_json(&["compact", "notes"]);
+    assert_eq!(
+        json_u64(&compacted, "checkpoints_updated"),
+        2,
+        "{compacted}"
+    );
+    assert!(json_u64(&compacted, "bytes_written") < json_u64(&compacted, "bytes_rewritten"));
+    for (checkpoint, snapshot) in &kept {
+        assert_restores(&client, "notes", checkpoint, snapshot);
+    }
+
+    gc(&client);
+    wait_out_the_grace();
+    let swept = gc(&client);
+    assert_eq!(
+        json_u64(&swept, "packs_swept"),
+        json_u64(&compacted, "packs_rewritten"),
+        "{swept}"
+    );
+    let after = store_bytes(&coordinator);
+    let shown = client.ctl_json(&["workspace", "show", "notes"]);
+    assert_eq!(json_u64(&shown["storage"], "referenced_bytes"), after);
+    assert!(
+        after < referenced,
+        "compaction freed nothing: {after} of {referenced}"
+    );
+    println!(
+        "compaction: {referenced} bytes referenced before, {after} after ({:.2}×)",
+        after as f64 / referenced as f64
+    );
+    for (checkpoint, snapshot) in &kept {
+        assert_restores(&client, "notes", checkpoint, snapshot);
+    }
+    assert_verifies(&client, "notes");
+    // A second compaction finds nothing left to do.
+    let again = client.ctl_json(&["compact", "notes"]);
+    assert_eq!(json_u64(&again, "packs_rewritten"), 0, "{again}");
+}
+
+#[test]
+fn a_compaction_that_crashes_before_it_records_its_packs_loses_nothing() {
+    let coordinator = Coordinator::start_with(GC_FLAGS);
+    let client = coordinator.client();
+    let kept = mostly_dead_packs(&coordinator, &client, "crashing");
+    let before = pack_files(&coordinator.blobs_dir());
+
+    let crashed = run(client
+        .ctl()
+        .env("CAIRN_FAILPOINTS", "compact-before-record=exit")
+        .args(["compact", "crashing"]));
+    assert_eq!(crashed.status.code(), Some(101), "{crashed}");
+    // Its uploads are in the store, recorded nowhere; everything restores
+    // from the packs as they were.
+    assert!(pack_files(&coordinator.blobs_dir()).len() > before.len());
+    for (checkpoint, snapshot) in &kept {
+        assert_restores(&client, "crashing", checkpoint, snapshot);
+    }
+    wait_out_the_grace();
+    let swept = gc(&client);
+    assert!(json_u64(&swept, "orphans_swept") > 0, "{swept}");
+    assert_eq!(pack_files(&coordinator.blobs_dir()), before);
+    assert_verifies(&client, "crashing");
+
+    // Run again, it goes through.
+    let compacted = client.ctl_json(&["compact", "crashing"]);
+    assert!(json_u64(&compacted, "packs_rewritten") > 0, "{compacted}");
+    for (checkpoint, snapshot) in &kept {
+        assert_restores(&client, "crashing", checkpoint, snapshot);
+    }
+    assert_verifies(&client, "crashing");
+}

@@ -1,4 +1,5 @@
-//! `cairnctl gc [--dry-run]` and `cairnctl storage` (admin token).
+//! `cairnctl gc [--dry-run]` and `cairnctl storage` (admin token), and
+//! `cairnctl compact WS`.
 
 use std::process::ExitCode;
 
@@ -117,6 +118,57 @@ pub async fn storage(coordinator: &CoordinatorClient, out: Output) -> anyhow::Re
             ("workspaces", s.workspaces.to_string()),
             ("checkpoints", s.checkpoints.to_string()),
         ]))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Rewrites the workspace's mostly dead data packs (see
+/// [`cairn_engine::compact`]): this machine holds the key for it.
+pub async fn compact(
+    coordinator: &CoordinatorClient,
+    opts: cairn_engine::compact::CompactOptions,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let transfer = cairn_engine::transfer::BlobTransfer::default();
+    let report = cairn_engine::compact::compact(coordinator, &transfer, &opts).await?;
+    match out {
+        Output::Json => print_json(&serde_json::to_value(&report)?)?,
+        Output::Table => {
+            let live_share = if report.data_bytes == 0 {
+                1.0
+            } else {
+                report.live_bytes as f64 / report.data_bytes as f64
+            };
+            emit(&format!(
+                "{} checkpoints reference {} data packs ({}), {:.0}% of it live",
+                report.checkpoints,
+                report.data_packs,
+                output::bytes(report.data_bytes),
+                live_share * 100.0
+            ))?;
+            emit(&if report.dry_run {
+                format!(
+                    "would rewrite {} packs ({}) below {:.0}% live",
+                    report.packs_rewritten,
+                    output::bytes(report.bytes_rewritten),
+                    opts.threshold * 100.0
+                )
+            } else if report.packs_rewritten == 0 {
+                format!(
+                    "no pack is below {:.0}% live: nothing to do",
+                    opts.threshold * 100.0
+                )
+            } else {
+                format!(
+                    "rewrote {} packs ({}) into {} ({}); {} checkpoints moved to them. `cairnctl gc` frees the old packs after its grace period",
+                    report.packs_rewritten,
+                    output::bytes(report.bytes_rewritten),
+                    report.new_packs,
+                    output::bytes(report.bytes_written),
+                    report.checkpoints_updated
+                )
+            })?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

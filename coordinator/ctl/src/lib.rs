@@ -14,7 +14,7 @@
 //! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes|
 //!   finish|delete|retention`.
 //! - [`checkpoints`]: `checkpoints [list] WS`, `checkpoints pin|unpin CID`.
-//! - [`gc`]: `gc [--dry-run]`, `storage`.
+//! - [`gc`]: `gc [--dry-run]`, `storage`, `compact WS`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
 //! - [`verify`]: `verify WS [--read-data]`.
 //! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
@@ -107,6 +107,19 @@ pub enum Command {
     },
     /// What the tenant stores: packs, bytes, what waits to be freed (admin token).
     Storage,
+    /// Rewrite a workspace's data packs that are mostly dead into packs of
+    /// their live blobs (this machine reads the trees with the workspace's
+    /// key); `gc` then frees the old ones.
+    Compact {
+        /// Workspace id or name.
+        workspace: String,
+        /// Rewrite packs with less than this share live (0 to 1).
+        #[arg(long, default_value_t = 0.5)]
+        threshold: f64,
+        /// Say what would be rewritten; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Restore a checkpoint (the newest restorable one by default) into a directory.
     Checkout {
         /// Workspace id or name.
@@ -434,6 +447,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         },
         Command::Gc { dry_run } => gc::collect(&coordinator, dry_run, output).await,
         Command::Storage => gc::storage(&coordinator, output).await,
+        Command::Compact {
+            workspace,
+            threshold,
+            dry_run,
+        } => {
+            let opts = cairn_engine::compact::CompactOptions {
+                workspace,
+                threshold,
+                dry_run,
+            };
+            gc::compact(&coordinator, opts, output).await
+        }
         Command::Workspace(WorkspaceCommand::Finish { workspace }) => {
             workspace::end(&coordinator, &workspace, workspace::Ending::Finish, output).await
         }
