@@ -24,6 +24,12 @@ ALTER TABLE packs ADD COLUMN condemned_at BIGINT;
 
 CREATE INDEX packs_by_condemned ON packs (condemned_at);
 
+-- When compaction replaced the pack with packs of its live blobs (NULL:
+-- not replaced). New commits may no longer reference it or deduplicate
+-- against it (they are told the pack is missing and find its blobs in
+-- the new packs); checkpoints that still reference it keep it.
+ALTER TABLE packs ADD COLUMN superseded_at BIGINT;
+
 -- Packs whose object is being deleted from the store. The row is written
 -- (and the pack's records removed) in one transaction before the object is
 -- deleted, and removed after: a commit that names such a pack is refused

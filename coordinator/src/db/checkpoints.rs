@@ -318,7 +318,7 @@ impl MetadataStore {
                 "SELECT b.blob_id, b.pack_id FROM blobs b
                  JOIN workspace_packs wp ON wp.tenant = b.tenant AND wp.pack_id = b.pack_id
                  JOIN packs p ON p.tenant = b.tenant AND p.id = b.pack_id
-                 WHERE p.lost_at IS NULL AND wp.workspace_id = ",
+                 WHERE p.lost_at IS NULL AND p.superseded_at IS NULL AND wp.workspace_id = ",
             );
             query
                 .push_bind(workspace.as_str())
@@ -555,7 +555,8 @@ impl MetadataStore {
             sqlx::query(
                 "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (tenant, id) DO UPDATE SET lost_at = NULL, condemned_at = NULL",
+                 ON CONFLICT (tenant, id)
+                 DO UPDATE SET lost_at = NULL, condemned_at = NULL, superseded_at = NULL",
             )
             .bind(tenant.as_str())
             .bind(pack.pack_id.as_str())
@@ -589,7 +590,7 @@ impl MetadataStore {
         // What was checked before this transaction may have changed: a
         // sweep may have deleted a pack this checkpoint deduplicated
         // against since. Refused then, with the packs to upload again.
-        let unusable = unusable_packs_in(&mut tx, tenant, &new.referenced_packs).await?;
+        let unusable = unusable_packs_in(&mut tx, tenant, &new.referenced_packs, true).await?;
         if !unusable.is_empty() {
             return Err(DbError::PacksMissing { packs: unusable });
         }

@@ -79,7 +79,7 @@ impl MetadataStore {
         let olds: Vec<PackId> = replacements.iter().map(|(old, _)| old.clone()).collect();
         let news: Vec<&PackId> = new_packs.iter().map(|p| &p.pack_id).collect();
         let mut pending = deletions_pending_in(tx.conn(), tenant, &news).await?;
-        pending.extend(unusable_packs_in(tx.conn(), tenant, &olds).await?);
+        pending.extend(unusable_packs_in(tx.conn(), tenant, &olds, false).await?);
         if !pending.is_empty() {
             return Err(DbError::PacksMissing { packs: pending });
         }
@@ -180,6 +180,16 @@ impl MetadataStore {
                     .map_err(query_error("move checkpoint pack"))?;
                 }
             }
+        }
+        // New commits stop deduplicating against what was replaced.
+        for old in &replaced {
+            sqlx::query("UPDATE packs SET superseded_at = $1 WHERE tenant = $2 AND id = $3")
+                .bind(now_ms)
+                .bind(tenant.as_str())
+                .bind(old.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("supersede pack"))?;
         }
         for checkpoint in &updated {
             sqlx::query(

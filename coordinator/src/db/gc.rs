@@ -127,19 +127,25 @@ pub(super) async fn condemn_unreferenced_in(
 }
 
 /// Which of `packs` (of `tenant`) a commit may not reference, inside the
-/// commit's transaction: those without a record (swept, or never recorded)
-/// and those whose deletion is under way.
+/// commit's transaction: those without a record (swept, or never recorded),
+/// those whose deletion is under way, and (`superseded_too`) those
+/// compaction replaced.
 pub(super) async fn unusable_packs_in(
     tx: &mut sqlx::SqliteConnection,
     tenant: &TenantId,
     packs: &[PackId],
+    superseded_too: bool,
 ) -> Result<Vec<PackId>, DbError> {
     let mut usable = HashSet::new();
     for chunk in packs.chunks(ROWS_PER_STATEMENT) {
         let mut query = QueryBuilder::<Sqlite>::new("SELECT p.id FROM packs p WHERE p.tenant = ");
-        query.push_bind(tenant.as_str()).push(
+        query.push_bind(tenant.as_str());
+        if superseded_too {
+            query.push(" AND p.superseded_at IS NULL");
+        }
+        query.push(
             " AND NOT EXISTS (SELECT 1 FROM pack_deletions d
-                  WHERE d.tenant = p.tenant AND d.pack_id = p.id) AND p.id IN",
+              WHERE d.tenant = p.tenant AND d.pack_id = p.id) AND p.id IN",
         );
         push_in_list(&mut query, chunk, PackId::as_str);
         let rows: Vec<String> = query

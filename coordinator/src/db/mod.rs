@@ -160,7 +160,7 @@ pub enum DbError {
 fn packs_missing_message(packs: &[PackId]) -> String {
     let ids: Vec<&str> = packs.iter().map(PackId::as_str).collect();
     format!(
-        "packs {} were deleted by garbage collection (or are being deleted); upload them again",
+        "packs {} were deleted by garbage collection (or are being deleted), or replaced by compaction; cut the checkpoint again",
         ids.join(", ")
     )
 }

@@ -644,6 +644,32 @@ async fn compaction_moves_only_the_walked_checkpoints_and_takes_no_stray_blob() 
         expected_later
     );
 
+    // New commits no longer reference the replaced pack: told it is
+    // missing, they find its live blob in the new one.
+    let begun = begin(&mut client, &ws).await;
+    let refused = commit_err(
+        &mut client,
+        commit_request(&begun, &root, &[], &[&root, &old]),
+    )
+    .await;
+    assert_eq!(
+        refusal(&refused),
+        Refusal::PacksMissing {
+            packs: vec![old.id.clone()]
+        }
+    );
+    let found = client
+        .checkpoints
+        .find_missing_blobs(pb::FindMissingBlobsRequest {
+            workspace: ws.clone(),
+            blob_ids: vec![compacted.blob_ids[0].as_bytes().to_vec()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(found.packs, [compacted.id.to_string()], "{found:?}");
+    assert_eq!(found.locations, [1]);
+
     // The later checkpoint keeps the old pack alive through any collection.
     gc(&client, false).await;
     clock.advance(PAST_GRACE);
