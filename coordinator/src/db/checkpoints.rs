@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::SystemTime;
 
-use cairn_proto::domain::{CheckpointReason, PackKind, WorkspaceState};
+use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
 use cairn_proto::ids::{
     BlobId, CheckpointId, CommitRequestId, Generation, PackId, TenantId, WorkspaceId,
 };
@@ -113,6 +113,49 @@ pub(super) fn push_in_list<'a, T, V>(
         list.push_bind(bind(item));
     }
     query.push(")");
+}
+
+/// Records a pack that was uploaded and its blobs, inside `tx`. A pack
+/// found lost earlier and uploaded again is back, one condemned or
+/// superseded is in use again, and its blobs are declared again.
+pub(super) async fn record_pack_in(
+    tx: &mut sqlx::SqliteConnection,
+    tenant: &TenantId,
+    pack: &NewPack,
+    now_ms: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ON CONFLICT (tenant, id)
+         DO UPDATE SET lost_at = NULL, condemned_at = NULL, superseded_at = NULL",
+    )
+    .bind(tenant.as_str())
+    .bind(pack.pack_id.as_str())
+    .bind(pack.kind.as_str())
+    .bind(signed(pack.size, "pack size")?)
+    .bind(signed(pack.index_offset, "index offset")?)
+    .bind(i64::from(pack.index_length))
+    .bind(now_ms)
+    .execute(&mut *tx)
+    .await
+    .map_err(query_error("insert pack"))?;
+    for chunk in pack.blob_ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            QueryBuilder::<Sqlite>::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
+        query.push_values(chunk, |mut row, blob| {
+            row.push_bind(tenant.as_str())
+                .push_bind(blob.as_bytes().as_slice())
+                .push_bind(pack.pack_id.as_str());
+        });
+        query.push(" ON CONFLICT (tenant, blob_id, pack_id) DO NOTHING");
+        query
+            .build()
+            .execute(&mut *tx)
+            .await
+            .map_err(query_error("insert blobs"))?;
+    }
+    Ok(())
 }
 
 /// A checkpoint of `workspace`, read inside `tx`.
@@ -550,41 +593,7 @@ impl MetadataStore {
         }
 
         for pack in &new.new_packs {
-            // A pack found lost earlier and uploaded again is back; one
-            // condemned is referenced again.
-            sqlx::query(
-                "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (tenant, id)
-                 DO UPDATE SET lost_at = NULL, condemned_at = NULL, superseded_at = NULL",
-            )
-            .bind(tenant.as_str())
-            .bind(pack.pack_id.as_str())
-            .bind(pack.kind.as_str())
-            .bind(signed(pack.size, "pack size")?)
-            .bind(signed(pack.index_offset, "index offset")?)
-            .bind(i64::from(pack.index_length))
-            .bind(now_ms)
-            .execute(&mut *tx)
-            .await
-            .map_err(query_error("insert pack"))?;
-            for chunk in pack.blob_ids.chunks(ROWS_PER_STATEMENT) {
-                let mut query =
-                    QueryBuilder::<Sqlite>::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
-                query.push_values(chunk, |mut row, blob| {
-                    row.push_bind(tenant.as_str())
-                        .push_bind(blob.as_bytes().as_slice())
-                        .push_bind(pack.pack_id.as_str());
-                });
-                // A pack uploaded again after it was found lost declares
-                // its blobs again.
-                query.push(" ON CONFLICT (tenant, blob_id, pack_id) DO NOTHING");
-                query
-                    .build()
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(query_error("insert blobs"))?;
-            }
+            record_pack_in(&mut tx, tenant, pack, now_ms).await?;
         }
 
         // What was checked before this transaction may have changed: a

@@ -12,11 +12,9 @@ use cairn_proto::domain::NewPack;
 use cairn_proto::ids::{BlobId, CheckpointId, PackId, TenantId, WorkspaceId};
 use sqlx::{QueryBuilder, Row, Sqlite};
 
-use super::checkpoints::push_in_list;
+use super::checkpoints::{push_in_list, record_pack_in};
 use super::gc::{deletions_pending_in, unusable_packs_in};
-use super::{
-    DbError, MetadataStore, ROWS_PER_STATEMENT, millis, parse_column, query_error, signed,
-};
+use super::{DbError, MetadataStore, ROWS_PER_STATEMENT, millis, parse_column, query_error};
 
 /// What a compaction changed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -103,36 +101,7 @@ impl MetadataStore {
             }
         }
         for pack in new_packs {
-            sqlx::query(
-                "INSERT INTO packs (tenant, id, kind, size, index_offset, index_length, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)
-                 ON CONFLICT (tenant, id) DO UPDATE SET lost_at = NULL, condemned_at = NULL",
-            )
-            .bind(tenant.as_str())
-            .bind(pack.pack_id.as_str())
-            .bind(pack.kind.as_str())
-            .bind(signed(pack.size, "pack size")?)
-            .bind(signed(pack.index_offset, "index offset")?)
-            .bind(i64::from(pack.index_length))
-            .bind(now_ms)
-            .execute(tx.conn())
-            .await
-            .map_err(query_error("insert compacted pack"))?;
-            for chunk in pack.blob_ids.chunks(ROWS_PER_STATEMENT) {
-                let mut query =
-                    QueryBuilder::<Sqlite>::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
-                query.push_values(chunk, |mut row, blob| {
-                    row.push_bind(tenant.as_str())
-                        .push_bind(blob.as_bytes().as_slice())
-                        .push_bind(pack.pack_id.as_str());
-                });
-                query.push(" ON CONFLICT (tenant, blob_id, pack_id) DO NOTHING");
-                query
-                    .build()
-                    .execute(tx.conn())
-                    .await
-                    .map_err(query_error("insert compacted blobs"))?;
-            }
+            record_pack_in(tx.conn(), tenant, pack, now_ms).await?;
             sqlx::query(
                 "INSERT INTO workspace_packs (workspace_id, tenant, pack_id) VALUES ($1, $2, $3)
                  ON CONFLICT (workspace_id, pack_id) DO NOTHING",
