@@ -557,25 +557,10 @@ async fn all_checkpoints(
     coordinator: &CoordinatorClient,
     workspace: &str,
 ) -> anyhow::Result<Vec<pb::Checkpoint>> {
-    let mut client = coordinator.checkpoints.clone();
-    let mut checkpoints = Vec::new();
-    let mut page_token = String::new();
-    loop {
-        let page = client
-            .list_checkpoints(pb::ListCheckpointsRequest {
-                workspace: workspace.to_owned(),
-                page_size: 500,
-                page_token: page_token.clone(),
-            })
-            .await
-            .map_err(rpc_error("listing checkpoints"))?
-            .into_inner();
-        checkpoints.extend(page.checkpoints);
-        if page.next_page_token.is_empty() || page.next_page_token == page_token {
-            return Ok(checkpoints);
-        }
-        page_token = page.next_page_token;
-    }
+    coordinator
+        .all_checkpoints(workspace)
+        .await
+        .map_err(rpc_error("listing checkpoints"))
 }
 
 fn print_json(value: &serde_json::Value) -> anyhow::Result<()> {

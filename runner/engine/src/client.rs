@@ -145,6 +145,31 @@ impl CoordinatorClient {
         }
     }
 
+    /// Every checkpoint of `workspace`, newest first (all pages).
+    pub async fn all_checkpoints(
+        &self,
+        workspace: &str,
+    ) -> Result<Vec<cairn_proto::pb::Checkpoint>, tonic::Status> {
+        let mut client = self.checkpoints.clone();
+        let mut checkpoints = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let page = client
+                .list_checkpoints(cairn_proto::pb::ListCheckpointsRequest {
+                    workspace: workspace.to_owned(),
+                    page_size: 500,
+                    page_token: page_token.clone(),
+                })
+                .await?
+                .into_inner();
+            checkpoints.extend(page.checkpoints);
+            if page.next_page_token.is_empty() || page.next_page_token == page_token {
+                return Ok(checkpoints);
+            }
+            page_token = page.next_page_token;
+        }
+    }
+
     /// The shared channel with the token attached, for clients of other services.
     pub fn auth_channel(&self) -> AuthChannel {
         InterceptedService::new(self.channel.clone(), self.interceptor.clone())

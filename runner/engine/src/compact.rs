@@ -143,29 +143,22 @@ struct Walked {
     data: BTreeMap<PackId, DataPack>,
 }
 
-async fn all_checkpoints(
+/// The restore manifest of `checkpoint` alone, and the request that
+/// produced it (for fresh URLs).
+async fn manifest_of(
     coordinator: &CoordinatorClient,
     workspace: &str,
-) -> Result<Vec<pb::Checkpoint>, CompactError> {
-    let mut client = coordinator.checkpoints.clone();
-    let mut checkpoints = Vec::new();
-    let mut page_token = String::new();
-    loop {
-        let page = client
-            .list_checkpoints(pb::ListCheckpointsRequest {
-                workspace: workspace.to_owned(),
-                page_size: 500,
-                page_token: page_token.clone(),
-            })
-            .await
-            .map_err(rpc("ListCheckpoints"))?
-            .into_inner();
-        checkpoints.extend(page.checkpoints);
-        if page.next_page_token.is_empty() || page.next_page_token == page_token {
-            return Ok(checkpoints);
-        }
-        page_token = page.next_page_token;
-    }
+    checkpoint: &str,
+) -> Result<(Manifest, pb::GetRestoreManifestRequest), CompactError> {
+    let request = manifest_request(workspace, checkpoint);
+    let manifest = coordinator
+        .checkpoints
+        .clone()
+        .get_restore_manifest(request.clone())
+        .await
+        .map_err(rpc("GetRestoreManifest"))?
+        .into_inner();
+    Ok((Manifest::parse(manifest)?, request))
 }
 
 fn manifest_request(workspace: &str, checkpoint: &str) -> pb::GetRestoreManifestRequest {
@@ -186,17 +179,12 @@ async fn walk(
         live: HashSet::new(),
         data: BTreeMap::new(),
     };
-    for checkpoint in all_checkpoints(coordinator, workspace).await? {
-        let request = manifest_request(workspace, &checkpoint.id);
-        let manifest = Manifest::parse(
-            coordinator
-                .checkpoints
-                .clone()
-                .get_restore_manifest(request.clone())
-                .await
-                .map_err(rpc("GetRestoreManifest"))?
-                .into_inner(),
-        )?;
+    let checkpoints = coordinator
+        .all_checkpoints(workspace)
+        .await
+        .map_err(rpc("ListCheckpoints"))?;
+    for checkpoint in checkpoints {
+        let (manifest, request) = manifest_of(coordinator, workspace, &checkpoint.id).await?;
         let candidate = manifest
             .candidates
             .iter()
@@ -356,16 +344,8 @@ pub async fn compact(
     let mut moved: Vec<(PackId, String, HashSet<usize>)> = Vec::new();
     for id in &candidates {
         let pack = &walked.data[id];
-        let request = manifest_request(&opts.workspace, pack.via.as_str());
-        let manifest = Manifest::parse(
-            coordinator
-                .checkpoints
-                .clone()
-                .get_restore_manifest(request.clone())
-                .await
-                .map_err(rpc("GetRestoreManifest"))?
-                .into_inner(),
-        )?;
+        let (manifest, request) =
+            manifest_of(coordinator, &opts.workspace, pack.via.as_str()).await?;
         let fetcher = PackFetcher::new(transfer.clone(), coordinator, request, manifest.urls);
         let bytes: Bytes = fetcher.get(id).await?;
         let (info, keys) = (pack.info.clone(), pack.keys.clone());
