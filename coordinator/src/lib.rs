@@ -79,7 +79,7 @@ use crate::blob_http::BlobServer;
 use crate::clock::Clock;
 use crate::conn_limits::{ConnectionCaps, Timeouts};
 use crate::datadir::{DataDir, DataDirError};
-use crate::db::{DbError, MetadataStore};
+use crate::db::{DatabaseLocation, DbError, MetadataStore};
 use crate::gc::{Collector, GcConfig};
 use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
@@ -94,6 +94,8 @@ use cairn_proto::tls::TlsError;
 pub struct ServerConfig {
     /// Where metadata, keys, the admin token and the embedded blob store live.
     pub data_dir: PathBuf,
+    /// The metadata database (default: the SQLite file in the data directory).
+    pub database: Option<DatabaseLocation>,
     /// Base URL runners reach the blob server at (default: the blob
     /// listener's address, `http://IP:PORT`).
     pub blob_public_url: Option<String>,
@@ -129,6 +131,7 @@ impl std::fmt::Debug for ServerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServerConfig")
             .field("data_dir", &self.data_dir)
+            .field("database", &self.database)
             .field("blob_public_url", &self.blob_public_url)
             .field("limits", &self.limits)
             .field("store_layer", &self.store_layer.is_some())
@@ -151,6 +154,7 @@ impl ServerConfig {
         let timing = HostTiming::default();
         Self {
             data_dir: data_dir.into(),
+            database: None,
             blob_public_url: None,
             limits: ServiceLimits::default(),
             store_layer: None,
@@ -250,7 +254,11 @@ impl Coordinator {
         data_dir.create()?;
         let signer = UrlSigner::new(&data_dir.load_or_create_signing_key()?);
         let run_tokens = RunTokenKey::new(&data_dir.load_or_create_run_token_key()?);
-        let db = MetadataStore::open(&data_dir.database()).await?;
+        let location = config
+            .database
+            .clone()
+            .unwrap_or_else(|| DatabaseLocation::sqlite(data_dir.database()));
+        let db = MetadataStore::open(&location).await?;
         let tenant = TenantId::default_tenant();
         if db.ensure_tenant(&tenant).await? {
             tracing::info!(%tenant, "created tenant and its first key");

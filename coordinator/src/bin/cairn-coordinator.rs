@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use cairn_coordinator::conn_limits::Timeouts;
 use cairn_coordinator::datadir::DataDir;
+use cairn_coordinator::db::DatabaseLocation;
 use cairn_coordinator::gc::GcConfig;
 use cairn_coordinator::grpc::{ServerLimits, ServiceLimits};
 use cairn_coordinator::retention::Policy;
@@ -41,6 +42,15 @@ struct ServeArgs {
     /// Directory for metadata, keys, the admin token and blobs (created 0700).
     #[arg(long, value_name = "DIR", env = "CAIRN_DATA_DIR")]
     data_dir: PathBuf,
+    /// The metadata database: a postgres:// URL, which several coordinators
+    /// may share, or a SQLite file (default: DIR/cairn.db). Give a password
+    /// through the environment rather than the command line.
+    #[arg(long, value_name = "URL", env = "CAIRN_DATABASE")]
+    database: Option<DatabaseLocation>,
+    /// PostgreSQL schema for cairn's tables, created when missing (default:
+    /// the connection's search path, usually public).
+    #[arg(long, value_name = "NAME", requires = "database")]
+    database_schema: Option<String>,
     /// Address of the gRPC API (port 0 picks a free one; see DIR/endpoints.json).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7400")]
     listen: String,
@@ -166,6 +176,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // A file left by an earlier run would point readers at a dead server.
     data_dir.remove_endpoints()?;
     let mut config = ServerConfig::new(&args.data_dir);
+    config.database = match (args.database, args.database_schema) {
+        (Some(location), Some(schema)) => Some(location.in_schema(&schema)?),
+        (location, _) => location,
+    };
     config.blob_public_url = args.blob_public_url;
     config.limits = ServiceLimits {
         url_ttl: args.url_ttl,

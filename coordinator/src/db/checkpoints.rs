@@ -3,14 +3,15 @@
 use std::collections::HashMap;
 use std::time::SystemTime;
 
+use super::sql::SqlBuilder;
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
 use cairn_proto::ids::{
     BlobId, CheckpointId, CommitRequestId, Generation, PackId, TenantId, WorkspaceId,
 };
 use cairn_proto::pb;
 use prost::Message;
-use sqlx::sqlite::SqliteRow;
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::any::AnyRow;
+use sqlx::{Any, Row};
 
 use super::gc::{deletions_pending_in, unusable_packs_in};
 use super::{
@@ -37,7 +38,7 @@ fn encode_details(
     .encode_to_vec()
 }
 
-fn checkpoint_from_row(row: &SqliteRow) -> Result<Checkpoint, DbError> {
+fn checkpoint_from_row(row: &AnyRow) -> Result<Checkpoint, DbError> {
     let read = |source| DbError::Query {
         op: "read checkpoint",
         source,
@@ -83,7 +84,7 @@ fn checkpoint_from_row(row: &SqliteRow) -> Result<Checkpoint, DbError> {
     })
 }
 
-fn pack_from_row(row: &SqliteRow) -> Result<Pack, DbError> {
+fn pack_from_row(row: &AnyRow) -> Result<Pack, DbError> {
     let read = |source| DbError::Query {
         op: "read pack",
         source,
@@ -101,11 +102,11 @@ fn pack_from_row(row: &SqliteRow) -> Result<Pack, DbError> {
 
 /// Appends ` (v1, v2, …)`, binding `bind(item)` for each item.
 pub(super) fn push_in_list<'a, T, V>(
-    query: &mut QueryBuilder<'a, Sqlite>,
+    query: &mut SqlBuilder<'a>,
     items: &'a [T],
     bind: impl Fn(&'a T) -> V,
 ) where
-    V: 'a + sqlx::Encode<'a, Sqlite> + sqlx::Type<Sqlite>,
+    V: 'a + sqlx::Encode<'a, Any> + sqlx::Type<Any>,
 {
     query.push(" (");
     let mut list = query.separated(", ");
@@ -119,7 +120,7 @@ pub(super) fn push_in_list<'a, T, V>(
 /// found lost earlier and uploaded again is back, one condemned or
 /// superseded is in use again, and its blobs are declared again.
 pub(super) async fn record_pack_in(
-    tx: &mut sqlx::SqliteConnection,
+    tx: &mut sqlx::AnyConnection,
     tenant: &TenantId,
     pack: &NewPack,
     now_ms: i64,
@@ -141,8 +142,7 @@ pub(super) async fn record_pack_in(
     .await
     .map_err(query_error("insert pack"))?;
     for chunk in pack.blob_ids.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
+        let mut query = SqlBuilder::new("INSERT INTO blobs (tenant, blob_id, pack_id) ");
         query.push_values(chunk, |mut row, blob| {
             row.push_bind(tenant.as_str())
                 .push_bind(blob.as_bytes().as_slice())
@@ -260,7 +260,7 @@ impl MetadataStore {
     ) -> Result<HashMap<WorkspaceId, Checkpoint>, DbError> {
         let mut latest = HashMap::new();
         for chunk in workspaces.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new(format!(
+            let mut query = SqlBuilder::new(format!(
                 "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c
                  JOIN (SELECT workspace_id, MAX(sequence) AS sequence FROM checkpoints
                        WHERE workspace_id IN"
@@ -357,7 +357,7 @@ impl MetadataStore {
     ) -> Result<HashMap<BlobId, PackId>, DbError> {
         let mut found = HashMap::new();
         for chunk in blobs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new(
+            let mut query = SqlBuilder::new(
                 "SELECT b.blob_id, b.pack_id FROM blobs b
                  JOIN workspace_packs wp ON wp.tenant = b.tenant AND wp.pack_id = b.pack_id
                  JOIN packs p ON p.tenant = b.tenant AND p.id = b.pack_id
@@ -403,7 +403,7 @@ impl MetadataStore {
     ) -> Result<HashMap<PackId, Pack>, DbError> {
         let mut packs = HashMap::new();
         for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new(
+            let mut query = SqlBuilder::new(
                 "SELECT p.id, p.kind, p.size, p.index_offset, p.index_length FROM packs p
                  JOIN workspace_packs wp ON wp.tenant = p.tenant AND wp.pack_id = p.id
                  WHERE wp.workspace_id = ",
@@ -433,7 +433,7 @@ impl MetadataStore {
         let now = millis(SystemTime::now());
         let mut marked = 0;
         for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new("UPDATE packs SET lost_at = ");
+            let mut query = SqlBuilder::new("UPDATE packs SET lost_at = ");
             query
                 .push_bind(now)
                 .push(" WHERE lost_at IS NULL AND tenant = ")
@@ -457,7 +457,7 @@ impl MetadataStore {
     ) -> Result<HashMap<CheckpointId, Vec<PackId>>, DbError> {
         let mut by_checkpoint: HashMap<CheckpointId, Vec<PackId>> = HashMap::new();
         for chunk in checkpoints.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::new(
+            let mut query = SqlBuilder::new(
                 "SELECT checkpoint_id, pack_id FROM checkpoint_packs WHERE checkpoint_id IN",
             );
             push_in_list(&mut query, chunk, CheckpointId::as_str);
@@ -494,13 +494,11 @@ impl MetadataStore {
     ) -> Result<Checkpoint, DbError> {
         let now = SystemTime::now();
         let now_ms = millis(now);
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(query_error("begin commit"))?;
+        let mut tx = self.begin_commit().await?;
 
-        // Writing first takes the database's write lock before anything is read.
+        // Writing first takes SQLite's write lock (PostgreSQL: the workspace
+        // row's) before anything is read, so commits of one workspace
+        // serialize and number their checkpoints in order.
         let row = sqlx::query(
             "UPDATE workspaces SET last_sequence = last_sequence + 1, updated_at = $1
              WHERE id = $2 AND tenant = $3
@@ -561,8 +559,7 @@ impl MetadataStore {
         // workspace's manifests) by knowing its id alone.
         let new_ids: Vec<&PackId> = new.new_packs.iter().map(|p| &p.pack_id).collect();
         for chunk in new_ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query =
-                QueryBuilder::<Sqlite>::new("SELECT p.id FROM packs p WHERE p.tenant = ");
+            let mut query = SqlBuilder::new("SELECT p.id FROM packs p WHERE p.tenant = ");
             query.push_bind(tenant.as_str()).push(" AND p.id IN");
             push_in_list(&mut query, chunk, |id: &&PackId| id.as_str());
             query
@@ -604,7 +601,7 @@ impl MetadataStore {
             return Err(DbError::PacksMissing { packs: unusable });
         }
         for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new(
+            let mut query = SqlBuilder::new(
                 "UPDATE packs SET condemned_at = NULL WHERE condemned_at IS NOT NULL AND tenant = ",
             );
             query.push_bind(tenant.as_str()).push(" AND id IN");
@@ -647,9 +644,8 @@ impl MetadataStore {
         .map_err(query_error("insert checkpoint"))?;
 
         for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new(
-                "INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ",
-            );
+            let mut query =
+                SqlBuilder::new("INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ");
             query.push_values(chunk, |mut row, pack| {
                 row.push_bind(id.as_str())
                     .push_bind(tenant.as_str())
@@ -665,9 +661,8 @@ impl MetadataStore {
         // Every pack the checkpoint references is the workspace's from now
         // on: it may dedup against it, reference it again, fetch it.
         for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new(
-                "INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ",
-            );
+            let mut query =
+                SqlBuilder::new("INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ");
             query.push_values(chunk, |mut row, pack| {
                 row.push_bind(new.workspace_id.as_str())
                     .push_bind(tenant.as_str())

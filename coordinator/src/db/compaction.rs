@@ -8,9 +8,10 @@
 
 use std::collections::HashSet;
 
+use super::sql::SqlBuilder;
 use cairn_proto::domain::NewPack;
 use cairn_proto::ids::{BlobId, CheckpointId, PackId, TenantId, WorkspaceId};
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::Row;
 
 use super::checkpoints::{push_in_list, record_pack_in};
 use super::gc::{deletions_pending_in, unusable_packs_in};
@@ -32,8 +33,7 @@ impl MetadataStore {
     ) -> Result<HashSet<(PackId, BlobId)>, DbError> {
         let mut found = HashSet::new();
         for chunk in packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query =
-                QueryBuilder::<Sqlite>::new("SELECT pack_id, blob_id FROM blobs WHERE tenant = ");
+            let mut query = SqlBuilder::new("SELECT pack_id, blob_id FROM blobs WHERE tenant = ");
             query.push_bind(tenant.as_str()).push(" AND pack_id IN");
             push_in_list(&mut query, chunk, PackId::as_str);
             let rows = query
@@ -164,7 +164,7 @@ impl MetadataStore {
             sqlx::query(
                 "UPDATE checkpoints SET
                    pack_count = (SELECT COUNT(*) FROM checkpoint_packs WHERE checkpoint_id = $1),
-                   stored_bytes = (SELECT COALESCE(SUM(p.size), 0) FROM checkpoint_packs cp
+                   stored_bytes = (SELECT CAST(COALESCE(SUM(p.size), 0) AS BIGINT) FROM checkpoint_packs cp
                                    JOIN packs p ON p.tenant = cp.tenant AND p.id = cp.pack_id
                                    WHERE cp.checkpoint_id = $1)
                  WHERE id = $1",

@@ -18,8 +18,9 @@
 use std::collections::HashSet;
 use std::time::SystemTime;
 
+use super::sql::SqlBuilder;
 use cairn_proto::ids::{PackId, TenantId, WorkspaceId};
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::Row;
 
 use super::checkpoints::push_in_list;
 use super::{
@@ -73,7 +74,7 @@ pub struct WorkspaceStorage {
     pub shared_bytes: u64,
 }
 
-fn tally(row: &sqlx::sqlite::SqliteRow, op: &'static str) -> Result<PackTally, DbError> {
+fn tally(row: &sqlx::any::AnyRow, op: &'static str) -> Result<PackTally, DbError> {
     let read = |source| DbError::Query { op, source };
     Ok(PackTally {
         packs: unsigned(row.try_get("packs").map_err(read)?, "pack count")?,
@@ -94,7 +95,7 @@ pub(super) async fn condemn_unreferenced_in(
 ) -> Result<PackTally, DbError> {
     let scope = tenant.map(TenantId::as_str);
     let newly = sqlx::query(&format!(
-        "SELECT COUNT(*) AS packs, COALESCE(SUM(size), 0) AS bytes FROM packs p
+        "SELECT COUNT(*) AS packs, CAST(COALESCE(SUM(size), 0) AS BIGINT) AS bytes FROM packs p
          WHERE p.condemned_at IS NULL AND ($1 IS NULL OR p.tenant = $1) AND {UNREFERENCED}"
     ))
     .bind(scope)
@@ -131,14 +132,14 @@ pub(super) async fn condemn_unreferenced_in(
 /// those whose deletion is under way, and (`superseded_too`) those
 /// compaction replaced.
 pub(super) async fn unusable_packs_in(
-    tx: &mut sqlx::SqliteConnection,
+    tx: &mut sqlx::AnyConnection,
     tenant: &TenantId,
     packs: &[PackId],
     superseded_too: bool,
 ) -> Result<Vec<PackId>, DbError> {
     let mut usable = HashSet::new();
     for chunk in packs.chunks(ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new("SELECT p.id FROM packs p WHERE p.tenant = ");
+        let mut query = SqlBuilder::new("SELECT p.id FROM packs p WHERE p.tenant = ");
         query.push_bind(tenant.as_str());
         if superseded_too {
             query.push(" AND p.superseded_at IS NULL");
@@ -165,14 +166,13 @@ pub(super) async fn unusable_packs_in(
 /// Whether any of `packs` of `tenant` has a deletion under way (a commit
 /// may not record such a pack as new: its object is about to go).
 pub(super) async fn deletions_pending_in(
-    tx: &mut sqlx::SqliteConnection,
+    tx: &mut sqlx::AnyConnection,
     tenant: &TenantId,
     packs: &[&PackId],
 ) -> Result<Vec<PackId>, DbError> {
     let mut pending = Vec::new();
     for chunk in packs.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            QueryBuilder::<Sqlite>::new("SELECT pack_id FROM pack_deletions WHERE tenant = ");
+        let mut query = SqlBuilder::new("SELECT pack_id FROM pack_deletions WHERE tenant = ");
         query.push_bind(tenant.as_str()).push(" AND pack_id IN");
         push_in_list(&mut query, chunk, |p: &&PackId| p.as_str());
         let rows: Vec<String> = query
@@ -187,7 +187,7 @@ pub(super) async fn deletions_pending_in(
     Ok(pending)
 }
 
-fn deletion_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<PackDeletion, DbError> {
+fn deletion_from_row(row: &sqlx::any::AnyRow) -> Result<PackDeletion, DbError> {
     let read = |source| DbError::Query {
         op: "read pack deletion",
         source,
@@ -225,9 +225,9 @@ impl MetadataStore {
         let row = sqlx::query(&format!(
             "SELECT
                COUNT(CASE WHEN p.condemned_at <= $1 THEN 1 END) AS due,
-               COALESCE(SUM(CASE WHEN p.condemned_at <= $1 THEN p.size END), 0) AS due_bytes,
+               CAST(COALESCE(SUM(CASE WHEN p.condemned_at <= $1 THEN p.size END), 0) AS BIGINT) AS due_bytes,
                COUNT(CASE WHEN p.condemned_at > $1 THEN 1 END) AS waiting,
-               COALESCE(SUM(CASE WHEN p.condemned_at > $1 THEN p.size END), 0) AS waiting_bytes
+               CAST(COALESCE(SUM(CASE WHEN p.condemned_at > $1 THEN p.size END), 0) AS BIGINT) AS waiting_bytes
              FROM packs p
              WHERE p.condemned_at IS NOT NULL AND ($2 IS NULL OR p.tenant = $2) AND {UNREFERENCED}"
         ))
@@ -391,7 +391,7 @@ impl MetadataStore {
             .await
             .map_err(query_error("packs freed"))?;
         for chunk in doomed.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new("INSERT INTO gc_doomed (id) ");
+            let mut query = SqlBuilder::new("INSERT INTO gc_doomed (id) ");
             query.push_values(chunk, |mut row, id| {
                 row.push_bind(id.as_str());
             });
@@ -403,7 +403,7 @@ impl MetadataStore {
                 .map_err(query_error("packs freed"))?;
         }
         let row = sqlx::query(
-            "SELECT COUNT(*) AS packs, COALESCE(SUM(p.size), 0) AS bytes FROM packs p
+            "SELECT COUNT(*) AS packs, CAST(COALESCE(SUM(p.size), 0) AS BIGINT) AS bytes FROM packs p
              WHERE p.condemned_at IS NULL AND ($1 IS NULL OR p.tenant = $1)
                AND NOT EXISTS (SELECT 1 FROM checkpoint_packs cp
                                WHERE cp.tenant = p.tenant AND cp.pack_id = p.id
@@ -429,7 +429,7 @@ impl MetadataStore {
     ) -> Result<HashSet<PackId>, DbError> {
         let mut recorded = HashSet::new();
         for chunk in packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new("SELECT id FROM packs WHERE tenant = ");
+            let mut query = SqlBuilder::new("SELECT id FROM packs WHERE tenant = ");
             query.push_bind(tenant.as_str()).push(" AND id IN");
             push_in_list(&mut query, chunk, PackId::as_str);
             let rows: Vec<String> = query
@@ -456,9 +456,9 @@ impl MetadataStore {
     /// What `tenant` stores.
     pub async fn tenant_storage(&self, tenant: &TenantId) -> Result<TenantStorage, DbError> {
         let row = sqlx::query(
-            "SELECT COUNT(*) AS packs, COALESCE(SUM(size), 0) AS bytes,
+            "SELECT COUNT(*) AS packs, CAST(COALESCE(SUM(size), 0) AS BIGINT) AS bytes,
                     COUNT(condemned_at) AS condemned,
-                    COALESCE(SUM(CASE WHEN condemned_at IS NOT NULL THEN size END), 0) AS condemned_bytes
+                    CAST(COALESCE(SUM(CASE WHEN condemned_at IS NOT NULL THEN size END), 0) AS BIGINT) AS condemned_bytes
              FROM packs WHERE tenant = $1",
         )
         .bind(tenant.as_str())
@@ -502,10 +502,11 @@ impl MetadataStore {
     ) -> Result<WorkspaceStorage, DbError> {
         let rows = sqlx::query(
             "SELECT p.size,
-                    EXISTS (SELECT 1 FROM checkpoint_packs other
-                            JOIN checkpoints oc ON oc.id = other.checkpoint_id
-                            WHERE other.tenant = p.tenant AND other.pack_id = p.id
-                              AND oc.workspace_id <> $1) AS shared
+                    CASE WHEN EXISTS (SELECT 1 FROM checkpoint_packs other
+                                      JOIN checkpoints oc ON oc.id = other.checkpoint_id
+                                      WHERE other.tenant = p.tenant AND other.pack_id = p.id
+                                        AND oc.workspace_id <> $1)
+                         THEN 1 ELSE 0 END AS shared
              FROM packs p
              WHERE EXISTS (SELECT 1 FROM checkpoint_packs cp
                            JOIN checkpoints c ON c.id = cp.checkpoint_id
@@ -523,7 +524,7 @@ impl MetadataStore {
         let mut storage = WorkspaceStorage::default();
         for row in &rows {
             let size: u64 = unsigned(row.try_get("size").map_err(read)?, "pack size")?;
-            let shared: bool = row.try_get("shared").map_err(read)?;
+            let shared = row.try_get::<i64, _>("shared").map_err(read)? != 0;
             storage.referenced.add(size);
             if shared {
                 storage.shared_bytes += size;

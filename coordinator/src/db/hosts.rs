@@ -13,8 +13,8 @@ use std::time::SystemTime;
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
 use super::run_records::{EventDraft, Run, event_reason, load_run};
 use super::runs::{EndCause, end_attempt, sandbox_gone, transition};
@@ -140,7 +140,7 @@ pub(super) fn parse_kept_workspaces(stored: &str, host: &str) -> Result<Vec<Work
         .collect()
 }
 
-fn host_from_row(row: &SqliteRow) -> Result<Host, DbError> {
+fn host_from_row(row: &AnyRow) -> Result<Host, DbError> {
     let read = |source| DbError::Query {
         op: "read host",
         source,
@@ -174,7 +174,7 @@ fn host_from_row(row: &SqliteRow) -> Result<Host, DbError> {
 }
 
 /// Fills in each host's sandboxes not yet gone.
-async fn attach_usage(conn: &mut SqliteConnection, hosts: &mut [Host]) -> Result<(), DbError> {
+async fn attach_usage(conn: &mut AnyConnection, hosts: &mut [Host]) -> Result<(), DbError> {
     for host in hosts {
         let runs: Vec<String> = sqlx::query_scalar(
             "SELECT run_id FROM attempts WHERE host_id = $1 AND sandbox_gone_at IS NULL ORDER BY run_id",
@@ -193,7 +193,7 @@ async fn attach_usage(conn: &mut SqliteConnection, hosts: &mut [Host]) -> Result
     Ok(())
 }
 
-async fn load_host(conn: &mut SqliteConnection, id: &HostId) -> Result<Option<Host>, DbError> {
+async fn load_host(conn: &mut AnyConnection, id: &HostId) -> Result<Option<Host>, DbError> {
     let row = sqlx::query(&format!("SELECT {HOST_COLUMNS} FROM hosts WHERE id = $1"))
         .bind(id.as_str())
         .fetch_optional(&mut *conn)
@@ -209,7 +209,7 @@ async fn load_host(conn: &mut SqliteConnection, id: &HostId) -> Result<Option<Ho
 /// A host of `tenant` by id, or by name when the name is unambiguous (among
 /// hosts that are not lost, if several share it).
 async fn find_host(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     tenant: &TenantId,
     reference: &str,
 ) -> Result<Host, DbError> {
@@ -255,7 +255,7 @@ async fn find_host(
 
 /// Attempts on a host whose sandboxes are not gone: (run, attempt number).
 async fn attempts_on_host(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     host: &HostId,
 ) -> Result<Vec<(RunId, u32)>, DbError> {
     let rows: Vec<(String, i64)> = sqlx::query_as(
@@ -272,7 +272,7 @@ async fn attempts_on_host(
 }
 
 /// The run of an attempt found on a host.
-async fn run_of_attempt(conn: &mut SqliteConnection, run_id: &RunId) -> Result<Run, DbError> {
+async fn run_of_attempt(conn: &mut AnyConnection, run_id: &RunId) -> Result<Run, DbError> {
     load_run(conn, run_id)
         .await?
         .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))

@@ -14,7 +14,7 @@ use std::time::SystemTime;
 
 use cairn_proto::ids::{RunId, WorkspaceId};
 use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 
 use super::run_records::{EventDraft, Run, add_event, add_input, event_reason};
 use super::{DbError, MetadataStore, WriteTx, from_millis, parse_column, query_error, unsigned};
@@ -49,7 +49,7 @@ pub struct Message {
 const MESSAGE_COLUMNS: &str = "m.id, m.workspace_id, m.station, m.text, m.created_at, m.run_id, \
                                m.given_back, i.consumed_at";
 
-fn message_from_row(row: &SqliteRow) -> Result<Message, DbError> {
+fn message_from_row(row: &AnyRow) -> Result<Message, DbError> {
     let read = |source| DbError::Query {
         op: "read message",
         source,

@@ -1,14 +1,19 @@
 //! Metadata: tenants and their keys, tokens, workspaces, packs, blobs and
 //! checkpoints; hosts, runs, attempts, their events and inputs; handoff
 //! notes and the files runs lay for their stations, in SQLite
-//! (`DIR/cairn.db`).
+//! (`DIR/cairn.db`, the embedded default) or PostgreSQL ([`DatabaseLocation`]).
 //!
 //! [`MetadataStore`] has one method per operation the services need and
-//! returns domain records. The database runs in WAL mode with foreign keys on
-//! and a busy timeout; `coordinator/migrations` is applied at open. The SQL is
-//! kept portable to PostgreSQL (numbered `$n` parameters, `ON CONFLICT`,
-//! `RETURNING`, BIGINT milliseconds for times) so a shared database can
-//! replace the file later; only SQLite runs today.
+//! returns domain records. One set of queries serves both databases through
+//! sqlx's `Any` driver, so the SQL is the portable subset: numbered `$n`
+//! parameters, `ON CONFLICT`, `RETURNING`, BIGINT milliseconds for times,
+//! integers (never booleans) for flags and tests, sums cast to BIGINT. Each
+//! database has its own migrations (`coordinator/migrations/{sqlite,postgres}`),
+//! applied at open; they describe the same schema.
+//!
+//! SQLite runs in WAL mode with foreign keys on, full sync and a busy
+//! timeout. PostgreSQL runs at READ COMMITTED; the write locks below give it
+//! the ordering SQLite's single writer gives for free.
 //!
 //! Invariants kept here:
 //! - A checkpoint, its pack and blob records, and the workspace's sequence
@@ -18,8 +23,15 @@
 //!   serialize and get consecutive sequence numbers.
 //! - A blob's pack is recorded once; later packs holding the same blob do not
 //!   replace it (first writer wins) unless the recorded pack was found lost.
-//! - Run and host changes run in `BEGIN IMMEDIATE` transactions ([`WriteTx`]):
-//!   the write lock is taken first, so reads inside see the state they change.
+//! - Run and host changes run in write transactions ([`WriteTx`]) that take
+//!   the write lock first (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: an
+//!   exclusive transaction-level advisory lock), so reads inside see the state
+//!   they change and no two of them interleave.
+//! - A checkpoint commit takes the same advisory lock shared on PostgreSQL:
+//!   commits of different workspaces run side by side (the workspace row
+//!   orders those of one workspace), and none runs beside a write
+//!   transaction (garbage collection, retention, compaction), which is what
+//!   keeps a commit from referencing a pack a sweep is deleting.
 //!   Every run state change writes a run event in the same transaction, and
 //!   after the commit the run's id is published to [`MetadataStore::subscribe_runs`].
 
@@ -27,12 +39,14 @@ mod checkpoints;
 mod compaction;
 mod gc;
 mod hosts;
+mod location;
 mod messages;
 mod retention;
 mod run_records;
 mod runner;
 mod runs;
 mod scheduling;
+mod sql;
 mod stations;
 mod tokens;
 mod workspaces;
@@ -43,6 +57,7 @@ pub use hosts::{
     AssignmentRecord, BoundToken, HeartbeatAnswer, Host, HostRegistration, Registered,
     ReportedSandbox, destroy_reason,
 };
+pub use location::DatabaseLocation;
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
 pub use retention::{Deleted, RetainedWorkspace, RetentionChange, RetentionFacts};
 pub use run_records::{Attempt, Run, RunEvent, RunInput, event_reason};
@@ -54,7 +69,6 @@ pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;
 
-use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -67,10 +81,11 @@ use cairn_proto::ids::{
 use cairn_proto::pb;
 use cairn_proto::refusal::NotCurrent;
 use ring::rand::{SecureRandom, SystemRandom};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
-use sqlx::{Row, Sqlite, Transaction};
+use sqlx::any::AnyPoolOptions;
+use sqlx::{Any, Connection, Executor, Row, Transaction};
+use sqlx::{AnyConnection, AnyPool};
+
+use sql::SqlBuilder;
 use tokio::sync::broadcast;
 
 /// Key id of a tenant's first key.
@@ -82,8 +97,13 @@ const ROWS_PER_STATEMENT: usize = 300;
 /// Why a metadata operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("could not open the metadata database {path}: {source}")]
-    Open { path: PathBuf, source: sqlx::Error },
+    #[error("could not open the metadata database {location}: {source}")]
+    Open {
+        location: DatabaseLocation,
+        source: sqlx::Error,
+    },
+    #[error("{0}")]
+    BadLocation(String),
     #[error("could not apply the metadata schema migrations: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("metadata query failed ({op}): {source}")]
@@ -288,22 +308,39 @@ pub struct NewCheckpoint {
 /// that lags re-reads the database, so the capacity only bounds memory.
 const RUN_CHANGES_CAPACITY: usize = 1024;
 
+/// The database engine behind a [`MetadataStore`], where they differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The PostgreSQL advisory lock write transactions take exclusively and
+/// checkpoint commits shared (an arbitrary constant: "cairn" in ASCII).
+const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
+
+/// Connections a PostgreSQL pool keeps (SQLite's one writer gains nothing
+/// from more than its 8).
+const POSTGRES_CONNECTIONS: u32 = 16;
+const SQLITE_CONNECTIONS: u32 = 8;
+
 /// The metadata database.
 #[derive(Debug, Clone)]
 pub struct MetadataStore {
-    pool: SqlitePool,
+    pool: AnyPool,
+    backend: Backend,
     run_changes: broadcast::Sender<RunId>,
 }
 
 /// A write transaction that took the database's write lock at its start, and
 /// the runs it changed (announced after the commit).
 pub(crate) struct WriteTx {
-    tx: Transaction<'static, Sqlite>,
+    tx: Transaction<'static, Any>,
     changed_runs: BTreeSet<RunId>,
 }
 
 impl WriteTx {
-    fn conn(&mut self) -> &mut sqlx::SqliteConnection {
+    fn conn(&mut self) -> &mut AnyConnection {
         &mut self.tx
     }
 
@@ -346,29 +383,60 @@ fn random_secret() -> Vec<u8> {
 }
 
 impl MetadataStore {
-    /// Opens (creating if needed) the database at `path` and migrates it.
-    pub async fn open(path: &Path) -> Result<Self, DbError> {
-        let options = SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            // A committed checkpoint must survive a power loss.
-            .synchronous(SqliteSynchronous::Full)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(10));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(8)
-            .connect_with(options)
-            .await
-            .map_err(|source| DbError::Open {
-                path: path.to_owned(),
-                source,
-            })?;
-        sqlx::migrate!("./migrations").run(&pool).await?;
+    /// Opens (creating if needed) the database at `location` and migrates it.
+    pub async fn open(location: &DatabaseLocation) -> Result<Self, DbError> {
+        sqlx::any::install_default_drivers();
+        let opened = |source| DbError::Open {
+            location: location.clone(),
+            source,
+        };
+        let (pool, backend) = match location {
+            DatabaseLocation::Sqlite(_) => {
+                let pool = AnyPoolOptions::new()
+                    .max_connections(SQLITE_CONNECTIONS)
+                    .after_connect(|conn, _| {
+                        Box::pin(async move {
+                            // A committed checkpoint must survive a power loss.
+                            conn.execute(
+                                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
+                                 PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 10000;",
+                            )
+                            .await
+                            .map(drop)
+                        })
+                    })
+                    .connect(&location.sqlx_url())
+                    .await
+                    .map_err(opened)?;
+                sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
+                (pool, Backend::Sqlite)
+            }
+            DatabaseLocation::Postgres { url, schema } => {
+                prepare_postgres(url, schema.as_deref())
+                    .await
+                    .map_err(opened)?;
+                let pool = AnyPoolOptions::new()
+                    .max_connections(POSTGRES_CONNECTIONS)
+                    .connect(&location.sqlx_url())
+                    .await
+                    .map_err(opened)?;
+                sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+                (pool, Backend::Postgres)
+            }
+        };
         let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);
-        let store = Self { pool, run_changes };
+        let store = Self {
+            pool,
+            backend,
+            run_changes,
+        };
         store.assign_token_ids().await?;
         Ok(store)
+    }
+
+    /// Which database this is.
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     /// Ids of runs as their events are committed. Subscribe before reading
@@ -377,17 +445,47 @@ impl MetadataStore {
         self.run_changes.subscribe()
     }
 
-    /// Starts a write transaction holding the write lock from its first statement.
+    /// Starts a write transaction holding the write lock from its first
+    /// statement: no other write transaction or checkpoint commit runs
+    /// beside it.
     pub(crate) async fn begin_write(&self) -> Result<WriteTx, DbError> {
-        let tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(query_error("begin"))?;
+        let tx = match self.backend {
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+            Backend::Postgres => self.begin_locked("pg_advisory_xact_lock").await,
+        }
+        .map_err(query_error("begin"))?;
         Ok(WriteTx {
             tx,
             changed_runs: BTreeSet::new(),
         })
+    }
+
+    /// Starts a checkpoint commit's transaction: beside other commits (its
+    /// first statement, the workspace row's update, orders the commits of
+    /// one workspace), never beside a write transaction.
+    pub(crate) async fn begin_commit(&self) -> Result<Transaction<'static, Any>, DbError> {
+        match self.backend {
+            // The first statement (an UPDATE) takes SQLite's one write lock.
+            Backend::Sqlite => self.pool.begin().await,
+            Backend::Postgres => self.begin_locked("pg_advisory_xact_lock_shared").await,
+        }
+        .map_err(query_error("begin commit"))
+    }
+
+    async fn begin_locked(
+        &self,
+        lock: &'static str,
+    ) -> Result<Transaction<'static, Any>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        // The lock function returns void, which the Any driver cannot read:
+        // count the row instead.
+        sqlx::query(&format!(
+            "SELECT COUNT(*) FROM (SELECT {lock}($1)) AS locked"
+        ))
+        .bind(WRITE_LOCK)
+        .execute(&mut *tx)
+        .await?;
+        Ok(tx)
     }
 
     /// Commits `tx` and announces the runs it changed.
@@ -496,16 +594,14 @@ impl MetadataStore {
         for chunk in key_ids.chunks(ROWS_PER_STATEMENT) {
             let mut query = match &lineage {
                 Some(lineage) => {
-                    let mut query = sqlx::QueryBuilder::new(
-                        "SELECT key_id, secret FROM lineage_keys WHERE lineage = ",
-                    );
+                    let mut query =
+                        SqlBuilder::new("SELECT key_id, secret FROM lineage_keys WHERE lineage = ");
                     query.push_bind(lineage.as_str());
                     query
                 }
                 None => {
-                    let mut query = sqlx::QueryBuilder::new(
-                        "SELECT key_id, secret FROM tenant_keys WHERE tenant = ",
-                    );
+                    let mut query =
+                        SqlBuilder::new("SELECT key_id, secret FROM tenant_keys WHERE tenant = ");
                     query.push_bind(tenant.as_str());
                     query
                 }
@@ -529,6 +625,28 @@ impl MetadataStore {
             }
         }
         Ok(keys)
+    }
+}
+
+/// Connects once, so a database that cannot be reached fails the start with
+/// the reason (a pool only says it timed out), and creates `schema` unless it
+/// exists (replicas starting together may race to create it: the loser finds
+/// it there).
+async fn prepare_postgres(url: &str, schema: Option<&str>) -> Result<(), sqlx::Error> {
+    let mut conn = AnyConnection::connect(url).await?;
+    let created = match schema {
+        Some(schema) => conn
+            .execute(format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\"").as_str())
+            .await
+            .map(drop),
+        None => Ok(()),
+    };
+    let _ = conn.close().await;
+    match created {
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("23505" | "42P06")) => {
+            Ok(())
+        }
+        other => other,
     }
 }
 

@@ -9,10 +9,11 @@
 
 use std::time::{Duration, SystemTime};
 
+use super::sql::SqlBuilder;
 use cairn_proto::domain::WorkspaceState;
 use cairn_proto::ids::{CheckpointId, RunId, TenantId, WorkspaceId};
 use cairn_proto::runs::RunState;
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::Row;
 
 use super::checkpoints::push_in_list;
 use super::gc::{PackTally, condemn_unreferenced_in};
@@ -99,8 +100,7 @@ async fn delete_checkpoint_rows(
     let mut deleted = 0;
     for chunk in ids.chunks(ROWS_PER_STATEMENT) {
         for table in ["checkpoint_packs", "checkpoint_pins"] {
-            let mut query =
-                QueryBuilder::<Sqlite>::new(format!("DELETE FROM {table} WHERE checkpoint_id IN"));
+            let mut query = SqlBuilder::new(format!("DELETE FROM {table} WHERE checkpoint_id IN"));
             push_in_list(&mut query, chunk, CheckpointId::as_str);
             query
                 .build()
@@ -108,8 +108,7 @@ async fn delete_checkpoint_rows(
                 .await
                 .map_err(query_error("delete checkpoint records"))?;
         }
-        let mut query =
-            QueryBuilder::<Sqlite>::new("DELETE FROM checkpoints WHERE workspace_id = ");
+        let mut query = SqlBuilder::new("DELETE FROM checkpoints WHERE workspace_id = ");
         query.push_bind(workspace.as_str()).push(" AND id IN");
         push_in_list(&mut query, chunk, CheckpointId::as_str);
         deleted += query
@@ -252,9 +251,8 @@ impl MetadataStore {
         let mut tx = self.begin_write().await?;
         let mut doomed = Vec::with_capacity(ids.len());
         for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = QueryBuilder::<Sqlite>::new(
-                "SELECT c.id FROM checkpoints c WHERE c.workspace_id = ",
-            );
+            let mut query =
+                SqlBuilder::new("SELECT c.id FROM checkpoints c WHERE c.workspace_id = ");
             query
                 .push_bind(workspace.as_str())
                 .push(" AND c.sequence < (SELECT MAX(sequence) FROM checkpoints WHERE workspace_id = ")

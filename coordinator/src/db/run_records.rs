@@ -7,12 +7,13 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
+use super::sql::SqlBuilder;
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptState, CheckpointLimits, Labels, Outcome, RunState, SandboxState};
 use prost::Message;
-use sqlx::sqlite::SqliteRow;
-use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
 use super::checkpoints::push_in_list;
 use super::{DbError, WriteTx, from_millis, parse_column, query_error, signed, unsigned};
@@ -177,7 +178,7 @@ fn millis_duration(ms: i64, what: &str) -> Result<Duration, DbError> {
     Ok(Duration::from_millis(unsigned(ms, what)?))
 }
 
-pub(super) fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
+pub(super) fn run_from_row(row: &AnyRow) -> Result<Run, DbError> {
     let read = |source| DbError::Query {
         op: "read run",
         source,
@@ -226,7 +227,7 @@ pub(super) fn run_from_row(row: &SqliteRow) -> Result<Run, DbError> {
     })
 }
 
-pub(super) fn attempt_from_row(row: &SqliteRow) -> Result<(RunId, Attempt), DbError> {
+pub(super) fn attempt_from_row(row: &AnyRow) -> Result<(RunId, Attempt), DbError> {
     let read = |source| DbError::Query {
         op: "read attempt",
         source,
@@ -268,7 +269,7 @@ pub(super) fn attempt_from_row(row: &SqliteRow) -> Result<(RunId, Attempt), DbEr
     Ok((parse_column(&run, "run id")?, attempt))
 }
 
-pub(super) fn event_from_row(row: &SqliteRow) -> Result<RunEvent, DbError> {
+pub(super) fn event_from_row(row: &AnyRow) -> Result<RunEvent, DbError> {
     let read = |source| DbError::Query {
         op: "read run event",
         source,
@@ -289,7 +290,7 @@ pub(super) fn event_from_row(row: &SqliteRow) -> Result<RunEvent, DbError> {
     })
 }
 
-fn input_from_row(row: &SqliteRow) -> Result<RunInput, DbError> {
+fn input_from_row(row: &AnyRow) -> Result<RunInput, DbError> {
     let read = |source| DbError::Query {
         op: "read run input",
         source,
@@ -304,7 +305,7 @@ fn input_from_row(row: &SqliteRow) -> Result<RunInput, DbError> {
 
 /// Fills in the attempts of `runs`.
 pub(super) async fn attach_attempts(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     runs: &mut [Run],
 ) -> Result<(), DbError> {
     if runs.is_empty() {
@@ -313,7 +314,7 @@ pub(super) async fn attach_attempts(
     let ids: Vec<RunId> = runs.iter().map(|r| r.id.clone()).collect();
     let mut by_run: HashMap<RunId, Vec<Attempt>> = HashMap::new();
     for chunk in ids.chunks(super::ROWS_PER_STATEMENT) {
-        let mut query = QueryBuilder::<Sqlite>::new(format!(
+        let mut query = SqlBuilder::new(format!(
             "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE run_id IN"
         ));
         push_in_list(&mut query, chunk, RunId::as_str);
@@ -335,10 +336,7 @@ pub(super) async fn attach_attempts(
 }
 
 /// A run (of any tenant) with its attempts.
-pub(super) async fn load_run(
-    conn: &mut SqliteConnection,
-    id: &RunId,
-) -> Result<Option<Run>, DbError> {
+pub(super) async fn load_run(conn: &mut AnyConnection, id: &RunId) -> Result<Option<Run>, DbError> {
     let row = sqlx::query(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"))
         .bind(id.as_str())
         .fetch_optional(&mut *conn)
@@ -353,7 +351,7 @@ pub(super) async fn load_run(
 
 /// A run of `tenant`, or NotFound.
 pub(super) async fn load_tenant_run(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     tenant: &TenantId,
     id: &RunId,
 ) -> Result<Run, DbError> {
@@ -464,7 +462,7 @@ pub(super) async fn add_input(
 }
 
 pub(super) async fn pending_inputs(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     run: &RunId,
 ) -> Result<Vec<RunInput>, DbError> {
     let rows = sqlx::query(

@@ -22,7 +22,7 @@ use super::runs::{
 use super::stations::{NOTES_PER_ATTEMPT, laid_files, record_note, workspace_notes};
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
 use crate::runlife::Event;
-use sqlx::SqliteConnection;
+use sqlx::AnyConnection;
 
 /// The attempt a runner speaks for, if it is the run's current one and has
 /// not ended.
@@ -61,7 +61,7 @@ fn runner_attempt(run: &Run, number: u32) -> Result<Attempt, DbError> {
 
 /// The run and the attempt a runner speaks for (see [`runner_attempt`]).
 async fn load_runner_attempt(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     run_id: &RunId,
     number: u32,
 ) -> Result<(Run, Attempt), DbError> {
@@ -206,14 +206,16 @@ impl MetadataStore {
         };
         let notes = workspace_notes(tx.conn(), &run.workspace_id, Some(NOTES_PER_ATTEMPT)).await?;
         let lay = laid_files(tx.conn(), run_id).await?;
-        let prompt_delivered: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)",
+        let prompt_delivered: i64 = sqlx::query_scalar(
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM run_events WHERE run_id = $1 AND reason = $2)
+                    THEN 1 ELSE 0 END",
         )
         .bind(run_id.as_str())
         .bind(event_reason::HARNESS_STARTED)
         .fetch_one(tx.conn())
         .await
         .map_err(query_error("find an earlier harness start"))?;
+        let prompt_delivered = prompt_delivered != 0;
         self.commit(tx).await?;
         let attempt = run
             .current_attempt()

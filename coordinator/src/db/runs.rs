@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+use super::sql::SqlBuilder;
 use cairn_proto::ids::{CheckpointId, RunId, TenantId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::runs::{
@@ -27,7 +28,7 @@ use cairn_proto::runs::{
 };
 use cairn_proto::stations::{HandoffText, LaidFiles};
 use prost::Message as _;
-use sqlx::{QueryBuilder, Sqlite, SqliteConnection};
+use sqlx::AnyConnection;
 
 use super::messages::{Message, deliver, load_message};
 use super::run_records::{
@@ -266,7 +267,7 @@ pub(super) async fn set_attempt_state(
 }
 
 /// How many inputs of the run no harness has heard yet.
-async fn pending_input_count(conn: &mut SqliteConnection, run: &RunId) -> Result<u64, DbError> {
+async fn pending_input_count(conn: &mut AnyConnection, run: &RunId) -> Result<u64, DbError> {
     let count: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM run_inputs WHERE run_id = $1 AND consumed_at IS NULL",
     )
@@ -700,8 +701,7 @@ impl MetadataStore {
             .acquire()
             .await
             .map_err(query_error("list runs"))?;
-        let mut query =
-            QueryBuilder::<Sqlite>::new(format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = "));
+        let mut query = SqlBuilder::new(format!("SELECT {RUN_COLUMNS} FROM runs WHERE tenant = "));
         query.push_bind(tenant.as_str());
         if let Some(before) = before {
             query.push(" AND id < ").push_bind(before.as_str());

@@ -18,8 +18,8 @@ use std::time::SystemTime;
 use cairn_proto::ids::{RunId, WorkspaceId};
 use cairn_proto::runs::Outcome;
 use cairn_proto::stations::{HandoffText, LaidFiles, NoteField};
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection, SqliteExecutor};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, AnyExecutor, Row};
 
 use super::run_records::Run;
 use super::{
@@ -48,7 +48,7 @@ pub struct HandoffNote {
 const NOTE_COLUMNS: &str = "workspace_id, run_id, station, attempt, harness, outcome, checkpoint_id, \
                             summary, changed, checked, uncertain, next_action, composed, created_at";
 
-fn note_from_row(row: &SqliteRow) -> Result<HandoffNote, DbError> {
+fn note_from_row(row: &AnyRow) -> Result<HandoffNote, DbError> {
     let read = |source| DbError::Query {
         op: "read handoff note",
         source,
@@ -126,7 +126,7 @@ pub(super) async fn record_note(
 
 /// The notes of `workspace`, oldest first: all of them, or the `newest`.
 pub(super) async fn workspace_notes(
-    conn: impl SqliteExecutor<'_>,
+    conn: impl AnyExecutor<'_>,
     workspace: &WorkspaceId,
     newest: Option<u32>,
 ) -> Result<Vec<HandoffNote>, DbError> {
@@ -134,8 +134,9 @@ pub(super) async fn workspace_notes(
         "SELECT {NOTE_COLUMNS} FROM handoff_notes WHERE workspace_id = $1 ORDER BY id DESC LIMIT $2"
     ))
     .bind(workspace.as_str())
-    // SQLite reads a negative limit as none.
-    .bind(newest.map_or(-1, i64::from))
+    // No limit is every row there can be (SQLite reads a negative limit as
+    // none; PostgreSQL refuses one).
+    .bind(newest.map_or(i64::MAX, i64::from))
     .fetch_all(conn)
     .await
     .map_err(query_error("handoff notes"))?;
@@ -192,7 +193,7 @@ pub(super) async fn insert_laid_files(
 
 /// The files `run` lays, path → content.
 pub(super) async fn laid_files(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     run: &RunId,
 ) -> Result<BTreeMap<String, Vec<u8>>, DbError> {
     let rows: Vec<(String, Vec<u8>)> =

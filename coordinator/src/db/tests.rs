@@ -8,7 +8,7 @@ use super::*;
 
 pub(super) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
     let dir = tempfile::tempdir().unwrap();
-    let db = MetadataStore::open(&dir.path().join("cairn.db"))
+    let db = MetadataStore::open(&DatabaseLocation::for_tests(dir.path()))
         .await
         .unwrap();
     let tenant = TenantId::default_tenant();

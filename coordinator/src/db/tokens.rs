@@ -11,8 +11,8 @@ use std::time::SystemTime;
 use cairn_proto::ids::{HostId, RunId, TenantId, TokenId, WorkspaceId};
 use cairn_proto::refusal::NotCurrent;
 use cairn_proto::runs::{AttemptState, RunState};
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
 use super::{DbError, MetadataStore, from_millis, millis, parse_column, query_error, unsigned};
 use crate::tokens::{AttemptFacts, RunBinding, Scope, TokenRecord, attempt_standing};
@@ -44,7 +44,7 @@ pub struct NewTokenRow<'a> {
 
 const INFO_COLUMNS: &str = "id, scope, description, created_at, expires_at, revoked_at, host_id";
 
-fn info_from_row(row: &SqliteRow) -> Result<TokenInfo, DbError> {
+fn info_from_row(row: &AnyRow) -> Result<TokenInfo, DbError> {
     let read = |source| DbError::Query {
         op: "read token",
         source,
@@ -70,7 +70,7 @@ fn info_from_row(row: &SqliteRow) -> Result<TokenInfo, DbError> {
 
 /// Records a new token with a fresh id; returns it as listed.
 pub(super) async fn insert_token(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     new: &NewTokenRow<'_>,
 ) -> Result<TokenInfo, DbError> {
     let id = TokenId::generate();
@@ -104,7 +104,7 @@ pub(super) async fn insert_token(
 
 /// Where attempt `number` of `run` stands (None: the run is unknown).
 async fn attempt_facts(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     run: &RunId,
     number: u32,
 ) -> Result<Option<AttemptFacts>, DbError> {
@@ -402,7 +402,7 @@ mod tests {
             .unwrap();
         assert!(db.list_tokens(&tenant).await.unwrap().is_empty());
         db.close().await;
-        let db = MetadataStore::open(&dir.path().join("cairn.db"))
+        let db = MetadataStore::open(&crate::db::DatabaseLocation::for_tests(dir.path()))
             .await
             .unwrap();
         let listed = db.list_tokens(&tenant).await.unwrap();

@@ -5,8 +5,8 @@ use std::time::{Duration, SystemTime};
 
 use cairn_proto::domain::{WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{CheckpointId, Generation, TenantId, WorkspaceId};
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
 use crate::retention::Overrides;
 
@@ -33,7 +33,7 @@ const WORKSPACE_COLUMNS: &str =
      w.finished_at, w.keep_last, w.finished_retention_ms,
      (SELECT COUNT(*) FROM checkpoints c WHERE c.workspace_id = w.id) AS checkpoint_count";
 
-fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
+fn workspace_from_row(row: &AnyRow) -> Result<Workspace, DbError> {
     let read = |source| DbError::Query {
         op: "read workspace",
         source,
@@ -68,7 +68,7 @@ fn workspace_from_row(row: &SqliteRow) -> Result<Workspace, DbError> {
 
 /// Checks that `id` is an active workspace of `tenant` (`op` names the query).
 pub(super) async fn ensure_active_workspace(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     tenant: &TenantId,
     id: &WorkspaceId,
     op: &'static str,
@@ -106,7 +106,7 @@ pub(super) enum KeyLineage {
 /// names the query).
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn insert_workspace(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     id: &WorkspaceId,
     tenant: &TenantId,
     name: Option<&str>,
@@ -159,7 +159,7 @@ pub(super) async fn insert_workspace(
 /// The key lineage of workspace `id` of `tenant` (`None`: the tenant's
 /// keys).
 pub(super) async fn lineage_of(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     tenant: &TenantId,
     id: &WorkspaceId,
 ) -> Result<Option<String>, DbError> {

@@ -14,8 +14,9 @@ use crate::harness::*;
 
 /// Moves a workspace to its next generation, as a new attempt of a run would.
 async fn bump_generation(data_dir: &Path, workspace: &str) {
-    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(data_dir.join("cairn.db"));
-    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    sqlx::any::install_default_drivers();
+    let location = cairn_coordinator::db::DatabaseLocation::for_tests(data_dir);
+    let pool = sqlx::AnyPool::connect(&location.sqlx_url()).await.unwrap();
     sqlx::query("UPDATE workspaces SET generation = generation + 1 WHERE id = $1")
         .bind(workspace)
         .execute(&pool)

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_coordinator::db::DatabaseLocation;
 use cairn_coordinator::store::{Faults, FaultyStore, ObjectStore};
 use cairn_coordinator::{ServeError, ServerConfig};
 use cairn_engine::client::{AuthChannel, CoordinatorClient};
@@ -38,6 +39,8 @@ impl TestServer {
         let grpc_url = format!("http://{}", grpc.local_addr().unwrap());
         let blob_url = format!("http://{}", blob.local_addr().unwrap());
         let mut config = ServerConfig::new(data_dir);
+        // SQLite in the data dir, or the PostgreSQL database CAIRN_TEST_DATABASE names.
+        config.database = Some(DatabaseLocation::for_tests(data_dir));
         configure(&mut config);
         let (shutdown, stop) = oneshot::channel::<()>();
         let task = tokio::spawn(cairn_coordinator::serve(config, grpc, blob, async {

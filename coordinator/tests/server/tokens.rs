@@ -316,9 +316,11 @@ async fn a_run_token_reaches_only_its_own_workspace() {
 
     // A run token bound to a workspace only (no run), recorded directly.
     let run_token = tokens::generate(Scope::Run);
-    let db = MetadataStore::open(&dir.path().join("cairn.db"))
-        .await
-        .unwrap();
+    let db = MetadataStore::open(&cairn_coordinator::db::DatabaseLocation::for_tests(
+        dir.path(),
+    ))
+    .await
+    .unwrap();
     db.ensure_token(
         &run_token.hash,
         &TenantId::default_tenant(),
