@@ -31,6 +31,7 @@ mod cairnctl;
 mod chats;
 mod corruption;
 mod ctl_runs;
+mod database;
 mod demo;
 mod faults;
 mod fidelity;

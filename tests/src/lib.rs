@@ -98,6 +98,22 @@ impl fmt::Debug for Coordinator {
     }
 }
 
+/// `--database URL --database-schema NAME` when `CAIRN_TEST_DATABASE` names
+/// a PostgreSQL database: the coordinator of `data_dir` keeps its metadata in
+/// a schema of its own there (the same one after a restart). Nothing (the
+/// SQLite file in the data dir) otherwise.
+fn test_database_args(data_dir: &Path) -> Vec<String> {
+    use sha2::Digest;
+    match std::env::var("CAIRN_TEST_DATABASE") {
+        Ok(url) if !url.is_empty() => {
+            let digest = sha2::Sha256::digest(data_dir.as_os_str().as_encoded_bytes());
+            let schema = format!("t_{}", hex::encode(&digest[..10]));
+            vec!["--database".into(), url, "--database-schema".into(), schema]
+        }
+        _ => Vec::new(),
+    }
+}
+
 impl Coordinator {
     /// Starts a coordinator with default settings.
     pub fn start() -> Self {
@@ -214,6 +230,7 @@ impl Coordinator {
                 "--blob-listen",
                 &self.listen[1],
             ])
+            .args(test_database_args(&data))
             .args(&self.extra_args)
             .env_remove("CAIRN_FAILPOINTS")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
