@@ -129,6 +129,12 @@ pub struct PresignedUrl {
     /// `GET` (which also allows `HEAD`) or `PUT`.
     pub method: &'static str,
     pub expires_at: SystemTime,
+    /// Headers an upload must carry as they are, because the signature
+    /// covers them (S3's `x-amz-checksum-sha256`); lowercase names, sent
+    /// to runners in `SignedUrl.headers`. Not a credential: they only
+    /// repeat what the request states. Always empty for downloads, whose
+    /// URLs reach runners as bare strings.
+    pub headers: Vec<(String, String)>,
 }
 
 impl fmt::Debug for PresignedUrl {
@@ -142,6 +148,7 @@ impl fmt::Debug for PresignedUrl {
             .field("url", &format_args!("{path}?…"))
             .field("method", &self.method)
             .field("expires_at", &self.expires_at)
+            .field("headers", &self.headers)
             .finish()
     }
 }
@@ -236,8 +243,8 @@ pub trait ObjectStore: Send + Sync + 'static {
         holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl>;
 
-    /// A URL that reads `key` (whole or by byte ranges); `holder` as for
-    /// [`ObjectStore::presign_put`].
+    /// A URL that reads `key` (whole or by byte ranges) and needs no
+    /// header; `holder` as for [`ObjectStore::presign_put`].
     fn presign_get<'a>(
         &'a self,
         key: &'a ObjectKey,
