@@ -1,6 +1,11 @@
-//! For tests that start another package's binary.
+//! For tests that start another package's binary, or a real S3-compatible
+//! server ([`S3sFs`]).
 
-use std::path::PathBuf;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
 
 /// The binary `name` built by `cargo build --workspace --bins` (scripts/test
 /// runs it) in this test's profile directory. Cargo builds only the calling
@@ -24,4 +29,132 @@ pub fn sibling_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// How to get `s3s-fs`, for the message of a test that cannot find it.
+pub const S3S_FS_INSTALL: &str = "cargo install s3s-fs --version 0.14.1 --features binary --locked";
+
+/// The `s3s-fs` binary: `CAIRN_S3S_FS`, else the first `s3s-fs` on `PATH`.
+/// Fails (never skips) when there is none, saying how to install it.
+pub fn s3s_fs_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("CAIRN_S3S_FS") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "CAIRN_S3S_FS={} is not a file; install s3s-fs with `{S3S_FS_INSTALL}`",
+            path.display()
+        );
+        return path;
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("s3s-fs"))
+            .find(|candidate| candidate.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "s3s-fs is needed by the S3 store tests and is not on PATH (or in CAIRN_S3S_FS): install it with `{S3S_FS_INSTALL}`"
+        )
+    })
+}
+
+/// A real S3-compatible server: `s3s-fs` on 127.0.0.1 (an ephemeral port),
+/// serving a directory of the caller's, checking SigV4 signatures with one
+/// access key. Killed when dropped.
+#[derive(Debug)]
+pub struct S3sFs {
+    child: Child,
+    endpoint: String,
+    root: PathBuf,
+}
+
+impl S3sFs {
+    pub const ACCESS_KEY: &str = "cairn-test-access-key";
+    pub const SECRET_KEY: &str = "cairn-test-secret-key-do-not-use";
+    pub const REGION: &str = "us-east-1";
+
+    /// Starts `s3s-fs` on `root` (an empty directory the caller owns) with
+    /// the buckets `buckets` (directories under the root, which is what a
+    /// bucket is to s3s-fs).
+    pub fn start(root: &Path, buckets: &[&str]) -> Self {
+        for bucket in buckets {
+            std::fs::create_dir_all(root.join(bucket)).expect("bucket directories can be created");
+        }
+        let mut child = Command::new(s3s_fs_binary())
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--access-key", Self::ACCESS_KEY])
+            .args(["--secret-key", Self::SECRET_KEY])
+            .arg(root)
+            // Its address is only in its log; info is where it says it.
+            .env("RUST_LOG", "s3s_fs=info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("s3s-fs does not start ({e}); install it with `{S3S_FS_INSTALL}`")
+            });
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (found, address) = mpsc::channel();
+        // Reads the log to its end, so a chatty server never blocks on a
+        // full pipe; the first address line is the one wanted.
+        std::thread::spawn(move || {
+            let mut found = Some(found);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("server is running at ")
+                    && let Some(sender) = found.take()
+                {
+                    let rest = &line[at + "server is running at ".len()..];
+                    let url = rest.split_whitespace().next().unwrap_or_default();
+                    let _ = sender.send(url.to_owned());
+                }
+            }
+        });
+        let endpoint = match address.recv_timeout(Duration::from_secs(30)) {
+            Ok(endpoint) => endpoint,
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait().ok();
+                panic!("s3s-fs did not say where it listens within 30s (exit status: {status:?})");
+            }
+        };
+        assert!(
+            endpoint.starts_with("http://127.0.0.1:"),
+            "s3s-fs said it listens at {endpoint:?}"
+        );
+        Self {
+            child,
+            endpoint,
+            root: root.to_owned(),
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The file that holds `key` of `bucket`.
+    pub fn object_path(&self, bucket: &str, key: &str) -> PathBuf {
+        self.root.join(bucket).join(key)
+    }
+
+    /// The AWS variables that point a coordinator at this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".to_owned()),
+            ("AWS_REGION", Self::REGION.to_owned()),
+            ("AWS_ACCESS_KEY_ID", Self::ACCESS_KEY.to_owned()),
+            ("AWS_SECRET_ACCESS_KEY", Self::SECRET_KEY.to_owned()),
+        ]
+    }
+}
+
+impl Drop for S3sFs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

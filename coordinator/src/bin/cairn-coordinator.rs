@@ -16,6 +16,7 @@ use cairn_coordinator::datadir::DataDir;
 use cairn_coordinator::gc::GcConfig;
 use cairn_coordinator::grpc::{ServerLimits, ServiceLimits};
 use cairn_coordinator::retention::Policy;
+use cairn_coordinator::store::{RemoteStore, StoreLocation};
 use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand};
@@ -51,6 +52,13 @@ struct ServeArgs {
     /// http://<blob-listen> (e.g. behind a proxy or on another interface).
     #[arg(long, value_name = "URL")]
     blob_public_url: Option<String>,
+    /// Keep checkpoint packs in this bucket instead of the embedded blob
+    /// store: s3://BUCKET[/PREFIX] (AWS, or any S3-compatible server with
+    /// AWS_ENDPOINT_URL). Region and credentials come from AWS_REGION,
+    /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN);
+    /// see docs/object-stores.md.
+    #[arg(long, value_name = "URL")]
+    store: Option<StoreLocation>,
     /// Lifetime of signed URLs (e.g. 90s, 15m, 1h).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
     url_ttl: Duration,
@@ -166,6 +174,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // A file left by an earlier run would point readers at a dead server.
     data_dir.remove_endpoints()?;
     let mut config = ServerConfig::new(&args.data_dir);
+    // Before anything is created: a store that cannot be reached is a
+    // mistake in the command line or the environment.
+    config.store = args.store.as_ref().map(RemoteStore::from_env).transpose()?;
     config.blob_public_url = args.blob_public_url;
     config.limits = ServiceLimits {
         url_ttl: args.url_ttl,

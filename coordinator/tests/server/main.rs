@@ -13,6 +13,7 @@ mod hosts;
 mod isolation;
 mod restart;
 mod runs;
+mod s3;
 mod stations;
 mod tokens;
 mod workspaces;

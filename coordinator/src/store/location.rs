@@ -1,0 +1,291 @@
+//! Where `--store` puts the objects, and how to reach them.
+//!
+//! [`StoreLocation`] is the parsed `--store` URL (`s3://bucket/prefix`);
+//! [`RemoteStore`] adds what the provider's usual environment variables say
+//! (endpoint, region, credentials). Both refuse what they cannot use at
+//! start-up, naming the flag's part or the variable at fault, so a
+//! coordinator never starts against a store it would fail to reach later.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use super::ObjectStore;
+use super::s3::{S3Config, S3Store};
+
+/// A remote object store named by `--store`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// `s3://BUCKET[/PREFIX]`: AWS S3 or any S3-compatible server.
+    S3 {
+        bucket: String,
+        /// `/`-separated segments without leading or trailing `/`; may be
+        /// empty (the bucket's root).
+        prefix: String,
+    },
+}
+
+/// Why `--store` or the environment that goes with it cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreConfigError {
+    #[error("--store {location:?}: {reason}")]
+    BadLocation {
+        location: String,
+        reason: &'static str,
+    },
+    #[error(
+        "--store {location:?}: {scheme}:// stores are not supported yet (only s3://, which also reaches S3-compatible servers)"
+    )]
+    NotSupportedYet { location: String, scheme: String },
+    #[error("--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix)")]
+    UnknownScheme { location: String, scheme: String },
+    #[error("{var} is not set: {why}")]
+    MissingVar {
+        var: &'static str,
+        why: &'static str,
+    },
+    #[error("{var}={value:?}: {reason}")]
+    BadVar {
+        var: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+impl FromStr for StoreLocation {
+    type Err = StoreConfigError;
+
+    fn from_str(location: &str) -> Result<Self, Self::Err> {
+        let bad = |reason| StoreConfigError::BadLocation {
+            location: location.to_owned(),
+            reason,
+        };
+        let Some((scheme, rest)) = location.split_once("://") else {
+            return Err(bad("expected a URL such as s3://bucket/prefix"));
+        };
+        match scheme {
+            "s3" => {}
+            "gs" | "azure" | "az" | "abfs" | "abfss" => {
+                return Err(StoreConfigError::NotSupportedYet {
+                    location: location.to_owned(),
+                    scheme: scheme.to_owned(),
+                });
+            }
+            _ => {
+                return Err(StoreConfigError::UnknownScheme {
+                    location: location.to_owned(),
+                    scheme: scheme.to_owned(),
+                });
+            }
+        }
+        // Nothing of a URL but a bucket and a path: a query, a port or
+        // credentials here would be silently ignored otherwise.
+        if rest.contains(['?', '#']) {
+            return Err(bad(
+                "has a query or fragment; only s3://bucket/prefix is accepted",
+            ));
+        }
+        if rest.contains('@') {
+            return Err(bad(
+                "has user information; credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+            ));
+        }
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if let Some(reason) = bucket_problem(bucket) {
+            return Err(bad(reason));
+        }
+        let prefix = prefix.trim_end_matches('/');
+        if !prefix.is_empty() {
+            if prefix.split('/').any(str::is_empty) {
+                return Err(bad("the prefix has an empty path segment"));
+            }
+            if prefix.split('/').any(|s| s == "." || s == "..") {
+                return Err(bad("the prefix has a '.' or '..' segment"));
+            }
+            if !prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'/' | b'_' | b'.' | b'-'))
+            {
+                return Err(bad("the prefix has characters outside [A-Za-z0-9/_.-]"));
+            }
+            if prefix.len() > 512 {
+                return Err(bad("the prefix is longer than 512 bytes"));
+            }
+        }
+        Ok(Self::S3 {
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+    }
+}
+
+/// What is wrong with an S3 bucket name (AWS's general purpose bucket
+/// rules), or `None`.
+fn bucket_problem(bucket: &str) -> Option<&'static str> {
+    if bucket.is_empty() {
+        return Some("names no bucket");
+    }
+    if !(3..=63).contains(&bucket.len()) {
+        return Some("the bucket name must be 3 to 63 characters long");
+    }
+    if !bucket
+        .bytes()
+        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'-'))
+    {
+        return Some("the bucket name has characters outside [a-z0-9.-]");
+    }
+    let edge_ok = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    if !edge_ok(bucket.bytes().next()) || !edge_ok(bucket.bytes().last()) {
+        return Some("the bucket name must start and end with a letter or digit");
+    }
+    if bucket.contains("..") {
+        return Some("the bucket name has two adjacent dots");
+    }
+    None
+}
+
+impl fmt::Display for StoreLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
+            Self::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+        }
+    }
+}
+
+/// A remote store, ready to open: its location and what the environment
+/// said about reaching it. Its `Debug` shows no secret.
+#[derive(Debug, Clone)]
+pub enum RemoteStore {
+    S3(S3Config),
+}
+
+impl RemoteStore {
+    /// `location` with endpoint, region and credentials from this
+    /// process's environment.
+    pub fn from_env(location: &StoreLocation) -> Result<Self, StoreConfigError> {
+        Self::from_vars(location, |name| std::env::var(name).ok())
+    }
+
+    /// `location` with the variables `var` answers (tests pass their own
+    /// rather than change the process's environment).
+    pub fn from_vars(
+        location: &StoreLocation,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, StoreConfigError> {
+        match location {
+            StoreLocation::S3 { bucket, prefix } => {
+                S3Config::from_vars(bucket, prefix, var).map(Self::S3)
+            }
+        }
+    }
+
+    /// The store the coordinator uses.
+    pub fn open(&self) -> Result<Arc<dyn ObjectStore>, StoreConfigError> {
+        match self {
+            Self::S3(config) => Ok(Arc::new(S3Store::new(config.clone())?)),
+        }
+    }
+}
+
+impl fmt::Display for RemoteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::S3(config) => config.fmt(f),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s3(bucket: &str, prefix: &str) -> StoreLocation {
+        StoreLocation::S3 {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+        }
+    }
+
+    #[test]
+    fn s3_urls_name_a_bucket_and_an_optional_prefix() {
+        assert_eq!(
+            "s3://cairn-packs".parse::<StoreLocation>().unwrap(),
+            s3("cairn-packs", "")
+        );
+        assert_eq!(
+            "s3://cairn-packs/".parse::<StoreLocation>().unwrap(),
+            s3("cairn-packs", "")
+        );
+        assert_eq!(
+            "s3://my.bucket-1/team/A_b.c/"
+                .parse::<StoreLocation>()
+                .unwrap(),
+            s3("my.bucket-1", "team/A_b.c")
+        );
+        assert_eq!(s3("b12", "x/y").to_string(), "s3://b12/x/y");
+        assert_eq!(s3("b12", "").to_string(), "s3://b12");
+    }
+
+    #[test]
+    fn bad_store_urls_are_refused_with_the_reason() {
+        let refused = [
+            ("bucket/prefix", "expected a URL such as s3://bucket/prefix"),
+            ("s3://", "names no bucket"),
+            ("s3:///prefix", "names no bucket"),
+            ("s3://ab", "the bucket name must be 3 to 63 characters long"),
+            (
+                "s3://Bucket",
+                "the bucket name has characters outside [a-z0-9.-]",
+            ),
+            (
+                "s3://bucket:9000/p",
+                "the bucket name has characters outside [a-z0-9.-]",
+            ),
+            (
+                "s3://-bucket",
+                "the bucket name must start and end with a letter or digit",
+            ),
+            ("s3://a..b", "the bucket name has two adjacent dots"),
+            ("s3://bucket/a//b", "the prefix has an empty path segment"),
+            ("s3://bucket/a/../b", "the prefix has a '.' or '..' segment"),
+            (
+                "s3://bucket/a b",
+                "the prefix has characters outside [A-Za-z0-9/_.-]",
+            ),
+            (
+                "s3://bucket/p?region=x",
+                "has a query or fragment; only s3://bucket/prefix is accepted",
+            ),
+            (
+                "s3://key:secret@bucket/p",
+                "has user information; credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+            ),
+        ];
+        for (url, reason) in refused {
+            match url.parse::<StoreLocation>() {
+                Err(StoreConfigError::BadLocation { reason: got, .. }) => {
+                    assert_eq!(got, reason, "{url}")
+                }
+                other => panic!("{url} was not refused as it should be: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn other_providers_are_refused_as_not_supported_yet_and_unknown_schemes_as_unknown() {
+        for url in ["gs://bucket/p", "azure://account/container"] {
+            let err = url.parse::<StoreLocation>().unwrap_err();
+            assert!(
+                matches!(err, StoreConfigError::NotSupportedYet { .. }),
+                "{url}: {err}"
+            );
+            assert!(err.to_string().contains("not supported yet"), "{err}");
+        }
+        let err = "file:///tmp/x".parse::<StoreLocation>().unwrap_err();
+        assert!(
+            matches!(err, StoreConfigError::UnknownScheme { .. }),
+            "{err}"
+        );
+    }
+}

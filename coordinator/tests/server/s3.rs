@@ -1,0 +1,357 @@
+//! The S3 store against a real S3-compatible server that checks SigV4
+//! presigned URLs (`s3s-fs`, see `cairn_utils::testing::S3sFs`): what an
+//! upload URL binds is refused by that server when changed, and a
+//! coordinator on S3 commits, serves restores and collects garbage through
+//! it. These tests fail, never skip, when `s3s-fs` is not installed.
+
+use std::time::{Duration, SystemTime};
+
+use base64::Engine as _;
+use cairn_coordinator::clock::Clock;
+use cairn_coordinator::store::{
+    ObjectKey, ObjectStore, RemoteStore, S3Store, StoreLocation, s3::S3Config,
+};
+use cairn_engine::client::CoordinatorClient;
+use cairn_proto::domain::PackKind;
+use cairn_proto::pb;
+use cairn_proto::pb::admin_service_client::AdminServiceClient;
+use cairn_utils::testing::S3sFs;
+use sha2::{Digest, Sha256};
+
+use super::harness::*;
+
+const BUCKET: &str = "cairn-test";
+const PREFIX: &str = "team/one";
+
+/// A fresh s3s-fs with the test bucket; the directory goes with it.
+fn s3s() -> (tempfile::TempDir, S3sFs) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3sFs::start(dir.path(), &[BUCKET]);
+    (dir, server)
+}
+
+/// The store's configuration for `server`, from the variables a
+/// coordinator would read.
+fn config(server: &S3sFs, prefix: &str) -> S3Config {
+    let env = server.env();
+    let location: StoreLocation = format!("s3://{BUCKET}/{prefix}").parse().unwrap();
+    let remote = RemoteStore::from_vars(&location, |name| {
+        env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+    })
+    .unwrap();
+    let RemoteStore::S3(config) = remote;
+    config
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// PUTs `body` to a presigned URL with `headers`; the status.
+async fn put(url: &str, headers: &[(String, String)], body: Vec<u8>) -> u16 {
+    let mut request = reqwest::Client::new().put(url).body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    request.send().await.unwrap().status().as_u16()
+}
+
+async fn get(url: &str) -> (u16, Vec<u8>) {
+    let response = reqwest::get(url).await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.bytes().await.unwrap().to_vec())
+}
+
+/// `url` with its `X-Amz-Signature` changed in one hex digit.
+fn tampered_signature(url: &str) -> String {
+    let at = url.find("X-Amz-Signature=").unwrap() + "X-Amz-Signature=".len();
+    let mut bytes = url.as_bytes().to_vec();
+    bytes[at] = if bytes[at] == b'0' { b'1' } else { b'0' };
+    String::from_utf8(bytes).unwrap()
+}
+
+#[tokio::test]
+async fn upload_urls_bind_size_and_checksum_and_changed_or_expired_urls_are_refused() {
+    let (_dir, s3) = s3s();
+    let store = S3Store::new(config(&s3, PREFIX)).unwrap();
+    let key = ObjectKey::new("packs/default/ab/ab01").unwrap();
+    let bytes = b"pack bytes, sealed elsewhere".repeat(100);
+    let ttl = Duration::from_secs(60);
+    let signed = store
+        .presign_put(&key, bytes.len() as u64, sha256(&bytes), ttl, None)
+        .await
+        .unwrap();
+    assert_eq!(signed.method, "PUT");
+
+    // Another size than signed: the signed content-length differs.
+    let longer = [bytes.clone(), b"!".to_vec()].concat();
+    assert_eq!(put(&signed.url, &signed.headers, longer).await, 403);
+    // Without the checksum header the signature does not match either.
+    assert_eq!(put(&signed.url, &[], bytes.clone()).await, 403);
+    // A changed signature is refused.
+    assert_eq!(
+        put(
+            &tampered_signature(&signed.url),
+            &signed.headers,
+            bytes.clone()
+        )
+        .await,
+        403
+    );
+    // Signed by someone without the secret.
+    let mut forged = config(&s3, PREFIX);
+    forged.credentials = rusty_s3::Credentials::new(S3sFs::ACCESS_KEY, "not-the-secret");
+    let forged = S3Store::new(forged)
+        .unwrap()
+        .presign_put(&key, bytes.len() as u64, sha256(&bytes), ttl, None)
+        .await
+        .unwrap();
+    assert_eq!(put(&forged.url, &forged.headers, bytes.clone()).await, 403);
+    assert_eq!(
+        store.stat(&key).await.unwrap(),
+        None,
+        "nothing refused was stored"
+    );
+
+    // As signed: stored, under the location's prefix.
+    assert_eq!(put(&signed.url, &signed.headers, bytes.clone()).await, 200);
+    assert_eq!(store.stat(&key).await.unwrap(), Some(bytes.len() as u64));
+    let file = s3.object_path(BUCKET, &format!("{PREFIX}/{key}"));
+    assert_eq!(std::fs::read(&file).unwrap(), bytes);
+
+    // Bytes of the signed size that do not hash to the signed checksum: the
+    // header is right, the body is not, and the server says BadDigest.
+    let other_key = ObjectKey::new("packs/default/ab/ab02").unwrap();
+    let other = store
+        .presign_put(&other_key, bytes.len() as u64, sha256(&bytes), ttl, None)
+        .await
+        .unwrap();
+    let mut swapped = bytes.clone();
+    swapped[0] ^= 1;
+    assert_eq!(put(&other.url, &other.headers, swapped).await, 400);
+
+    // Reads: whole and by range; another key with the same signature is not.
+    let read = store.presign_get(&key, ttl, None).await.unwrap();
+    assert_eq!(read.method, "GET");
+    assert!(read.headers.is_empty(), "download URLs need no headers");
+    assert_eq!(get(&read.url).await, (200, bytes.clone()));
+    let ranged = reqwest::Client::new()
+        .get(&read.url)
+        .header("range", "bytes=5-9")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ranged.status().as_u16(), 206);
+    assert_eq!(ranged.bytes().await.unwrap().as_ref(), &bytes[5..10]);
+    let elsewhere = read.url.replace("/ab01?", "/ab02?");
+    assert_ne!(elsewhere, read.url);
+    assert_eq!(get(&elsewhere).await.0, 403);
+    assert_eq!(get(&tampered_signature(&read.url)).await.0, 403);
+
+    // An expired URL is refused, upload and download alike.
+    let short = Duration::from_secs(1);
+    let late_put = store
+        .presign_put(&key, bytes.len() as u64, sha256(&bytes), short, None)
+        .await
+        .unwrap();
+    let late_get = store.presign_get(&key, short, None).await.unwrap();
+    assert!(late_get.expires_at <= SystemTime::now() + short);
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert_eq!(
+        put(&late_put.url, &late_put.headers, bytes.clone()).await,
+        403
+    );
+    assert_eq!(get(&late_get.url).await.0, 403);
+}
+
+#[tokio::test]
+async fn listing_pages_through_everything_under_the_prefix_and_delete_removes_it() {
+    let (_dir, s3) = s3s();
+    let mut paged = config(&s3, PREFIX);
+    // Five objects in pages of two: three ListObjectsV2 calls.
+    paged.list_page_size = 2;
+    let store = S3Store::new(paged).unwrap();
+    let root = S3Store::new(config(&s3, "")).unwrap();
+    let keys = [
+        "packs/default/aa/aa1",
+        "packs/default/bb/bb2",
+        "packs/default/cc/cc3",
+        "packs/other/dd/dd4",
+        "keys/default/k1",
+    ];
+    let before = SystemTime::now() - Duration::from_secs(5);
+    for (i, key) in keys.iter().enumerate() {
+        let key = ObjectKey::new(*key).unwrap();
+        let bytes = vec![b'x'; i + 1];
+        let url = store
+            .presign_put(
+                &key,
+                bytes.len() as u64,
+                sha256(&bytes),
+                Duration::from_secs(60),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(put(&url.url, &url.headers, bytes).await, 200);
+    }
+    // Outside the prefix: not this store's.
+    let outside = ObjectKey::new("packs/default/ee/ee5").unwrap();
+    let url = root
+        .presign_put(&outside, 1, sha256(b"y"), Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    assert_eq!(put(&url.url, &url.headers, b"y".to_vec()).await, 200);
+
+    let all = store.list("").await.unwrap();
+    let listed: Vec<_> = all.iter().map(|o| o.key.as_str()).collect();
+    let mut expected = keys.to_vec();
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert!(
+        all.iter()
+            .all(|o| o.modified > before && o.modified <= SystemTime::now())
+    );
+    let packs = store.list("packs/default/").await.unwrap();
+    assert_eq!(
+        packs
+            .iter()
+            .map(|o| (o.key.as_str(), o.size))
+            .collect::<Vec<_>>(),
+        [
+            ("packs/default/aa/aa1", 1),
+            ("packs/default/bb/bb2", 2),
+            ("packs/default/cc/cc3", 3)
+        ]
+    );
+    assert!(store.list("packs/none/").await.unwrap().is_empty());
+    // Everything the bucket root holds, the prefixed objects among them.
+    assert_eq!(root.list("").await.unwrap().len(), keys.len() + 1);
+
+    let gone = ObjectKey::new("packs/default/bb/bb2").unwrap();
+    store.delete(&gone).await.unwrap();
+    store.delete(&gone).await.unwrap();
+    assert_eq!(store.stat(&gone).await.unwrap(), None);
+    assert_eq!(store.list("packs/default/").await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn refused_credentials_are_an_error_that_names_the_store_s_answer() {
+    let (_dir, s3) = s3s();
+    let mut wrong = config(&s3, PREFIX);
+    wrong.credentials = rusty_s3::Credentials::new(S3sFs::ACCESS_KEY, "not-the-secret");
+    let store = S3Store::new(wrong).unwrap();
+    let err = store.list("packs/").await.unwrap_err();
+    assert!(!err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("403"), "{err}");
+    let err = store
+        .stat(&ObjectKey::new("packs/a").unwrap())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("403"), "{err}");
+}
+
+async fn collect(client: &CoordinatorClient) -> pb::GcReport {
+    AdminServiceClient::new(client.auth_channel())
+        .collect_garbage(pb::CollectGarbageRequest { dry_run: false })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test]
+async fn a_coordinator_on_s3_commits_serves_restores_and_collects_through_the_bucket() {
+    let (_dir, s3) = s3s();
+    let clock = Clock::system();
+    let dir = data_dir();
+    let remote = RemoteStore::S3(config(&s3, PREFIX));
+    let moved = clock.clone();
+    let mut server = TestServer::start_with(dir.path(), move |config| {
+        config.store = Some(remote);
+        config.clock = moved;
+        config.gc.interval = None;
+    })
+    .await;
+    server.own_dir(dir);
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "on-s3").await.id;
+    client
+        .workspaces
+        .set_retention(pb::SetRetentionRequest {
+            workspace: ws.clone(),
+            keep_last: Some(1),
+            finished_expiry: None,
+        })
+        .await
+        .unwrap();
+    let object = |pack: &cairn_engine::format::FinishedPack<Vec<u8>>| {
+        s3.object_path(
+            BUCKET,
+            &format!(
+                "{PREFIX}/packs/default/{}/{}",
+                &pack.id.as_str()[..2],
+                pack.id
+            ),
+        )
+    };
+
+    // A checkpoint whose packs go to the bucket through the URLs handed out
+    // (the checksum header included), and whose commit finds them there.
+    let begun = begin(&mut client, &ws).await;
+    let keys = keys_of(&begun);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"tree of the first state"]);
+    let data = build_pack(&keys, PackKind::Data, &[b"the first state"]);
+    let urls = prepare(&mut client, &ws, &[&meta, &data]).await;
+    let checksum = base64::engine::general_purpose::STANDARD.encode(meta.id.digest());
+    assert_eq!(
+        urls[0].headers.get("x-amz-checksum-sha256"),
+        Some(&checksum),
+        "the pack id is the SHA-256 the URL binds"
+    );
+    upload(&mut client, &ws, &[&meta, &data]).await;
+    assert_eq!(std::fs::read(object(&data)).unwrap(), data.sink);
+    let both = [&meta, &data];
+    let first = commit(&mut client, commit_request(&begun, &meta, &both, &both)).await;
+
+    // The restore manifest's URLs read the packs back byte for byte.
+    let manifest = manifest(&mut client, &ws, &first.id).await;
+    assert_eq!(manifest.packs.len(), 2);
+    for location in &manifest.packs {
+        let pack = if location.pack_id == meta.id.as_str() {
+            &meta
+        } else {
+            &data
+        };
+        assert_eq!(get(&location.url).await, (200, pack.sink.clone()));
+    }
+
+    // A commit naming a pack that never reached the bucket is refused.
+    let begun = begin(&mut client, &ws).await;
+    let keys = keys_of(&begun);
+    let missing = build_pack(&keys, PackKind::Meta, &[b"never uploaded"]);
+    let status = commit_err(
+        &mut client,
+        commit_request(&begun, &missing, &[&missing], &[&missing]),
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+
+    // A second checkpoint retires the first; an upload nobody commits is an
+    // orphan. Past the grace both go from the bucket.
+    checkpoint(&mut client, &ws, b"the second state").await;
+    let begun = begin(&mut client, &ws).await;
+    let abandoned = build_pack(&keys_of(&begun), PackKind::Data, &[b"never committed"]);
+    upload(&mut client, &ws, &[&abandoned]).await;
+    let report = collect(&client).await;
+    assert_eq!(report.packs_condemned, 2, "{report:?}");
+    assert_eq!(report.orphans_swept, 0, "young uploads may still commit");
+    assert!(object(&data).is_file() && object(&abandoned).is_file());
+    clock.advance(Duration::from_secs(3 * 3600));
+    let report = collect(&client).await;
+    assert_eq!(report.packs_swept, 2, "{report:?}");
+    assert_eq!(report.orphans_swept, 1, "{report:?}");
+    for gone in [&meta, &data, &abandoned] {
+        assert!(!object(gone).exists(), "{} is still in the bucket", gone.id);
+    }
+    server.stop().await;
+}
