@@ -1,5 +1,5 @@
 //! For tests that start another package's binary, or a real S3-compatible
-//! server ([`S3sFs`]).
+//! server ([`S3sFs`]), or Azure's storage emulator ([`Azurite`]).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -153,6 +153,116 @@ impl S3sFs {
 }
 
 impl Drop for S3sFs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How to get Azurite, for the message of a test that cannot find it.
+pub const AZURITE_INSTALL: &str = "npm install -g azurite@3.37.0";
+
+/// The `azurite-blob` program: `CAIRN_AZURITE`, else the first on `PATH`.
+/// Fails (never skips) when there is none, saying how to install it.
+pub fn azurite_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("CAIRN_AZURITE") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "CAIRN_AZURITE={} is not a file; install Azurite with `{AZURITE_INSTALL}`",
+            path.display()
+        );
+        return path;
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("azurite-blob"))
+            .find(|candidate| candidate.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "azurite-blob is needed by the Azure store tests and is not on PATH (or in CAIRN_AZURITE): install it with `{AZURITE_INSTALL}`"
+        )
+    })
+}
+
+/// Azure's storage emulator (Azurite's blob service) on 127.0.0.1, an
+/// ephemeral port, keeping its data in a directory of the caller's. It
+/// checks SAS signatures with the emulator's well-known account. Killed
+/// when dropped.
+#[derive(Debug)]
+pub struct Azurite {
+    child: Child,
+    endpoint: String,
+}
+
+impl Azurite {
+    /// The emulator's account and key (public, from Azurite's documentation).
+    pub const ACCOUNT: &str = "devstoreaccount1";
+    pub const KEY: &str =
+        "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+    pub fn start(root: &Path) -> Self {
+        let mut child = Command::new(azurite_binary())
+            .args(["--blobHost", "127.0.0.1", "--blobPort", "0"])
+            .arg("--location")
+            .arg(root)
+            .args(["--disableTelemetry", "--skipApiVersionCheck"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("Azurite does not start ({e}); install it with `{AZURITE_INSTALL}`")
+            });
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (found, address) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut found = Some(found);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("successfully listens on ")
+                    && let Some(sender) = found.take()
+                {
+                    let rest = &line[at + "successfully listens on ".len()..];
+                    let _ = sender.send(rest.trim().to_owned());
+                }
+            }
+        });
+        let listening = match address.recv_timeout(Duration::from_secs(60)) {
+            Ok(listening) => listening,
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait().ok();
+                panic!("Azurite did not say where it listens within 60s (exit status: {status:?})");
+            }
+        };
+        assert!(
+            listening.starts_with("http://127.0.0.1:"),
+            "Azurite said it listens at {listening:?}"
+        );
+        Self {
+            child,
+            endpoint: format!("{listening}/{}", Self::ACCOUNT),
+        }
+    }
+
+    /// The account's blob service: `http://127.0.0.1:PORT/devstoreaccount1`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The Azure variables that point a coordinator at this emulator.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AZURE_STORAGE_ACCOUNT_NAME", Self::ACCOUNT.to_owned()),
+            ("AZURE_STORAGE_ACCOUNT_KEY", Self::KEY.to_owned()),
+            ("AZURE_STORAGE_ENDPOINT", self.endpoint.clone()),
+            ("AZURE_ALLOW_HTTP", "true".to_owned()),
+        ]
+    }
+}
+
+impl Drop for Azurite {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

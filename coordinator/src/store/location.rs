@@ -1,6 +1,7 @@
 //! Where `--store` puts the objects, and how to reach them.
 //!
-//! [`StoreLocation`] is the parsed `--store` URL (`s3://bucket/prefix`);
+//! [`StoreLocation`] is the parsed `--store` URL (`s3://bucket/prefix`,
+//! `azure://container/prefix`);
 //! [`RemoteStore`] adds what the provider's usual environment variables say
 //! (endpoint, region, credentials). Both refuse what they cannot use at
 //! start-up, naming the flag's part or the variable at fault, so a
@@ -11,6 +12,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use super::ObjectStore;
+use super::azure::{AzureConfig, AzureStore};
 use super::s3::{S3Config, S3Store};
 
 /// A remote object store named by `--store`.
@@ -23,6 +25,9 @@ pub enum StoreLocation {
         /// empty (the bucket's root).
         prefix: String,
     },
+    /// `azure://CONTAINER[/PREFIX]`: a container of the storage account
+    /// `AZURE_STORAGE_ACCOUNT_NAME` names.
+    Azure { container: String, prefix: String },
 }
 
 /// Why `--store` or the environment that goes with it cannot be used.
@@ -34,10 +39,12 @@ pub enum StoreConfigError {
         reason: &'static str,
     },
     #[error(
-        "--store {location:?}: {scheme}:// stores are not supported yet (only s3://, which also reaches S3-compatible servers)"
+        "--store {location:?}: {scheme}:// stores are not supported yet (s3://, which also reaches S3-compatible servers, and azure:// are)"
     )]
     NotSupportedYet { location: String, scheme: String },
-    #[error("--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix)")]
+    #[error(
+        "--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix or azure://container/prefix)"
+    )]
     UnknownScheme { location: String, scheme: String },
     #[error("{var} is not set: {why}")]
     MissingVar {
@@ -64,8 +71,8 @@ impl FromStr for StoreLocation {
             return Err(bad("expected a URL such as s3://bucket/prefix"));
         };
         match scheme {
-            "s3" => {}
-            "gs" | "azure" | "az" | "abfs" | "abfss" => {
+            "s3" | "azure" => {}
+            "gs" | "az" | "abfs" | "abfss" => {
                 return Err(StoreConfigError::NotSupportedYet {
                     location: location.to_owned(),
                     scheme: scheme.to_owned(),
@@ -87,11 +94,15 @@ impl FromStr for StoreLocation {
         }
         if rest.contains('@') {
             return Err(bad(
-                "has user information; credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                "has user information; credentials come from the provider's variables",
             ));
         }
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        if let Some(reason) = bucket_problem(bucket) {
+        let problem = match scheme {
+            "s3" => bucket_problem(bucket),
+            _ => container_problem(bucket),
+        };
+        if let Some(reason) = problem {
             return Err(bad(reason));
         }
         let prefix = prefix.trim_end_matches('/');
@@ -112,11 +123,37 @@ impl FromStr for StoreLocation {
                 return Err(bad("the prefix is longer than 512 bytes"));
             }
         }
-        Ok(Self::S3 {
-            bucket: bucket.to_owned(),
-            prefix: prefix.to_owned(),
+        let (bucket, prefix) = (bucket.to_owned(), prefix.to_owned());
+        Ok(match scheme {
+            "s3" => Self::S3 { bucket, prefix },
+            _ => Self::Azure {
+                container: bucket,
+                prefix,
+            },
         })
     }
+}
+
+/// What is wrong with an Azure container name, or `None`.
+fn container_problem(container: &str) -> Option<&'static str> {
+    if container.is_empty() {
+        return Some("names no container");
+    }
+    if !(3..=63).contains(&container.len()) {
+        return Some("the container name must be 3 to 63 characters long");
+    }
+    if !container
+        .bytes()
+        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-'))
+    {
+        return Some("the container name has characters outside [a-z0-9-]");
+    }
+    if container.starts_with('-') || container.ends_with('-') || container.contains("--") {
+        return Some(
+            "the container name must start and end with a letter or digit and have no '--'",
+        );
+    }
+    None
 }
 
 /// What is wrong with an S3 bucket name (AWS's general purpose bucket
@@ -149,6 +186,10 @@ impl fmt::Display for StoreLocation {
         match self {
             Self::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
             Self::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+            Self::Azure { container, prefix } if prefix.is_empty() => {
+                write!(f, "azure://{container}")
+            }
+            Self::Azure { container, prefix } => write!(f, "azure://{container}/{prefix}"),
         }
     }
 }
@@ -158,6 +199,7 @@ impl fmt::Display for StoreLocation {
 #[derive(Debug, Clone)]
 pub enum RemoteStore {
     S3(S3Config),
+    Azure(AzureConfig),
 }
 
 impl RemoteStore {
@@ -177,6 +219,9 @@ impl RemoteStore {
             StoreLocation::S3 { bucket, prefix } => {
                 S3Config::from_vars(bucket, prefix, var).map(Self::S3)
             }
+            StoreLocation::Azure { container, prefix } => {
+                AzureConfig::from_vars(container, prefix, var).map(Self::Azure)
+            }
         }
     }
 
@@ -184,6 +229,7 @@ impl RemoteStore {
     pub fn open(&self) -> Result<Arc<dyn ObjectStore>, StoreConfigError> {
         match self {
             Self::S3(config) => Ok(Arc::new(S3Store::new(config.clone())?)),
+            Self::Azure(config) => Ok(Arc::new(AzureStore::new(config.clone())?)),
         }
     }
 }
@@ -192,6 +238,7 @@ impl fmt::Display for RemoteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::S3(config) => config.fmt(f),
+            Self::Azure(config) => config.fmt(f),
         }
     }
 }
@@ -225,6 +272,15 @@ mod tests {
         );
         assert_eq!(s3("b12", "x/y").to_string(), "s3://b12/x/y");
         assert_eq!(s3("b12", "").to_string(), "s3://b12");
+        let azure = "azure://packs-1/team".parse::<StoreLocation>().unwrap();
+        assert_eq!(
+            azure,
+            StoreLocation::Azure {
+                container: "packs-1".into(),
+                prefix: "team".into()
+            }
+        );
+        assert_eq!(azure.to_string(), "azure://packs-1/team");
     }
 
     #[test]
@@ -259,7 +315,15 @@ mod tests {
             ),
             (
                 "s3://key:secret@bucket/p",
-                "has user information; credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                "has user information; credentials come from the provider's variables",
+            ),
+            (
+                "azure://my.container",
+                "the container name has characters outside [a-z0-9-]",
+            ),
+            (
+                "azure://a--b",
+                "the container name must start and end with a letter or digit and have no '--'",
             ),
         ];
         for (url, reason) in refused {
@@ -274,7 +338,7 @@ mod tests {
 
     #[test]
     fn other_providers_are_refused_as_not_supported_yet_and_unknown_schemes_as_unknown() {
-        for url in ["gs://bucket/p", "azure://account/container"] {
+        for url in ["gs://bucket/p", "az://container/p"] {
             let err = url.parse::<StoreLocation>().unwrap_err();
             assert!(
                 matches!(err, StoreConfigError::NotSupportedYet { .. }),

@@ -10,6 +10,8 @@
 //!   [`crate::signing::UrlSigner`].
 //! - [`S3Store`]: a bucket of AWS S3 or of any S3-compatible server,
 //!   through SigV4 presigned URLs (`--store s3://bucket/prefix`).
+//! - [`AzureStore`]: a container of Azure Blob Storage (or Azurite),
+//!   through service SAS URLs (`--store azure://container/prefix`).
 //! - [`FaultyStore`]: wraps any store and fails or hides what a test arms.
 //!
 //! [`StoreLocation`] is what `--store` names; [`RemoteStore`] is such a
@@ -21,6 +23,7 @@
 //! `packs/<tenant>/<first two hex digits>/<pack id>` (under the location's
 //! prefix in a remote store).
 
+pub mod azure;
 mod faulty;
 pub(crate) mod local;
 mod location;
@@ -35,6 +38,7 @@ use std::time::{Duration, SystemTime};
 use crate::tokens::RunBinding;
 use cairn_proto::ids::{PackId, TenantId};
 
+pub use azure::AzureStore;
 pub use faulty::{Faults, FaultyStore};
 pub use local::{LocalStore, TEMP_DIR};
 pub use location::{RemoteStore, StoreConfigError, StoreLocation};

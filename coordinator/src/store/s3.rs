@@ -90,7 +90,7 @@ impl fmt::Display for S3Config {
 }
 
 /// A boolean variable: `true`/`1` or `false`/`0` (any case), unset is `default`.
-fn flag(
+pub(super) fn flag(
     var: &impl Fn(&str) -> Option<String>,
     name: &'static str,
     default: bool,
@@ -107,6 +107,45 @@ fn flag(
             }),
         },
     }
+}
+
+/// An endpoint variable's URL: `https://`, or `http://` when the
+/// `allow_var` flag allowed it; a host, and nothing a URL could smuggle in
+/// besides (query, fragment, user information).
+pub(super) fn endpoint_url(
+    var: &'static str,
+    value: &str,
+    allow_http: bool,
+    allow_var: &'static str,
+) -> Result<Url, StoreConfigError> {
+    let bad = |reason: String| StoreConfigError::BadVar {
+        var,
+        value: value.to_owned(),
+        reason,
+    };
+    let url = Url::parse(value).map_err(|e| bad(format!("not a URL: {e}")))?;
+    match url.scheme() {
+        "https" => {}
+        "http" if allow_http => {}
+        "http" => {
+            return Err(bad(format!(
+                "an http:// endpoint carries signed URLs in the clear; set {allow_var}=true to allow it (test servers)"
+            )));
+        }
+        _ => return Err(bad("expected an http:// or https:// URL".into())),
+    }
+    if url.host_str().is_none() {
+        return Err(bad("names no host".into()));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad("has a query or fragment".into()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad(
+            "has user information; credentials come from their own variables".into(),
+        ));
+    }
+    Ok(url)
 }
 
 impl S3Config {
@@ -163,36 +202,7 @@ impl S3Config {
         };
         let allow_http = flag(&var, "AWS_ALLOW_HTTP", false)?;
         let endpoint = match &custom_endpoint {
-            Some(value) => {
-                let bad = |reason: &str| StoreConfigError::BadVar {
-                    var: endpoint_var,
-                    value: value.clone(),
-                    reason: reason.to_owned(),
-                };
-                let url = Url::parse(value).map_err(|e| bad(&format!("not a URL: {e}")))?;
-                match url.scheme() {
-                    "https" => {}
-                    "http" if allow_http => {}
-                    "http" => {
-                        return Err(bad(
-                            "an http:// endpoint carries signed URLs in the clear; set AWS_ALLOW_HTTP=true to allow it (test servers)",
-                        ));
-                    }
-                    _ => return Err(bad("expected an http:// or https:// URL")),
-                }
-                if url.host_str().is_none() {
-                    return Err(bad("names no host"));
-                }
-                if url.query().is_some() || url.fragment().is_some() {
-                    return Err(bad("has a query or fragment"));
-                }
-                if !url.username().is_empty() || url.password().is_some() {
-                    return Err(bad(
-                        "has user information; credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
-                    ));
-                }
-                url
-            }
+            Some(value) => endpoint_url(endpoint_var, value, allow_http, "AWS_ALLOW_HTTP")?,
             None => Url::parse(&format!("https://s3.{region}.amazonaws.com"))
                 .expect("a checked region makes a valid host"),
         };
@@ -227,6 +237,64 @@ impl S3Config {
             credentials,
             list_page_size: LIST_PAGE_SIZE,
         })
+    }
+}
+
+/// A failed request's error: the server was not reached, or the answer was
+/// cut (retryable).
+pub(super) fn network(
+    op: StoreOp,
+    key: &str,
+) -> impl FnOnce(reqwest::Error) -> ObjectStoreError + '_ {
+    move |e| ObjectStoreError::Unavailable {
+        op,
+        key: key.to_owned(),
+        // The URL in reqwest's message carries a signature.
+        reason: cairn_utils::text::one_line(&e.without_url()),
+    }
+}
+
+/// The error an unsuccessful answer means: retryable when the server is
+/// overloaded or failing, refused otherwise, with the store's code and
+/// message when the body has them (S3 and Azure both answer
+/// `<Error><Code>…</Code><Message>…</Message></Error>`).
+pub(super) async fn failure(
+    op: StoreOp,
+    key: &str,
+    mut response: reqwest::Response,
+) -> ObjectStoreError {
+    let status = response.status();
+    let mut body = Vec::new();
+    while body.len() < ERROR_BODY_LIMIT {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            _ => break,
+        }
+    }
+    let body = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY_LIMIT)]);
+    let element = |name: &str| {
+        let open = format!("<{name}>");
+        let start = body.find(&open)? + open.len();
+        let end = body[start..].find('<')? + start;
+        Some(body[start..end].trim().to_owned())
+    };
+    let mut reason = format!("HTTP {status}");
+    if let Some(code) = element("Code") {
+        reason.push_str(": ");
+        reason.push_str(&code);
+    }
+    if let Some(message) = element("Message") {
+        reason.push_str(": ");
+        reason.push_str(&message);
+    }
+    let key = key.to_owned();
+    if status.is_server_error()
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::REQUEST_TIMEOUT
+    {
+        ObjectStoreError::Unavailable { op, key, reason }
+    } else {
+        ObjectStoreError::Refused { op, key, reason }
     }
 }
 
@@ -354,54 +422,6 @@ impl S3Store {
         }
     }
 
-    fn network(op: StoreOp, key: &str) -> impl FnOnce(reqwest::Error) -> ObjectStoreError + '_ {
-        move |e| ObjectStoreError::Unavailable {
-            op,
-            key: key.to_owned(),
-            // The URL in reqwest's message carries a signature.
-            reason: cairn_utils::text::one_line(&e.without_url()),
-        }
-    }
-
-    /// The error an unsuccessful answer means: retryable when the server
-    /// is overloaded or failing, refused otherwise, with S3's code and
-    /// message when the body has them.
-    async fn failure(op: StoreOp, key: &str, mut response: reqwest::Response) -> ObjectStoreError {
-        let status = response.status();
-        let mut body = Vec::new();
-        while body.len() < ERROR_BODY_LIMIT {
-            match response.chunk().await {
-                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-                _ => break,
-            }
-        }
-        let body = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY_LIMIT)]);
-        let element = |name: &str| {
-            let open = format!("<{name}>");
-            let start = body.find(&open)? + open.len();
-            let end = body[start..].find('<')? + start;
-            Some(body[start..end].trim().to_owned())
-        };
-        let mut reason = format!("HTTP {status}");
-        if let Some(code) = element("Code") {
-            reason.push_str(": ");
-            reason.push_str(&code);
-        }
-        if let Some(message) = element("Message") {
-            reason.push_str(": ");
-            reason.push_str(&message);
-        }
-        let key = key.to_owned();
-        if status.is_server_error()
-            || status == StatusCode::TOO_MANY_REQUESTS
-            || status == StatusCode::REQUEST_TIMEOUT
-        {
-            ObjectStoreError::Unavailable { op, key, reason }
-        } else {
-            ObjectStoreError::Refused { op, key, reason }
-        }
-    }
-
     /// One ListObjectsV2 page: the objects on it and the token of the next.
     async fn list_page(
         &self,
@@ -423,14 +443,11 @@ impl S3Store {
             .get(url)
             .send()
             .await
-            .map_err(Self::network(op, full_prefix))?;
+            .map_err(network(op, full_prefix))?;
         if !response.status().is_success() {
-            return Err(Self::failure(op, full_prefix, response).await);
+            return Err(failure(op, full_prefix, response).await);
         }
-        let body = response
-            .text()
-            .await
-            .map_err(Self::network(op, full_prefix))?;
+        let body = response.text().await.map_err(network(op, full_prefix))?;
         let malformed = |reason: String| ObjectStoreError::Refused {
             op,
             key: full_prefix.to_owned(),
@@ -483,7 +500,7 @@ impl ObjectStore for S3Store {
                 .head(url)
                 .send()
                 .await
-                .map_err(Self::network(op, key.as_str()))?;
+                .map_err(network(op, key.as_str()))?;
             match response.status() {
                 StatusCode::NOT_FOUND => Ok(None),
                 status if status.is_success() => {
@@ -500,7 +517,7 @@ impl ObjectStore for S3Store {
                         })?;
                     Ok(Some(size))
                 }
-                _ => Err(Self::failure(op, key.as_str(), response).await),
+                _ => Err(failure(op, key.as_str(), response).await),
             }
         })
     }
@@ -518,12 +535,12 @@ impl ObjectStore for S3Store {
                 .delete(url)
                 .send()
                 .await
-                .map_err(Self::network(op, key.as_str()))?;
+                .map_err(network(op, key.as_str()))?;
             // S3 answers 204 for a missing key too; some servers say 404.
             if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
                 Ok(())
             } else {
-                Err(Self::failure(op, key.as_str(), response).await)
+                Err(failure(op, key.as_str(), response).await)
             }
         })
     }

@@ -7,24 +7,22 @@
 use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
-use cairn_coordinator::clock::Clock;
 use cairn_coordinator::store::{
     ObjectKey, ObjectStore, RemoteStore, S3Store, StoreLocation, s3::S3Config,
 };
-use cairn_engine::client::CoordinatorClient;
-use cairn_proto::domain::PackKind;
-use cairn_proto::pb;
-use cairn_proto::pb::admin_service_client::AdminServiceClient;
+use cairn_engine::format::FinishedPack;
 use cairn_utils::testing::S3sFs;
 use sha2::{Digest, Sha256};
 
-use super::harness::*;
+use super::remote_stores::on_a_remote_store;
 
 const BUCKET: &str = "cairn-test";
 const PREFIX: &str = "team/one";
 
 /// A fresh s3s-fs with the test bucket; the directory goes with it.
 fn s3s() -> (tempfile::TempDir, S3sFs) {
+    // The tests' own HTTP clients need rustls' provider too.
+    cairn_engine::transfer::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let server = S3sFs::start(dir.path(), &[BUCKET]);
     (dir, server)
@@ -39,8 +37,10 @@ fn config(server: &S3sFs, prefix: &str) -> S3Config {
         env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
     })
     .unwrap();
-    let RemoteStore::S3(config) = remote;
-    config
+    match remote {
+        RemoteStore::S3(config) => config,
+        other => panic!("an s3:// location gave {other:?}"),
+    }
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -251,107 +251,16 @@ async fn refused_credentials_are_an_error_that_names_the_store_s_answer() {
     assert!(err.to_string().contains("403"), "{err}");
 }
 
-async fn collect(client: &CoordinatorClient) -> pb::GcReport {
-    AdminServiceClient::new(client.auth_channel())
-        .collect_garbage(pb::CollectGarbageRequest { dry_run: false })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 #[tokio::test]
 async fn a_coordinator_on_s3_commits_serves_restores_and_collects_through_the_bucket() {
     let (_dir, s3) = s3s();
-    let clock = Clock::system();
-    let dir = data_dir();
     let remote = RemoteStore::S3(config(&s3, PREFIX));
-    let moved = clock.clone();
-    let mut server = TestServer::start_with(dir.path(), move |config| {
-        config.store = Some(remote);
-        config.clock = moved;
-        config.gc.interval = None;
-    })
-    .await;
-    server.own_dir(dir);
-    let mut client = server.client().await;
-    let ws = create_workspace(&mut client, "on-s3").await.id;
-    client
-        .workspaces
-        .set_retention(pb::SetRetentionRequest {
-            workspace: ws.clone(),
-            keep_last: Some(1),
-            finished_expiry: None,
-        })
-        .await
-        .unwrap();
-    let object = |pack: &cairn_engine::format::FinishedPack<Vec<u8>>| {
-        s3.object_path(
-            BUCKET,
-            &format!(
-                "{PREFIX}/packs/default/{}/{}",
-                &pack.id.as_str()[..2],
-                pack.id
-            ),
-        )
+    let checksum = |pack: &FinishedPack<Vec<u8>>| {
+        let digest = base64::engine::general_purpose::STANDARD.encode(pack.id.digest());
+        ("x-amz-checksum-sha256".to_owned(), digest)
     };
-
-    // A checkpoint whose packs go to the bucket through the URLs handed out
-    // (the checksum header included), and whose commit finds them there.
-    let begun = begin(&mut client, &ws).await;
-    let keys = keys_of(&begun);
-    let meta = build_pack(&keys, PackKind::Meta, &[b"tree of the first state"]);
-    let data = build_pack(&keys, PackKind::Data, &[b"the first state"]);
-    let urls = prepare(&mut client, &ws, &[&meta, &data]).await;
-    let checksum = base64::engine::general_purpose::STANDARD.encode(meta.id.digest());
-    assert_eq!(
-        urls[0].headers.get("x-amz-checksum-sha256"),
-        Some(&checksum),
-        "the pack id is the SHA-256 the URL binds"
-    );
-    upload(&mut client, &ws, &[&meta, &data]).await;
-    assert_eq!(std::fs::read(object(&data)).unwrap(), data.sink);
-    let both = [&meta, &data];
-    let first = commit(&mut client, commit_request(&begun, &meta, &both, &both)).await;
-
-    // The restore manifest's URLs read the packs back byte for byte.
-    let manifest = manifest(&mut client, &ws, &first.id).await;
-    assert_eq!(manifest.packs.len(), 2);
-    for location in &manifest.packs {
-        let pack = if location.pack_id == meta.id.as_str() {
-            &meta
-        } else {
-            &data
-        };
-        assert_eq!(get(&location.url).await, (200, pack.sink.clone()));
-    }
-
-    // A commit naming a pack that never reached the bucket is refused.
-    let begun = begin(&mut client, &ws).await;
-    let keys = keys_of(&begun);
-    let missing = build_pack(&keys, PackKind::Meta, &[b"never uploaded"]);
-    let status = commit_err(
-        &mut client,
-        commit_request(&begun, &missing, &[&missing], &[&missing]),
-    )
-    .await;
-    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
-
-    // A second checkpoint retires the first; an upload nobody commits is an
-    // orphan. Past the grace both go from the bucket.
-    checkpoint(&mut client, &ws, b"the second state").await;
-    let begun = begin(&mut client, &ws).await;
-    let abandoned = build_pack(&keys_of(&begun), PackKind::Data, &[b"never committed"]);
-    upload(&mut client, &ws, &[&abandoned]).await;
-    let report = collect(&client).await;
-    assert_eq!(report.packs_condemned, 2, "{report:?}");
-    assert_eq!(report.orphans_swept, 0, "young uploads may still commit");
-    assert!(object(&data).is_file() && object(&abandoned).is_file());
-    clock.advance(Duration::from_secs(3 * 3600));
-    let report = collect(&client).await;
-    assert_eq!(report.packs_swept, 2, "{report:?}");
-    assert_eq!(report.orphans_swept, 1, "{report:?}");
-    for gone in [&meta, &data, &abandoned] {
-        assert!(!object(gone).exists(), "{} is still in the bucket", gone.id);
-    }
-    server.stop().await;
+    let kept = on_a_remote_store(remote, checksum).await;
+    // The objects are the bucket's files, under the prefix.
+    let file = s3.object_path(BUCKET, &format!("{PREFIX}/{kept}"));
+    assert!(file.is_file(), "{}", file.display());
 }
