@@ -3,8 +3,8 @@
 //! the runner's checkpoints go to the bucket through the URLs the
 //! coordinator signs (the checksum header included), restore byte for byte,
 //! and garbage collection deletes from the bucket. A coordinator refuses to
-//! start without the credentials or with a store it does not support,
-//! saying why (for azure:// too). Fails, never skips, when `s3s-fs` is not installed.
+//! start without the credentials or with a store URL it cannot use,
+//! saying why (for gs:// and azure:// too). Fails, never skips, when `s3s-fs` is not installed.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -138,7 +138,10 @@ fn serve_refused(args: &[&str], env: &[(&str, &str)]) -> String {
         .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
         .args(args);
     for (name, _) in std::env::vars() {
-        if name.starts_with("AWS_") {
+        if name.starts_with("AWS_")
+            || name.starts_with("AZURE_")
+            || name == "GOOGLE_APPLICATION_CREDENTIALS"
+        {
             command.env_remove(name);
         }
     }
@@ -149,7 +152,7 @@ fn serve_refused(args: &[&str], env: &[(&str, &str)]) -> String {
 }
 
 #[test]
-fn a_store_without_credentials_or_not_supported_yet_stops_the_start_naming_why() {
+fn a_store_without_credentials_or_with_a_bad_url_stops_the_start_naming_why() {
     let stderr = serve_refused(
         &["--store", "s3://bucket/p"],
         &[("AWS_REGION", "us-east-1")],
@@ -170,7 +173,12 @@ fn a_store_without_credentials_or_not_supported_yet_stops_the_start_naming_why()
     );
     assert!(stderr.contains("AWS_ALLOW_HTTP=true"), "{stderr}");
     let stderr = serve_refused(&["--store", "gs://bucket/p"], &[]);
-    assert!(stderr.contains("not supported yet"), "{stderr}");
+    assert!(
+        stderr.contains("GOOGLE_APPLICATION_CREDENTIALS is not set"),
+        "{stderr}"
+    );
+    let stderr = serve_refused(&["--store", "file:///var/lib/packs"], &[]);
+    assert!(stderr.contains("unknown scheme"), "{stderr}");
     let stderr = serve_refused(&["--store", "azure://container/p"], &[]);
     assert!(
         stderr.contains("AZURE_STORAGE_ACCOUNT_NAME is not set"),

@@ -54,9 +54,11 @@ struct ServeArgs {
     blob_public_url: Option<String>,
     /// Keep checkpoint packs in this bucket instead of the embedded blob
     /// store: s3://BUCKET[/PREFIX] (AWS, or any S3-compatible server with
-    /// AWS_ENDPOINT_URL). Region and credentials come from AWS_REGION,
-    /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN);
-    /// see docs/object-stores.md.
+    /// AWS_ENDPOINT_URL; AWS_REGION, AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY), gs://BUCKET[/PREFIX]
+    /// (GOOGLE_APPLICATION_CREDENTIALS: a service account key file) or
+    /// azure://CONTAINER[/PREFIX] (AZURE_STORAGE_ACCOUNT_NAME,
+    /// AZURE_STORAGE_ACCOUNT_KEY); see docs/object-stores.md.
     #[arg(long, value_name = "URL")]
     store: Option<StoreLocation>,
     /// Lifetime of signed URLs (e.g. 90s, 15m, 1h).

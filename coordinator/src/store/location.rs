@@ -1,7 +1,7 @@
 //! Where `--store` puts the objects, and how to reach them.
 //!
 //! [`StoreLocation`] is the parsed `--store` URL (`s3://bucket/prefix`,
-//! `azure://container/prefix`);
+//! `gs://bucket/prefix`, `azure://container/prefix`);
 //! [`RemoteStore`] adds what the provider's usual environment variables say
 //! (endpoint, region, credentials). Both refuse what they cannot use at
 //! start-up, naming the flag's part or the variable at fault, so a
@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::ObjectStore;
 use super::azure::{AzureConfig, AzureStore};
+use super::gcs::{GcsConfig, GcsStore};
 use super::s3::{S3Config, S3Store};
 
 /// A remote object store named by `--store`.
@@ -25,6 +26,8 @@ pub enum StoreLocation {
         /// empty (the bucket's root).
         prefix: String,
     },
+    /// `gs://BUCKET[/PREFIX]`: Google Cloud Storage.
+    Gcs { bucket: String, prefix: String },
     /// `azure://CONTAINER[/PREFIX]`: a container of the storage account
     /// `AZURE_STORAGE_ACCOUNT_NAME` names.
     Azure { container: String, prefix: String },
@@ -39,11 +42,7 @@ pub enum StoreConfigError {
         reason: &'static str,
     },
     #[error(
-        "--store {location:?}: {scheme}:// stores are not supported yet (s3://, which also reaches S3-compatible servers, and azure:// are)"
-    )]
-    NotSupportedYet { location: String, scheme: String },
-    #[error(
-        "--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix or azure://container/prefix)"
+        "--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix, gs://bucket/prefix or azure://container/prefix)"
     )]
     UnknownScheme { location: String, scheme: String },
     #[error("{var} is not set: {why}")]
@@ -71,13 +70,7 @@ impl FromStr for StoreLocation {
             return Err(bad("expected a URL such as s3://bucket/prefix"));
         };
         match scheme {
-            "s3" | "azure" => {}
-            "gs" | "az" | "abfs" | "abfss" => {
-                return Err(StoreConfigError::NotSupportedYet {
-                    location: location.to_owned(),
-                    scheme: scheme.to_owned(),
-                });
-            }
+            "s3" | "gs" | "azure" => {}
             _ => {
                 return Err(StoreConfigError::UnknownScheme {
                     location: location.to_owned(),
@@ -100,6 +93,7 @@ impl FromStr for StoreLocation {
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
         let problem = match scheme {
             "s3" => bucket_problem(bucket),
+            "gs" => gcs_bucket_problem(bucket),
             _ => container_problem(bucket),
         };
         if let Some(reason) = problem {
@@ -126,12 +120,38 @@ impl FromStr for StoreLocation {
         let (bucket, prefix) = (bucket.to_owned(), prefix.to_owned());
         Ok(match scheme {
             "s3" => Self::S3 { bucket, prefix },
+            "gs" => Self::Gcs { bucket, prefix },
             _ => Self::Azure {
                 container: bucket,
                 prefix,
             },
         })
     }
+}
+
+/// What is wrong with a Cloud Storage bucket name (without dots: dotted
+/// names are domain-verified and may be longer), or `None`.
+fn gcs_bucket_problem(bucket: &str) -> Option<&'static str> {
+    if bucket.is_empty() {
+        return Some("names no bucket");
+    }
+    if !(3..=63).contains(&bucket.len()) {
+        return Some("the bucket name must be 3 to 63 characters long");
+    }
+    if !bucket
+        .bytes()
+        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.'))
+    {
+        return Some("the bucket name has characters outside [a-z0-9_.-]");
+    }
+    let edge_ok = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    if !edge_ok(bucket.bytes().next()) || !edge_ok(bucket.bytes().last()) {
+        return Some("the bucket name must start and end with a letter or digit");
+    }
+    if bucket.starts_with("goog") || bucket.contains("google") {
+        return Some("the bucket name cannot start with \"goog\" or contain \"google\"");
+    }
+    None
 }
 
 /// What is wrong with an Azure container name, or `None`.
@@ -186,6 +206,8 @@ impl fmt::Display for StoreLocation {
         match self {
             Self::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
             Self::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+            Self::Gcs { bucket, prefix } if prefix.is_empty() => write!(f, "gs://{bucket}"),
+            Self::Gcs { bucket, prefix } => write!(f, "gs://{bucket}/{prefix}"),
             Self::Azure { container, prefix } if prefix.is_empty() => {
                 write!(f, "azure://{container}")
             }
@@ -199,6 +221,7 @@ impl fmt::Display for StoreLocation {
 #[derive(Debug, Clone)]
 pub enum RemoteStore {
     S3(S3Config),
+    Gcs(GcsConfig),
     Azure(AzureConfig),
 }
 
@@ -219,6 +242,9 @@ impl RemoteStore {
             StoreLocation::S3 { bucket, prefix } => {
                 S3Config::from_vars(bucket, prefix, var).map(Self::S3)
             }
+            StoreLocation::Gcs { bucket, prefix } => {
+                GcsConfig::from_vars(bucket, prefix, var).map(Self::Gcs)
+            }
             StoreLocation::Azure { container, prefix } => {
                 AzureConfig::from_vars(container, prefix, var).map(Self::Azure)
             }
@@ -229,6 +255,7 @@ impl RemoteStore {
     pub fn open(&self) -> Result<Arc<dyn ObjectStore>, StoreConfigError> {
         match self {
             Self::S3(config) => Ok(Arc::new(S3Store::new(config.clone())?)),
+            Self::Gcs(config) => Ok(Arc::new(GcsStore::new(config.clone())?)),
             Self::Azure(config) => Ok(Arc::new(AzureStore::new(config.clone())?)),
         }
     }
@@ -238,6 +265,7 @@ impl fmt::Display for RemoteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::S3(config) => config.fmt(f),
+            Self::Gcs(config) => config.fmt(f),
             Self::Azure(config) => config.fmt(f),
         }
     }
@@ -281,6 +309,15 @@ mod tests {
             }
         );
         assert_eq!(azure.to_string(), "azure://packs-1/team");
+        let gcs = "gs://my_packs/team/".parse::<StoreLocation>().unwrap();
+        assert_eq!(
+            gcs,
+            StoreLocation::Gcs {
+                bucket: "my_packs".into(),
+                prefix: "team".into()
+            }
+        );
+        assert_eq!(gcs.to_string(), "gs://my_packs/team");
     }
 
     #[test]
@@ -318,6 +355,10 @@ mod tests {
                 "has user information; credentials come from the provider's variables",
             ),
             (
+                "gs://google-packs",
+                "the bucket name cannot start with \"goog\" or contain \"google\"",
+            ),
+            (
                 "azure://my.container",
                 "the container name has characters outside [a-z0-9-]",
             ),
@@ -337,19 +378,18 @@ mod tests {
     }
 
     #[test]
-    fn other_providers_are_refused_as_not_supported_yet_and_unknown_schemes_as_unknown() {
-        for url in ["gs://bucket/p", "az://container/p"] {
-            let err = url.parse::<StoreLocation>().unwrap_err();
-            assert!(
-                matches!(err, StoreConfigError::NotSupportedYet { .. }),
-                "{url}: {err}"
-            );
-            assert!(err.to_string().contains("not supported yet"), "{err}");
-        }
+    fn unknown_schemes_are_refused_naming_the_known_ones() {
         let err = "file:///tmp/x".parse::<StoreLocation>().unwrap_err();
         assert!(
             matches!(err, StoreConfigError::UnknownScheme { .. }),
             "{err}"
+        );
+        assert!(err.to_string().contains("gs://bucket/prefix"), "{err}");
+        // Other spellings of Azure URLs name more than a container.
+        assert!(
+            "abfss://container@account.dfs.core.windows.net/p"
+                .parse::<StoreLocation>()
+                .is_err()
         );
     }
 }

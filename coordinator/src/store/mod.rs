@@ -10,6 +10,8 @@
 //!   [`crate::signing::UrlSigner`].
 //! - [`S3Store`]: a bucket of AWS S3 or of any S3-compatible server,
 //!   through SigV4 presigned URLs (`--store s3://bucket/prefix`).
+//! - [`GcsStore`]: a Google Cloud Storage bucket, through V4 signed URLs
+//!   (`--store gs://bucket/prefix`).
 //! - [`AzureStore`]: a container of Azure Blob Storage (or Azurite),
 //!   through service SAS URLs (`--store azure://container/prefix`).
 //! - [`FaultyStore`]: wraps any store and fails or hides what a test arms.
@@ -25,6 +27,7 @@
 
 pub mod azure;
 mod faulty;
+pub mod gcs;
 pub(crate) mod local;
 mod location;
 pub mod s3;
@@ -40,6 +43,7 @@ use cairn_proto::ids::{PackId, TenantId};
 
 pub use azure::AzureStore;
 pub use faulty::{Faults, FaultyStore};
+pub use gcs::GcsStore;
 pub use local::{LocalStore, TEMP_DIR};
 pub use location::{RemoteStore, StoreConfigError, StoreLocation};
 pub use s3::S3Store;
