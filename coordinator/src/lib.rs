@@ -240,6 +240,9 @@ impl Coordinator {
                 url_ttl: humantime::format_duration(config.limits.url_ttl).to_string(),
             });
         }
+        if let Some(remote) = &config.store {
+            remote.check_url_ttl(config.limits.url_ttl)?;
+        }
         if let Some(url) = &config.blob_public_url
             && !(url.starts_with("http://") || url.starts_with("https://"))
         {

@@ -172,6 +172,25 @@ fn a_store_without_credentials_or_with_a_bad_url_stops_the_start_naming_why() {
         ],
     );
     assert!(stderr.contains("AWS_ALLOW_HTTP=true"), "{stderr}");
+    let stderr = serve_refused(
+        &[
+            "--store",
+            "s3://bucket/p",
+            "--url-ttl",
+            "8days",
+            "--gc-grace",
+            "9days",
+        ],
+        &[
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", "k"),
+            ("AWS_SECRET_ACCESS_KEY", "s"),
+        ],
+    );
+    assert!(
+        stderr.contains("S3 signs URLs that live from 1 second to 7 days"),
+        "{stderr}"
+    );
     let stderr = serve_refused(&["--store", "gs://bucket/p"], &[]);
     assert!(
         stderr.contains("GOOGLE_APPLICATION_CREDENTIALS is not set"),

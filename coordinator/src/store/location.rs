@@ -45,6 +45,12 @@ pub enum StoreConfigError {
         "--store {location:?}: unknown scheme {scheme:?} (expected s3://bucket/prefix, gs://bucket/prefix or azure://container/prefix)"
     )]
     UnknownScheme { location: String, scheme: String },
+    #[error("--url-ttl {ttl}: {store} signs URLs that live {bounds}")]
+    UrlTtl {
+        store: &'static str,
+        ttl: String,
+        bounds: &'static str,
+    },
     #[error("{var} is not set: {why}")]
     MissingVar {
         var: &'static str,
@@ -249,6 +255,26 @@ impl RemoteStore {
                 AzureConfig::from_vars(container, prefix, var).map(Self::Azure)
             }
         }
+    }
+
+    /// Refuses a URL lifetime the provider does not sign, so the start
+    /// fails rather than every upload.
+    pub fn check_url_ttl(&self, ttl: std::time::Duration) -> Result<(), StoreConfigError> {
+        use std::time::Duration;
+        const WEEK: Duration = Duration::from_secs(7 * 24 * 3600);
+        let (store, bounds, ok) = match self {
+            Self::S3(_) => ("S3", "from 1 second to 7 days", ttl <= WEEK),
+            Self::Gcs(_) => ("Cloud Storage", "from 1 second to 7 days", ttl <= WEEK),
+            Self::Azure(_) => ("Azure", "at least a second", true),
+        };
+        if ok && ttl >= Duration::from_secs(1) {
+            return Ok(());
+        }
+        Err(StoreConfigError::UrlTtl {
+            store,
+            ttl: humantime::format_duration(ttl).to_string(),
+            bounds,
+        })
     }
 
     /// The store the coordinator uses.
