@@ -18,12 +18,11 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use jiff::Timestamp;
-use reqwest::StatusCode;
 use ring::hmac;
 use url::Url;
 
+use super::http::{child, deleted, failure, head_size, list_all, network, text};
 use super::location::StoreConfigError;
-use super::s3::{failure, network};
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
 };
@@ -122,9 +121,9 @@ impl AzureConfig {
             value: "…".into(),
             reason: "not base64 (the key as the portal shows it)".into(),
         })?;
-        let allow_http = super::s3::flag(&var, "AZURE_ALLOW_HTTP", false)?;
+        let allow_http = super::location::flag(&var, "AZURE_ALLOW_HTTP", false)?;
         let endpoint = match var("AZURE_STORAGE_ENDPOINT") {
-            Some(value) => super::s3::endpoint_url(
+            Some(value) => super::location::endpoint_url(
                 "AZURE_STORAGE_ENDPOINT",
                 &value,
                 allow_http,
@@ -151,20 +150,6 @@ enum Sas {
     Blob(&'static str),
     /// `sr=c`, `sp=l`: listing the container.
     List,
-}
-
-/// The first child element of `node` called `name` (namespaces aside).
-fn child<'a, 'input>(
-    node: roxmltree::Node<'a, 'input>,
-    name: &str,
-) -> Option<roxmltree::Node<'a, 'input>> {
-    node.children()
-        .find(|c| c.is_element() && c.tag_name().name() == name)
-}
-
-/// The text of `node`, empty when there is none.
-fn text(node: Option<roxmltree::Node<'_, '_>>) -> String {
-    node.and_then(|n| n.text()).unwrap_or_default().to_owned()
 }
 
 /// Blobs in an Azure container under a prefix.
@@ -413,7 +398,6 @@ impl AzureStore {
 impl ObjectStore for AzureStore {
     fn stat<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, Option<u64>> {
         Box::pin(async move {
-            let op = StoreOp::Stat;
             let blob = self.blob_name(key.as_str());
             let url = self.sign(Some(&blob), Sas::Blob("r"), &Self::request_expiry(), &[]);
             let response = self
@@ -422,28 +406,13 @@ impl ObjectStore for AzureStore {
                 .header("x-ms-version", SAS_VERSION)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            match response.status() {
-                StatusCode::NOT_FOUND => Ok(None),
-                status if status.is_success() => response
-                    .headers()
-                    .get(reqwest::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(Some)
-                    .ok_or_else(|| ObjectStoreError::Refused {
-                        op,
-                        key: key.to_string(),
-                        reason: "Get Blob Properties answered without a Content-Length".into(),
-                    }),
-                _ => Err(failure(op, key.as_str(), response).await),
-            }
+                .map_err(network(StoreOp::Stat, key.as_str()))?;
+            head_size(StoreOp::Stat, key, response).await
         })
     }
 
     fn delete<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let op = StoreOp::Delete;
             let blob = self.blob_name(key.as_str());
             let url = self.sign(Some(&blob), Sas::Blob("d"), &Self::request_expiry(), &[]);
             let response = self
@@ -452,38 +421,19 @@ impl ObjectStore for AzureStore {
                 .header("x-ms-version", SAS_VERSION)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
-                Ok(())
-            } else {
-                Err(failure(op, key.as_str(), response).await)
-            }
+                .map_err(network(StoreOp::Delete, key.as_str()))?;
+            deleted(key, response).await
         })
     }
 
     fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>> {
         Box::pin(async move {
             let full_prefix = self.blob_name(prefix);
-            let mut objects = Vec::new();
-            let mut marker: Option<String> = None;
-            loop {
-                let (page, next) = self.list_page(&full_prefix, marker.as_deref()).await?;
-                objects.extend(page);
-                match next {
-                    Some(next) if marker.as_deref() == Some(next.as_str()) => {
-                        return Err(ObjectStoreError::Refused {
-                            op: StoreOp::List,
-                            key: full_prefix,
-                            reason: "the listing handed the same marker back".into(),
-                        });
-                    }
-                    Some(next) => marker = Some(next),
-                    None => break,
-                }
-            }
-            objects.sort_by(|a, b| a.key.cmp(&b.key));
-            objects.dedup_by(|a, b| a.key == b.key);
-            Ok(objects)
+            list_all(&full_prefix, |marker| {
+                let full_prefix = &full_prefix;
+                async move { self.list_page(full_prefix, marker.as_deref()).await }
+            })
+            .await
         })
     }
 

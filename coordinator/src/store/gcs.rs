@@ -17,14 +17,13 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use jiff::Timestamp;
-use reqwest::StatusCode;
 use ring::rand::SystemRandom;
 use ring::signature::{RSA_PKCS1_SHA256, RsaKeyPair};
 use sha2::{Digest, Sha256};
 use url::Url;
 
+use super::http::{child, deleted, failure, head_size, list_all, network, text};
 use super::location::StoreConfigError;
-use super::s3::{failure, network};
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
 };
@@ -149,7 +148,9 @@ impl GcsConfig {
         let account =
             ServiceAccount::from_json(&json).map_err(|reason| bad(format!("the file {reason}")))?;
         let endpoint = match var("STORAGE_EMULATOR_HOST") {
-            Some(value) => super::s3::endpoint_url("STORAGE_EMULATOR_HOST", &value, true, "")?,
+            Some(value) => {
+                super::location::endpoint_url("STORAGE_EMULATOR_HOST", &value, true, "")?
+            }
             None => Url::parse(DEFAULT_ENDPOINT).expect("a valid URL"),
         };
         Ok(Self {
@@ -368,19 +369,6 @@ impl GcsStore {
     }
 }
 
-/// The first child element of `node` called `name` (namespaces aside).
-fn child<'a, 'input>(
-    node: roxmltree::Node<'a, 'input>,
-    name: &str,
-) -> Option<roxmltree::Node<'a, 'input>> {
-    node.children()
-        .find(|c| c.is_element() && c.tag_name().name() == name)
-}
-
-fn text(node: Option<roxmltree::Node<'_, '_>>) -> String {
-    node.and_then(|n| n.text()).unwrap_or_default().to_owned()
-}
-
 /// An XML API listing (`ListBucketResult`): the objects under `prefix` that
 /// are keys of ours, and where the next page starts (`NextMarker`, or the
 /// last key when a truncated page names none).
@@ -428,7 +416,6 @@ fn parse_listing(body: &str, prefix: &str) -> Result<(Vec<ObjectMeta>, Option<St
 impl ObjectStore for GcsStore {
     fn stat<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, Option<u64>> {
         Box::pin(async move {
-            let op = StoreOp::Stat;
             let name = self.object_name(key.as_str());
             let url = self.sign(
                 "HEAD",
@@ -443,28 +430,13 @@ impl ObjectStore for GcsStore {
                 .head(url)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            match response.status() {
-                StatusCode::NOT_FOUND => Ok(None),
-                status if status.is_success() => response
-                    .headers()
-                    .get(reqwest::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(Some)
-                    .ok_or_else(|| ObjectStoreError::Refused {
-                        op,
-                        key: key.to_string(),
-                        reason: "HEAD answered without a Content-Length".into(),
-                    }),
-                _ => Err(failure(op, key.as_str(), response).await),
-            }
+                .map_err(network(StoreOp::Stat, key.as_str()))?;
+            head_size(StoreOp::Stat, key, response).await
         })
     }
 
     fn delete<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let op = StoreOp::Delete;
             let name = self.object_name(key.as_str());
             let url = self.sign(
                 "DELETE",
@@ -479,38 +451,19 @@ impl ObjectStore for GcsStore {
                 .delete(url)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
-                Ok(())
-            } else {
-                Err(failure(op, key.as_str(), response).await)
-            }
+                .map_err(network(StoreOp::Delete, key.as_str()))?;
+            deleted(key, response).await
         })
     }
 
     fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>> {
         Box::pin(async move {
             let full_prefix = self.object_name(prefix);
-            let mut objects = Vec::new();
-            let mut marker: Option<String> = None;
-            loop {
-                let (page, next) = self.list_page(&full_prefix, marker.as_deref()).await?;
-                objects.extend(page);
-                match next {
-                    Some(next) if marker.as_deref() == Some(next.as_str()) => {
-                        return Err(ObjectStoreError::Refused {
-                            op: StoreOp::List,
-                            key: full_prefix,
-                            reason: "the listing handed the same marker back".into(),
-                        });
-                    }
-                    Some(next) => marker = Some(next),
-                    None => break,
-                }
-            }
-            objects.sort_by(|a, b| a.key.cmp(&b.key));
-            objects.dedup_by(|a, b| a.key == b.key);
-            Ok(objects)
+            list_all(&full_prefix, |marker| {
+                let full_prefix = &full_prefix;
+                async move { self.list_page(full_prefix, marker.as_deref()).await }
+            })
+            .await
         })
     }
 

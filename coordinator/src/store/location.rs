@@ -11,6 +11,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use url::Url;
+
 use super::ObjectStore;
 use super::azure::{AzureConfig, AzureStore};
 use super::gcs::{GcsConfig, GcsStore};
@@ -180,6 +182,65 @@ fn container_problem(container: &str) -> Option<&'static str> {
         );
     }
     None
+}
+
+/// A boolean variable: `true`/`1` or `false`/`0` (any case), unset is `default`.
+pub(super) fn flag(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: bool,
+) -> Result<bool, StoreConfigError> {
+    match var(name) {
+        None => Ok(default),
+        Some(value) => match value.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" => Ok(true),
+            "false" | "0" => Ok(false),
+            _ => Err(StoreConfigError::BadVar {
+                var: name,
+                value,
+                reason: "expected true or false".into(),
+            }),
+        },
+    }
+}
+
+/// An endpoint variable's URL: `https://`, or `http://` when the
+/// `allow_var` flag allowed it; a host, and nothing a URL could smuggle in
+/// besides (query, fragment, user information).
+pub(super) fn endpoint_url(
+    var: &'static str,
+    value: &str,
+    allow_http: bool,
+    allow_var: &'static str,
+) -> Result<Url, StoreConfigError> {
+    let bad = |reason: String| StoreConfigError::BadVar {
+        var,
+        value: value.to_owned(),
+        reason,
+    };
+    let url = Url::parse(value).map_err(|e| bad(format!("not a URL: {e}")))?;
+    match url.scheme() {
+        "https" => {}
+        "http" if allow_http => {}
+        "http" => {
+            return Err(bad(format!(
+                "an http:// endpoint carries signed URLs in the clear; set {allow_var}=true to allow it (test servers)"
+            )));
+        }
+        _ => return Err(bad("expected an http:// or https:// URL".into())),
+    }
+    if url.host_str().is_none() {
+        return Err(bad("names no host".into()));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad("has a query or fragment".into()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad(
+            "has user information; credentials come from their own variables".into(),
+        ));
+    }
+    Ok(url)
 }
 
 /// What is wrong with an S3 bucket name (AWS's general purpose bucket

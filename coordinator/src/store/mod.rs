@@ -28,6 +28,7 @@
 pub mod azure;
 mod faulty;
 pub mod gcs;
+mod http;
 pub(crate) mod local;
 mod location;
 pub mod s3;

@@ -20,12 +20,12 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use jiff::Timestamp;
-use reqwest::StatusCode;
 use rusty_s3::actions::ListObjectsV2;
 use rusty_s3::{Bucket, Credentials, S3Action as _, UrlStyle};
 use url::Url;
 
-use super::location::StoreConfigError;
+use super::http::{deleted, failure, head_size, list_all, network};
+use super::location::{StoreConfigError, endpoint_url, flag};
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
 };
@@ -44,9 +44,6 @@ pub const LIST_PAGE_SIZE: usize = 1000;
 
 /// The header that binds an upload's SHA-256 (base64 of the digest).
 pub const CHECKSUM_HEADER: &str = "x-amz-checksum-sha256";
-
-/// Most bytes of an error answer read for its message.
-const ERROR_BODY_LIMIT: usize = 4096;
 
 /// Where the bucket is and how to sign for it. `Debug` and `Display` show
 /// the access key id at most, never the secret or the session token.
@@ -87,65 +84,6 @@ impl fmt::Display for S3Config {
         }
         write!(f, " at {} (region {})", self.endpoint, self.region)
     }
-}
-
-/// A boolean variable: `true`/`1` or `false`/`0` (any case), unset is `default`.
-pub(super) fn flag(
-    var: &impl Fn(&str) -> Option<String>,
-    name: &'static str,
-    default: bool,
-) -> Result<bool, StoreConfigError> {
-    match var(name) {
-        None => Ok(default),
-        Some(value) => match value.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" => Ok(true),
-            "false" | "0" => Ok(false),
-            _ => Err(StoreConfigError::BadVar {
-                var: name,
-                value,
-                reason: "expected true or false".into(),
-            }),
-        },
-    }
-}
-
-/// An endpoint variable's URL: `https://`, or `http://` when the
-/// `allow_var` flag allowed it; a host, and nothing a URL could smuggle in
-/// besides (query, fragment, user information).
-pub(super) fn endpoint_url(
-    var: &'static str,
-    value: &str,
-    allow_http: bool,
-    allow_var: &'static str,
-) -> Result<Url, StoreConfigError> {
-    let bad = |reason: String| StoreConfigError::BadVar {
-        var,
-        value: value.to_owned(),
-        reason,
-    };
-    let url = Url::parse(value).map_err(|e| bad(format!("not a URL: {e}")))?;
-    match url.scheme() {
-        "https" => {}
-        "http" if allow_http => {}
-        "http" => {
-            return Err(bad(format!(
-                "an http:// endpoint carries signed URLs in the clear; set {allow_var}=true to allow it (test servers)"
-            )));
-        }
-        _ => return Err(bad("expected an http:// or https:// URL".into())),
-    }
-    if url.host_str().is_none() {
-        return Err(bad("names no host".into()));
-    }
-    if url.query().is_some() || url.fragment().is_some() {
-        return Err(bad("has a query or fragment".into()));
-    }
-    if !url.username().is_empty() || url.password().is_some() {
-        return Err(bad(
-            "has user information; credentials come from their own variables".into(),
-        ));
-    }
-    Ok(url)
 }
 
 impl S3Config {
@@ -237,64 +175,6 @@ impl S3Config {
             credentials,
             list_page_size: LIST_PAGE_SIZE,
         })
-    }
-}
-
-/// A failed request's error: the server was not reached, or the answer was
-/// cut (retryable).
-pub(super) fn network(
-    op: StoreOp,
-    key: &str,
-) -> impl FnOnce(reqwest::Error) -> ObjectStoreError + '_ {
-    move |e| ObjectStoreError::Unavailable {
-        op,
-        key: key.to_owned(),
-        // The URL in reqwest's message carries a signature.
-        reason: cairn_utils::text::one_line(&e.without_url()),
-    }
-}
-
-/// The error an unsuccessful answer means: retryable when the server is
-/// overloaded or failing, refused otherwise, with the store's code and
-/// message when the body has them (S3 and Azure both answer
-/// `<Error><Code>…</Code><Message>…</Message></Error>`).
-pub(super) async fn failure(
-    op: StoreOp,
-    key: &str,
-    mut response: reqwest::Response,
-) -> ObjectStoreError {
-    let status = response.status();
-    let mut body = Vec::new();
-    while body.len() < ERROR_BODY_LIMIT {
-        match response.chunk().await {
-            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-            _ => break,
-        }
-    }
-    let body = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY_LIMIT)]);
-    let element = |name: &str| {
-        let open = format!("<{name}>");
-        let start = body.find(&open)? + open.len();
-        let end = body[start..].find('<')? + start;
-        Some(body[start..end].trim().to_owned())
-    };
-    let mut reason = format!("HTTP {status}");
-    if let Some(code) = element("Code") {
-        reason.push_str(": ");
-        reason.push_str(&code);
-    }
-    if let Some(message) = element("Message") {
-        reason.push_str(": ");
-        reason.push_str(&message);
-    }
-    let key = key.to_owned();
-    if status.is_server_error()
-        || status == StatusCode::TOO_MANY_REQUESTS
-        || status == StatusCode::REQUEST_TIMEOUT
-    {
-        ObjectStoreError::Unavailable { op, key, reason }
-    } else {
-        ObjectStoreError::Refused { op, key, reason }
     }
 }
 
@@ -489,7 +369,6 @@ impl S3Store {
 impl ObjectStore for S3Store {
     fn stat<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, Option<u64>> {
         Box::pin(async move {
-            let op = StoreOp::Stat;
             let name = self.object_name(key.as_str());
             let url = self
                 .bucket
@@ -500,31 +379,13 @@ impl ObjectStore for S3Store {
                 .head(url)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            match response.status() {
-                StatusCode::NOT_FOUND => Ok(None),
-                status if status.is_success() => {
-                    // The header, not the (empty) body of a HEAD answer.
-                    let size = response
-                        .headers()
-                        .get(reqwest::header::CONTENT_LENGTH)
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .ok_or_else(|| ObjectStoreError::Refused {
-                            op,
-                            key: key.to_string(),
-                            reason: "HEAD answered without a Content-Length".into(),
-                        })?;
-                    Ok(Some(size))
-                }
-                _ => Err(failure(op, key.as_str(), response).await),
-            }
+                .map_err(network(StoreOp::Stat, key.as_str()))?;
+            head_size(StoreOp::Stat, key, response).await
         })
     }
 
     fn delete<'a>(&'a self, key: &'a ObjectKey) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let op = StoreOp::Delete;
             let name = self.object_name(key.as_str());
             let url = self
                 .bucket
@@ -535,40 +396,19 @@ impl ObjectStore for S3Store {
                 .delete(url)
                 .send()
                 .await
-                .map_err(network(op, key.as_str()))?;
-            // S3 answers 204 for a missing key too; some servers say 404.
-            if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
-                Ok(())
-            } else {
-                Err(failure(op, key.as_str(), response).await)
-            }
+                .map_err(network(StoreOp::Delete, key.as_str()))?;
+            deleted(key, response).await
         })
     }
 
     fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>> {
         Box::pin(async move {
             let full_prefix = self.object_name(prefix);
-            let mut objects = Vec::new();
-            let mut token: Option<String> = None;
-            loop {
-                let (page, next) = self.list_page(&full_prefix, token.as_deref()).await?;
-                objects.extend(page);
-                match next {
-                    // A server handing the same token back would page forever.
-                    Some(next) if token.as_deref() == Some(next.as_str()) => {
-                        return Err(ObjectStoreError::Refused {
-                            op: StoreOp::List,
-                            key: full_prefix,
-                            reason: "the listing handed the same continuation token back".into(),
-                        });
-                    }
-                    Some(next) => token = Some(next),
-                    None => break,
-                }
-            }
-            objects.sort_by(|a, b| a.key.cmp(&b.key));
-            objects.dedup_by(|a, b| a.key == b.key);
-            Ok(objects)
+            list_all(&full_prefix, |token| {
+                let full_prefix = &full_prefix;
+                async move { self.list_page(full_prefix, token.as_deref()).await }
+            })
+            .await
         })
     }
 
