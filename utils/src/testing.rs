@@ -34,28 +34,76 @@ pub fn sibling_binary(name: &str) -> PathBuf {
 /// How to get `s3s-fs`, for the message of a test that cannot find it.
 pub const S3S_FS_INSTALL: &str = "cargo install s3s-fs --version 0.14.1 --features binary --locked";
 
-/// The `s3s-fs` binary: `CAIRN_S3S_FS`, else the first `s3s-fs` on `PATH`.
-/// Fails (never skips) when there is none, saying how to install it.
-pub fn s3s_fs_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("CAIRN_S3S_FS") {
+/// A test server's program: the path in `var`, else the first `name` on
+/// `PATH`. Fails (never skips) when there is none, saying how to install
+/// it with `install`.
+fn test_program(name: &str, var: &str, install: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(var) {
         let path = PathBuf::from(path);
         assert!(
             path.is_file(),
-            "CAIRN_S3S_FS={} is not a file; install s3s-fs with `{S3S_FS_INSTALL}`",
+            "{var}={} is not a file; install {name} with `{install}`",
             path.display()
         );
         return path;
     }
     let found = std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
-            .map(|dir| dir.join("s3s-fs"))
+            .map(|dir| dir.join(name))
             .find(|candidate| candidate.is_file())
     });
     found.unwrap_or_else(|| {
         panic!(
-            "s3s-fs is needed by the S3 store tests and is not on PATH (or in CAIRN_S3S_FS): install it with `{S3S_FS_INSTALL}`"
+            "{name} is needed by the object store tests and is not on PATH (or in {var}): install it with `{install}`"
         )
     })
+}
+
+/// Starts `command` (stdout piped) and waits for the first line of its
+/// output holding `marker`, returning the word after it (the address it
+/// listens at). Its output is read to the end meanwhile, so a chatty
+/// server never blocks on a full pipe.
+fn start_and_read_address(
+    mut command: Command,
+    name: &str,
+    install: &str,
+    marker: &'static str,
+) -> (Child, String) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{name} does not start ({e}); install it with `{install}`"));
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (found, address) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut found = Some(found);
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(at) = line.find(marker)
+                && let Some(sender) = found.take()
+            {
+                let rest = &line[at + marker.len()..];
+                let word = rest.split_whitespace().next().unwrap_or_default();
+                let _ = sender.send(word.to_owned());
+            }
+        }
+    });
+    match address.recv_timeout(Duration::from_secs(60)) {
+        Ok(address) if address.starts_with("http://127.0.0.1:") => (child, address),
+        other => {
+            let _ = child.kill();
+            let status = child.wait().ok();
+            panic!(
+                "{name} did not say it listens on 127.0.0.1 within 60s ({other:?}; exit status: {status:?})"
+            );
+        }
+    }
+}
+
+/// The `s3s-fs` binary: `CAIRN_S3S_FS`, else the first `s3s-fs` on `PATH`.
+pub fn s3s_fs_binary() -> PathBuf {
+    test_program("s3s-fs", "CAIRN_S3S_FS", S3S_FS_INSTALL)
 }
 
 /// A real S3-compatible server: `s3s-fs` on 127.0.0.1 (an ephemeral port),
@@ -80,49 +128,17 @@ impl S3sFs {
         for bucket in buckets {
             std::fs::create_dir_all(root.join(bucket)).expect("bucket directories can be created");
         }
-        let mut child = Command::new(s3s_fs_binary())
+        let mut command = Command::new(s3s_fs_binary());
+        command
             .args(["--host", "127.0.0.1", "--port", "0"])
             .args(["--access-key", Self::ACCESS_KEY])
             .args(["--secret-key", Self::SECRET_KEY])
             .arg(root)
             // Its address is only in its log; info is where it says it.
             .env("RUST_LOG", "s3s_fs=info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("s3s-fs does not start ({e}); install it with `{S3S_FS_INSTALL}`")
-            });
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (found, address) = mpsc::channel();
-        // Reads the log to its end, so a chatty server never blocks on a
-        // full pipe; the first address line is the one wanted.
-        std::thread::spawn(move || {
-            let mut found = Some(found);
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(at) = line.find("server is running at ")
-                    && let Some(sender) = found.take()
-                {
-                    let rest = &line[at + "server is running at ".len()..];
-                    let url = rest.split_whitespace().next().unwrap_or_default();
-                    let _ = sender.send(url.to_owned());
-                }
-            }
-        });
-        let endpoint = match address.recv_timeout(Duration::from_secs(30)) {
-            Ok(endpoint) => endpoint,
-            Err(_) => {
-                let _ = child.kill();
-                let status = child.wait().ok();
-                panic!("s3s-fs did not say where it listens within 30s (exit status: {status:?})");
-            }
-        };
-        assert!(
-            endpoint.starts_with("http://127.0.0.1:"),
-            "s3s-fs said it listens at {endpoint:?}"
-        );
+            .env("NO_COLOR", "1");
+        let (child, endpoint) =
+            start_and_read_address(command, "s3s-fs", S3S_FS_INSTALL, "server is running at ");
         Self {
             child,
             endpoint,
@@ -163,27 +179,8 @@ impl Drop for S3sFs {
 pub const AZURITE_INSTALL: &str = "npm install -g azurite@3.37.0";
 
 /// The `azurite-blob` program: `CAIRN_AZURITE`, else the first on `PATH`.
-/// Fails (never skips) when there is none, saying how to install it.
 pub fn azurite_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("CAIRN_AZURITE") {
-        let path = PathBuf::from(path);
-        assert!(
-            path.is_file(),
-            "CAIRN_AZURITE={} is not a file; install Azurite with `{AZURITE_INSTALL}`",
-            path.display()
-        );
-        return path;
-    }
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("azurite-blob"))
-            .find(|candidate| candidate.is_file())
-    });
-    found.unwrap_or_else(|| {
-        panic!(
-            "azurite-blob is needed by the Azure store tests and is not on PATH (or in CAIRN_AZURITE): install it with `{AZURITE_INSTALL}`"
-        )
-    })
+    test_program("azurite-blob", "CAIRN_AZURITE", AZURITE_INSTALL)
 }
 
 /// Azure's storage emulator (Azurite's blob service) on 127.0.0.1, an
@@ -203,42 +200,17 @@ impl Azurite {
         "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
     pub fn start(root: &Path) -> Self {
-        let mut child = Command::new(azurite_binary())
+        let mut command = Command::new(azurite_binary());
+        command
             .args(["--blobHost", "127.0.0.1", "--blobPort", "0"])
             .arg("--location")
             .arg(root)
-            .args(["--disableTelemetry", "--skipApiVersionCheck"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("Azurite does not start ({e}); install it with `{AZURITE_INSTALL}`")
-            });
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (found, address) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut found = Some(found);
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(at) = line.find("successfully listens on ")
-                    && let Some(sender) = found.take()
-                {
-                    let rest = &line[at + "successfully listens on ".len()..];
-                    let _ = sender.send(rest.trim().to_owned());
-                }
-            }
-        });
-        let listening = match address.recv_timeout(Duration::from_secs(60)) {
-            Ok(listening) => listening,
-            Err(_) => {
-                let _ = child.kill();
-                let status = child.wait().ok();
-                panic!("Azurite did not say where it listens within 60s (exit status: {status:?})");
-            }
-        };
-        assert!(
-            listening.starts_with("http://127.0.0.1:"),
-            "Azurite said it listens at {listening:?}"
+            .args(["--disableTelemetry", "--skipApiVersionCheck"]);
+        let (child, listening) = start_and_read_address(
+            command,
+            "azurite-blob",
+            AZURITE_INSTALL,
+            "successfully listens on ",
         );
         Self {
             child,

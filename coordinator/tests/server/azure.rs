@@ -11,7 +11,9 @@ use cairn_coordinator::store::azure::{AzureConfig, SAS_VERSION};
 use cairn_coordinator::store::{AzureStore, ObjectKey, ObjectStore, RemoteStore, StoreLocation};
 use cairn_utils::testing::Azurite;
 
-use super::remote_stores::on_a_remote_store;
+use super::remote_stores::{
+    get, on_a_remote_store, pages_through_everything_under_the_prefix_and_deletes, put,
+};
 
 const CONTAINER: &str = "cairn-test";
 const PREFIX: &str = "team/one";
@@ -71,20 +73,6 @@ fn config(azurite: &Azurite, prefix: &str) -> AzureConfig {
         RemoteStore::Azure(config) => config,
         other => panic!("an azure:// location gave {other:?}"),
     }
-}
-
-async fn put(url: &str, headers: &[(String, String)], body: Vec<u8>) -> u16 {
-    let mut request = reqwest::Client::new().put(url).body(body);
-    for (name, value) in headers {
-        request = request.header(name, value);
-    }
-    request.send().await.unwrap().status().as_u16()
-}
-
-async fn get(url: &str) -> (u16, Vec<u8>) {
-    let response = reqwest::get(url).await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.bytes().await.unwrap().to_vec())
 }
 
 /// `url` with one character of its `sig` changed.
@@ -194,59 +182,7 @@ async fn listing_pages_through_everything_under_the_prefix_and_delete_removes_it
     paged.list_page_size = 2;
     let store = AzureStore::new(paged).unwrap();
     let root = AzureStore::new(config(&azurite, "")).unwrap();
-    let keys = [
-        "packs/default/aa/aa1",
-        "packs/default/bb/bb2",
-        "packs/default/cc/cc3",
-        "packs/other/dd/dd4",
-        "keys/default/k1",
-    ];
-    let before = SystemTime::now() - Duration::from_secs(5);
-    for (i, key) in keys.iter().enumerate() {
-        let key = ObjectKey::new(*key).unwrap();
-        let url = store
-            .presign_put(&key, i as u64 + 1, [0; 32], Duration::from_secs(60), None)
-            .await
-            .unwrap();
-        assert_eq!(put(&url.url, &url.headers, vec![b'x'; i + 1]).await, 201);
-    }
-    let outside = ObjectKey::new("packs/default/ee/ee5").unwrap();
-    let url = root
-        .presign_put(&outside, 1, [0; 32], Duration::from_secs(60), None)
-        .await
-        .unwrap();
-    assert_eq!(put(&url.url, &url.headers, b"y".to_vec()).await, 201);
-
-    let all = store.list("").await.unwrap();
-    let listed: Vec<_> = all.iter().map(|o| o.key.as_str()).collect();
-    let mut expected = keys.to_vec();
-    expected.sort();
-    assert_eq!(listed, expected);
-    assert!(
-        all.iter().all(
-            |o| o.modified > before && o.modified <= SystemTime::now() + Duration::from_secs(1)
-        )
-    );
-    let packs = store.list("packs/default/").await.unwrap();
-    assert_eq!(
-        packs
-            .iter()
-            .map(|o| (o.key.as_str(), o.size))
-            .collect::<Vec<_>>(),
-        [
-            ("packs/default/aa/aa1", 1),
-            ("packs/default/bb/bb2", 2),
-            ("packs/default/cc/cc3", 3)
-        ]
-    );
-    assert!(store.list("packs/none/").await.unwrap().is_empty());
-    assert_eq!(root.list("").await.unwrap().len(), keys.len() + 1);
-
-    let gone = ObjectKey::new("packs/default/bb/bb2").unwrap();
-    store.delete(&gone).await.unwrap();
-    store.delete(&gone).await.unwrap();
-    assert_eq!(store.stat(&gone).await.unwrap(), None);
-    assert_eq!(store.list("packs/default/").await.unwrap().len(), 2);
+    pages_through_everything_under_the_prefix_and_deletes(&store, &root).await;
 
     // A key the account does not have: refused, not retried, with the
     // store's answer.

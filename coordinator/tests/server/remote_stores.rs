@@ -1,16 +1,18 @@
-//! One scenario for every remote store: a coordinator on it commits,
-//! serves restores and collects garbage through the provider's own URLs,
-//! with the store's real server behind them.
+//! What every remote store's tests share: plain PUT and GET on signed
+//! URLs, and one scenario, a coordinator on the store committing, serving
+//! restores and collecting garbage through the provider's own URLs, with
+//! the store's real server behind them.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use cairn_coordinator::clock::Clock;
-use cairn_coordinator::store::{ObjectKey, RemoteStore};
+use cairn_coordinator::store::{ObjectKey, ObjectStore, RemoteStore};
 use cairn_engine::client::CoordinatorClient;
 use cairn_engine::format::FinishedPack;
 use cairn_proto::domain::PackKind;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_client::AdminServiceClient;
+use sha2::{Digest, Sha256};
 
 use super::harness::*;
 
@@ -22,10 +24,99 @@ async fn collect(client: &CoordinatorClient) -> pb::GcReport {
         .into_inner()
 }
 
-async fn get(url: &str) -> (u16, Vec<u8>) {
+/// PUTs `body` to a signed URL with `headers`; the status.
+pub async fn put(url: &str, headers: &[(String, String)], body: Vec<u8>) -> u16 {
+    let mut request = reqwest::Client::new().put(url).body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    request.send().await.unwrap().status().as_u16()
+}
+
+/// GETs a signed URL; the status and the body.
+pub async fn get(url: &str) -> (u16, Vec<u8>) {
     let response = reqwest::get(url).await.unwrap();
     let status = response.status().as_u16();
     (status, response.bytes().await.unwrap().to_vec())
+}
+
+fn is_success(status: u16) -> bool {
+    (200..300).contains(&status)
+}
+
+/// `store` (a remote store whose listing pages every two objects) lists
+/// every object under its prefix, and only those, with sizes and times,
+/// and deletes idempotently; `root` is the same store without a prefix.
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+pub async fn pages_through_everything_under_the_prefix_and_deletes(
+    store: &dyn ObjectStore,
+    root: &dyn ObjectStore,
+) {
+    let keys = [
+        "packs/default/aa/aa1",
+        "packs/default/bb/bb2",
+        "packs/default/cc/cc3",
+        "packs/other/dd/dd4",
+        "keys/default/k1",
+    ];
+    let before = SystemTime::now() - Duration::from_secs(5);
+    for (i, key) in keys.iter().enumerate() {
+        let key = ObjectKey::new(*key).unwrap();
+        let bytes = vec![b'x'; i + 1];
+        let url = store
+            .presign_put(
+                &key,
+                bytes.len() as u64,
+                sha256(&bytes),
+                Duration::from_secs(60),
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(is_success(put(&url.url, &url.headers, bytes).await));
+    }
+    // Outside the prefix: not this store's.
+    let outside = ObjectKey::new("packs/default/ee/ee5").unwrap();
+    let url = root
+        .presign_put(&outside, 1, sha256(b"y"), Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    assert!(is_success(put(&url.url, &url.headers, b"y".to_vec()).await));
+
+    let all = store.list("").await.unwrap();
+    let listed: Vec<_> = all.iter().map(|o| o.key.as_str()).collect();
+    let mut expected = keys.to_vec();
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert!(
+        all.iter().all(
+            |o| o.modified > before && o.modified <= SystemTime::now() + Duration::from_secs(1)
+        )
+    );
+    let packs = store.list("packs/default/").await.unwrap();
+    assert_eq!(
+        packs
+            .iter()
+            .map(|o| (o.key.as_str(), o.size))
+            .collect::<Vec<_>>(),
+        [
+            ("packs/default/aa/aa1", 1),
+            ("packs/default/bb/bb2", 2),
+            ("packs/default/cc/cc3", 3)
+        ]
+    );
+    assert!(store.list("packs/none/").await.unwrap().is_empty());
+    // Everything the root holds, the prefixed objects among them.
+    assert_eq!(root.list("").await.unwrap().len(), keys.len() + 1);
+
+    let gone = ObjectKey::new("packs/default/bb/bb2").unwrap();
+    store.delete(&gone).await.unwrap();
+    store.delete(&gone).await.unwrap();
+    assert_eq!(store.stat(&gone).await.unwrap(), None);
+    assert_eq!(store.list("packs/default/").await.unwrap().len(), 2);
 }
 
 /// A coordinator on `remote`: a checkpoint's packs go to the store through

@@ -14,7 +14,9 @@ use cairn_engine::format::FinishedPack;
 use cairn_utils::testing::S3sFs;
 use sha2::{Digest, Sha256};
 
-use super::remote_stores::on_a_remote_store;
+use super::remote_stores::{
+    get, on_a_remote_store, pages_through_everything_under_the_prefix_and_deletes, put,
+};
 
 const BUCKET: &str = "cairn-test";
 const PREFIX: &str = "team/one";
@@ -45,21 +47,6 @@ fn config(server: &S3sFs, prefix: &str) -> S3Config {
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
-}
-
-/// PUTs `body` to a presigned URL with `headers`; the status.
-async fn put(url: &str, headers: &[(String, String)], body: Vec<u8>) -> u16 {
-    let mut request = reqwest::Client::new().put(url).body(body);
-    for (name, value) in headers {
-        request = request.header(name, value);
-    }
-    request.send().await.unwrap().status().as_u16()
-}
-
-async fn get(url: &str) -> (u16, Vec<u8>) {
-    let response = reqwest::get(url).await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.bytes().await.unwrap().to_vec())
 }
 
 /// `url` with its `X-Amz-Signature` changed in one hex digit.
@@ -172,67 +159,7 @@ async fn listing_pages_through_everything_under_the_prefix_and_delete_removes_it
     paged.list_page_size = 2;
     let store = S3Store::new(paged).unwrap();
     let root = S3Store::new(config(&s3, "")).unwrap();
-    let keys = [
-        "packs/default/aa/aa1",
-        "packs/default/bb/bb2",
-        "packs/default/cc/cc3",
-        "packs/other/dd/dd4",
-        "keys/default/k1",
-    ];
-    let before = SystemTime::now() - Duration::from_secs(5);
-    for (i, key) in keys.iter().enumerate() {
-        let key = ObjectKey::new(*key).unwrap();
-        let bytes = vec![b'x'; i + 1];
-        let url = store
-            .presign_put(
-                &key,
-                bytes.len() as u64,
-                sha256(&bytes),
-                Duration::from_secs(60),
-                None,
-            )
-            .await
-            .unwrap();
-        assert_eq!(put(&url.url, &url.headers, bytes).await, 200);
-    }
-    // Outside the prefix: not this store's.
-    let outside = ObjectKey::new("packs/default/ee/ee5").unwrap();
-    let url = root
-        .presign_put(&outside, 1, sha256(b"y"), Duration::from_secs(60), None)
-        .await
-        .unwrap();
-    assert_eq!(put(&url.url, &url.headers, b"y".to_vec()).await, 200);
-
-    let all = store.list("").await.unwrap();
-    let listed: Vec<_> = all.iter().map(|o| o.key.as_str()).collect();
-    let mut expected = keys.to_vec();
-    expected.sort();
-    assert_eq!(listed, expected);
-    assert!(
-        all.iter()
-            .all(|o| o.modified > before && o.modified <= SystemTime::now())
-    );
-    let packs = store.list("packs/default/").await.unwrap();
-    assert_eq!(
-        packs
-            .iter()
-            .map(|o| (o.key.as_str(), o.size))
-            .collect::<Vec<_>>(),
-        [
-            ("packs/default/aa/aa1", 1),
-            ("packs/default/bb/bb2", 2),
-            ("packs/default/cc/cc3", 3)
-        ]
-    );
-    assert!(store.list("packs/none/").await.unwrap().is_empty());
-    // Everything the bucket root holds, the prefixed objects among them.
-    assert_eq!(root.list("").await.unwrap().len(), keys.len() + 1);
-
-    let gone = ObjectKey::new("packs/default/bb/bb2").unwrap();
-    store.delete(&gone).await.unwrap();
-    store.delete(&gone).await.unwrap();
-    assert_eq!(store.stat(&gone).await.unwrap(), None);
-    assert_eq!(store.list("packs/default/").await.unwrap().len(), 2);
+    pages_through_everything_under_the_prefix_and_deletes(&store, &root).await;
 }
 
 #[tokio::test]
