@@ -31,8 +31,9 @@
 //!   holds and assigns queued runs.
 //! - [`auth`] and [`tokens`]: the bearer-token layer over every gRPC service,
 //!   token format and hashing, scopes.
-//! - [`store`]: the [`store::ObjectStore`] trait, [`store::LocalStore`] and
-//!   the fault-injecting [`store::FaultyStore`].
+//! - [`store`]: the [`store::ObjectStore`] trait, [`store::LocalStore`],
+//!   [`store::S3Store`] (`--store s3://…`) and the fault-injecting
+//!   [`store::FaultyStore`].
 //! - [`signing`]: HMAC-SHA256 signed URLs of the embedded blob store.
 //! - [`blob_http`]: the embedded blob server (axum) behind those URLs.
 //! - [`conn_limits`]: connection caps and deadlines of both listeners.
@@ -84,7 +85,7 @@ use crate::gc::{Collector, GcConfig};
 use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
-use crate::store::{LocalStore, ObjectStore, StoreLayer};
+use crate::store::{LocalStore, ObjectStore, RemoteStore, StoreConfigError, StoreLayer};
 use crate::tls::{ServerTls, TlsFiles};
 use crate::tokens::{RunTokenKey, Scope};
 use cairn_proto::tls::TlsError;
@@ -101,6 +102,9 @@ pub struct ServerConfig {
     pub blob_public_url: Option<String>,
     /// URL lifetime and request limits.
     pub limits: ServiceLimits,
+    /// Where objects live: `None` for the embedded blob store under the
+    /// data directory, or a provider's bucket (`--store`).
+    pub store: Option<RemoteStore>,
     /// Wraps the object store the services use (tests inject a
     /// [`store::FaultyStore`] here).
     pub store_layer: Option<StoreLayer>,
@@ -134,6 +138,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("database", &self.database)
             .field("blob_public_url", &self.blob_public_url)
             .field("limits", &self.limits)
+            .field("store", &self.store)
             .field("store_layer", &self.store_layer.is_some())
             .field("host_lease", &self.host_lease)
             .field("heartbeat_interval", &self.heartbeat_interval)
@@ -157,6 +162,7 @@ impl ServerConfig {
             database: None,
             blob_public_url: None,
             limits: ServiceLimits::default(),
+            store: None,
             store_layer: None,
             host_lease: timing.lease,
             heartbeat_interval: timing.heartbeat_interval,
@@ -201,6 +207,8 @@ pub enum ServeError {
     Grpc(#[from] GrpcError),
     #[error("TLS: {0}")]
     Tls(#[from] TlsError),
+    #[error("object store: {0}")]
+    Store(#[from] StoreConfigError),
 }
 
 /// A coordinator whose data directory, database and keys are ready.
@@ -235,6 +243,9 @@ impl Coordinator {
                 grace: humantime::format_duration(config.gc.grace).to_string(),
                 url_ttl: humantime::format_duration(config.limits.url_ttl).to_string(),
             });
+        }
+        if let Some(remote) = &config.store {
+            remote.check_url_ttl(config.limits.url_ttl)?;
         }
         if let Some(url) = &config.blob_public_url
             && !(url.starts_with("http://") || url.starts_with("https://"))
@@ -318,14 +329,20 @@ impl Coordinator {
             Some(url) => url.trim_end_matches('/').to_owned(),
             None => local_url(blob_addr, self.uses_tls()),
         };
-        let local: Arc<dyn ObjectStore> = Arc::new(LocalStore::new(
-            self.data_dir.blobs(),
-            self.signer.clone(),
-            &blob_url,
-        ));
+        let base: Arc<dyn ObjectStore> = match &self.config.store {
+            None => Arc::new(LocalStore::new(
+                self.data_dir.blobs(),
+                self.signer.clone(),
+                &blob_url,
+            )),
+            Some(remote) => {
+                tracing::info!(store = %remote, "objects live in a remote store");
+                remote.open()?
+            }
+        };
         let store = match &self.config.store_layer {
-            Some(layer) => layer(local),
-            None => local,
+            Some(layer) => layer(base),
+            None => base,
         };
         let stop = CancellationToken::new();
         let scheduler = SchedulerHandle::new();

@@ -123,7 +123,7 @@ impl Craft {
                 .find(|u| u.pack_id == pack.id.as_str())
                 .unwrap_or_else(|| panic!("no upload URL for pack {}", pack.id));
             transfer
-                .put(&signed.url, Bytes::from(pack.sink.clone()))
+                .put(&signed.url, &signed.headers, Bytes::from(pack.sink.clone()))
                 .await
                 .expect("pack upload");
         }

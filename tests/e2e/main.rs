@@ -18,7 +18,9 @@
 //! (TLS on both listeners, CAIRN_CA, mutual TLS for hosts). Issue 30: layout
 //! (the crate graph ARCHITECTURE.md promises, from `cargo metadata`).
 //! Issue 31: retention (keep-last with churn, pins, forks outliving a
-//! deleted source, a sweep cut short by a crash).
+//! deleted source, a sweep cut short by a crash). Issue 32: s3_store
+//! (`--store s3://…` against s3s-fs: checkpoints, restores and collection
+//! through the bucket; refused start-ups).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -46,6 +48,7 @@ mod restore_space;
 mod restore_speed;
 mod retention;
 mod runs;
+mod s3_store;
 mod server_limits;
 mod signed_urls;
 mod stations;

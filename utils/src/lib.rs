@@ -8,7 +8,8 @@
 //!   setup every binary starts with; [`program`] (feature `cli`): the
 //!   runtime and error printing every binary's `main` goes through.
 //! - [`testing`] (feature `testing`): finding another package's binary
-//!   from a test.
+//!   from a test; a real S3-compatible server (`s3s-fs`) for tests of
+//!   remote object stores.
 //!
 //! Nothing here knows of workspaces, runs or the coordinator.
 

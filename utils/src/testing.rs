@@ -1,6 +1,11 @@
-//! For tests that start another package's binary.
+//! For tests that start another package's binary, or a real S3-compatible
+//! server ([`S3sFs`]), or Azure's storage emulator ([`Azurite`]).
 
-use std::path::PathBuf;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
 
 /// The binary `name` built by `cargo build --workspace --bins` (scripts/test
 /// runs it) in this test's profile directory. Cargo builds only the calling
@@ -24,4 +29,214 @@ pub fn sibling_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// How to get `s3s-fs`, for the message of a test that cannot find it.
+pub const S3S_FS_INSTALL: &str = "cargo install s3s-fs --version 0.14.1 --features binary --locked";
+
+/// A test server's program: the path in `var`, else the first `name` on
+/// `PATH`. Fails (never skips) when there is none, saying how to install
+/// it with `install`.
+fn test_program(name: &str, var: &str, install: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(var) {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "{var}={} is not a file; install {name} with `{install}`",
+            path.display()
+        );
+        return path;
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "{name} is needed by the object store tests and is not on PATH (or in {var}): install it with `{install}`"
+        )
+    })
+}
+
+/// Starts `command` (stdout piped) and waits for the first line of its
+/// output holding `marker`, returning the word after it (the address it
+/// listens at). Its output is read to the end meanwhile, so a chatty
+/// server never blocks on a full pipe.
+fn start_and_read_address(
+    mut command: Command,
+    name: &str,
+    install: &str,
+    marker: &'static str,
+) -> (Child, String) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{name} does not start ({e}); install it with `{install}`"));
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (found, address) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut found = Some(found);
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(at) = line.find(marker)
+                && let Some(sender) = found.take()
+            {
+                let rest = &line[at + marker.len()..];
+                let word = rest.split_whitespace().next().unwrap_or_default();
+                let _ = sender.send(word.to_owned());
+            }
+        }
+    });
+    match address.recv_timeout(Duration::from_secs(60)) {
+        Ok(address) if address.starts_with("http://127.0.0.1:") => (child, address),
+        other => {
+            let _ = child.kill();
+            let status = child.wait().ok();
+            panic!(
+                "{name} did not say it listens on 127.0.0.1 within 60s ({other:?}; exit status: {status:?})"
+            );
+        }
+    }
+}
+
+/// The `s3s-fs` binary: `CAIRN_S3S_FS`, else the first `s3s-fs` on `PATH`.
+pub fn s3s_fs_binary() -> PathBuf {
+    test_program("s3s-fs", "CAIRN_S3S_FS", S3S_FS_INSTALL)
+}
+
+/// A real S3-compatible server: `s3s-fs` on 127.0.0.1 (an ephemeral port),
+/// serving a directory of the caller's, checking SigV4 signatures with one
+/// access key. Killed when dropped.
+#[derive(Debug)]
+pub struct S3sFs {
+    child: Child,
+    endpoint: String,
+    root: PathBuf,
+}
+
+impl S3sFs {
+    pub const ACCESS_KEY: &str = "cairn-test-access-key";
+    pub const SECRET_KEY: &str = "cairn-test-secret-key-do-not-use";
+    pub const REGION: &str = "us-east-1";
+
+    /// Starts `s3s-fs` on `root` (an empty directory the caller owns) with
+    /// the buckets `buckets` (directories under the root, which is what a
+    /// bucket is to s3s-fs).
+    pub fn start(root: &Path, buckets: &[&str]) -> Self {
+        for bucket in buckets {
+            std::fs::create_dir_all(root.join(bucket)).expect("bucket directories can be created");
+        }
+        let mut command = Command::new(s3s_fs_binary());
+        command
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--access-key", Self::ACCESS_KEY])
+            .args(["--secret-key", Self::SECRET_KEY])
+            .arg(root)
+            // Its address is only in its log; info is where it says it.
+            .env("RUST_LOG", "s3s_fs=info")
+            .env("NO_COLOR", "1");
+        let (child, endpoint) =
+            start_and_read_address(command, "s3s-fs", S3S_FS_INSTALL, "server is running at ");
+        Self {
+            child,
+            endpoint,
+            root: root.to_owned(),
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The file that holds `key` of `bucket`.
+    pub fn object_path(&self, bucket: &str, key: &str) -> PathBuf {
+        self.root.join(bucket).join(key)
+    }
+
+    /// The AWS variables that point a coordinator at this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".to_owned()),
+            ("AWS_REGION", Self::REGION.to_owned()),
+            ("AWS_ACCESS_KEY_ID", Self::ACCESS_KEY.to_owned()),
+            ("AWS_SECRET_ACCESS_KEY", Self::SECRET_KEY.to_owned()),
+        ]
+    }
+}
+
+impl Drop for S3sFs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How to get Azurite, for the message of a test that cannot find it.
+pub const AZURITE_INSTALL: &str = "npm install -g azurite@3.37.0";
+
+/// The `azurite-blob` program: `CAIRN_AZURITE`, else the first on `PATH`.
+pub fn azurite_binary() -> PathBuf {
+    test_program("azurite-blob", "CAIRN_AZURITE", AZURITE_INSTALL)
+}
+
+/// Azure's storage emulator (Azurite's blob service) on 127.0.0.1, an
+/// ephemeral port, keeping its data in a directory of the caller's. It
+/// checks SAS signatures with the emulator's well-known account. Killed
+/// when dropped.
+#[derive(Debug)]
+pub struct Azurite {
+    child: Child,
+    endpoint: String,
+}
+
+impl Azurite {
+    /// The emulator's account and key (public, from Azurite's documentation).
+    pub const ACCOUNT: &str = "devstoreaccount1";
+    pub const KEY: &str =
+        "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+    pub fn start(root: &Path) -> Self {
+        let mut command = Command::new(azurite_binary());
+        command
+            .args(["--blobHost", "127.0.0.1", "--blobPort", "0"])
+            .arg("--location")
+            .arg(root)
+            .args(["--disableTelemetry", "--skipApiVersionCheck"]);
+        let (child, listening) = start_and_read_address(
+            command,
+            "azurite-blob",
+            AZURITE_INSTALL,
+            "successfully listens on ",
+        );
+        Self {
+            child,
+            endpoint: format!("{listening}/{}", Self::ACCOUNT),
+        }
+    }
+
+    /// The account's blob service: `http://127.0.0.1:PORT/devstoreaccount1`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The Azure variables that point a coordinator at this emulator.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AZURE_STORAGE_ACCOUNT_NAME", Self::ACCOUNT.to_owned()),
+            ("AZURE_STORAGE_ACCOUNT_KEY", Self::KEY.to_owned()),
+            ("AZURE_STORAGE_ENDPOINT", self.endpoint.clone()),
+            ("AZURE_ALLOW_HTTP", "true".to_owned()),
+        ]
+    }
+}
+
+impl Drop for Azurite {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

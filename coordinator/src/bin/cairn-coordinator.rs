@@ -17,6 +17,7 @@ use cairn_coordinator::db::DatabaseLocation;
 use cairn_coordinator::gc::GcConfig;
 use cairn_coordinator::grpc::{ServerLimits, ServiceLimits};
 use cairn_coordinator::retention::Policy;
+use cairn_coordinator::store::{RemoteStore, StoreLocation};
 use cairn_coordinator::tls::TlsFiles;
 use cairn_coordinator::{Coordinator, ServerConfig, local_url};
 use clap::{Parser, Subcommand};
@@ -61,6 +62,15 @@ struct ServeArgs {
     /// http://<blob-listen> (e.g. behind a proxy or on another interface).
     #[arg(long, value_name = "URL")]
     blob_public_url: Option<String>,
+    /// Keep checkpoint packs in this bucket instead of the embedded blob
+    /// store: s3://BUCKET[/PREFIX] (AWS, or any S3-compatible server with
+    /// AWS_ENDPOINT_URL; AWS_REGION, AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY), gs://BUCKET[/PREFIX]
+    /// (GOOGLE_APPLICATION_CREDENTIALS: a service account key file) or
+    /// azure://CONTAINER[/PREFIX] (AZURE_STORAGE_ACCOUNT_NAME,
+    /// AZURE_STORAGE_ACCOUNT_KEY); see docs/object-stores.md.
+    #[arg(long, value_name = "URL")]
+    store: Option<StoreLocation>,
     /// Lifetime of signed URLs (e.g. 90s, 15m, 1h).
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
     url_ttl: Duration,
@@ -180,6 +190,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (Some(location), Some(schema)) => Some(location.in_schema(&schema)?),
         (location, _) => location,
     };
+    // Before anything is created: a store that cannot be reached is a
+    // mistake in the command line or the environment.
+    config.store = args.store.as_ref().map(RemoteStore::from_env).transpose()?;
     config.blob_public_url = args.blob_public_url;
     config.limits = ServiceLimits {
         url_ttl: args.url_ttl,

@@ -886,6 +886,7 @@ impl CheckpointService for CheckpointApi {
                 url: signed.url,
                 method: signed.method.to_owned(),
                 expires_at: Some(to_timestamp(signed.expires_at)),
+                headers: signed.headers.into_iter().collect(),
             });
         }
         Ok(Response::new(pb::PrepareUploadsResponse { urls }))

@@ -58,6 +58,7 @@ impl LocalStore {
                 Grant::Put { .. } => "PUT",
             },
             expires_at: UNIX_EPOCH + Duration::from_secs(expires),
+            headers: Vec::new(),
         }
     }
 }

@@ -8,13 +8,30 @@
 //! - [`LocalStore`]: files under `DIR/blobs`, served by the embedded blob
 //!   server ([`crate::blob_http`]) through URLs signed with
 //!   [`crate::signing::UrlSigner`].
+//! - [`S3Store`]: a bucket of AWS S3 or of any S3-compatible server,
+//!   through SigV4 presigned URLs (`--store s3://bucket/prefix`).
+//! - [`GcsStore`]: a Google Cloud Storage bucket, through V4 signed URLs
+//!   (`--store gs://bucket/prefix`).
+//! - [`AzureStore`]: a container of Azure Blob Storage (or Azurite),
+//!   through service SAS URLs (`--store azure://container/prefix`).
 //! - [`FaultyStore`]: wraps any store and fails or hides what a test arms.
 //!
+//! [`StoreLocation`] is what `--store` names; [`RemoteStore`] is such a
+//! location with its endpoint and credentials, read from the provider's
+//! environment variables. `docs/object-stores.md` says what each store's
+//! URLs bind.
+//!
 //! Object keys are validated ([`ObjectKey`]); packs live at
-//! `packs/<tenant>/<first two hex digits>/<pack id>`.
+//! `packs/<tenant>/<first two hex digits>/<pack id>` (under the location's
+//! prefix in a remote store).
 
+pub mod azure;
 mod faulty;
+pub mod gcs;
+mod http;
 pub(crate) mod local;
+mod location;
+pub mod s3;
 
 use std::fmt;
 use std::future::Future;
@@ -25,8 +42,12 @@ use std::time::{Duration, SystemTime};
 use crate::tokens::RunBinding;
 use cairn_proto::ids::{PackId, TenantId};
 
+pub use azure::AzureStore;
 pub use faulty::{Faults, FaultyStore};
+pub use gcs::GcsStore;
 pub use local::{LocalStore, TEMP_DIR};
+pub use location::{RemoteStore, StoreConfigError, StoreLocation};
+pub use s3::S3Store;
 
 /// Longest object key accepted.
 pub const MAX_KEY_LEN: usize = 1024;
@@ -129,6 +150,12 @@ pub struct PresignedUrl {
     /// `GET` (which also allows `HEAD`) or `PUT`.
     pub method: &'static str,
     pub expires_at: SystemTime,
+    /// Headers an upload must carry as they are, because the signature
+    /// covers them (S3's `x-amz-checksum-sha256`); lowercase names, sent
+    /// to runners in `SignedUrl.headers`. Not a credential: they only
+    /// repeat what the request states. Always empty for downloads, whose
+    /// URLs reach runners as bare strings.
+    pub headers: Vec<(String, String)>,
 }
 
 impl fmt::Debug for PresignedUrl {
@@ -142,6 +169,7 @@ impl fmt::Debug for PresignedUrl {
             .field("url", &format_args!("{path}?…"))
             .field("method", &self.method)
             .field("expires_at", &self.expires_at)
+            .field("headers", &self.headers)
             .finish()
     }
 }
@@ -186,6 +214,15 @@ pub enum ObjectStoreError {
         key: String,
         reason: String,
     },
+    /// The store answered, and said no in a way trying again will not
+    /// change (refused credentials, a missing bucket, a malformed answer, a
+    /// URL lifetime it does not sign).
+    #[error("object store refused {op} {key}: {reason}")]
+    Refused {
+        op: StoreOp,
+        key: String,
+        reason: String,
+    },
 }
 
 impl ObjectStoreError {
@@ -193,7 +230,7 @@ impl ObjectStoreError {
     pub fn is_retryable(&self) -> bool {
         use std::io::ErrorKind;
         match self {
-            Self::InvalidKey { .. } => false,
+            Self::InvalidKey { .. } | Self::Refused { .. } => false,
             Self::Unavailable { .. } => true,
             Self::Io { source, .. } => matches!(
                 source.kind(),
@@ -224,9 +261,12 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Every object whose key starts with `prefix`, sorted by key.
     fn list<'a>(&'a self, prefix: &'a str) -> StoreFuture<'a, Vec<ObjectMeta>>;
 
-    /// A URL that uploads exactly `size` bytes hashing to `sha256` to `key`;
-    /// with `holder`, honoured only while that attempt is current (a store
-    /// that cannot check that must not sign for a holder it cannot bind).
+    /// A URL that uploads exactly `size` bytes hashing to `sha256` to `key`
+    /// (as far as the store can check them: `docs/object-stores.md` says
+    /// what each store binds). With `holder`, the embedded store honours it
+    /// only while that attempt is current; a provider's store cannot ask
+    /// the coordinator, so it signs without the holder, and the URL's
+    /// lifetime (`ttl`) is then all that bounds it.
     fn presign_put<'a>(
         &'a self,
         key: &'a ObjectKey,
@@ -236,8 +276,8 @@ pub trait ObjectStore: Send + Sync + 'static {
         holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl>;
 
-    /// A URL that reads `key` (whole or by byte ranges); `holder` as for
-    /// [`ObjectStore::presign_put`].
+    /// A URL that reads `key` (whole or by byte ranges) and needs no
+    /// header; `holder` as for [`ObjectStore::presign_put`].
     fn presign_get<'a>(
         &'a self,
         key: &'a ObjectKey,

@@ -2,6 +2,7 @@
 //! driven with tonic clients and HTTP like runners, hosts and cairnctl
 //! drive it.
 
+mod azure;
 mod blob_urls;
 mod chats;
 mod checkpoints;
@@ -11,8 +12,10 @@ mod gc;
 mod harness;
 mod hosts;
 mod isolation;
+mod remote_stores;
 mod restart;
 mod runs;
+mod s3;
 mod stations;
 mod tokens;
 mod workspaces;

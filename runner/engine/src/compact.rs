@@ -394,7 +394,7 @@ pub async fn compact(
             .find(|u| u.pack_id == pack.id.as_str())
             .ok_or_else(|| CompactError::NoUploadUrl(pack.id.clone()))?;
         transfer
-            .put(&url.url, Bytes::from(pack.sink.clone()))
+            .put(&url.url, &url.headers, Bytes::from(pack.sink.clone()))
             .await
             .map_err(|source| CompactError::Upload {
                 pack: pack.id.clone(),

@@ -6,7 +6,13 @@
 //! hand out a new one. `https://` URLs trust the CA in `CAIRN_CA`
 //! ([`crate::tls`]). URLs are never printed whole (their query is a
 //! credential); errors show the path only.
+//!
+//! An upload URL may come with headers its signature covers (S3 binds the
+//! pack's SHA-256 in `x-amz-checksum-sha256`): the runner sends them as
+//! given, whatever the store, after checking that none would change how the
+//! request is framed or addressed.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,6 +48,12 @@ pub enum TransferError {
         got: u64,
         expected: u64,
     },
+    #[error("the upload URL {url} asks for header {name:?}, which {reason}")]
+    BadHeader {
+        url: String,
+        name: String,
+        reason: &'static str,
+    },
     #[error("reading {path}: {source}")]
     Io {
         path: String,
@@ -57,9 +69,11 @@ impl TransferError {
             Self::Status { status, .. } => {
                 status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            Self::Forbidden { .. } | Self::NotFound { .. } | Self::Io { .. } | Self::Tls { .. } => {
-                false
-            }
+            Self::Forbidden { .. }
+            | Self::NotFound { .. }
+            | Self::BadHeader { .. }
+            | Self::Io { .. }
+            | Self::Tls { .. } => false,
         }
     }
 }
@@ -100,6 +114,47 @@ pub fn redact(url: &str) -> String {
         Some((path, _)) => format!("{path}?…"),
         None => url.to_owned(),
     }
+}
+
+/// Headers the transfer sets itself, or that would change how the body is
+/// framed or where the request goes: a URL's headers may not name them.
+const RESERVED_HEADERS: [&str; 11] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "upgrade",
+    "te",
+    "trailer",
+    "expect",
+    "proxy-authorization",
+    "proxy-connection",
+];
+
+/// The headers an upload URL was signed with, checked.
+fn signed_headers(
+    url: &str,
+    headers: &HashMap<String, String>,
+) -> Result<reqwest::header::HeaderMap, TransferError> {
+    use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+    let mut map = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let bad = |reason| TransferError::BadHeader {
+            url: redact(url),
+            name: name.clone(),
+            reason,
+        };
+        let parsed = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| bad("is not a valid header name"))?;
+        if RESERVED_HEADERS.contains(&parsed.as_str()) {
+            return Err(bad("only the transfer itself sets"));
+        }
+        let value =
+            HeaderValue::from_str(value).map_err(|_| bad("has a value that is not valid"))?;
+        map.insert(parsed, value);
+    }
+    Ok(map)
 }
 
 /// An HTTP client for signed URLs.
@@ -208,14 +263,22 @@ impl BlobTransfer {
         }
     }
 
-    /// Uploads `bytes` with PUT.
-    pub async fn put(&self, url: &str, bytes: Bytes) -> Result<(), TransferError> {
+    /// Uploads `bytes` with PUT, sending the `headers` the URL was signed with.
+    pub async fn put(
+        &self,
+        url: &str,
+        headers: &HashMap<String, String>,
+        bytes: Bytes,
+    ) -> Result<(), TransferError> {
+        let headers = signed_headers(url, headers)?;
         self.with_retry(url, || {
             let bytes = bytes.clone();
+            let headers = headers.clone();
             async move {
                 let response = self
                     .http
                     .put(url)
+                    .headers(headers)
                     .header(reqwest::header::CONTENT_LENGTH, bytes.len())
                     .body(bytes)
                     .send()
@@ -227,8 +290,16 @@ impl BlobTransfer {
         .await
     }
 
-    /// Uploads a file with PUT, streaming it from disk.
-    pub async fn put_file(&self, url: &str, path: &Path) -> Result<(), TransferError> {
+    /// Uploads a file with PUT, streaming it from disk, sending the
+    /// `headers` the URL was signed with.
+    pub async fn put_file(
+        &self,
+        url: &str,
+        headers: &HashMap<String, String>,
+        path: &Path,
+    ) -> Result<(), TransferError> {
+        let headers = signed_headers(url, headers)?;
+        let headers = &headers;
         self.with_retry(url, || async move {
             let io = |source| TransferError::Io {
                 path: path.display().to_string(),
@@ -243,6 +314,7 @@ impl BlobTransfer {
             let response = self
                 .http
                 .put(url)
+                .headers(headers.clone())
                 .header(reqwest::header::CONTENT_LENGTH, size)
                 .body(body)
                 .send()
@@ -390,6 +462,43 @@ impl Drop for Lent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_s_headers_are_sent_unless_they_would_reframe_or_redirect_the_request() {
+        let url = "http://h/o/x?X-Amz-Signature=secret";
+        let headers = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let ok =
+            signed_headers(url, &headers(&[("x-amz-checksum-sha256", "q83vEjRWeJA=")])).unwrap();
+        assert_eq!(ok["x-amz-checksum-sha256"], "q83vEjRWeJA=");
+        for (name, value, reason) in [
+            ("content-length", "1", "only the transfer itself sets"),
+            ("Host", "elsewhere", "only the transfer itself sets"),
+            (
+                "transfer-encoding",
+                "chunked",
+                "only the transfer itself sets",
+            ),
+            ("bad name", "x", "is not a valid header name"),
+            ("x-amz-meta", "line\nbreak", "has a value that is not valid"),
+        ] {
+            match signed_headers(url, &headers(&[(name, value)])) {
+                Err(TransferError::BadHeader {
+                    url: shown,
+                    reason: got,
+                    ..
+                }) => {
+                    assert_eq!(got, reason, "{name}");
+                    assert!(!shown.contains("secret"), "{shown}");
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn urls_lose_their_signature_in_messages() {

@@ -197,7 +197,7 @@ pub(super) async fn prepare_upload(
     client: &CheckpointClient,
     workspace: &WorkspaceId,
     upload: pb::PackUpload,
-) -> Result<String, CheckpointError> {
+) -> Result<pb::SignedUrl, CheckpointError> {
     let pack_id = upload.pack_id.clone();
     let request = pb::PrepareUploadsRequest {
         workspace: workspace.to_string(),
@@ -213,7 +213,6 @@ pub(super) async fn prepare_upload(
         .urls
         .into_iter()
         .find(|u| u.pack_id == pack_id)
-        .map(|u| u.url)
         .ok_or_else(|| CheckpointError::BadResponse {
             call: "PrepareUploads",
             reason: format!("no URL for pack {pack_id}"),

@@ -434,7 +434,7 @@ async fn upload_one(
     let mut attempt = 1;
     loop {
         let url = remote::prepare_upload(client, workspace, upload.clone()).await?;
-        match transfer.put_file(&url, &pack.path).await {
+        match transfer.put_file(&url.url, &url.headers, &pack.path).await {
             Ok(()) => break,
             Err(TransferError::Forbidden { .. }) if attempt < URL_ATTEMPTS => {
                 tracing::info!(pack = %pack.id, "the store refused the upload URL; asking for a fresh one");
