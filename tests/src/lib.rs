@@ -99,18 +99,12 @@ impl fmt::Debug for Coordinator {
 }
 
 /// `--database URL --database-schema NAME` when `CAIRN_TEST_DATABASE` names
-/// a PostgreSQL database: the coordinator of `data_dir` keeps its metadata in
-/// a schema of its own there (the same one after a restart). Nothing (the
-/// SQLite file in the data dir) otherwise.
+/// a PostgreSQL database ([`cairn_utils::testing::test_database`]); nothing
+/// (the SQLite file in the data dir) otherwise.
 fn test_database_args(data_dir: &Path) -> Vec<String> {
-    use sha2::Digest;
-    match std::env::var("CAIRN_TEST_DATABASE") {
-        Ok(url) if !url.is_empty() => {
-            let digest = sha2::Sha256::digest(data_dir.as_os_str().as_encoded_bytes());
-            let schema = format!("t_{}", hex::encode(&digest[..10]));
-            vec!["--database".into(), url, "--database-schema".into(), schema]
-        }
-        _ => Vec::new(),
+    match cairn_utils::testing::test_database(data_dir) {
+        Some((url, schema)) => vec!["--database".into(), url, "--database-schema".into(), schema],
+        None => Vec::new(),
     }
 }
 

@@ -1,11 +1,26 @@
 //! For tests that start another package's binary, or a real S3-compatible
-//! server ([`S3sFs`]), or Azure's storage emulator ([`Azurite`]).
+//! server ([`S3sFs`]), or Azure's storage emulator ([`Azurite`]), or keep a
+//! coordinator's metadata in PostgreSQL ([`test_database`]).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+/// The PostgreSQL database `CAIRN_TEST_DATABASE` names (a `postgres://`
+/// URL), and the schema the coordinator of `data_dir` keeps its metadata in
+/// there: one per data directory, the same after a restart. `None` when the
+/// variable is unset: the coordinator uses the SQLite file of its data dir.
+pub fn test_database(data_dir: &Path) -> Option<(String, String)> {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let url = std::env::var("CAIRN_TEST_DATABASE")
+        .ok()
+        .filter(|u| !u.is_empty())?;
+    let mut hasher = DefaultHasher::new();
+    data_dir.hash(&mut hasher);
+    Some((url, format!("t_{:016x}", hasher.finish())))
+}
 
 /// The binary `name` built by `cargo build --workspace --bins` (scripts/test
 /// runs it) in this test's profile directory. Cargo builds only the calling

@@ -1,7 +1,7 @@
 //! Where the metadata lives: a SQLite file or a PostgreSQL database.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 
 /// Longest schema name PostgreSQL keeps (NAMEDATALEN - 1).
@@ -13,7 +13,7 @@ pub enum DatabaseLocation {
     /// A SQLite file, created when missing (the embedded default,
     /// `DIR/cairn.db`).
     Sqlite(PathBuf),
-    /// A PostgreSQL database, shared by every replica that names it.
+    /// A PostgreSQL database.
     Postgres {
         /// `postgres://user:password@host:port/database?…` (libpq's URL
         /// form, as sqlx reads it).
@@ -47,28 +47,6 @@ impl DatabaseLocation {
         }
     }
 
-    /// The database named by `CAIRN_TEST_DATABASE` (a `postgres://` URL),
-    /// in a schema of its own derived from `data_dir` (so a test that
-    /// restarts a coordinator on its data directory finds its metadata
-    /// again); the SQLite file of `data_dir` when the variable is unset. Tests
-    /// run the coordinator's suite against both databases with it.
-    pub fn for_tests(data_dir: &Path) -> Self {
-        match std::env::var("CAIRN_TEST_DATABASE") {
-            Ok(url) if !url.is_empty() => {
-                use sha2::Digest;
-                let digest = sha2::Sha256::digest(data_dir.as_os_str().as_encoded_bytes());
-                let schema = format!("t_{}", hex::encode(&digest[..10]));
-                let location: Self = url
-                    .parse()
-                    .unwrap_or_else(|e| panic!("CAIRN_TEST_DATABASE: {e}"));
-                location
-                    .in_schema(&schema)
-                    .expect("a generated schema name is valid")
-            }
-            _ => Self::Sqlite(data_dir.join("cairn.db")),
-        }
-    }
-
     /// A URL sqlx's `Any` driver opens this database with (in its schema,
     /// for PostgreSQL), for tools and tests that read the metadata directly.
     pub fn sqlx_url(&self) -> String {
@@ -97,11 +75,6 @@ impl DatabaseLocation {
                 format!("{url}{separator}options=-c%20search_path%3D{schema}")
             }
         }
-    }
-
-    /// Whether this is a PostgreSQL database.
-    pub fn is_postgres(&self) -> bool {
-        matches!(self, Self::Postgres { .. })
     }
 }
 
@@ -236,12 +209,10 @@ mod tests {
             "sqlite:///x/cairn.db".parse::<DatabaseLocation>().unwrap(),
             DatabaseLocation::Sqlite("/x/cairn.db".into())
         );
-        assert!(
-            "postgres://cairn@db:5432/cairn"
-                .parse::<DatabaseLocation>()
-                .unwrap()
-                .is_postgres()
-        );
+        assert!(matches!(
+            "postgres://cairn@db:5432/cairn".parse::<DatabaseLocation>(),
+            Ok(DatabaseLocation::Postgres { schema: None, .. })
+        ));
         for (bad, says) in [
             ("mysql://db/cairn", "\"mysql\" is not supported"),
             ("sqlite://", "needs a file path"),

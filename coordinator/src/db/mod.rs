@@ -310,7 +310,7 @@ const RUN_CHANGES_CAPACITY: usize = 1024;
 
 /// The database engine behind a [`MetadataStore`], where they differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+enum Backend {
     Sqlite,
     Postgres,
 }
@@ -432,11 +432,6 @@ impl MetadataStore {
         };
         store.assign_token_ids().await?;
         Ok(store)
-    }
-
-    /// Which database this is.
-    pub fn backend(&self) -> Backend {
-        self.backend
     }
 
     /// Ids of runs as their events are committed. Subscribe before reading

@@ -6,9 +6,22 @@ use cairn_proto::pb;
 
 use super::*;
 
+/// The database a test's store in `dir` uses: the PostgreSQL one
+/// `CAIRN_TEST_DATABASE` names, in a schema of its own, or a SQLite file in
+/// `dir`.
+pub(super) fn test_location(dir: &std::path::Path) -> DatabaseLocation {
+    match cairn_utils::testing::test_database(dir) {
+        Some((url, schema)) => url
+            .parse::<DatabaseLocation>()
+            .and_then(|location| location.in_schema(&schema))
+            .expect("CAIRN_TEST_DATABASE is a PostgreSQL URL"),
+        None => DatabaseLocation::sqlite(dir.join("cairn.db")),
+    }
+}
+
 pub(super) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
     let dir = tempfile::tempdir().unwrap();
-    let db = MetadataStore::open(&DatabaseLocation::for_tests(dir.path()))
+    let db = MetadataStore::open(&test_location(dir.path()))
         .await
         .unwrap();
     let tenant = TenantId::default_tenant();

@@ -402,7 +402,7 @@ mod tests {
             .unwrap();
         assert!(db.list_tokens(&tenant).await.unwrap().is_empty());
         db.close().await;
-        let db = MetadataStore::open(&crate::db::DatabaseLocation::for_tests(dir.path()))
+        let db = MetadataStore::open(&crate::db::tests::test_location(dir.path()))
             .await
             .unwrap();
         let listed = db.list_tokens(&tenant).await.unwrap();

@@ -21,7 +21,7 @@ use jiff::Timestamp;
 use ring::hmac;
 use url::Url;
 
-use super::http::{child, deleted, failure, head_size, list_all, network, text};
+use super::http::{child, client, delete, failure, head, list_all, network, text};
 use super::location::StoreConfigError;
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
@@ -169,15 +169,13 @@ pub struct AzureStore {
 
 impl AzureStore {
     pub fn new(config: AzureConfig) -> Result<Self, StoreConfigError> {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .timeout(Duration::from_secs(120))
-            .build()
-            .map_err(|_| StoreConfigError::BadLocation {
-                location: config.to_string(),
-                reason: "the HTTP client for the store cannot be built",
-            })?;
+        // Every request the coordinator sends itself speaks this version.
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(
+            "x-ms-version",
+            reqwest::header::HeaderValue::from_static(SAS_VERSION),
+        );
+        let http = client(&config.to_string(), headers)?;
         let mut endpoint = config.endpoint.clone();
         if !endpoint.path().ends_with('/') {
             let path = format!("{}/", endpoint.path());
@@ -344,7 +342,6 @@ impl AzureStore {
         let response = self
             .http
             .get(url)
-            .header("x-ms-version", SAS_VERSION)
             .send()
             .await
             .map_err(network(op, full_prefix))?;
@@ -400,14 +397,7 @@ impl ObjectStore for AzureStore {
         Box::pin(async move {
             let blob = self.blob_name(key.as_str());
             let url = self.sign(Some(&blob), Sas::Blob("r"), &Self::request_expiry(), &[]);
-            let response = self
-                .http
-                .head(url)
-                .header("x-ms-version", SAS_VERSION)
-                .send()
-                .await
-                .map_err(network(StoreOp::Stat, key.as_str()))?;
-            head_size(StoreOp::Stat, key, response).await
+            head(&self.http, url, key).await
         })
     }
 
@@ -415,14 +405,7 @@ impl ObjectStore for AzureStore {
         Box::pin(async move {
             let blob = self.blob_name(key.as_str());
             let url = self.sign(Some(&blob), Sas::Blob("d"), &Self::request_expiry(), &[]);
-            let response = self
-                .http
-                .delete(url)
-                .header("x-ms-version", SAS_VERSION)
-                .send()
-                .await
-                .map_err(network(StoreOp::Delete, key.as_str()))?;
-            deleted(key, response).await
+            delete(&self.http, url, key).await
         })
     }
 

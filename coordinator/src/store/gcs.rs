@@ -22,7 +22,7 @@ use ring::signature::{RSA_PKCS1_SHA256, RsaKeyPair};
 use sha2::{Digest, Sha256};
 use url::Url;
 
-use super::http::{child, deleted, failure, head_size, list_all, network, text};
+use super::http::{check_v4_ttl, child, client, delete, failure, head, list_all, network, text};
 use super::location::StoreConfigError;
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
@@ -33,7 +33,6 @@ use crate::tokens::RunBinding;
 pub const DEFAULT_ENDPOINT: &str = "https://storage.googleapis.com";
 
 const REQUEST_TTL: Duration = Duration::from_secs(60);
-const MAX_URL_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Keys per listing page (the XML API's maximum).
 pub const LIST_PAGE_SIZE: usize = 1000;
@@ -194,15 +193,7 @@ pub struct GcsStore {
 
 impl GcsStore {
     pub fn new(config: GcsConfig) -> Result<Self, StoreConfigError> {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .timeout(Duration::from_secs(120))
-            .build()
-            .map_err(|_| StoreConfigError::BadLocation {
-                location: config.to_string(),
-                reason: "the HTTP client for the store cannot be built",
-            })?;
+        let http = client(&config.to_string(), reqwest::header::HeaderMap::new())?;
         let prefix = if config.prefix.is_empty() {
             String::new()
         } else {
@@ -314,20 +305,6 @@ impl GcsStore {
         url
     }
 
-    fn check_ttl(op: StoreOp, key: &ObjectKey, ttl: Duration) -> Result<(), ObjectStoreError> {
-        if (Duration::from_secs(1)..=MAX_URL_TTL).contains(&ttl) {
-            return Ok(());
-        }
-        Err(ObjectStoreError::Refused {
-            op,
-            key: key.to_string(),
-            reason: format!(
-                "Cloud Storage signed URLs live from 1 second to 7 days, not {} (--url-ttl)",
-                humantime::format_duration(ttl)
-            ),
-        })
-    }
-
     fn presigned(url: Url, method: &'static str, now: &Timestamp, ttl: Duration) -> PresignedUrl {
         PresignedUrl {
             url: url.into(),
@@ -425,13 +402,7 @@ impl ObjectStore for GcsStore {
                 REQUEST_TTL,
                 &Timestamp::now(),
             );
-            let response = self
-                .http
-                .head(url)
-                .send()
-                .await
-                .map_err(network(StoreOp::Stat, key.as_str()))?;
-            head_size(StoreOp::Stat, key, response).await
+            head(&self.http, url, key).await
         })
     }
 
@@ -446,13 +417,7 @@ impl ObjectStore for GcsStore {
                 REQUEST_TTL,
                 &Timestamp::now(),
             );
-            let response = self
-                .http
-                .delete(url)
-                .send()
-                .await
-                .map_err(network(StoreOp::Delete, key.as_str()))?;
-            deleted(key, response).await
+            delete(&self.http, url, key).await
         })
     }
 
@@ -477,7 +442,7 @@ impl ObjectStore for GcsStore {
         _holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
-            Self::check_ttl(StoreOp::PresignPut, key, ttl)?;
+            check_v4_ttl("Cloud Storage", StoreOp::PresignPut, key, ttl)?;
             let now = Timestamp::now();
             let name = self.object_name(key.as_str());
             let size = size.to_string();
@@ -500,7 +465,7 @@ impl ObjectStore for GcsStore {
         _holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
-            Self::check_ttl(StoreOp::PresignGet, key, ttl)?;
+            check_v4_ttl("Cloud Storage", StoreOp::PresignGet, key, ttl)?;
             let now = Timestamp::now();
             let name = self.object_name(key.as_str());
             let url = self.sign("GET", Some(&name), &[], &[], ttl, &now);

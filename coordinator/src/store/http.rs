@@ -1,12 +1,15 @@
 //! What the provider stores share about talking to their servers: errors
-//! from failed requests and refusing answers, the answers to HEAD and
-//! DELETE, paging through a listing, and reading XML listings.
+//! from failed requests and refusing answers, their HTTP client, HEAD and
+//! DELETE through a signed URL, paging through a listing, reading XML
+//! listings, and how long a V4 signature may live.
 
 use std::future::Future;
+use std::ops::RangeInclusive;
+use std::time::Duration;
 
 use reqwest::StatusCode;
 
-use super::{ObjectKey, ObjectMeta, ObjectStoreError, StoreOp};
+use super::{ObjectKey, ObjectMeta, ObjectStoreError, StoreConfigError, StoreOp};
 
 /// Most bytes of an error answer read for its message.
 const ERROR_BODY_LIMIT: usize = 4096;
@@ -69,14 +72,66 @@ pub(super) async fn failure(
     }
 }
 
-/// The size a HEAD answer gives: `None` for 404, the `Content-Length`
-/// header (not the empty body) for a success, the store's refusal
-/// otherwise.
-pub(super) async fn head_size(
+/// The HTTP client a store sends its own requests with (`location` names
+/// the store in the error): every request carries `default_headers`.
+pub(super) fn client(
+    location: &str,
+    default_headers: reqwest::header::HeaderMap,
+) -> Result<reqwest::Client, StoreConfigError> {
+    // reqwest's rustls needs a process-wide provider; the coordinator uses
+    // ring everywhere else too.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(120))
+        .default_headers(default_headers)
+        .build()
+        .map_err(|_| StoreConfigError::BadLocation {
+            location: location.to_owned(),
+            reason: "the HTTP client for the store cannot be built",
+        })
+}
+
+/// How long an S3 or Cloud Storage V4 signature may live.
+pub(super) const V4_URL_TTL: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(7 * 24 * 3600);
+
+/// Refuses to sign a `store` URL for longer (or shorter) than
+/// [`V4_URL_TTL`]; the start refuses such a `--url-ttl` already, this keeps
+/// a caller with another lifetime from getting a URL the store would refuse.
+pub(super) fn check_v4_ttl(
+    store: &str,
     op: StoreOp,
     key: &ObjectKey,
-    response: reqwest::Response,
+    ttl: Duration,
+) -> Result<(), ObjectStoreError> {
+    if V4_URL_TTL.contains(&ttl) {
+        return Ok(());
+    }
+    Err(ObjectStoreError::Refused {
+        op,
+        key: key.to_string(),
+        reason: format!(
+            "{store} signed URLs live from 1 second to 7 days, not {} (--url-ttl)",
+            humantime::format_duration(ttl)
+        ),
+    })
+}
+
+/// The size of `key` by a HEAD of its signed `url`: `None` for 404, the
+/// `Content-Length` header (not the empty body) for a success, the store's
+/// refusal otherwise.
+pub(super) async fn head(
+    http: &reqwest::Client,
+    url: url::Url,
+    key: &ObjectKey,
 ) -> Result<Option<u64>, ObjectStoreError> {
+    let op = StoreOp::Stat;
+    let response = http
+        .head(url)
+        .send()
+        .await
+        .map_err(network(op, key.as_str()))?;
     match response.status() {
         StatusCode::NOT_FOUND => Ok(None),
         status if status.is_success() => response
@@ -94,12 +149,18 @@ pub(super) async fn head_size(
     }
 }
 
-/// A DELETE answer: removing a missing object succeeds (S3 and Azure say
-/// 2xx or 404 for it).
-pub(super) async fn deleted(
+/// Deletes `key` through its signed `url`: removing a missing object
+/// succeeds (the stores say 2xx or 404 for it).
+pub(super) async fn delete(
+    http: &reqwest::Client,
+    url: url::Url,
     key: &ObjectKey,
-    response: reqwest::Response,
 ) -> Result<(), ObjectStoreError> {
+    let response = http
+        .delete(url)
+        .send()
+        .await
+        .map_err(network(StoreOp::Delete, key.as_str()))?;
     if response.status().is_success() || response.status() == StatusCode::NOT_FOUND {
         Ok(())
     } else {

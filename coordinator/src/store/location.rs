@@ -321,14 +321,21 @@ impl RemoteStore {
     /// Refuses a URL lifetime the provider does not sign, so the start
     /// fails rather than every upload.
     pub fn check_url_ttl(&self, ttl: std::time::Duration) -> Result<(), StoreConfigError> {
-        use std::time::Duration;
-        const WEEK: Duration = Duration::from_secs(7 * 24 * 3600);
+        use super::http::V4_URL_TTL;
         let (store, bounds, ok) = match self {
-            Self::S3(_) => ("S3", "from 1 second to 7 days", ttl <= WEEK),
-            Self::Gcs(_) => ("Cloud Storage", "from 1 second to 7 days", ttl <= WEEK),
-            Self::Azure(_) => ("Azure", "at least a second", true),
+            Self::S3(_) => ("S3", "from 1 second to 7 days", V4_URL_TTL.contains(&ttl)),
+            Self::Gcs(_) => (
+                "Cloud Storage",
+                "from 1 second to 7 days",
+                V4_URL_TTL.contains(&ttl),
+            ),
+            Self::Azure(_) => (
+                "Azure",
+                "at least a second",
+                ttl >= std::time::Duration::from_secs(1),
+            ),
         };
-        if ok && ttl >= Duration::from_secs(1) {
+        if ok {
             return Ok(());
         }
         Err(StoreConfigError::UrlTtl {

@@ -24,7 +24,7 @@ use rusty_s3::actions::ListObjectsV2;
 use rusty_s3::{Bucket, Credentials, S3Action as _, UrlStyle};
 use url::Url;
 
-use super::http::{deleted, failure, head_size, list_all, network};
+use super::http::{check_v4_ttl, client, delete, failure, head, list_all, network};
 use super::location::{StoreConfigError, endpoint_url, flag};
 use super::{
     ObjectKey, ObjectMeta, ObjectStore, ObjectStoreError, PresignedUrl, StoreFuture, StoreOp,
@@ -34,10 +34,6 @@ use crate::tokens::RunBinding;
 /// How long the URLs of the coordinator's own requests live: they are sent
 /// at once, so only clock skew between the coordinator and S3 matters.
 const REQUEST_TTL: Duration = Duration::from_secs(60);
-
-/// SigV4's bounds on `X-Amz-Expires`.
-const MIN_URL_TTL: Duration = Duration::from_secs(1);
-const MAX_URL_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Keys per ListObjectsV2 page (S3's own maximum).
 pub const LIST_PAGE_SIZE: usize = 1000;
@@ -207,21 +203,7 @@ impl S3Store {
                 }
             },
         })?;
-        // reqwest's rustls needs a process-wide provider; the coordinator
-        // uses ring everywhere else too.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .timeout(Duration::from_secs(120))
-            .build()
-            .map_err(|e| StoreConfigError::BadLocation {
-                location: config.to_string(),
-                reason: if e.is_builder() {
-                    "the HTTP client for the store cannot be built"
-                } else {
-                    "the HTTP client for the store failed"
-                },
-            })?;
+        let http = client(&config.to_string(), reqwest::header::HeaderMap::new())?;
         let prefix = if config.prefix.is_empty() {
             String::new()
         } else {
@@ -239,20 +221,6 @@ impl S3Store {
     /// The bucket's name for `key`.
     fn object_name(&self, key: &str) -> String {
         format!("{}{key}", self.prefix)
-    }
-
-    fn check_ttl(op: StoreOp, key: &ObjectKey, ttl: Duration) -> Result<(), ObjectStoreError> {
-        if (MIN_URL_TTL..=MAX_URL_TTL).contains(&ttl) {
-            return Ok(());
-        }
-        Err(ObjectStoreError::Refused {
-            op,
-            key: key.to_string(),
-            reason: format!(
-                "S3 presigned URLs live from 1 second to 7 days, not {} (--url-ttl)",
-                humantime::format_duration(ttl)
-            ),
-        })
     }
 
     /// An upload URL for `key` signed at `now`, and the headers it needs.
@@ -374,13 +342,7 @@ impl ObjectStore for S3Store {
                 .bucket
                 .head_object(Some(&self.credentials), &name)
                 .sign(REQUEST_TTL);
-            let response = self
-                .http
-                .head(url)
-                .send()
-                .await
-                .map_err(network(StoreOp::Stat, key.as_str()))?;
-            head_size(StoreOp::Stat, key, response).await
+            head(&self.http, url, key).await
         })
     }
 
@@ -391,13 +353,7 @@ impl ObjectStore for S3Store {
                 .bucket
                 .delete_object(Some(&self.credentials), &name)
                 .sign(REQUEST_TTL);
-            let response = self
-                .http
-                .delete(url)
-                .send()
-                .await
-                .map_err(network(StoreOp::Delete, key.as_str()))?;
-            deleted(key, response).await
+            delete(&self.http, url, key).await
         })
     }
 
@@ -422,7 +378,7 @@ impl ObjectStore for S3Store {
         _holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
-            Self::check_ttl(StoreOp::PresignPut, key, ttl)?;
+            check_v4_ttl("S3", StoreOp::PresignPut, key, ttl)?;
             let now = Timestamp::now();
             let (url, headers) = self.sign_put(key, size, sha256, ttl, &now);
             Ok(Self::presigned(url, "PUT", &now, ttl, headers))
@@ -436,7 +392,7 @@ impl ObjectStore for S3Store {
         _holder: Option<&'a RunBinding>,
     ) -> StoreFuture<'a, PresignedUrl> {
         Box::pin(async move {
-            Self::check_ttl(StoreOp::PresignGet, key, ttl)?;
+            check_v4_ttl("S3", StoreOp::PresignGet, key, ttl)?;
             let now = Timestamp::now();
             let url = self.sign_get(key, ttl, &now);
             Ok(Self::presigned(url, "GET", &now, ttl, Vec::new()))

@@ -15,7 +15,7 @@ use crate::harness::*;
 /// Moves a workspace to its next generation, as a new attempt of a run would.
 async fn bump_generation(data_dir: &Path, workspace: &str) {
     sqlx::any::install_default_drivers();
-    let location = cairn_coordinator::db::DatabaseLocation::for_tests(data_dir);
+    let location = crate::harness::test_location(data_dir);
     let pool = sqlx::AnyPool::connect(&location.sqlx_url()).await.unwrap();
     sqlx::query("UPDATE workspaces SET generation = generation + 1 WHERE id = $1")
         .bind(workspace)

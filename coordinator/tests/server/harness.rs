@@ -30,6 +30,19 @@ pub struct TestServer {
     owned_dir: Option<tempfile::TempDir>,
 }
 
+/// The database the coordinator of `data_dir` uses in a test: the
+/// PostgreSQL one `CAIRN_TEST_DATABASE` names, in a schema of its own (the
+/// same after a restart), or the data dir's SQLite file.
+pub fn test_location(data_dir: &Path) -> DatabaseLocation {
+    match cairn_utils::testing::test_database(data_dir) {
+        Some((url, schema)) => url
+            .parse::<DatabaseLocation>()
+            .and_then(|location| location.in_schema(&schema))
+            .expect("CAIRN_TEST_DATABASE is a PostgreSQL URL"),
+        None => DatabaseLocation::sqlite(data_dir.join("cairn.db")),
+    }
+}
+
 impl TestServer {
     /// Starts a coordinator on `data_dir`, letting `configure` adjust the config.
     pub async fn start_with(data_dir: &Path, configure: impl FnOnce(&mut ServerConfig)) -> Self {
@@ -40,7 +53,7 @@ impl TestServer {
         let blob_url = format!("http://{}", blob.local_addr().unwrap());
         let mut config = ServerConfig::new(data_dir);
         // SQLite in the data dir, or the PostgreSQL database CAIRN_TEST_DATABASE names.
-        config.database = Some(DatabaseLocation::for_tests(data_dir));
+        config.database = Some(test_location(data_dir));
         configure(&mut config);
         let (shutdown, stop) = oneshot::channel::<()>();
         let task = tokio::spawn(cairn_coordinator::serve(config, grpc, blob, async {

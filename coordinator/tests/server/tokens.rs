@@ -316,11 +316,9 @@ async fn a_run_token_reaches_only_its_own_workspace() {
 
     // A run token bound to a workspace only (no run), recorded directly.
     let run_token = tokens::generate(Scope::Run);
-    let db = MetadataStore::open(&cairn_coordinator::db::DatabaseLocation::for_tests(
-        dir.path(),
-    ))
-    .await
-    .unwrap();
+    let db = MetadataStore::open(&crate::harness::test_location(dir.path()))
+        .await
+        .unwrap();
     db.ensure_token(
         &run_token.hash,
         &TenantId::default_tenant(),
