@@ -4,9 +4,11 @@
 //! DIR/                  mode 0700
 //!   cairn.db            metadata (SQLite, WAL: also cairn.db-wal, cairn.db-shm)
 //!   url-signing.key     32 random bytes, mode 0600: signs blob URLs
-//!   run-token.key       32 random bytes, mode 0600: derives run tokens
+//!   run-token.key       32 random bytes, mode 0600: seeds the run-token key
+//!                       (the database keeps the one all replicas use)
 //!   admin.token         the admin bearer token, one line, mode 0600
 //!   endpoints.json      {"grpc": URL, "blob": URL}, written after binding
+//!   coordinator.lock    locked while a coordinator serves from DIR
 //!   blobs/              the embedded object store (blobs/.tmp: uploads in flight)
 //! ```
 //!
@@ -32,6 +34,10 @@ pub enum DataDirError {
     },
     #[error("{path}: {reason}")]
     Invalid { path: PathBuf, reason: String },
+    #[error(
+        "{dir}: another coordinator serves from this data directory (it holds {lock}); give each coordinator a data directory of its own"
+    )]
+    InUse { dir: PathBuf, lock: PathBuf },
 }
 
 fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> DataDirError + '_ {
@@ -78,6 +84,28 @@ impl DataDir {
 
     pub fn endpoints(&self) -> PathBuf {
         self.root.join("endpoints.json")
+    }
+
+    /// Locks the directory for this process: one coordinator serves from a
+    /// data directory (its blobs, endpoints and SQLite file are its own).
+    /// The lock lasts as long as the returned file is open.
+    pub fn lock(&self) -> Result<std::fs::File, DataDirError> {
+        let path = self.root.join("coordinator.lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io_at(&path))?;
+        match file.try_lock() {
+            Ok(()) => Ok(file),
+            Err(std::fs::TryLockError::WouldBlock) => Err(DataDirError::InUse {
+                dir: self.root.clone(),
+                lock: path,
+            }),
+            Err(std::fs::TryLockError::Error(e)) => Err(io_at(&path)(e)),
+        }
     }
 
     /// Creates the directory (mode 0700) unless it exists.
@@ -234,6 +262,21 @@ mod tests {
             err.contains("url-signing.key") && err.contains("5 bytes"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_second_coordinator_cannot_lock_a_data_directory_in_use() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = DataDir::new(parent.path());
+        let held = dir.lock().unwrap();
+        let err = dir.lock().unwrap_err();
+        assert!(matches!(err, DataDirError::InUse { .. }), "{err}");
+        assert!(
+            err.to_string().contains("another coordinator serves"),
+            "{err}"
+        );
+        drop(held);
+        dir.lock().expect("free again once the first lets go");
     }
 
     #[test]

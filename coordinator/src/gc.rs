@@ -32,6 +32,7 @@ use futures::{StreamExt as _, TryStreamExt as _};
 
 use crate::clock::Clock;
 use crate::db::{DbError, MetadataStore, PackDeletion, PackTally};
+use crate::leader::Leadership;
 use crate::retention::{self, Policy};
 use crate::store::{ObjectKey, ObjectStore, ObjectStoreError};
 
@@ -362,8 +363,13 @@ impl Collector {
     }
 
     /// Runs a cycle every interval until `shutdown` (nothing without an
-    /// interval). A failed cycle is logged; the next one tries again.
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+    /// interval) while this replica leads. A failed cycle is logged; the
+    /// next one tries again.
+    pub async fn run(
+        self,
+        leadership: Arc<Leadership>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
         let Some(interval) = self.config.interval else {
             return;
         };
@@ -373,17 +379,27 @@ impl Collector {
         loop {
             tokio::select! {
                 () = &mut shutdown => return,
-                _ = ticker.tick() => match self.cycle(None, false).await {
-                    Ok(report) => tracing::info!(
-                        checkpoints_deleted = report.checkpoints_deleted,
-                        workspaces_expired = report.workspaces_expired,
-                        packs_swept = report.swept.packs + report.orphans_swept.packs,
-                        bytes_freed = report.swept.bytes + report.orphans_swept.bytes,
-                        took_ms = report.took.as_millis() as u64,
-                        "garbage collection cycle"
-                    ),
-                    Err(e) => tracing::warn!(error = %e, "a garbage collection cycle failed; the next one tries again"),
+                _ = ticker.tick() => match leadership.lead(&self.db).await {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not read or renew the leader lease; no garbage collection cycle now");
+                        continue;
+                    }
                 },
+            }
+            match self.cycle(None, false).await {
+                Ok(report) => tracing::info!(
+                    checkpoints_deleted = report.checkpoints_deleted,
+                    workspaces_expired = report.workspaces_expired,
+                    packs_swept = report.swept.packs + report.orphans_swept.packs,
+                    bytes_freed = report.swept.bytes + report.orphans_swept.bytes,
+                    took_ms = report.took.as_millis() as u64,
+                    "garbage collection cycle"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a garbage collection cycle failed; the next one tries again")
+                }
             }
         }
     }

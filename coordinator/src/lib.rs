@@ -29,6 +29,8 @@
 //!   retry/release policy; [`db`] persists what it decides.
 //! - [`scheduler`]: the background task that marks lost hosts, expires
 //!   holds and assigns queued runs.
+//! - [`leader`]: the leader lease; only the replica holding it schedules and
+//!   collects garbage when several coordinators share a database.
 //! - [`auth`] and [`tokens`]: the bearer-token layer over every gRPC service,
 //!   token format and hashing, scopes.
 //! - [`store`]: the [`store::ObjectStore`] trait, [`store::LocalStore`],
@@ -49,7 +51,8 @@
 //!   cannot overwrite newer work.
 //! - Every run state change is a run event, written in the same transaction.
 //! - Tokens and signed URLs are never logged; tokens are stored hashed. Run
-//!   tokens are derived from `DIR/run-token.key`, so they can be re-sent.
+//!   tokens are derived from the run-token key in the database (seeded from
+//!   the first replica's `DIR/run-token.key`), so any replica can re-send them.
 
 pub mod auth;
 pub mod blob_http;
@@ -59,6 +62,7 @@ pub mod datadir;
 pub mod db;
 pub mod gc;
 pub mod grpc;
+pub mod leader;
 pub mod retention;
 pub mod runlife;
 pub mod scheduler;
@@ -83,11 +87,12 @@ use crate::datadir::{DataDir, DataDirError};
 use crate::db::{DatabaseLocation, DbError, MetadataStore};
 use crate::gc::{Collector, GcConfig};
 use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
+use crate::leader::Leadership;
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, RemoteStore, StoreConfigError, StoreLayer};
 use crate::tls::{ServerTls, TlsFiles};
-use crate::tokens::{RunTokenKey, Scope};
+use crate::tokens::{RUN_TOKEN_KEY_NAME, RunTokenKey, Scope};
 use cairn_proto::tls::TlsError;
 
 /// How to run a coordinator.
@@ -220,6 +225,9 @@ pub struct Coordinator {
     run_tokens: RunTokenKey,
     admin_token_created: bool,
     tls: Option<ServerTls>,
+    /// Held while this coordinator lives: no second one serves from the
+    /// same data directory.
+    _data_dir_lock: std::fs::File,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -263,13 +271,27 @@ impl Coordinator {
         let tls = config.tls.as_ref().map(ServerTls::load).transpose()?;
         let data_dir = DataDir::new(&config.data_dir);
         data_dir.create()?;
+        let data_dir_lock = data_dir.lock()?;
         let signer = UrlSigner::new(&data_dir.load_or_create_signing_key()?);
-        let run_tokens = RunTokenKey::new(&data_dir.load_or_create_run_token_key()?);
         let location = config
             .database
             .clone()
             .unwrap_or_else(|| DatabaseLocation::sqlite(data_dir.database()));
         let db = MetadataStore::open(&location).await?;
+        // Every replica derives the same run tokens: the first one's key,
+        // kept in the database, wins over the data directory's own.
+        let own_key = data_dir.load_or_create_run_token_key()?;
+        let shared_key = db.shared_key(RUN_TOKEN_KEY_NAME, &own_key).await?;
+        let run_tokens = RunTokenKey::new(&shared_key.as_slice().try_into().map_err(|_| {
+            DbError::Corrupt(format!(
+                "the stored run-token key is {} bytes, not {}",
+                shared_key.len(),
+                tokens::RUN_TOKEN_KEY_LEN
+            ))
+        })?);
+        if shared_key != own_key {
+            tracing::info!(path = %data_dir.run_token_key().display(), "another coordinator on this database made the run-token key; using it, not this data directory's");
+        }
         let tenant = TenantId::default_tenant();
         if db.ensure_tenant(&tenant).await? {
             tracing::info!(%tenant, "created tenant and its first key");
@@ -296,6 +318,7 @@ impl Coordinator {
             run_tokens,
             admin_token_created,
             tls,
+            _data_dir_lock: data_dir_lock,
         })
     }
 
@@ -380,6 +403,7 @@ impl Coordinator {
 
         tracing::info!(grpc = %local_url(grpc_addr, self.uses_tls()), blob = %blob_url, data_dir = %self.data_dir.root().display(), "coordinator serving");
         let shared_collector = shared.collector.clone();
+        let leadership = Arc::new(Leadership::new());
         let scheduling = scheduler::run(
             self.db.clone(),
             self.run_tokens.clone(),
@@ -388,8 +412,10 @@ impl Coordinator {
                 pass_interval: MAX_PASS_INTERVAL.min(self.config.heartbeat_interval),
             },
             scheduler,
+            leadership.clone(),
             stop.clone(),
         );
+        let relaying = self.db.relay_run_changes(stop.clone().cancelled_owned());
         let grpc = async {
             let limits = ServerLimits {
                 max_connections: caps.grpc,
@@ -452,9 +478,32 @@ impl Coordinator {
             }
             stop.cancel();
         };
-        let collecting = shared_collector.run(stop.clone().cancelled_owned());
-        let (grpc_result, blob_result, (), (), (), ()) =
-            tokio::join!(grpc, blob, signal, scheduling, reload, collecting);
+        let collecting = shared_collector.run(leadership.clone(), stop.clone().cancelled_owned());
+        let leases = async {
+            let mut every =
+                tokio::time::interval(db::heartbeat_flush_interval(self.config.host_lease));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = every.tick() => {}
+                    () = stop.cancelled() => return,
+                }
+                if let Err(e) = self.db.flush_heartbeats().await {
+                    tracing::warn!(error = %e, "could not record host leases; trying again");
+                }
+            }
+        };
+        let (grpc_result, blob_result, (), (), (), (), (), ()) = tokio::join!(
+            grpc, blob, signal, scheduling, reload, collecting, leases, relaying
+        );
+        // Heartbeats answered since the last flush.
+        if let Err(e) = self.db.flush_heartbeats().await {
+            tracing::warn!(error = %e, "could not record the last host leases");
+        }
+        // Another replica need not wait for the lease to run out.
+        if let Err(e) = leadership.resign(&self.db).await {
+            tracing::warn!(error = %e, "could not give up the leader lease; it runs out by itself");
+        }
         self.db.close().await;
         grpc_result?;
         blob_result.map_err(ServeError::BlobServer)?;

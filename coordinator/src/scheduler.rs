@@ -10,7 +10,8 @@
 //!    what differs), else least-loaded first; a run no host can take keeps a
 //!    `state_reason` saying why (an event when it changes).
 //!
-//! A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
+//! Only the replica holding the leader lease ([`crate::leader`]) runs
+//! passes. A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
 //! an answer, a freed slot, a host) and at least every [`MAX_PASS_INTERVAL`].
 //! Every change happens in its own transaction in [`crate::db`]; a failed
 //! pass is logged and retried by the next.
@@ -24,6 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{DbError, HostCapacity, MetadataStore, QueuedRun};
+use crate::leader::Leadership;
 use crate::tokens::RunTokenKey;
 
 /// Longest time between two passes.
@@ -127,23 +129,38 @@ pub struct SchedulerConfig {
     pub pass_interval: Duration,
 }
 
-/// Runs passes until `stop` is cancelled.
+/// Runs passes until `stop` is cancelled, while this replica leads.
 pub async fn run(
     db: Arc<MetadataStore>,
     run_tokens: RunTokenKey,
     config: SchedulerConfig,
     handle: SchedulerHandle,
+    leadership: Arc<Leadership>,
     stop: CancellationToken,
 ) {
-    // Hosts get a full lease from now before they count as lost: a
-    // coordinator that was down must not declare every host lost at start.
-    let started = SystemTime::now();
+    // Hosts get a full lease from when this replica began to lead before
+    // they count as lost: a coordinator that was down, or a replica that
+    // took over, must not declare every host lost at once.
+    let mut leading_since = None;
     loop {
-        if let Err(e) = pass(&db, &run_tokens, &config, started).await {
-            if e.is_retryable() {
-                tracing::warn!(error = %e, "scheduler pass failed; retrying");
-            } else {
-                tracing::error!(error = %e, "scheduler pass failed");
+        let leads = match leadership.lead(&db).await {
+            Ok(leads) => leads,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read or renew the leader lease; retrying");
+                false
+            }
+        };
+        if !leads {
+            leading_since = None;
+        }
+        if leads {
+            let since = *leading_since.get_or_insert_with(SystemTime::now);
+            if let Err(e) = pass(&db, &run_tokens, &config, since).await {
+                if e.is_retryable() {
+                    tracing::warn!(error = %e, "scheduler pass failed; retrying");
+                } else {
+                    tracing::error!(error = %e, "scheduler pass failed");
+                }
             }
         }
         tokio::select! {

@@ -377,7 +377,11 @@ impl fmt::Debug for RunTokenKey {
     }
 }
 
-/// Length of the run-token key file.
+/// The run-token key's name among the keys replicas share
+/// ([`crate::db::MetadataStore::shared_key`]).
+pub const RUN_TOKEN_KEY_NAME: &str = "run-token";
+
+/// Length of the run-token key.
 pub const RUN_TOKEN_KEY_LEN: usize = 32;
 
 impl RunTokenKey {

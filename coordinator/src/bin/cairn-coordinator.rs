@@ -43,9 +43,9 @@ struct ServeArgs {
     /// Directory for metadata, keys, the admin token and blobs (created 0700).
     #[arg(long, value_name = "DIR", env = "CAIRN_DATA_DIR")]
     data_dir: PathBuf,
-    /// The metadata database: a postgres:// URL or a SQLite file (default:
-    /// DIR/cairn.db). Give a password through the environment rather than
-    /// the command line.
+    /// The metadata database: a postgres:// URL (several coordinators may
+    /// share one) or a SQLite file (default: DIR/cairn.db). Give a password
+    /// through the environment rather than the command line.
     #[arg(long, value_name = "URL", env = "CAIRN_DATABASE")]
     database: Option<DatabaseLocation>,
     /// PostgreSQL schema for cairn's tables, created when missing (default:

@@ -27,6 +27,16 @@ use crate::tokens::Scope;
 
 pub use crate::runlife::destroy_reason;
 
+/// How often leases renewed in memory are written: a tenth of the lease,
+/// at most a second, so a replica's renewals reach the leader's lost-host
+/// check long before the lease runs out.
+pub fn heartbeat_flush_interval(lease: std::time::Duration) -> std::time::Duration {
+    (lease / 10).clamp(
+        std::time::Duration::from_millis(10),
+        std::time::Duration::from_secs(1),
+    )
+}
+
 /// A registered host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Host {
@@ -427,6 +437,13 @@ impl MetadataStore {
 
     /// Records a heartbeat and its sandbox reports; returns what the host
     /// must do.
+    ///
+    /// Most heartbeats change nothing but the host's lease: they are
+    /// answered from reads alone and the lease is renewed in memory
+    /// ([`MetadataStore::flush_heartbeats`] persists it in one batch). Only a
+    /// heartbeat that changes something (a sandbox's state, a sandbox gone,
+    /// the kept trees, a host stopping) takes a write transaction, so the
+    /// write rate follows the work, not the fleet size.
     pub async fn heartbeat(
         &self,
         tenant: &TenantId,
@@ -436,150 +453,73 @@ impl MetadataStore {
         kept: &[WorkspaceId],
     ) -> Result<HeartbeatAnswer, DbError> {
         let now = millis(SystemTime::now());
-        let mut tx = self.begin_write().await?;
-        let mut host = load_host(tx.conn(), host_id)
-            .await?
-            .filter(|h| &h.tenant == tenant)
-            .ok_or_else(|| {
-                DbError::NotFound(format!("host {host_id} is not registered; register again"))
-            })?;
-        let lost = host.lost_at.is_some();
-        if stopping && !lost && host.stopping_at.is_none() {
-            stop_host(&mut tx, &host, now).await?;
-            host.stopping_at = Some(from_millis(now));
-        }
-        let kept: Vec<&str> = kept.iter().map(WorkspaceId::as_str).collect();
-        sqlx::query("UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3")
-            .bind(now)
-            .bind(serde_json::to_string(&kept).expect("strings always serialise"))
-            .bind(host_id.as_str())
-            .execute(tx.conn())
-            .await
-            .map_err(query_error("record heartbeat"))?;
-
-        let mut answer = HeartbeatAnswer {
-            state: Some(host.state()),
-            ..Default::default()
+        let heartbeat = Heartbeat {
+            tenant,
+            host_id,
+            reports,
+            stopping,
+            kept,
+            now,
         };
-        let mut reported = std::collections::BTreeSet::new();
-        for report in reports {
-            reported.insert(report.sandbox_id.clone());
-            let found: Option<(String, i64, String)> = sqlx::query_as(
-                "SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1",
-            )
-            .bind(&report.sandbox_id)
-            .fetch_optional(tx.conn())
-            .await
-            .map_err(query_error("find sandbox"))?;
-            let found = found.filter(|(_, _, on)| on == host_id.as_str());
-            let Some((run_id, number, _)) = found else {
-                if report.state.is_gone() {
-                    answer.forget.push(report.sandbox_id.clone());
-                } else {
-                    answer
-                        .destroy
-                        .insert(report.sandbox_id.clone(), destroy_reason::UNKNOWN.into());
-                }
-                continue;
-            };
-            let run_id: RunId = parse_column(&run_id, "run id")?;
-            let number: u32 = unsigned(number, "attempt")?;
-            let mut run = run_of_attempt(tx.conn(), &run_id).await?;
-            let attempt = run
-                .attempt(number)
-                .cloned()
-                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
-            if report.state.is_gone() {
-                if attempt.sandbox_gone_at.is_none() {
-                    sandbox_gone(
-                        &mut tx,
-                        &mut run,
-                        number,
-                        report.state,
-                        report.exit_code,
-                        &report.detail,
-                        now,
-                    )
-                    .await?;
-                }
-                answer.forget.push(report.sandbox_id.clone());
-                continue;
-            }
-            if attempt.sandbox_gone_at.is_none() && attempt.sandbox_state != Some(report.state) {
-                sqlx::query(
-                    "UPDATE attempts SET sandbox_state = $1 WHERE run_id = $2 AND number = $3",
-                )
-                .bind(report.state.as_str())
-                .bind(run_id.as_str())
-                .bind(i64::from(number))
-                .execute(tx.conn())
+        {
+            let mut conn = self
+                .pool
+                .acquire()
                 .await
-                .map_err(query_error("record sandbox state"))?;
-            }
-            let unwanted = lost
-                || attempt.is_ended()
-                || attempt.sandbox_gone_at.is_some()
-                || attempt.destroy_reason.is_some();
-            if unwanted {
-                let reason = match (&attempt.destroy_reason, lost) {
-                    (Some(reason), false) => reason.clone(),
-                    _ => destroy_reason::SUPERSEDED.to_owned(),
-                };
-                answer.destroy.insert(report.sandbox_id.clone(), reason);
+                .map_err(query_error("heartbeat"))?;
+            if let Some(answer) = heartbeat.apply(Session::Read(&mut conn)).await? {
+                self.renew_lease(host_id, now);
+                return Ok(answer);
             }
         }
-
-        // Sandboxes the host did not mention this time.
-        for (run_id, number) in attempts_on_host(tx.conn(), host_id).await? {
-            let mut run = run_of_attempt(tx.conn(), &run_id).await?;
-            let Some(attempt) = run.attempt(number).cloned() else {
-                continue;
-            };
-            if reported.contains(&attempt.sandbox_id) {
-                continue;
-            }
-            let reported_before = attempt.sandbox_state.is_some();
-            if !lost && (reported_before || attempt.is_ended()) {
-                // Reported before and left out now, or never started and no
-                // longer wanted: the host does not have it.
-                sandbox_gone(
-                    &mut tx,
-                    &mut run,
-                    number,
-                    SandboxState::Failed,
-                    0,
-                    "the host stopped reporting it",
-                    now,
-                )
-                .await?;
-                continue;
-            }
-            if lost {
-                if reported_before {
-                    answer.destroy.insert(
-                        attempt.sandbox_id.clone(),
-                        destroy_reason::SUPERSEDED.into(),
-                    );
-                }
-                continue;
-            }
-            let wanted = !attempt.is_ended() && attempt.destroy_reason.is_none();
-            // Not reported yet and not claimed by a runner: the host has yet to start it.
-            let unstarted =
-                attempt.sandbox_state.is_none() && attempt.state == AttemptState::Assigned;
-            if wanted && unstarted {
-                answer.assignments.push(AssignmentRecord {
-                    sandbox_id: attempt.sandbox_id.clone(),
-                    run_id: run.id.clone(),
-                    attempt: attempt.number,
-                    generation: attempt.generation,
-                    workspace_id: run.workspace_id.clone(),
-                    image: run.image.clone(),
-                });
-            }
-        }
+        let mut tx = self.begin_write().await?;
+        let answer = heartbeat
+            .apply(Session::Write(&mut tx))
+            .await?
+            .ok_or_else(|| DbError::Corrupt("a write heartbeat asked for a write".into()))?;
         self.commit(tx).await?;
         Ok(answer)
+    }
+
+    /// Renews `host`'s lease in memory until the next flush.
+    fn renew_lease(&self, host: &HostId, now: i64) {
+        let mut renewed = self.renewed_leases.lock().expect("lease map lock");
+        let at = renewed.entry(host.clone()).or_insert(now);
+        *at = (*at).max(now);
+    }
+
+    /// Persists the leases renewed in memory since the last flush, in one
+    /// transaction, and returns how many. A failed flush keeps them for the
+    /// next one. The scheduler flushes before it looks for lost hosts, and
+    /// the coordinator every [`heartbeat_flush_interval`], so another
+    /// replica sees a renewal at most that late.
+    pub async fn flush_heartbeats(&self) -> Result<usize, DbError> {
+        let renewed = std::mem::take(&mut *self.renewed_leases.lock().expect("lease map lock"));
+        if renewed.is_empty() {
+            return Ok(0);
+        }
+        let result = async {
+            let mut tx = self.begin_write().await?;
+            for (host, at) in &renewed {
+                sqlx::query(
+                    "UPDATE hosts SET last_heartbeat_at = $1 WHERE id = $2 AND last_heartbeat_at < $1",
+                )
+                .bind(*at)
+                .bind(host.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("renew host lease"))?;
+            }
+            self.commit(tx).await
+        }
+        .await;
+        if let Err(e) = result {
+            for (host, at) in renewed {
+                self.renew_lease(&host, at);
+            }
+            return Err(e);
+        }
+        Ok(renewed.len())
     }
 
     /// Hosts of `tenant`, oldest registration first.
@@ -655,6 +595,216 @@ impl MetadataStore {
             .ok_or_else(|| DbError::Corrupt("a host vanished while it was drained".into()))?;
         self.commit(tx).await?;
         Ok(host)
+    }
+}
+
+/// Where a heartbeat runs: on a plain connection, where it answers only if
+/// nothing needs writing, or in a write transaction.
+enum Session<'a> {
+    Read(&'a mut AnyConnection),
+    Write(&'a mut WriteTx),
+}
+
+impl Session<'_> {
+    fn conn(&mut self) -> &mut AnyConnection {
+        match self {
+            Self::Read(conn) => conn,
+            Self::Write(tx) => tx.conn(),
+        }
+    }
+
+    /// The transaction to write in; `None` on a read session, whose
+    /// heartbeat must then run again in a write transaction.
+    fn writer(&mut self) -> Option<&mut WriteTx> {
+        match self {
+            Self::Read(_) => None,
+            Self::Write(tx) => Some(tx),
+        }
+    }
+}
+
+/// One heartbeat's contents.
+struct Heartbeat<'a> {
+    tenant: &'a TenantId,
+    host_id: &'a HostId,
+    reports: &'a [ReportedSandbox],
+    stopping: bool,
+    kept: &'a [WorkspaceId],
+    now: i64,
+}
+
+impl Heartbeat<'_> {
+    /// The answer, after recording what changed; `None` when `session` is
+    /// a read session and something must be written.
+    async fn apply(&self, mut session: Session<'_>) -> Result<Option<HeartbeatAnswer>, DbError> {
+        let Self {
+            tenant,
+            host_id,
+            reports,
+            stopping,
+            kept,
+            now,
+        } = *self;
+        let mut host = load_host(session.conn(), host_id)
+            .await?
+            .filter(|h| &h.tenant == tenant)
+            .ok_or_else(|| {
+                DbError::NotFound(format!("host {host_id} is not registered; register again"))
+            })?;
+        let lost = host.lost_at.is_some();
+        if stopping && !lost && host.stopping_at.is_none() {
+            let Some(tx) = session.writer() else {
+                return Ok(None);
+            };
+            stop_host(tx, &host, now).await?;
+            host.stopping_at = Some(from_millis(now));
+        }
+        if let Some(tx) = session.writer() {
+            let kept: Vec<&str> = kept.iter().map(WorkspaceId::as_str).collect();
+            sqlx::query(
+                "UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3",
+            )
+            .bind(now)
+            .bind(serde_json::to_string(&kept).expect("strings always serialise"))
+            .bind(host_id.as_str())
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("record heartbeat"))?;
+        } else if host.kept_workspaces != kept {
+            return Ok(None);
+        }
+
+        let mut answer = HeartbeatAnswer {
+            state: Some(host.state()),
+            ..Default::default()
+        };
+        let mut reported = std::collections::BTreeSet::new();
+        for report in reports {
+            reported.insert(report.sandbox_id.clone());
+            let found: Option<(String, i64, String)> = sqlx::query_as(
+                "SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1",
+            )
+            .bind(&report.sandbox_id)
+            .fetch_optional(session.conn())
+            .await
+            .map_err(query_error("find sandbox"))?;
+            let found = found.filter(|(_, _, on)| on == host_id.as_str());
+            let Some((run_id, number, _)) = found else {
+                if report.state.is_gone() {
+                    answer.forget.push(report.sandbox_id.clone());
+                } else {
+                    answer
+                        .destroy
+                        .insert(report.sandbox_id.clone(), destroy_reason::UNKNOWN.into());
+                }
+                continue;
+            };
+            let run_id: RunId = parse_column(&run_id, "run id")?;
+            let number: u32 = unsigned(number, "attempt")?;
+            let mut run = run_of_attempt(session.conn(), &run_id).await?;
+            let attempt = run
+                .attempt(number)
+                .cloned()
+                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
+            if report.state.is_gone() {
+                if attempt.sandbox_gone_at.is_none() {
+                    let Some(tx) = session.writer() else {
+                        return Ok(None);
+                    };
+                    sandbox_gone(
+                        tx,
+                        &mut run,
+                        number,
+                        report.state,
+                        report.exit_code,
+                        &report.detail,
+                        now,
+                    )
+                    .await?;
+                }
+                answer.forget.push(report.sandbox_id.clone());
+                continue;
+            }
+            if attempt.sandbox_gone_at.is_none() && attempt.sandbox_state != Some(report.state) {
+                let Some(tx) = session.writer() else {
+                    return Ok(None);
+                };
+                sqlx::query(
+                    "UPDATE attempts SET sandbox_state = $1 WHERE run_id = $2 AND number = $3",
+                )
+                .bind(report.state.as_str())
+                .bind(run_id.as_str())
+                .bind(i64::from(number))
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record sandbox state"))?;
+            }
+            let unwanted = lost
+                || attempt.is_ended()
+                || attempt.sandbox_gone_at.is_some()
+                || attempt.destroy_reason.is_some();
+            if unwanted {
+                let reason = match (&attempt.destroy_reason, lost) {
+                    (Some(reason), false) => reason.clone(),
+                    _ => destroy_reason::SUPERSEDED.to_owned(),
+                };
+                answer.destroy.insert(report.sandbox_id.clone(), reason);
+            }
+        }
+
+        // Sandboxes the host did not mention this time.
+        for (run_id, number) in attempts_on_host(session.conn(), host_id).await? {
+            let mut run = run_of_attempt(session.conn(), &run_id).await?;
+            let Some(attempt) = run.attempt(number).cloned() else {
+                continue;
+            };
+            if reported.contains(&attempt.sandbox_id) {
+                continue;
+            }
+            let reported_before = attempt.sandbox_state.is_some();
+            if !lost && (reported_before || attempt.is_ended()) {
+                // Reported before and left out now, or never started and no
+                // longer wanted: the host does not have it.
+                let Some(tx) = session.writer() else {
+                    return Ok(None);
+                };
+                sandbox_gone(
+                    tx,
+                    &mut run,
+                    number,
+                    SandboxState::Failed,
+                    0,
+                    "the host stopped reporting it",
+                    now,
+                )
+                .await?;
+                continue;
+            }
+            if lost {
+                if reported_before {
+                    answer.destroy.insert(
+                        attempt.sandbox_id.clone(),
+                        destroy_reason::SUPERSEDED.into(),
+                    );
+                }
+                continue;
+            }
+            let wanted = !attempt.is_ended() && attempt.destroy_reason.is_none();
+            // Not reported yet and not claimed by a runner: the host has yet to start it.
+            let unstarted =
+                attempt.sandbox_state.is_none() && attempt.state == AttemptState::Assigned;
+            if wanted && unstarted {
+                answer.assignments.push(AssignmentRecord {
+                    sandbox_id: attempt.sandbox_id.clone(),
+                    run_id: run.id.clone(),
+                    attempt: attempt.number,
+                    generation: attempt.generation,
+                    workspace_id: run.workspace_id.clone(),
+                    image: run.image.clone(),
+                });
+            }
+        }
+        Ok(Some(answer))
     }
 }
 

@@ -41,6 +41,7 @@ mod gc;
 mod hosts;
 mod location;
 mod messages;
+mod replicas;
 mod retention;
 mod run_records;
 mod runner;
@@ -55,7 +56,7 @@ pub use compaction::Compacted;
 pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
 pub use hosts::{
     AssignmentRecord, BoundToken, HeartbeatAnswer, Host, HostRegistration, Registered,
-    ReportedSandbox, destroy_reason,
+    ReportedSandbox, destroy_reason, heartbeat_flush_interval,
 };
 pub use location::DatabaseLocation;
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
@@ -69,14 +70,14 @@ pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;
 
+use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use std::collections::BTreeSet;
 
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
 use cairn_proto::ids::{
-    BlobId, CheckpointId, CommitRequestId, Generation, PackId, RunId, TenantId, WorkspaceId,
+    BlobId, CheckpointId, CommitRequestId, Generation, HostId, PackId, RunId, TenantId, WorkspaceId,
 };
 use cairn_proto::pb;
 use cairn_proto::refusal::NotCurrent;
@@ -330,7 +331,26 @@ pub struct MetadataStore {
     pool: AnyPool,
     backend: Backend,
     run_changes: broadcast::Sender<RunId>,
+    /// Host leases renewed by heartbeats that changed nothing else, and
+    /// when: written in batches by [`MetadataStore::flush_heartbeats`].
+    renewed_leases: Arc<std::sync::Mutex<HashMap<HostId, i64>>>,
+    /// On PostgreSQL, the channel committed run changes are announced on
+    /// to every replica (`NOTIFY`), and the URL to listen with.
+    run_channel: Option<RunChannel>,
 }
+
+/// Where a PostgreSQL database announces run changes to all replicas.
+#[derive(Debug, Clone)]
+struct RunChannel {
+    url: String,
+    /// `cairn_runs`, suffixed with the schema: notifications are per
+    /// database, and each schema holds another coordinator's metadata.
+    name: String,
+}
+
+/// Most run ids one notification carries (PostgreSQL's payload limit is
+/// 8000 bytes; an id is 30 characters and a comma).
+const RUNS_PER_NOTIFICATION: usize = 200;
 
 /// A write transaction that took the database's write lock at its start, and
 /// the runs it changed (announced after the commit).
@@ -390,7 +410,7 @@ impl MetadataStore {
             location: location.clone(),
             source,
         };
-        let (pool, backend) = match location {
+        let (pool, backend, run_channel) = match location {
             DatabaseLocation::Sqlite(_) => {
                 let pool = AnyPoolOptions::new()
                     .max_connections(SQLITE_CONNECTIONS)
@@ -409,7 +429,7 @@ impl MetadataStore {
                     .await
                     .map_err(opened)?;
                 sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
-                (pool, Backend::Sqlite)
+                (pool, Backend::Sqlite, None)
             }
             DatabaseLocation::Postgres { url, schema } => {
                 prepare_postgres(url, schema.as_deref())
@@ -421,7 +441,14 @@ impl MetadataStore {
                     .await
                     .map_err(opened)?;
                 sqlx::migrate!("./migrations/postgres").run(&pool).await?;
-                (pool, Backend::Postgres)
+                let channel = RunChannel {
+                    url: url.clone(),
+                    name: match schema {
+                        Some(schema) => format!("cairn_runs_{schema}"),
+                        None => "cairn_runs".to_owned(),
+                    },
+                };
+                (pool, Backend::Postgres, Some(channel))
             }
         };
         let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);
@@ -429,6 +456,8 @@ impl MetadataStore {
             pool,
             backend,
             run_changes,
+            renewed_leases: Arc::default(),
+            run_channel,
         };
         store.assign_token_ids().await?;
         Ok(store)
@@ -483,15 +512,98 @@ impl MetadataStore {
         Ok(tx)
     }
 
-    /// Commits `tx` and announces the runs it changed.
+    /// Commits `tx` and announces the runs it changed: to this replica's
+    /// watchers at once, and on PostgreSQL to every replica's with the
+    /// commit (a `NOTIFY` is delivered when its transaction commits).
     pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), DbError> {
-        let WriteTx { tx, changed_runs } = tx;
+        let WriteTx {
+            mut tx,
+            changed_runs,
+        } = tx;
+        if let Some(channel) = &self.run_channel {
+            let ids: Vec<&str> = changed_runs.iter().map(RunId::as_str).collect();
+            for chunk in ids.chunks(RUNS_PER_NOTIFICATION) {
+                // pg_notify returns void, which the Any driver cannot read.
+                sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
+                    .bind(&channel.name)
+                    .bind(chunk.join(","))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(query_error("announce run changes"))?;
+            }
+        }
         tx.commit().await.map_err(query_error("commit"))?;
         for run in changed_runs {
             // No receiver is fine: nobody is watching.
             let _ = self.run_changes.send(run);
         }
         Ok(())
+    }
+
+    /// Relays the run changes other replicas announce to this replica's
+    /// watchers until `stop`; nothing to do on SQLite, where one
+    /// coordinator holds the database. A lost connection is opened again,
+    /// and the runs with events since it was lost are announced then, since
+    /// the announcements made meanwhile are gone.
+    pub async fn relay_run_changes(&self, stop: impl std::future::Future<Output = ()>) {
+        let Some(channel) = self.run_channel.clone() else {
+            return;
+        };
+        tokio::pin!(stop);
+        let mut backoff = Duration::from_millis(100);
+        let mut lost_at = None;
+        loop {
+            let listening = self.relay_from(&channel, &mut lost_at);
+            tokio::select! {
+                () = &mut stop => return,
+                result = listening => {
+                    let Err(e) = result;
+                    tracing::warn!(error = %e, "lost the run-change announcements of other coordinators; listening again");
+                    // A second before, for clocks of replicas that differ a little.
+                    lost_at.get_or_insert(millis(SystemTime::now()) - 1000);
+                }
+            }
+            tokio::select! {
+                () = &mut stop => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Listens on `channel` and relays what it hears until the connection
+    /// fails; first announces the runs with events since `lost_at`, when
+    /// an earlier connection was lost then.
+    async fn relay_from(
+        &self,
+        channel: &RunChannel,
+        lost_at: &mut Option<i64>,
+    ) -> Result<std::convert::Infallible, sqlx::Error> {
+        let mut listener = sqlx::postgres::PgListener::connect(&channel.url).await?;
+        listener.listen(&channel.name).await?;
+        if let Some(since) = *lost_at {
+            let missed: Vec<String> =
+                sqlx::query_scalar("SELECT DISTINCT run_id FROM run_events WHERE at >= $1")
+                    .bind(since)
+                    .fetch_all(&self.pool)
+                    .await?;
+            for run in missed.iter().filter_map(|id| id.parse::<RunId>().ok()) {
+                let _ = self.run_changes.send(run);
+            }
+            *lost_at = None;
+        }
+        loop {
+            let notification = listener.recv().await?;
+            for id in notification.payload().split(',') {
+                match id.parse::<RunId>() {
+                    // No receiver is fine: nobody is watching.
+                    Ok(run) => drop(self.run_changes.send(run)),
+                    Err(_) => {
+                        tracing::warn!(payload = %id, "a run-change announcement names no run; ignored")
+                    }
+                }
+            }
+        }
     }
 
     /// Closes every connection (checkpoints the WAL).
@@ -646,4 +758,4 @@ async fn prepare_postgres(url: &str, schema: Option<&str>) -> Result<(), sqlx::E
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -290,6 +290,9 @@ impl MetadataStore {
         lease: Duration,
         alive_since: SystemTime,
     ) -> Result<Vec<HostId>, DbError> {
+        // This replica's renewals first: a host is never lost for a
+        // heartbeat that only waited in memory.
+        self.flush_heartbeats().await?;
         let now_time = SystemTime::now();
         let deadline = millis(now_time.checked_sub(lease).unwrap_or(std::time::UNIX_EPOCH));
         if millis(alive_since) > deadline {

@@ -19,7 +19,7 @@ pub(super) fn test_location(dir: &std::path::Path) -> DatabaseLocation {
     }
 }
 
-pub(super) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
+pub(crate) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
     let dir = tempfile::tempdir().unwrap();
     let db = MetadataStore::open(&test_location(dir.path()))
         .await
@@ -429,4 +429,114 @@ async fn an_illegal_transition_is_refused_and_changes_nothing() {
     // A bug of the coordinator, not the caller's doing.
     let status = tonic::Status::from(crate::grpc::ServiceError::from(err));
     assert_eq!(status.code(), tonic::Code::Internal);
+}
+
+#[tokio::test]
+async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flushed() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let registration = hosts::HostRegistration {
+        host_id: None,
+        name: "h".into(),
+        labels: Default::default(),
+        slots: 1,
+        driver: "local".into(),
+    };
+    let hosts::Registered::Host { host, .. } = db
+        .register_host(&tenant, registration, false, None)
+        .await
+        .unwrap()
+    else {
+        panic!("a new host registers");
+    };
+    let stored_heartbeat = || async {
+        db.host(&tenant, host.id.as_str())
+            .await
+            .unwrap()
+            .last_heartbeat_at
+    };
+    let registered = stored_heartbeat().await;
+    let created = db
+        .create_run(
+            &tenant,
+            runs::NewRun {
+                target: runs::NewRunTarget::NewWorkspace(None),
+                station: "implement".into(),
+                harness: pb::HarnessSpec {
+                    name: "command".into(),
+                    ..Default::default()
+                },
+                prompt: "do it".into(),
+                labels: Default::default(),
+                hold: Duration::from_secs(60),
+                max_attempts: 3,
+                repos: Vec::new(),
+                image: String::new(),
+                checkpoint_interval: Duration::ZERO,
+                checkpoint_limits: Default::default(),
+                lay: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+    db.assign_run(&created.id, 0, &host.id, &[7; 32])
+        .await
+        .unwrap()
+        .expect("the run is assigned");
+
+    // Nothing changes: the assignment is answered, nothing is written.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let answer = db
+        .heartbeat(&tenant, &host.id, &[], false, &[])
+        .await
+        .unwrap();
+    assert_eq!(answer.assignments.len(), 1);
+    assert_eq!(stored_heartbeat().await, registered, "no write for a lease");
+
+    // A sandbox report changes something: written at once, lease included.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let running = [hosts::ReportedSandbox {
+        sandbox_id: answer.assignments[0].sandbox_id.clone(),
+        state: SandboxState::Running,
+        exit_code: 0,
+        detail: String::new(),
+    }];
+    let answer = db
+        .heartbeat(&tenant, &host.id, &running, false, &[])
+        .await
+        .unwrap();
+    assert!(
+        answer.assignments.is_empty(),
+        "a started sandbox is not assigned again"
+    );
+    let reported = stored_heartbeat().await;
+    assert!(reported > registered);
+    let attempt = db.attempt(&created.id, 1).await.unwrap().unwrap();
+    assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
+
+    // The same report again: only the lease, renewed in memory.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    db.heartbeat(&tenant, &host.id, &running, false, &[])
+        .await
+        .unwrap();
+    assert_eq!(stored_heartbeat().await, reported);
+    assert_eq!(db.flush_heartbeats().await.unwrap(), 1);
+    assert!(
+        stored_heartbeat().await > reported,
+        "the flush writes the lease"
+    );
+    assert_eq!(
+        db.flush_heartbeats().await.unwrap(),
+        0,
+        "nothing left to write"
+    );
+
+    // A changed kept-tree list is written at once.
+    let kept = [created.workspace_id.clone()];
+    db.heartbeat(&tenant, &host.id, &running, false, &kept)
+        .await
+        .unwrap();
+    let host = db.host(&tenant, host.id.as_str()).await.unwrap();
+    assert_eq!(host.kept_workspaces, kept);
 }

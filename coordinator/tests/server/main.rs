@@ -13,6 +13,7 @@ mod harness;
 mod hosts;
 mod isolation;
 mod remote_stores;
+mod replicas;
 mod restart;
 mod runs;
 mod s3;
