@@ -97,3 +97,47 @@ async fn replicas_share_runs_events_and_tokens_and_replace_a_dead_leader() {
         "the host kept heartbeating through B: {lost:?}"
     );
 }
+
+#[tokio::test]
+async fn a_client_given_several_addresses_moves_to_the_next_when_one_is_gone() {
+    let (dir_a, dir_b) = (data_dir(), data_dir());
+    let a = TestServer::start(dir_a.path()).await;
+    let b = TestServer::start(dir_b.path()).await;
+    let names = |workspaces: Vec<pb::Workspace>| -> Vec<String> {
+        workspaces.into_iter().map(|w| w.name).collect()
+    };
+    crate::harness::create_workspace(&mut a.client().await, "on-a").await;
+    crate::harness::create_workspace(&mut b.client().await, "on-b").await;
+    // Two separate coordinators: what a call lists names the one it
+    // reached (and A's token is unknown to B).
+    let dead = "http://127.0.0.1:1";
+    let both = format!("{dead},{},{}", a.grpc_url, b.grpc_url);
+    let mut client = cairn_engine::client::CoordinatorClient::connect(&both, Some(&a.admin_token))
+        .await
+        .expect("the first address that answers is used");
+    let list = |client: &mut cairn_engine::client::CoordinatorClient| {
+        let mut workspaces = client.workspaces.clone();
+        async move {
+            workspaces
+                .list_workspaces(pb::ListWorkspacesRequest::default())
+                .await
+                .map(|r| r.into_inner().workspaces)
+        }
+    };
+    assert_eq!(names(list(&mut client).await.unwrap()), ["on-a"]);
+
+    a.stop().await;
+    let failed = list(&mut client)
+        .await
+        .expect_err("the call A was to answer fails");
+    assert_eq!(failed.code(), tonic::Code::Unavailable, "{failed:?}");
+    // The next calls go to B (A's admin token is unknown there).
+    let refused = list(&mut client)
+        .await
+        .expect_err("B does not know A's token");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    let mut client = cairn_engine::client::CoordinatorClient::connect(&both, Some(&b.admin_token))
+        .await
+        .unwrap();
+    assert_eq!(names(list(&mut client).await.unwrap()), ["on-b"]);
+}

@@ -1,6 +1,10 @@
 //! Connecting to the coordinator over gRPC (TLS for `https://`, see
-//! [`crate::tls`]) with a bearer token.
+//! [`crate::tls`]) with a bearer token, to one address or to several
+//! replicas with failover ([`CoordinatorChannel`]).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use cairn_proto::auth::BearerInterceptor;
@@ -27,7 +31,166 @@ pub fn endpoint(address: &str, tls: &ClientTls) -> Result<Endpoint, ConnectError
 }
 
 /// A channel that adds the bearer token to every call.
-pub type AuthChannel = InterceptedService<Channel, BearerInterceptor>;
+pub type AuthChannel = InterceptedService<CoordinatorChannel, BearerInterceptor>;
+
+/// The coordinator addresses of `addresses`: one URL, or several replicas'
+/// separated by commas (`http://a:7400,http://b:7400`).
+pub fn split_addresses(addresses: &str) -> Result<Vec<String>, ConnectError> {
+    let list: Vec<String> = addresses
+        .split(',')
+        .map(|a| a.trim().trim_end_matches('/').to_owned())
+        .filter(|a| !a.is_empty())
+        .collect();
+    if list.is_empty() {
+        return Err(ConnectError::BadAddress(addresses.to_owned()));
+    }
+    Ok(list)
+}
+
+/// Channels to one coordinator or to several replicas of one. A call goes
+/// to the current replica; a call that cannot reach it (a transport error:
+/// refused, reset, timed out) fails as it would with one address, and moves
+/// the calls after it to the next replica. Every cairn call is safe to send
+/// again, so callers retry as they do anyway.
+#[derive(Clone)]
+pub struct CoordinatorChannel {
+    replicas: Arc<Replicas>,
+}
+
+struct Replicas {
+    channels: Vec<(String, Channel)>,
+    current: AtomicUsize,
+}
+
+impl std::fmt::Debug for CoordinatorChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let addresses: Vec<&str> = self
+            .replicas
+            .channels
+            .iter()
+            .map(|(a, _)| a.as_str())
+            .collect();
+        f.debug_struct("CoordinatorChannel")
+            .field("addresses", &addresses)
+            .field("current", &self.current_address())
+            .finish()
+    }
+}
+
+impl CoordinatorChannel {
+    /// Channels to every address in `addresses` (see [`split_addresses`])
+    /// that connect on first use; the first is current.
+    pub fn lazy(addresses: &str, tls: &ClientTls) -> Result<Self, ConnectError> {
+        let channels = split_addresses(addresses)?
+            .into_iter()
+            .map(|address| {
+                let channel = configured(&address, tls)?.connect_lazy();
+                Ok((address, channel))
+            })
+            .collect::<Result<Vec<_>, ConnectError>>()?;
+        Ok(Self::from_channels(channels, 0))
+    }
+
+    /// Connects to the first address that answers, in order, and makes it
+    /// current; the others connect on first use. Fails with the last
+    /// address's error when none answers.
+    pub async fn connect(addresses: &str, tls: &ClientTls) -> Result<Self, ConnectError> {
+        let list = split_addresses(addresses)?;
+        let mut channels = Vec::with_capacity(list.len());
+        let mut current = None;
+        let mut last_error = None;
+        for address in list {
+            let endpoint = configured(&address, tls)?;
+            if current.is_none() {
+                match endpoint.connect().await {
+                    Ok(channel) => {
+                        current = Some(channels.len());
+                        channels.push((address, channel));
+                        continue;
+                    }
+                    Err(cause) => {
+                        last_error = Some(ConnectError::Unreachable {
+                            address: address.clone(),
+                            cause,
+                        });
+                    }
+                }
+            }
+            channels.push((address, endpoint.connect_lazy()));
+        }
+        match current {
+            Some(current) => Ok(Self::from_channels(channels, current)),
+            None => Err(last_error.expect("an address was tried")),
+        }
+    }
+
+    fn from_channels(channels: Vec<(String, Channel)>, current: usize) -> Self {
+        Self {
+            replicas: Arc::new(Replicas {
+                channels,
+                current: AtomicUsize::new(current),
+            }),
+        }
+    }
+
+    /// The address calls go to now.
+    pub fn current_address(&self) -> &str {
+        let replicas = &self.replicas;
+        &replicas.channels[replicas.current.load(Ordering::Relaxed)].0
+    }
+}
+
+/// The endpoint of `address` with the settings every coordinator channel uses.
+fn configured(address: &str, tls: &ClientTls) -> Result<Endpoint, ConnectError> {
+    Ok(endpoint(address, tls)?
+        .connect_timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30)))
+}
+
+impl tonic::codegen::Service<http::Request<tonic::body::Body>> for CoordinatorChannel {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = tonic::transport::Error;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Readiness is the chosen channel's, awaited in the call: which one
+        // is chosen may change until then.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let replicas = self.replicas.clone();
+        let index = replicas.current.load(Ordering::Relaxed);
+        let mut channel = replicas.channels[index].1.clone();
+        Box::pin(async move {
+            let result = async {
+                futures::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+                channel.call(request).await
+            }
+            .await;
+            if let Err(e) = &result
+                && replicas.channels.len() > 1
+            {
+                let next = (index + 1) % replicas.channels.len();
+                // Only the first of several failed calls moves on.
+                if replicas
+                    .current
+                    .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    tracing::warn!(
+                        from = %replicas.channels[index].0,
+                        to = %replicas.channels[next].0,
+                        error = %describe_chain(e),
+                        "coordinator replica unreachable; the next calls go to another"
+                    );
+                }
+            }
+            result
+        })
+    }
+}
 
 /// Connection attempts [`Coordinator::connect_retrying`] makes.
 const CONNECT_TRIES: u32 = 6;
@@ -67,7 +230,7 @@ pub struct CoordinatorClient {
     pub address: String,
     pub checkpoints: CheckpointServiceClient<AuthChannel>,
     pub workspaces: WorkspaceServiceClient<AuthChannel>,
-    channel: Channel,
+    channel: CoordinatorChannel,
     interceptor: BearerInterceptor,
 }
 
@@ -80,8 +243,9 @@ impl std::fmt::Debug for CoordinatorClient {
 }
 
 impl CoordinatorClient {
-    /// Connects to `address` (e.g. `http://127.0.0.1:7400`) with `token`,
-    /// trusting the CA in `CAIRN_CA` for an `https://` address.
+    /// Connects to `address` (e.g. `http://127.0.0.1:7400`, or several
+    /// replicas' separated by commas) with `token`, trusting the CA in
+    /// `CAIRN_CA` for an `https://` address.
     pub async fn connect(address: &str, token: Option<&str>) -> Result<Self, ConnectError> {
         Self::connect_with(address, token, &ClientTls::from_env()?).await
     }
@@ -92,18 +256,8 @@ impl CoordinatorClient {
         token: Option<&str>,
         tls: &ClientTls,
     ) -> Result<Self, ConnectError> {
-        let address = address.trim().trim_end_matches('/').to_owned();
-        let endpoint = endpoint(&address, tls)?
-            .connect_timeout(Duration::from_secs(10))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(30));
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|cause| ConnectError::Unreachable {
-                address: address.clone(),
-                cause,
-            })?;
+        let address = split_addresses(address)?.join(",");
+        let channel = CoordinatorChannel::connect(&address, tls).await?;
         let interceptor = BearerInterceptor::new(token)?;
         Ok(Self::from_channel(address, channel, interceptor))
     }
@@ -130,7 +284,11 @@ impl CoordinatorClient {
         }
     }
 
-    fn from_channel(address: String, channel: Channel, interceptor: BearerInterceptor) -> Self {
+    fn from_channel(
+        address: String,
+        channel: CoordinatorChannel,
+        interceptor: BearerInterceptor,
+    ) -> Self {
         let intercepted = InterceptedService::new(channel.clone(), interceptor.clone());
         Self {
             address,

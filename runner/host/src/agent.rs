@@ -40,14 +40,13 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
 
 use super::driver::{Driver, Sandbox, SandboxSpec};
 use super::kept::KeptWorkspaces;
 use super::layout::{HostCredential, Layout, SandboxRecord, valid_sandbox_id};
 use super::sandbox::{self, Cleanup, KeepOnEnd, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
 use super::{HostConfig, HostError};
-use cairn_engine::client::AuthChannel;
+use cairn_engine::client::{AuthChannel, CoordinatorChannel};
 
 /// How often kept workspace trees are checked against their age bound.
 const KEPT_PRUNE_EVERY: Duration = Duration::from_secs(600);
@@ -109,7 +108,7 @@ pub struct Agent<D: Driver> {
     layout: Layout,
     kept: Option<Arc<KeptWorkspaces>>,
     kept_pruned: Instant,
-    channel: Channel,
+    channel: CoordinatorChannel,
     client: HostServiceClient<AuthChannel>,
     /// The client speaks with the host's bound token (kept in the data dir),
     /// not the one the agent was started with.
@@ -148,13 +147,10 @@ struct Unreachable {
 
 impl<D: Driver> Agent<D> {
     pub fn new(config: HostConfig, driver: D, layout: Layout) -> Result<Self, HostError> {
-        let endpoint =
-            cairn_engine::client::endpoint(config.coordinator.trim_end_matches('/'), &config.tls)
-                .map_err(|e| HostError::Config(e.to_string()))?
-                .connect_timeout(Duration::from_secs(5))
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(30));
-        let channel: Channel = endpoint.connect_lazy();
+        // One coordinator, or several replicas (comma-separated) it fails
+        // over between.
+        let channel = CoordinatorChannel::lazy(&config.coordinator, &config.tls)
+            .map_err(|e| HostError::Config(e.to_string()))?;
         let credential = layout.read_credential()?;
         let (client, host_id, bound) = match credential {
             Some(credential) => {
@@ -945,7 +941,7 @@ impl<D: Driver> Agent<D> {
 
 /// A HostService client on `channel` that sends `token`.
 fn host_client(
-    channel: &Channel,
+    channel: &CoordinatorChannel,
     token: &str,
 ) -> Result<HostServiceClient<AuthChannel>, HostError> {
     let interceptor =

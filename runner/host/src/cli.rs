@@ -20,7 +20,9 @@ use cairn_utils::logging::LogFormat;
 #[derive(Debug, Parser)]
 #[command(name = "cairn-host", version)]
 pub struct HostArgs {
-    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400.
+    /// Coordinator gRPC address, e.g. http://127.0.0.1:7400; several
+    /// replicas' separated by commas (the agent and its sandboxes fail over
+    /// between them).
     #[arg(long, env = "CAIRN_COORDINATOR")]
     pub coordinator: String,
 
