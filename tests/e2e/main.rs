@@ -44,6 +44,7 @@ mod incremental;
 mod layout;
 mod limits;
 mod partial;
+mod replicas;
 mod restore_space;
 mod restore_speed;
 mod retention;

@@ -140,6 +140,11 @@ pub struct Fleet {
     // Hosts go first: they must be gone before the coordinator is.
     hosts: Vec<Host>,
     pub coordinator: Coordinator,
+    /// A second coordinator on the same database, when the fleet has one.
+    pub replica: Option<Coordinator>,
+    /// What hosts and the fleet's clients are given: the coordinator's
+    /// address, or both replicas' separated by a comma.
+    addresses: String,
     dir: TempDir,
     runtime: tokio::runtime::Runtime,
     runs: RunServiceClient<AuthChannel>,
@@ -191,11 +196,38 @@ impl Fleet {
     }
 
     fn around(coordinator: Coordinator) -> Self {
+        let addresses = coordinator.grpc_url().to_owned();
+        Self::around_addresses(coordinator, None, addresses)
+    }
+
+    /// Two coordinators on one database (started by the caller with the
+    /// [`FleetTiming`] flags): hosts, their sandboxes and the fleet's
+    /// clients are given both addresses, `first`'s first.
+    pub fn around_replicas(first: Coordinator, second: Coordinator) -> Self {
+        require_local_sandboxes();
+        let addresses = format!("{},{}", first.grpc_url(), second.grpc_url());
+        Self::around_addresses(first, Some(second), addresses)
+    }
+
+    fn around_addresses(
+        coordinator: Coordinator,
+        replica: Option<Coordinator>,
+        addresses: String,
+    ) -> Self {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("a current-thread runtime always builds");
-        let channel = runtime.block_on(async { coordinator.admin().await.auth_channel() });
+        let channel = runtime.block_on(async {
+            cairn_engine::client::CoordinatorClient::connect_with(
+                &addresses,
+                Some(coordinator.admin_token()),
+                &coordinator.client_tls(),
+            )
+            .await
+            .expect("the fleet's coordinator answers")
+            .auth_channel()
+        });
         let fleet = Self {
             hosts: Vec::new(),
             runs: RunServiceClient::new(channel.clone()),
@@ -203,6 +235,8 @@ impl Fleet {
             dir: tempdir("fleet"),
             runtime,
             coordinator,
+            replica,
+            addresses,
         };
         fleet.write_recorded_agent();
         fleet
@@ -221,7 +255,7 @@ impl Fleet {
             home: tempdir(&format!("host-{name}")),
             child: None,
             options,
-            coordinator: self.coordinator.grpc_url().to_owned(),
+            coordinator: self.addresses.clone(),
             admin_token: self.coordinator.admin_token().to_owned(),
             ca: self.coordinator.ca().map(Path::to_path_buf),
         };
@@ -373,12 +407,18 @@ exec '{agent}' "$@"
     }
 
     pub fn get_run(&self, run_id: &str) -> pb::Run {
+        self.try_get_run(run_id)
+            .unwrap_or_else(|s| panic!("GetRun {run_id} failed: {s}"))
+    }
+
+    /// GetRun, whatever the answer (a call to a replica that just died
+    /// fails, and moves the fleet's clients to the other).
+    pub fn try_get_run(&self, run_id: &str) -> Result<pb::Run, tonic::Status> {
         let mut runs = self.runs.clone();
         self.block_on(runs.get_run(pb::GetRunRequest {
             run_id: run_id.to_owned(),
         }))
-        .unwrap_or_else(|s| panic!("GetRun {run_id} failed: {s}"))
-        .into_inner()
+        .map(tonic::Response::into_inner)
     }
 
     /// The run's events so far, oldest first.

@@ -74,6 +74,9 @@ pub fn tempdir(label: &str) -> TempDir {
 /// A running `cairn-coordinator serve` on ephemeral ports; killed on drop.
 pub struct Coordinator {
     home: TempDir,
+    /// The data dir whose test database it uses (its own, unless it is a
+    /// replica of another coordinator).
+    database_of: Option<PathBuf>,
     extra_args: Vec<String>,
     /// Environment variables its process gets (e.g. CAIRN_FAILPOINTS).
     extra_env: Vec<(String, String)>,
@@ -118,6 +121,7 @@ impl Coordinator {
     pub fn start_with(extra_args: &[&str]) -> Self {
         let mut coordinator = Self {
             home: tempdir("coordinator"),
+            database_of: None,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             extra_env: Vec::new(),
             child: None,
@@ -139,6 +143,7 @@ impl Coordinator {
         args.extend(extra_args.iter().map(|s| s.to_string()));
         let mut coordinator = Self {
             home: tempdir("coordinator"),
+            database_of: None,
             extra_args: args,
             extra_env: Vec::new(),
             child: None,
@@ -224,7 +229,9 @@ impl Coordinator {
                 "--blob-listen",
                 &self.listen[1],
             ])
-            .args(test_database_args(&data))
+            .args(test_database_args(
+                self.database_of.as_deref().unwrap_or(&data),
+            ))
             .args(&self.extra_args)
             .env_remove("CAIRN_FAILPOINTS")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
@@ -260,6 +267,34 @@ impl Coordinator {
         }
     }
 
+    /// A second coordinator on `first`'s database (PostgreSQL: replicas
+    /// need `CAIRN_TEST_DATABASE`) with a data dir of its own, extra
+    /// `serve` flags and environment variables.
+    pub fn start_replica_of(first: &Self, extra_args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut coordinator = Self {
+            home: tempdir("replica"),
+            database_of: Some(first.data_dir()),
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            child: None,
+            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
+            grpc_url: String::new(),
+            blob_url: String::new(),
+            admin_token: String::new(),
+            ca: None,
+        };
+        coordinator.spawn();
+        coordinator
+    }
+
+    /// Kills the process (SIGKILL, a crash) and leaves it dead.
+    pub fn kill(&mut self) {
+        self.stop();
+    }
+
     /// Kills the process (SIGKILL, a crash) and starts it again on the same data dir.
     pub fn restart(&mut self) {
         self.stop();
@@ -284,6 +319,7 @@ impl Coordinator {
     pub fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut coordinator = Self {
             home: tempdir("coordinator"),
+            database_of: None,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             extra_env: env
                 .iter()
