@@ -1,0 +1,78 @@
+//! A tiny fleet and a tiny commits phase against the real
+//! `cairn-coordinator` binary (built by `cargo build -p cairn-coordinator`
+//! or `--workspace --bins`; its absence fails the test, never skips it).
+
+use std::time::Duration;
+
+use cairn_load::{ClusterOptions, CommitsOptions, FleetOptions, ReplicaReport};
+
+fn cluster() -> ClusterOptions {
+    let mut options =
+        ClusterOptions::new(cairn_utils::testing::sibling_binary("cairn-coordinator"));
+    options.channels_per_replica = 2;
+    options
+}
+
+fn stopped_cleanly(coordinators: &[ReplicaReport]) {
+    assert_eq!(coordinators.len(), 1);
+    let coordinator = &coordinators[0];
+    assert!(coordinator.alive_at_end, "{coordinator:#?}");
+    assert_eq!(coordinator.exit, "exited with status 0", "{coordinator:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_run_of_a_small_fleet_reaches_one_host_once() {
+    let report = cairn_load::fleet(FleetOptions {
+        cluster: cluster(),
+        hosts: 5,
+        slots: 2,
+        runs: 8,
+        heartbeat_interval: Duration::from_millis(200),
+        lease: Duration::from_secs(10),
+        create_concurrency: 4,
+        duration_limit: Duration::from_secs(30),
+    })
+    .await
+    .expect("the fleet phase runs");
+    assert!(!report.timed_out, "{report:#?}");
+    assert_eq!(report.hosts_registered, 5, "{report:#?}");
+    assert_eq!(report.heartbeat_interval_ms, 200, "{report:#?}");
+    assert_eq!(report.runs_created, 8, "{report:#?}");
+    assert_eq!(report.create_errors.total, 0, "{report:#?}");
+    assert_eq!(report.runs_assigned, 8, "{report:#?}");
+    assert_eq!(report.runs_assigned_more_than_once, 0, "{report:#?}");
+    assert_eq!(report.runs_unassigned, 0, "{report:#?}");
+    assert_eq!(report.create_to_assign.count, 8, "{report:#?}");
+    assert!(report.assignments_per_second > 0.0, "{report:#?}");
+    // Five hosts beat for at least two intervals after the last assignment.
+    assert!(report.heartbeats.count >= 10, "{report:#?}");
+    assert_eq!(report.heartbeat_errors.total, 0, "{report:#?}");
+    assert_eq!(report.destroy_orders, 0, "{report:#?}");
+    assert_eq!(report.lost_answers, 0, "{report:#?}");
+    assert_eq!(report.over_capacity, 0, "{report:#?}");
+    stopped_cleanly(&report.coordinators);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_commits_all_succeed_in_sequence() {
+    let report = cairn_load::commits(CommitsOptions {
+        cluster: cluster(),
+        workspaces: 2,
+        concurrency: 2,
+        commits: 20,
+        duration_limit: Duration::from_secs(30),
+    })
+    .await
+    .expect("the commits phase runs");
+    assert!(!report.timed_out, "{report:#?}");
+    assert_eq!(report.workers, 2, "{report:#?}");
+    assert_eq!(report.commits_ok, 20, "{report:#?}");
+    assert_eq!(report.errors.total, 0, "{report:#?}");
+    assert_eq!(report.commit.count, 20, "{report:#?}");
+    // Every answer's sequence was its workspace's previous one plus one:
+    // 10 commits after the first checkpoint on each workspace.
+    assert_eq!(report.sequence_errors, 0, "{report:#?}");
+    assert_eq!(report.max_sequence, 11, "{report:#?}");
+    assert!(report.commits_per_second > 0.0, "{report:#?}");
+    stopped_cleanly(&report.coordinators);
+}
