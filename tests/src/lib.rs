@@ -119,20 +119,7 @@ impl Coordinator {
 
     /// Starts a coordinator with extra `serve` flags (e.g. `--url-ttl 1s`).
     pub fn start_with(extra_args: &[&str]) -> Self {
-        let mut coordinator = Self {
-            home: tempdir("coordinator"),
-            database_of: None,
-            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
-            extra_env: Vec::new(),
-            child: None,
-            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
-            grpc_url: String::new(),
-            blob_url: String::new(),
-            admin_token: String::new(),
-            ca: None,
-        };
-        coordinator.spawn();
-        coordinator
+        Self::start_with_env(extra_args, &[])
     }
 
     /// Starts a coordinator serving TLS with `files`' certificate (and
@@ -271,23 +258,7 @@ impl Coordinator {
     /// need `CAIRN_TEST_DATABASE`) with a data dir of its own, extra
     /// `serve` flags and environment variables.
     pub fn start_replica_of(first: &Self, extra_args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut coordinator = Self {
-            home: tempdir("replica"),
-            database_of: Some(first.data_dir()),
-            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
-            extra_env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            child: None,
-            listen: ["127.0.0.1:0".into(), "127.0.0.1:0".into()],
-            grpc_url: String::new(),
-            blob_url: String::new(),
-            admin_token: String::new(),
-            ca: None,
-        };
-        coordinator.spawn();
-        coordinator
+        Self::spawned("replica", Some(first.data_dir()), extra_args, env)
     }
 
     /// Kills the process (SIGKILL, a crash) and leaves it dead.
@@ -317,9 +288,21 @@ impl Coordinator {
     /// Starts a coordinator with extra `serve` flags and environment
     /// variables (e.g. `CAIRN_FAILPOINTS`).
     pub fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawned("coordinator", None, extra_args, env)
+    }
+
+    /// Starts a coordinator (plain HTTP, ephemeral ports) in a fresh data
+    /// dir named after `label`, on the test database of `database_of`'s
+    /// data dir (its own when `None`).
+    fn spawned(
+        label: &str,
+        database_of: Option<PathBuf>,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut coordinator = Self {
-            home: tempdir("coordinator"),
-            database_of: None,
+            home: tempdir(label),
+            database_of,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             extra_env: env
                 .iter()

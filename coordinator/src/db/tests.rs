@@ -369,13 +369,9 @@ async fn workspaces_list_in_pages_by_id() {
     assert_eq!(listed, ids);
 }
 
-#[tokio::test]
-async fn an_illegal_transition_is_refused_and_changes_nothing() {
-    use crate::runlife::{Event, IllegalTransition};
-    use cairn_proto::runs::RunState;
-
-    let (_dir, db, tenant) = open().await;
-    let new = runs::NewRun {
+/// A run of the command harness on a new workspace.
+fn new_run() -> runs::NewRun {
+    runs::NewRun {
         target: runs::NewRunTarget::NewWorkspace(None),
         station: "implement".into(),
         harness: pb::HarnessSpec {
@@ -391,7 +387,16 @@ async fn an_illegal_transition_is_refused_and_changes_nothing() {
         checkpoint_interval: Duration::ZERO,
         checkpoint_limits: Default::default(),
         lay: Default::default(),
-    };
+    }
+}
+
+#[tokio::test]
+async fn an_illegal_transition_is_refused_and_changes_nothing() {
+    use crate::runlife::{Event, IllegalTransition};
+    use cairn_proto::runs::RunState;
+
+    let (_dir, db, tenant) = open().await;
+    let new = new_run();
     let created = db.create_run(&tenant, new).await.unwrap();
     assert_eq!(created.state, RunState::Queued);
     let events = db.run_events(&created.id, 0, 100).await.unwrap().len();
@@ -457,29 +462,7 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
             .last_heartbeat_at
     };
     let registered = stored_heartbeat().await;
-    let created = db
-        .create_run(
-            &tenant,
-            runs::NewRun {
-                target: runs::NewRunTarget::NewWorkspace(None),
-                station: "implement".into(),
-                harness: pb::HarnessSpec {
-                    name: "command".into(),
-                    ..Default::default()
-                },
-                prompt: "do it".into(),
-                labels: Default::default(),
-                hold: Duration::from_secs(60),
-                max_attempts: 3,
-                repos: Vec::new(),
-                image: String::new(),
-                checkpoint_interval: Duration::ZERO,
-                checkpoint_limits: Default::default(),
-                lay: Default::default(),
-            },
-        )
-        .await
-        .unwrap();
+    let created = db.create_run(&tenant, new_run()).await.unwrap();
     db.assign_run(&created.id, 0, &host.id, &[7; 32])
         .await
         .unwrap()
