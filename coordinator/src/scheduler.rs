@@ -13,10 +13,12 @@
 //! Only the replica holding the leader lease ([`crate::leader`]) runs
 //! passes. A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
 //! an answer, a freed slot, a host) and at least every [`MAX_PASS_INTERVAL`].
-//! Every change happens in its own transaction in [`crate::db`]; a failed
-//! pass is logged and retried by the next.
+//! A pass's assignments are written in batches, a transaction each, in
+//! [`crate::db`], which re-checks every run and host under the write lock;
+//! a failed pass is logged and retried by the next.
 
 use std::cmp::Ordering;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -24,12 +26,15 @@ use cairn_proto::ids::{HostId, RunId};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::{DbError, HostCapacity, MetadataStore, QueuedRun};
+use crate::db::{Assignment, DbError, HostCapacity, MetadataStore, QueuedRun};
 use crate::leader::Leadership;
 use crate::tokens::RunTokenKey;
 
 /// Longest time between two passes.
 pub const MAX_PASS_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Assignments (or queue reasons) written in one transaction.
+const ASSIGNMENTS_PER_TRANSACTION: usize = 200;
 
 /// Wakes the scheduler; cheap to clone.
 #[derive(Debug, Clone, Default)]
@@ -189,6 +194,12 @@ async fn pass(
         return Ok(());
     }
     let hosts = db.ready_hosts().await?;
+    let mut assignments = Vec::new();
+    let mut reasons = Vec::new();
+    let known_reasons: HashMap<&RunId, &str> = queued
+        .iter()
+        .map(|q| (&q.id, q.state_reason.as_str()))
+        .collect();
     for placement in place(&queued, &hosts) {
         match placement {
             Placement::Assign {
@@ -197,25 +208,42 @@ async fn pass(
                 host,
             } => {
                 let token = run_tokens.token(&run, attempt_count + 1);
-                if let Some(assigned) = db
-                    .assign_run(&run, attempt_count, &host, &token.hash)
-                    .await?
-                {
-                    let attempt = assigned.current_attempt();
-                    tracing::info!(
-                        %run,
-                        %host,
-                        attempt = attempt.map_or(0, |a| a.number),
-                        generation = attempt.map_or(0, |a| a.generation.0),
-                        "run assigned"
-                    );
-                }
+                assignments.push(Assignment {
+                    run,
+                    attempt_count,
+                    host,
+                    token_hash: token.hash,
+                });
             }
             Placement::Wait { run, reason } => {
-                if db.set_queue_reason(&run, &reason).await? {
-                    tracing::info!(%run, %reason, "run waits for a host");
+                if known_reasons.get(&run) != Some(&reason.as_str()) {
+                    reasons.push((run, reason));
                 }
             }
+        }
+    }
+    // A transaction a batch: one write lock and one sync for many runs,
+    // short enough that heartbeats and commits get the lock in between.
+    for batch in assignments.chunks(ASSIGNMENTS_PER_TRANSACTION) {
+        for run in db.assign_runs(batch).await? {
+            let attempt = run.current_attempt();
+            tracing::info!(
+                run = %run.id,
+                host = %attempt.map_or_else(String::new, |a| a.host_id.to_string()),
+                attempt = attempt.map_or(0, |a| a.number),
+                generation = attempt.map_or(0, |a| a.generation.0),
+                "run assigned"
+            );
+        }
+    }
+    for batch in reasons.chunks(ASSIGNMENTS_PER_TRANSACTION) {
+        for run in db.set_queue_reasons(batch).await? {
+            let reason = &batch
+                .iter()
+                .find(|(id, _)| *id == run)
+                .expect("changed runs were asked for")
+                .1;
+            tracing::info!(%run, %reason, "run waits for a host");
         }
     }
     Ok(())

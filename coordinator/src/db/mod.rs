@@ -65,7 +65,7 @@ pub use run_records::{Attempt, Run, RunEvent, RunInput, event_reason};
 pub use runs::{
     NewRun, NewRunTarget, OutcomeReport, ProgressReport, RunFilter, SessionRecord, StartedAttempt,
 };
-pub use scheduling::{HostCapacity, QueuedRun};
+pub use scheduling::{Assignment, HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;

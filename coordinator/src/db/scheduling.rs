@@ -2,7 +2,7 @@
 //! assignments (a new attempt, generation and run token), why a run stays
 //! queued, lost hosts and expired holds.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
@@ -10,10 +10,18 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
 
+use super::checkpoints::push_in_list;
 use super::hosts::lose_host;
-use super::run_records::{Attempt, EventDraft, Run, add_event, event_reason, load_run};
+use super::run_records::{
+    Attempt, EventDraft, RUN_COLUMNS, Run, add_event, attach_attempts, event_reason, load_run,
+    run_from_row,
+};
 use super::runs::transition;
-use super::{DbError, MetadataStore, from_millis, millis, parse_column, query_error, unsigned};
+use super::sql::SqlBuilder;
+use super::{
+    DbError, MetadataStore, ROWS_PER_STATEMENT, WriteTx, from_millis, millis, parse_column,
+    query_error, unsigned,
+};
 use crate::runlife::Event;
 use crate::tokens::Scope;
 
@@ -118,169 +126,90 @@ impl MetadataStore {
             .collect()
     }
 
-    /// Assigns a queued run to a host: attempt `attempt_count + 1` with the
-    /// workspace's next generation (older generations' commits are refused
-    /// from now on) and its run token (`token_hash`). Returns `None` when
-    /// the run or host changed since the scheduler looked.
-    pub async fn assign_run(
-        &self,
-        run_id: &RunId,
-        attempt_count: u32,
-        host_id: &HostId,
-        token_hash: &[u8; 32],
-    ) -> Result<Option<Run>, DbError> {
+    /// Assigns queued runs to hosts, all in one transaction: each gets
+    /// attempt `attempt_count + 1` with its workspace's next generation
+    /// (older generations' commits are refused from now on) and its run
+    /// token. An assignment whose run or host changed since the scheduler
+    /// looked (the run is no longer queued with that attempt count, the
+    /// host is no longer ready or has no free slot) is skipped. Returns the
+    /// runs assigned.
+    pub async fn assign_runs(&self, assignments: &[Assignment]) -> Result<Vec<Run>, DbError> {
+        if assignments.is_empty() {
+            return Ok(Vec::new());
+        }
         let now = millis(SystemTime::now());
         let mut tx = self.begin_write().await?;
-        let Some(mut run) = load_run(tx.conn(), run_id).await? else {
-            return Ok(None);
-        };
-        if run.state != RunState::Queued || run.attempt_count != attempt_count {
-            return Ok(None);
-        }
-        let host: Option<(String, String, Option<i64>, i64, i64)> = sqlx::query_as(
-            "SELECT h.tenant, h.admin_state, COALESCE(h.lost_at, h.stopping_at), h.slots,
-                    (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL)
-             FROM hosts h WHERE h.id = $1",
-        )
-        .bind(host_id.as_str())
-        .fetch_optional(tx.conn())
-        .await
-        .map_err(query_error("host capacity"))?;
-        let Some((tenant, admin_state, unavailable_since, slots, used)) = host else {
-            return Ok(None);
-        };
-        if tenant != run.tenant.as_str()
-            || admin_state != HostState::Ready.as_str()
-            || unavailable_since.is_some()
-            || used >= slots
-        {
-            return Ok(None);
-        }
-        let generation: Option<i64> = sqlx::query_scalar(
-            "UPDATE workspaces SET generation = generation + 1, updated_at = $1
-             WHERE id = $2 AND state = 'active' RETURNING generation",
-        )
-        .bind(now)
-        .bind(run.workspace_id.as_str())
-        .fetch_optional(tx.conn())
-        .await
-        .map_err(query_error("advance workspace generation"))?;
-        let Some(generation) = generation else {
-            let why = format!("workspace {} is no longer active", run.workspace_id);
-            transition(
+        let mut runs = load_runs(&mut tx, assignments.iter().map(|a| &a.run)).await?;
+        let mut hosts = host_capacities(&mut tx, assignments.iter().map(|a| &a.host)).await?;
+        let mut assigned = Vec::with_capacity(assignments.len());
+        for assignment in assignments {
+            let Some(mut run) = runs.remove(&assignment.run) else {
+                continue;
+            };
+            if run.state != RunState::Queued || run.attempt_count != assignment.attempt_count {
+                continue;
+            }
+            let Some(host) = hosts.get_mut(&assignment.host) else {
+                continue;
+            };
+            if host.tenant != run.tenant || !host.ready || host.used >= host.slots {
+                continue;
+            }
+            if assign_in(
                 &mut tx,
                 &mut run,
-                Event::WorkspaceInactive,
-                why.clone(),
-                EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
+                &assignment.host,
+                &assignment.token_hash,
+                now,
+            )
+            .await?
+            {
+                host.used += 1;
+                assigned.push(run);
+            }
+        }
+        self.commit(tx).await?;
+        Ok(assigned)
+    }
+
+    /// Updates why queued runs wait, in one transaction; a changed reason
+    /// is recorded as an event. Returns the runs whose reason changed.
+    pub async fn set_queue_reasons(
+        &self,
+        reasons: &[(RunId, String)],
+    ) -> Result<Vec<RunId>, DbError> {
+        if reasons.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let mut runs = load_runs(&mut tx, reasons.iter().map(|(id, _)| id)).await?;
+        let mut changed = Vec::new();
+        for (id, reason) in reasons {
+            let Some(run) = runs.get_mut(id) else {
+                continue;
+            };
+            if run.state != RunState::Queued || run.state_reason == *reason {
+                continue;
+            }
+            sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
+                .bind(reason)
+                .bind(id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("update queue reason"))?;
+            run.state_reason.clone_from(reason);
+            add_event(
+                &mut tx,
+                run,
+                EventDraft::new(event_reason::PLACEMENT, reason.as_str()),
                 now,
             )
             .await?;
-            self.commit(tx).await?;
-            return Ok(None);
-        };
-        let number = attempt_count + 1;
-        let sandbox_id = format!("sbx-{run_id}-a{number}");
-        sqlx::query(
-            "INSERT INTO attempts (run_id, number, generation, host_id, sandbox_id, state, started_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(run_id.as_str())
-        .bind(i64::from(number))
-        .bind(generation)
-        .bind(host_id.as_str())
-        .bind(&sandbox_id)
-        .bind(AttemptState::Assigned.as_str())
-        .bind(now)
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert attempt"))?;
-        sqlx::query("UPDATE runs SET attempt_count = $1 WHERE id = $2")
-            .bind(i64::from(number))
-            .bind(run_id.as_str())
-            .execute(tx.conn())
-            .await
-            .map_err(query_error("count attempts"))?;
-        sqlx::query(
-            "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at, run_id, attempt)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-             ON CONFLICT (token_hash) DO NOTHING",
-        )
-        .bind(token_hash.as_slice())
-        .bind(run.tenant.as_str())
-        .bind(Scope::Run.as_str())
-        .bind(run.workspace_id.as_str())
-        .bind(format!("run {run_id} attempt {number}"))
-        .bind(now)
-        .bind(run_id.as_str())
-        .bind(i64::from(number))
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert run token"))?;
-        // What a reload would read back: the new attempt, as inserted above.
-        let attempt = Attempt {
-            number,
-            generation: Generation(unsigned(generation, "generation")?),
-            host_id: host_id.clone(),
-            sandbox_id: sandbox_id.clone(),
-            state: AttemptState::Assigned,
-            started_at: from_millis(now),
-            ended_at: None,
-            end_reason: String::new(),
-            prepare: String::new(),
-            restored_checkpoint_id: String::new(),
-            outcome: None,
-            destroy_reason: None,
-            sandbox_state: None,
-            exit_code: None,
-            sandbox_gone_at: None,
-        };
-        run.attempt_count = number;
-        run.attempts.push(attempt.clone());
-        let detail = format!(
-            "attempt {number} on host {host_id} (sandbox {sandbox_id}, generation {})",
-            attempt.generation
-        );
-        transition(
-            &mut tx,
-            &mut run,
-            Event::Assigned,
-            format!("assigned to host {host_id}"),
-            EventDraft::new(event_reason::ASSIGNED, detail).of(&attempt),
-            now,
-        )
-        .await?;
-        self.commit(tx).await?;
-        Ok(Some(run))
-    }
-
-    /// Updates why a queued run waits; a changed reason is recorded as an
-    /// event. Returns whether it changed.
-    pub async fn set_queue_reason(&self, run_id: &RunId, reason: &str) -> Result<bool, DbError> {
-        let now = millis(SystemTime::now());
-        let mut tx = self.begin_write().await?;
-        let Some(mut run) = load_run(tx.conn(), run_id).await? else {
-            return Ok(false);
-        };
-        if run.state != RunState::Queued || run.state_reason == reason {
-            return Ok(false);
+            changed.push(id.clone());
         }
-        sqlx::query("UPDATE runs SET state_reason = $1 WHERE id = $2")
-            .bind(reason)
-            .bind(run_id.as_str())
-            .execute(tx.conn())
-            .await
-            .map_err(query_error("update queue reason"))?;
-        run.state_reason = reason.to_owned();
-        add_event(
-            &mut tx,
-            &run,
-            EventDraft::new(event_reason::PLACEMENT, reason),
-            now,
-        )
-        .await?;
         self.commit(tx).await?;
-        Ok(true)
+        Ok(changed)
     }
 
     /// Marks lost every host whose last heartbeat (or `alive_since`, if
@@ -290,21 +219,27 @@ impl MetadataStore {
         lease: Duration,
         alive_since: SystemTime,
     ) -> Result<Vec<HostId>, DbError> {
-        // This replica's renewals first: a host is never lost for a
-        // heartbeat that only waited in memory.
-        self.flush_heartbeats().await?;
         let now_time = SystemTime::now();
         let deadline = millis(now_time.checked_sub(lease).unwrap_or(std::time::UNIX_EPOCH));
         if millis(alive_since) > deadline {
             return Ok(Vec::new());
         }
-        let stale: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM hosts WHERE lost_at IS NULL AND last_heartbeat_at < $1 ORDER BY id",
-        )
-        .bind(deadline)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(query_error("stale hosts"))?;
+        let stale_hosts = || async {
+            sqlx::query_scalar::<_, String>(
+                "SELECT id FROM hosts WHERE lost_at IS NULL AND last_heartbeat_at < $1 ORDER BY id",
+            )
+            .bind(deadline)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(query_error("stale hosts"))
+        };
+        let mut stale = stale_hosts().await?;
+        if !stale.is_empty() && self.flush_heartbeats().await? > 0 {
+            // A host is never lost for a heartbeat that only waited in
+            // this replica's memory: written, then asked again. (Flushed
+            // only here, not every pass, so an idle check writes nothing.)
+            stale = stale_hosts().await?;
+        }
         let mut lost = Vec::new();
         for id in stale {
             let id: HostId = parse_column(&id, "host id")?;
@@ -368,4 +303,197 @@ impl MetadataStore {
         }
         Ok(expired)
     }
+}
+
+/// One run the scheduler places on a host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    pub run: RunId,
+    /// The run's attempts when the scheduler looked.
+    pub attempt_count: u32,
+    pub host: HostId,
+    /// The new attempt's run token, hashed.
+    pub token_hash: [u8; 32],
+}
+
+/// A host's capacity as a transaction sees it.
+struct SlotsInTx {
+    tenant: TenantId,
+    /// Ready, not lost and not stopping.
+    ready: bool,
+    slots: i64,
+    used: i64,
+}
+
+/// The runs named, with their attempts, by id.
+async fn load_runs<'a>(
+    tx: &mut WriteTx,
+    ids: impl Iterator<Item = &'a RunId>,
+) -> Result<HashMap<RunId, Run>, DbError> {
+    let ids: Vec<&RunId> = ids.collect();
+    let mut runs = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new(format!("SELECT {RUN_COLUMNS} FROM runs WHERE id IN"));
+        push_in_list(&mut query, chunk, |id| id.as_str());
+        let rows = query
+            .build()
+            .fetch_all(tx.conn())
+            .await
+            .map_err(query_error("runs to assign"))?;
+        for row in &rows {
+            runs.push(run_from_row(row)?);
+        }
+    }
+    attach_attempts(tx.conn(), &mut runs).await?;
+    Ok(runs.into_iter().map(|run| (run.id.clone(), run)).collect())
+}
+
+/// The capacity of the hosts named, by id (hosts that do not exist are
+/// left out).
+async fn host_capacities<'a>(
+    tx: &mut WriteTx,
+    ids: impl Iterator<Item = &'a HostId>,
+) -> Result<HashMap<HostId, SlotsInTx>, DbError> {
+    let ids: Vec<&HostId> = ids.collect::<BTreeSet<_>>().into_iter().collect();
+    let mut hosts = HashMap::with_capacity(ids.len());
+    for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new(
+            "SELECT h.id, h.tenant, h.admin_state, COALESCE(h.lost_at, h.stopping_at) AS unavailable_since,
+                    h.slots,
+                    (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL) AS used
+             FROM hosts h WHERE h.id IN",
+        );
+        push_in_list(&mut query, chunk, |id| id.as_str());
+        let rows = query
+            .build()
+            .fetch_all(tx.conn())
+            .await
+            .map_err(query_error("host capacity"))?;
+        for row in &rows {
+            let read = |source| DbError::Query {
+                op: "read host capacity",
+                source,
+            };
+            let id: String = row.try_get("id").map_err(read)?;
+            let tenant: String = row.try_get("tenant").map_err(read)?;
+            let admin_state: String = row.try_get("admin_state").map_err(read)?;
+            let unavailable_since: Option<i64> = row.try_get("unavailable_since").map_err(read)?;
+            hosts.insert(
+                parse_column(&id, "host id")?,
+                SlotsInTx {
+                    tenant: parse_column(&tenant, "tenant")?,
+                    ready: admin_state == HostState::Ready.as_str() && unavailable_since.is_none(),
+                    slots: row.try_get("slots").map_err(read)?,
+                    used: row.try_get("used").map_err(read)?,
+                },
+            );
+        }
+    }
+    Ok(hosts)
+}
+
+/// Gives queued `run` its next attempt on `host` inside `tx`. Returns
+/// false, having failed the run, when its workspace is no longer active.
+async fn assign_in(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    host_id: &HostId,
+    token_hash: &[u8; 32],
+    now: i64,
+) -> Result<bool, DbError> {
+    let generation: Option<i64> = sqlx::query_scalar(
+        "UPDATE workspaces SET generation = generation + 1, updated_at = $1
+         WHERE id = $2 AND state = 'active' RETURNING generation",
+    )
+    .bind(now)
+    .bind(run.workspace_id.as_str())
+    .fetch_optional(tx.conn())
+    .await
+    .map_err(query_error("advance workspace generation"))?;
+    let Some(generation) = generation else {
+        let why = format!("workspace {} is no longer active", run.workspace_id);
+        transition(
+            tx,
+            run,
+            Event::WorkspaceInactive,
+            why.clone(),
+            EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
+            now,
+        )
+        .await?;
+        return Ok(false);
+    };
+    let number = run.attempt_count + 1;
+    let run_id = &run.id;
+    let sandbox_id = format!("sbx-{run_id}-a{number}");
+    sqlx::query(
+        "INSERT INTO attempts (run_id, number, generation, host_id, sandbox_id, state, started_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(run_id.as_str())
+    .bind(i64::from(number))
+    .bind(generation)
+    .bind(host_id.as_str())
+    .bind(&sandbox_id)
+    .bind(AttemptState::Assigned.as_str())
+    .bind(now)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert attempt"))?;
+    sqlx::query("UPDATE runs SET attempt_count = $1 WHERE id = $2")
+        .bind(i64::from(number))
+        .bind(run_id.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("count attempts"))?;
+    sqlx::query(
+        "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at, run_id, attempt)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (token_hash) DO NOTHING",
+    )
+    .bind(token_hash.as_slice())
+    .bind(run.tenant.as_str())
+    .bind(Scope::Run.as_str())
+    .bind(run.workspace_id.as_str())
+    .bind(format!("run {run_id} attempt {number}"))
+    .bind(now)
+    .bind(run_id.as_str())
+    .bind(i64::from(number))
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("insert run token"))?;
+    // What a reload would read back: the new attempt, as inserted above.
+    let attempt = Attempt {
+        number,
+        generation: Generation(unsigned(generation, "generation")?),
+        host_id: host_id.clone(),
+        sandbox_id: sandbox_id.clone(),
+        state: AttemptState::Assigned,
+        started_at: from_millis(now),
+        ended_at: None,
+        end_reason: String::new(),
+        prepare: String::new(),
+        restored_checkpoint_id: String::new(),
+        outcome: None,
+        destroy_reason: None,
+        sandbox_state: None,
+        exit_code: None,
+        sandbox_gone_at: None,
+    };
+    run.attempt_count = number;
+    run.attempts.push(attempt.clone());
+    let detail = format!(
+        "attempt {number} on host {host_id} (sandbox {sandbox_id}, generation {})",
+        attempt.generation
+    );
+    transition(
+        tx,
+        run,
+        Event::Assigned,
+        format!("assigned to host {host_id}"),
+        EventDraft::new(event_reason::ASSIGNED, detail).of(&attempt),
+        now,
+    )
+    .await?;
+    Ok(true)
 }

@@ -3,6 +3,7 @@
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{BlobId, Generation, PackId, TenantId};
 use cairn_proto::pb;
+use cairn_proto::runs::RunState;
 
 use super::*;
 
@@ -463,10 +464,16 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
     };
     let registered = stored_heartbeat().await;
     let created = db.create_run(&tenant, new_run()).await.unwrap();
-    db.assign_run(&created.id, 0, &host.id, &[7; 32])
+    let assigned = db
+        .assign_runs(&[Assignment {
+            run: created.id.clone(),
+            attempt_count: 0,
+            host: host.id.clone(),
+            token_hash: [7; 32],
+        }])
         .await
-        .unwrap()
-        .expect("the run is assigned");
+        .unwrap();
+    assert_eq!(assigned.len(), 1, "the run is assigned");
 
     // Nothing changes: the assignment is answered, nothing is written.
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -522,4 +529,94 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
         .unwrap();
     let host = db.host(&tenant, host.id.as_str()).await.unwrap();
     assert_eq!(host.kept_workspaces, kept);
+}
+
+#[tokio::test]
+async fn a_batch_of_assignments_rechecks_every_run_and_slot_in_its_transaction() {
+    let (_dir, db, tenant) = open().await;
+    let register = |name: &str| hosts::HostRegistration {
+        host_id: None,
+        name: name.into(),
+        labels: Default::default(),
+        slots: 1,
+        driver: "local".into(),
+    };
+    let mut hosts = Vec::new();
+    for name in ["a", "b"] {
+        let hosts::Registered::Host { host, .. } = db
+            .register_host(&tenant, register(name), false, None)
+            .await
+            .unwrap()
+        else {
+            panic!("a new host registers");
+        };
+        hosts.push(host.id);
+    }
+    let mut runs = Vec::new();
+    for _ in 0..4 {
+        runs.push(db.create_run(&tenant, new_run()).await.unwrap().id);
+    }
+    let assignment = |run: usize, attempt_count: u32, host: usize| Assignment {
+        run: runs[run].clone(),
+        attempt_count,
+        host: hosts[host].clone(),
+        token_hash: [u8::try_from(run).unwrap(); 32],
+    };
+    // Run 1 asks host a, which run 0 just filled; run 2 was counted with
+    // an attempt it does not have; run 3 takes host b.
+    let assigned = db
+        .assign_runs(&[
+            assignment(0, 0, 0),
+            assignment(1, 0, 0),
+            assignment(2, 1, 1),
+            assignment(3, 0, 1),
+        ])
+        .await
+        .unwrap();
+    let placed: Vec<(RunId, HostId)> = assigned
+        .iter()
+        .map(|run| {
+            let attempt = run
+                .current_attempt()
+                .expect("an assigned run has an attempt");
+            assert_eq!(run.state, RunState::Assigned);
+            assert_eq!(attempt.number, 1);
+            (run.id.clone(), attempt.host_id.clone())
+        })
+        .collect();
+    assert_eq!(
+        placed,
+        [
+            (runs[0].clone(), hosts[0].clone()),
+            (runs[3].clone(), hosts[1].clone())
+        ]
+    );
+    for skipped in [&runs[1], &runs[2]] {
+        let run = db.run(&tenant, skipped).await.unwrap().unwrap();
+        assert_eq!(run.state, RunState::Queued, "{skipped} stays queued");
+        assert!(run.attempts.is_empty());
+    }
+    // What was written reads back the same, and the same batch again
+    // assigns nothing: both runs moved on, both hosts are full.
+    let stored = db.run(&tenant, &runs[3]).await.unwrap().unwrap();
+    assert_eq!(stored.attempts, assigned[1].attempts);
+    assert!(
+        db.assign_runs(&[assignment(0, 0, 1), assignment(1, 0, 1)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Waiting reasons: written once, an event each time one changes.
+    let reasons = [
+        (runs[1].clone(), "all 2 matching hosts are full".to_owned()),
+        (runs[0].clone(), "not queued any more".to_owned()),
+    ];
+    assert_eq!(
+        db.set_queue_reasons(&reasons).await.unwrap(),
+        [runs[1].clone()]
+    );
+    assert!(db.set_queue_reasons(&reasons).await.unwrap().is_empty());
+    let run = db.run(&tenant, &runs[1]).await.unwrap().unwrap();
+    assert_eq!(run.state_reason, "all 2 matching hosts are full");
 }
