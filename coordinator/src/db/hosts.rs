@@ -8,7 +8,7 @@
 //! every reported sandbox that is gone. A lost answer is repeated by the next
 //! heartbeat, and a repeated report changes nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::SystemTime;
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
@@ -16,8 +16,12 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
-use super::run_records::{EventDraft, Run, event_reason, load_run};
+use super::checkpoints::push_in_list;
+use super::run_records::{
+    ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
+};
 use super::runs::{EndCause, end_attempt, sandbox_gone, transition};
+use super::sql::SqlBuilder;
 use super::tokens::{NewTokenRow, TokenInfo, insert_token};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
@@ -490,7 +494,7 @@ impl MetadataStore {
 
     /// Persists the leases renewed in memory since the last flush, in one
     /// transaction, and returns how many. A failed flush keeps them for the
-    /// next one. The scheduler flushes before it looks for lost hosts, and
+    /// next one. The scheduler flushes before it declares a host lost, and
     /// the coordinator every [`heartbeat_flush_interval`], so another
     /// replica sees a renewal at most that late.
     pub async fn flush_heartbeats(&self) -> Result<usize, DbError> {
@@ -499,16 +503,24 @@ impl MetadataStore {
             return Ok(0);
         }
         let result = async {
+            let renewed: Vec<(&HostId, i64)> = renewed.iter().map(|(h, at)| (h, *at)).collect();
             let mut tx = self.begin_write().await?;
-            for (host, at) in &renewed {
-                sqlx::query(
-                    "UPDATE hosts SET last_heartbeat_at = $1 WHERE id = $2 AND last_heartbeat_at < $1",
-                )
-                .bind(*at)
-                .bind(host.as_str())
-                .execute(tx.conn())
-                .await
-                .map_err(query_error("renew host lease"))?;
+            // One statement a chunk; a renewal never moves a lease back (a
+            // host that moved to another replica may have renewed since).
+            for chunk in renewed.chunks(super::ROWS_PER_STATEMENT) {
+                let mut query = SqlBuilder::new("UPDATE hosts SET last_heartbeat_at = CASE");
+                for (host, at) in chunk {
+                    query.push(" WHEN id = ").push_bind(host.as_str());
+                    query.push(" AND last_heartbeat_at < ").push_bind(*at);
+                    query.push(" THEN ").push_bind(*at);
+                }
+                query.push(" ELSE last_heartbeat_at END WHERE id IN");
+                push_in_list(&mut query, chunk, |(host, _)| host.as_str());
+                query
+                    .build()
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("renew host leases"))?;
             }
             self.commit(tx).await
         }
@@ -678,17 +690,24 @@ impl Heartbeat<'_> {
             state: Some(host.state()),
             ..Default::default()
         };
+        // A read session reads the attempts it concerns once, in a few
+        // statements whatever the number of sandboxes; a write session
+        // reads each run afresh, as its own writes may have changed it.
+        let known = match session {
+            Session::Read(ref mut conn) => Some(KnownAttempts::read(conn, host_id, reports).await?),
+            Session::Write(_) => None,
+        };
         let mut reported = std::collections::BTreeSet::new();
         for report in reports {
             reported.insert(report.sandbox_id.clone());
-            let found: Option<(String, i64, String)> = sqlx::query_as(
-                "SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1",
-            )
-            .bind(&report.sandbox_id)
-            .fetch_optional(session.conn())
-            .await
-            .map_err(query_error("find sandbox"))?;
-            let found = found.filter(|(_, _, on)| on == host_id.as_str());
+            let found = match &known {
+                Some(known) => known
+                    .by_sandbox
+                    .get(&report.sandbox_id)
+                    .map(|(run, attempt)| (run.clone(), attempt.number, attempt.host_id.clone())),
+                None => find_sandbox(session.conn(), &report.sandbox_id).await?,
+            };
+            let found = found.filter(|(_, _, on)| on == host_id);
             let Some((run_id, number, _)) = found else {
                 if report.state.is_gone() {
                     answer.forget.push(report.sandbox_id.clone());
@@ -699,12 +718,15 @@ impl Heartbeat<'_> {
                 }
                 continue;
             };
-            let run_id: RunId = parse_column(&run_id, "run id")?;
-            let number: u32 = unsigned(number, "attempt")?;
-            let mut run = run_of_attempt(session.conn(), &run_id).await?;
-            let attempt = run
-                .attempt(number)
-                .cloned()
+            let (mut run, attempt) = match &known {
+                Some(known) => (None, known.attempt(&report.sandbox_id)),
+                None => {
+                    let run = run_of_attempt(session.conn(), &run_id).await?;
+                    let attempt = run.attempt(number).cloned();
+                    (Some(run), attempt)
+                }
+            };
+            let attempt = attempt
                 .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
             if report.state.is_gone() {
                 if attempt.sandbox_gone_at.is_none() {
@@ -713,7 +735,7 @@ impl Heartbeat<'_> {
                     };
                     sandbox_gone(
                         tx,
-                        &mut run,
+                        run.as_mut().expect("a write session reads whole runs"),
                         number,
                         report.state,
                         report.exit_code,
@@ -753,9 +775,25 @@ impl Heartbeat<'_> {
         }
 
         // Sandboxes the host did not mention this time.
-        for (run_id, number) in attempts_on_host(session.conn(), host_id).await? {
-            let mut run = run_of_attempt(session.conn(), &run_id).await?;
-            let Some(attempt) = run.attempt(number).cloned() else {
+        let on_host: Vec<(RunId, u32, Option<Attempt>)> = match &known {
+            Some(known) => known.on_host(host_id),
+            None => attempts_on_host(session.conn(), host_id)
+                .await?
+                .into_iter()
+                .map(|(run, number)| (run, number, None))
+                .collect(),
+        };
+        let mut to_start = Vec::new();
+        for (run_id, number, known_attempt) in on_host {
+            let (mut run, attempt) = match known_attempt {
+                Some(attempt) => (None, Some(attempt)),
+                None => {
+                    let run = run_of_attempt(session.conn(), &run_id).await?;
+                    let attempt = run.attempt(number).cloned();
+                    (Some(run), attempt)
+                }
+            };
+            let Some(attempt) = attempt else {
                 continue;
             };
             if reported.contains(&attempt.sandbox_id) {
@@ -770,7 +808,7 @@ impl Heartbeat<'_> {
                 };
                 sandbox_gone(
                     tx,
-                    &mut run,
+                    run.as_mut().expect("a write session reads whole runs"),
                     number,
                     SandboxState::Failed,
                     0,
@@ -794,18 +832,150 @@ impl Heartbeat<'_> {
             let unstarted =
                 attempt.sandbox_state.is_none() && attempt.state == AttemptState::Assigned;
             if wanted && unstarted {
-                answer.assignments.push(AssignmentRecord {
-                    sandbox_id: attempt.sandbox_id.clone(),
-                    run_id: run.id.clone(),
-                    attempt: attempt.number,
-                    generation: attempt.generation,
-                    workspace_id: run.workspace_id.clone(),
-                    image: run.image.clone(),
-                });
+                to_start.push((run_id, attempt));
             }
         }
+        answer.assignments = assignment_records(session.conn(), to_start).await?;
         Ok(Some(answer))
     }
+}
+
+/// The attempts a heartbeat in a read session concerns: those on the host
+/// whose sandbox is not gone, and those of the sandboxes it reports.
+struct KnownAttempts {
+    by_sandbox: HashMap<String, (RunId, Attempt)>,
+}
+
+impl KnownAttempts {
+    async fn read(
+        conn: &mut AnyConnection,
+        host: &HostId,
+        reports: &[ReportedSandbox],
+    ) -> Result<Self, DbError> {
+        let mut by_sandbox = HashMap::new();
+        let keep = |by_sandbox: &mut HashMap<_, _>, rows: Vec<AnyRow>| -> Result<(), DbError> {
+            for row in &rows {
+                let (run, attempt) = attempt_from_row(row)?;
+                by_sandbox.insert(attempt.sandbox_id.clone(), (run, attempt));
+            }
+            Ok(())
+        };
+        let on_host = sqlx::query(&format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE host_id = $1 AND sandbox_gone_at IS NULL"
+        ))
+        .bind(host.as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(query_error("attempts on host"))?;
+        keep(&mut by_sandbox, on_host)?;
+        let elsewhere: Vec<&str> = reports
+            .iter()
+            .map(|r| r.sandbox_id.as_str())
+            .filter(|id| !by_sandbox.contains_key(*id))
+            .collect();
+        for chunk in elsewhere.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new(format!(
+                "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_id IN"
+            ));
+            push_in_list(&mut query, chunk, |id| *id);
+            let rows = query
+                .build()
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(query_error("reported sandboxes"))?;
+            keep(&mut by_sandbox, rows)?;
+        }
+        Ok(Self { by_sandbox })
+    }
+
+    fn attempt(&self, sandbox: &str) -> Option<Attempt> {
+        self.by_sandbox.get(sandbox).map(|(_, a)| a.clone())
+    }
+
+    /// As [`attempts_on_host`] orders them, with each attempt.
+    fn on_host(&self, host: &HostId) -> Vec<(RunId, u32, Option<Attempt>)> {
+        let mut on_host: Vec<(RunId, u32, Option<Attempt>)> = self
+            .by_sandbox
+            .values()
+            .filter(|(_, a)| &a.host_id == host && a.sandbox_gone_at.is_none())
+            .map(|(run, a)| (run.clone(), a.number, Some(a.clone())))
+            .collect();
+        on_host.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        on_host
+    }
+}
+
+/// The run and host of the attempt that owns `sandbox`.
+async fn find_sandbox(
+    conn: &mut AnyConnection,
+    sandbox: &str,
+) -> Result<Option<(RunId, u32, HostId)>, DbError> {
+    let found: Option<(String, i64, String)> =
+        sqlx::query_as("SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1")
+            .bind(sandbox)
+            .fetch_optional(conn)
+            .await
+            .map_err(query_error("find sandbox"))?;
+    found
+        .map(|(run, number, host)| {
+            Ok((
+                parse_column(&run, "run id")?,
+                unsigned(number, "attempt")?,
+                parse_column(&host, "host id")?,
+            ))
+        })
+        .transpose()
+}
+
+/// What a host is told to start for each of `attempts`, with its run's
+/// workspace and image, in one statement a chunk.
+async fn assignment_records(
+    conn: &mut AnyConnection,
+    attempts: Vec<(RunId, Attempt)>,
+) -> Result<Vec<AssignmentRecord>, DbError> {
+    let mut runs: HashMap<RunId, (WorkspaceId, String)> = HashMap::new();
+    let ids: Vec<&RunId> = attempts.iter().map(|(run, _)| run).collect();
+    for chunk in ids.chunks(super::ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new("SELECT id, workspace_id, image FROM runs WHERE id IN");
+        push_in_list(&mut query, chunk, |id| id.as_str());
+        let rows = query
+            .build()
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(query_error("runs to start"))?;
+        for row in &rows {
+            let read = |source| DbError::Query {
+                op: "read run to start",
+                source,
+            };
+            let id: String = row.try_get("id").map_err(read)?;
+            let workspace: String = row.try_get("workspace_id").map_err(read)?;
+            runs.insert(
+                parse_column(&id, "run id")?,
+                (
+                    parse_column(&workspace, "workspace id")?,
+                    row.try_get("image").map_err(read)?,
+                ),
+            );
+        }
+    }
+    attempts
+        .into_iter()
+        .map(|(run_id, attempt)| {
+            let (workspace_id, image) = runs
+                .get(&run_id)
+                .cloned()
+                .ok_or_else(|| DbError::Corrupt(format!("attempt of missing run {run_id}")))?;
+            Ok(AssignmentRecord {
+                sandbox_id: attempt.sandbox_id,
+                run_id,
+                attempt: attempt.number,
+                generation: attempt.generation,
+                workspace_id,
+                image,
+            })
+        })
+        .collect()
 }
 
 /// The host agent is shutting down: no new assignments, and every attempt on
