@@ -87,7 +87,7 @@ use sqlx::{Any, Connection, Executor, Row, Transaction};
 use sqlx::{AnyConnection, AnyPool};
 
 use sql::SqlBuilder;
-use tokio::sync::broadcast;
+use tokio::sync::{OwnedMutexGuard, broadcast};
 
 /// Key id of a tenant's first key.
 pub const FIRST_KEY_ID: &str = "k1";
@@ -337,6 +337,10 @@ pub struct MetadataStore {
     /// On PostgreSQL, the channel committed run changes are announced on
     /// to every replica (`NOTIFY`), and the URL to listen with.
     run_channel: Option<RunChannel>,
+    /// On SQLite, taken before the database's write lock: writers wait
+    /// their turn here, in order, instead of in SQLite's busy handler,
+    /// which sleeps up to 100 ms between tries and lets newcomers overtake.
+    write_gate: Option<Arc<tokio::sync::Mutex<()>>>,
 }
 
 /// Where a PostgreSQL database announces run changes to all replicas.
@@ -357,6 +361,35 @@ const RUNS_PER_NOTIFICATION: usize = 200;
 pub(crate) struct WriteTx {
     tx: Transaction<'static, Any>,
     changed_runs: BTreeSet<RunId>,
+    /// Released after `tx` ends (fields drop in order).
+    _gate: Option<OwnedMutexGuard<()>>,
+}
+
+/// A checkpoint commit's transaction (see [`MetadataStore::begin_commit`]).
+pub(crate) struct CommitTx {
+    tx: Transaction<'static, Any>,
+    /// Released after `tx` ends (fields drop in order).
+    _gate: Option<OwnedMutexGuard<()>>,
+}
+
+impl CommitTx {
+    pub(crate) async fn commit(self) -> Result<(), sqlx::Error> {
+        self.tx.commit().await
+    }
+}
+
+impl std::ops::Deref for CommitTx {
+    type Target = AnyConnection;
+
+    fn deref(&self) -> &AnyConnection {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for CommitTx {
+    fn deref_mut(&mut self) -> &mut AnyConnection {
+        &mut self.tx
+    }
 }
 
 impl WriteTx {
@@ -457,6 +490,7 @@ impl MetadataStore {
             backend,
             run_changes,
             renewed_leases: Arc::default(),
+            write_gate: (backend == Backend::Sqlite).then(Arc::default),
             run_channel,
         };
         store.assign_token_ids().await?;
@@ -473,6 +507,7 @@ impl MetadataStore {
     /// statement: no other write transaction or checkpoint commit runs
     /// beside it.
     pub(crate) async fn begin_write(&self) -> Result<WriteTx, DbError> {
+        let gate = self.write_turn().await;
         let tx = match self.backend {
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
             Backend::Postgres => self.begin_locked("pg_advisory_xact_lock").await,
@@ -481,19 +516,31 @@ impl MetadataStore {
         Ok(WriteTx {
             tx,
             changed_runs: BTreeSet::new(),
+            _gate: gate,
         })
     }
 
     /// Starts a checkpoint commit's transaction: beside other commits (its
     /// first statement, the workspace row's update, orders the commits of
     /// one workspace), never beside a write transaction.
-    pub(crate) async fn begin_commit(&self) -> Result<Transaction<'static, Any>, DbError> {
-        match self.backend {
+    pub(crate) async fn begin_commit(&self) -> Result<CommitTx, DbError> {
+        let gate = self.write_turn().await;
+        let tx = match self.backend {
             // The first statement (an UPDATE) takes SQLite's one write lock.
             Backend::Sqlite => self.pool.begin().await,
             Backend::Postgres => self.begin_locked("pg_advisory_xact_lock_shared").await,
         }
-        .map_err(query_error("begin commit"))
+        .map_err(query_error("begin commit"))?;
+        Ok(CommitTx { tx, _gate: gate })
+    }
+
+    /// Waits for this process's turn to write (SQLite only: PostgreSQL
+    /// queues lock waiters itself, and commits run side by side there).
+    async fn write_turn(&self) -> Option<OwnedMutexGuard<()>> {
+        match &self.write_gate {
+            Some(gate) => Some(Arc::clone(gate).lock_owned().await),
+            None => None,
+        }
     }
 
     async fn begin_locked(
@@ -519,6 +566,7 @@ impl MetadataStore {
         let WriteTx {
             mut tx,
             changed_runs,
+            _gate,
         } = tx;
         if let Some(channel) = &self.run_channel {
             let ids: Vec<&str> = changed_runs.iter().map(RunId::as_str).collect();
@@ -533,6 +581,7 @@ impl MetadataStore {
             }
         }
         tx.commit().await.map_err(query_error("commit"))?;
+        drop(_gate);
         for run in changed_runs {
             // No receiver is fine: nobody is watching.
             let _ = self.run_changes.send(run);
