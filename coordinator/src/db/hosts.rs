@@ -690,25 +690,20 @@ impl Heartbeat<'_> {
             state: Some(host.state()),
             ..Default::default()
         };
-        // A read session reads the attempts it concerns once, in a few
-        // statements whatever the number of sandboxes; a write session
-        // reads each run afresh, as its own writes may have changed it.
-        let known = match session {
-            Session::Read(ref mut conn) => Some(KnownAttempts::read(conn, host_id, reports).await?),
-            Session::Write(_) => None,
-        };
+        // The attempts this heartbeat concerns, read once in a few
+        // statements whatever the number of sandboxes. A run this
+        // heartbeat changes is read afresh before each later use, as the
+        // change may have moved its other attempts too.
+        let known = KnownAttempts::read(session.conn(), host_id, reports).await?;
+        let mut changed: std::collections::BTreeSet<RunId> = Default::default();
         let mut reported = std::collections::BTreeSet::new();
         for report in reports {
             reported.insert(report.sandbox_id.clone());
-            let found = match &known {
-                Some(known) => known
-                    .by_sandbox
-                    .get(&report.sandbox_id)
-                    .map(|(run, attempt)| (run.clone(), attempt.number, attempt.host_id.clone())),
-                None => find_sandbox(session.conn(), &report.sandbox_id).await?,
-            };
-            let found = found.filter(|(_, _, on)| on == host_id);
-            let Some((run_id, number, _)) = found else {
+            let found = known
+                .by_sandbox
+                .get(&report.sandbox_id)
+                .filter(|(_, attempt)| &attempt.host_id == host_id);
+            let Some((run_id, attempt)) = found else {
                 if report.state.is_gone() {
                     answer.forget.push(report.sandbox_id.clone());
                 } else {
@@ -718,24 +713,17 @@ impl Heartbeat<'_> {
                 }
                 continue;
             };
-            let (mut run, attempt) = match &known {
-                Some(known) => (None, known.attempt(&report.sandbox_id)),
-                None => {
-                    let run = run_of_attempt(session.conn(), &run_id).await?;
-                    let attempt = run.attempt(number).cloned();
-                    (Some(run), attempt)
-                }
-            };
-            let attempt = attempt
-                .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {number}")))?;
+            let number = attempt.number;
+            let attempt = current_attempt(&mut session, &changed, run_id, attempt).await?;
             if report.state.is_gone() {
                 if attempt.sandbox_gone_at.is_none() {
                     let Some(tx) = session.writer() else {
                         return Ok(None);
                     };
+                    let mut run = run_of_attempt(tx.conn(), run_id).await?;
                     sandbox_gone(
                         tx,
-                        run.as_mut().expect("a write session reads whole runs"),
+                        &mut run,
                         number,
                         report.state,
                         report.exit_code,
@@ -743,6 +731,7 @@ impl Heartbeat<'_> {
                         now,
                     )
                     .await?;
+                    changed.insert(run_id.clone());
                 }
                 answer.forget.push(report.sandbox_id.clone());
                 continue;
@@ -775,28 +764,14 @@ impl Heartbeat<'_> {
         }
 
         // Sandboxes the host did not mention this time.
-        let on_host: Vec<(RunId, u32, Option<Attempt>)> = match &known {
-            Some(known) => known.on_host(host_id),
-            None => attempts_on_host(session.conn(), host_id)
-                .await?
-                .into_iter()
-                .map(|(run, number)| (run, number, None))
-                .collect(),
-        };
         let mut to_start = Vec::new();
-        for (run_id, number, known_attempt) in on_host {
-            let (mut run, attempt) = match known_attempt {
-                Some(attempt) => (None, Some(attempt)),
-                None => {
-                    let run = run_of_attempt(session.conn(), &run_id).await?;
-                    let attempt = run.attempt(number).cloned();
-                    (Some(run), attempt)
-                }
-            };
-            let Some(attempt) = attempt else {
-                continue;
-            };
+        for (run_id, attempt) in known.on_host(host_id) {
             if reported.contains(&attempt.sandbox_id) {
+                continue;
+            }
+            let number = attempt.number;
+            let attempt = current_attempt(&mut session, &changed, run_id, attempt).await?;
+            if attempt.sandbox_gone_at.is_some() {
                 continue;
             }
             let reported_before = attempt.sandbox_state.is_some();
@@ -806,9 +781,10 @@ impl Heartbeat<'_> {
                 let Some(tx) = session.writer() else {
                     return Ok(None);
                 };
+                let mut run = run_of_attempt(tx.conn(), run_id).await?;
                 sandbox_gone(
                     tx,
-                    run.as_mut().expect("a write session reads whole runs"),
+                    &mut run,
                     number,
                     SandboxState::Failed,
                     0,
@@ -816,6 +792,7 @@ impl Heartbeat<'_> {
                     now,
                 )
                 .await?;
+                changed.insert(run_id.clone());
                 continue;
             }
             if lost {
@@ -832,7 +809,7 @@ impl Heartbeat<'_> {
             let unstarted =
                 attempt.sandbox_state.is_none() && attempt.state == AttemptState::Assigned;
             if wanted && unstarted {
-                to_start.push((run_id, attempt));
+                to_start.push((run_id.clone(), attempt));
             }
         }
         answer.assignments = assignment_records(session.conn(), to_start).await?;
@@ -840,8 +817,25 @@ impl Heartbeat<'_> {
     }
 }
 
-/// The attempts a heartbeat in a read session concerns: those on the host
-/// whose sandbox is not gone, and those of the sandboxes it reports.
+/// `attempt` as read at the heartbeat's start, or afresh if the heartbeat
+/// changed its run since.
+async fn current_attempt(
+    session: &mut Session<'_>,
+    changed: &std::collections::BTreeSet<RunId>,
+    run_id: &RunId,
+    attempt: &Attempt,
+) -> Result<Attempt, DbError> {
+    if !changed.contains(run_id) {
+        return Ok(attempt.clone());
+    }
+    let run = run_of_attempt(session.conn(), run_id).await?;
+    run.attempt(attempt.number)
+        .cloned()
+        .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {}", attempt.number)))
+}
+
+/// The attempts a heartbeat concerns: those on the host whose sandbox is
+/// not gone, and those of the sandboxes it reports.
 struct KnownAttempts {
     by_sandbox: HashMap<String, (RunId, Attempt)>,
 }
@@ -888,43 +882,17 @@ impl KnownAttempts {
         Ok(Self { by_sandbox })
     }
 
-    fn attempt(&self, sandbox: &str) -> Option<Attempt> {
-        self.by_sandbox.get(sandbox).map(|(_, a)| a.clone())
-    }
-
-    /// As [`attempts_on_host`] orders them, with each attempt.
-    fn on_host(&self, host: &HostId) -> Vec<(RunId, u32, Option<Attempt>)> {
-        let mut on_host: Vec<(RunId, u32, Option<Attempt>)> = self
+    /// The attempts on `host` whose sandbox was not gone, by run and number.
+    fn on_host(&self, host: &HostId) -> Vec<(&RunId, &Attempt)> {
+        let mut on_host: Vec<(&RunId, &Attempt)> = self
             .by_sandbox
             .values()
             .filter(|(_, a)| &a.host_id == host && a.sandbox_gone_at.is_none())
-            .map(|(run, a)| (run.clone(), a.number, Some(a.clone())))
+            .map(|(run, a)| (run, a))
             .collect();
-        on_host.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        on_host.sort_by_key(|(run, a)| (*run, a.number));
         on_host
     }
-}
-
-/// The run and host of the attempt that owns `sandbox`.
-async fn find_sandbox(
-    conn: &mut AnyConnection,
-    sandbox: &str,
-) -> Result<Option<(RunId, u32, HostId)>, DbError> {
-    let found: Option<(String, i64, String)> =
-        sqlx::query_as("SELECT run_id, number, host_id FROM attempts WHERE sandbox_id = $1")
-            .bind(sandbox)
-            .fetch_optional(conn)
-            .await
-            .map_err(query_error("find sandbox"))?;
-    found
-        .map(|(run, number, host)| {
-            Ok((
-                parse_column(&run, "run id")?,
-                unsigned(number, "attempt")?,
-                parse_column(&host, "host id")?,
-            ))
-        })
-        .transpose()
 }
 
 /// What a host is told to start for each of `attempts`, with its run's
