@@ -18,7 +18,6 @@
 //! a failed pass is logged and retried by the next.
 
 use std::cmp::Ordering;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -196,11 +195,8 @@ async fn pass(
     let hosts = db.ready_hosts().await?;
     let mut assignments = Vec::new();
     let mut reasons = Vec::new();
-    let known_reasons: HashMap<&RunId, &str> = queued
-        .iter()
-        .map(|q| (&q.id, q.state_reason.as_str()))
-        .collect();
-    for placement in place(&queued, &hosts) {
+    // One placement per queued run, in the same order.
+    for (queued_run, placement) in queued.iter().zip(place(&queued, &hosts)) {
         match placement {
             Placement::Assign {
                 run,
@@ -216,7 +212,7 @@ async fn pass(
                 });
             }
             Placement::Wait { run, reason } => {
-                if known_reasons.get(&run) != Some(&reason.as_str()) {
+                if queued_run.state_reason != reason {
                     reasons.push((run, reason));
                 }
             }
@@ -237,12 +233,7 @@ async fn pass(
         }
     }
     for batch in reasons.chunks(ASSIGNMENTS_PER_TRANSACTION) {
-        for run in db.set_queue_reasons(batch).await? {
-            let reason = &batch
-                .iter()
-                .find(|(id, _)| *id == run)
-                .expect("changed runs were asked for")
-                .1;
+        for (run, reason) in db.set_queue_reasons(batch).await? {
             tracing::info!(%run, %reason, "run waits for a host");
         }
     }

@@ -116,6 +116,33 @@ pub(super) fn push_in_list<'a, T, V>(
     query.push(")");
 }
 
+/// The rows of `select … IN (items)`, one statement per
+/// [`ROWS_PER_STATEMENT`] items (`select` ends just before the list).
+pub(super) async fn fetch_all_in<'a, T, V>(
+    conn: &mut sqlx::AnyConnection,
+    select: &str,
+    items: &'a [T],
+    bind: impl Fn(&'a T) -> V + Copy,
+    op: &'static str,
+) -> Result<Vec<sqlx::any::AnyRow>, DbError>
+where
+    V: 'a + sqlx::Encode<'a, Any> + sqlx::Type<Any>,
+{
+    let mut rows = Vec::new();
+    for chunk in items.chunks(ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new(select);
+        push_in_list(&mut query, chunk, bind);
+        rows.extend(
+            query
+                .build()
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(query_error(op))?,
+        );
+    }
+    Ok(rows)
+}
+
 /// Records a pack that was uploaded and its blobs, inside `tx`. A pack
 /// found lost earlier and uploaded again is back, one condemned or
 /// superseded is in use again, and its blobs are declared again.

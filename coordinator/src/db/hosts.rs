@@ -16,7 +16,7 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
-use super::checkpoints::push_in_list;
+use super::checkpoints::{fetch_all_in, push_in_list};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
 };
@@ -867,18 +867,9 @@ impl KnownAttempts {
             .map(|r| r.sandbox_id.as_str())
             .filter(|id| !by_sandbox.contains_key(*id))
             .collect();
-        for chunk in elsewhere.chunks(super::ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new(format!(
-                "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_id IN"
-            ));
-            push_in_list(&mut query, chunk, |id| *id);
-            let rows = query
-                .build()
-                .fetch_all(&mut *conn)
-                .await
-                .map_err(query_error("reported sandboxes"))?;
-            keep(&mut by_sandbox, rows)?;
-        }
+        let select = format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_id IN");
+        let rows = fetch_all_in(conn, &select, &elsewhere, |id| *id, "reported sandboxes").await?;
+        keep(&mut by_sandbox, rows)?;
         Ok(Self { by_sandbox })
     }
 
@@ -903,29 +894,22 @@ async fn assignment_records(
 ) -> Result<Vec<AssignmentRecord>, DbError> {
     let mut runs: HashMap<RunId, (WorkspaceId, String)> = HashMap::new();
     let ids: Vec<&RunId> = attempts.iter().map(|(run, _)| run).collect();
-    for chunk in ids.chunks(super::ROWS_PER_STATEMENT) {
-        let mut query = SqlBuilder::new("SELECT id, workspace_id, image FROM runs WHERE id IN");
-        push_in_list(&mut query, chunk, |id| id.as_str());
-        let rows = query
-            .build()
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(query_error("runs to start"))?;
-        for row in &rows {
-            let read = |source| DbError::Query {
-                op: "read run to start",
-                source,
-            };
-            let id: String = row.try_get("id").map_err(read)?;
-            let workspace: String = row.try_get("workspace_id").map_err(read)?;
-            runs.insert(
-                parse_column(&id, "run id")?,
-                (
-                    parse_column(&workspace, "workspace id")?,
-                    row.try_get("image").map_err(read)?,
-                ),
-            );
-        }
+    let select = "SELECT id, workspace_id, image FROM runs WHERE id IN";
+    let rows = fetch_all_in(conn, select, &ids, |id| id.as_str(), "runs to start").await?;
+    for row in &rows {
+        let read = |source| DbError::Query {
+            op: "read run to start",
+            source,
+        };
+        let id: String = row.try_get("id").map_err(read)?;
+        let workspace: String = row.try_get("workspace_id").map_err(read)?;
+        runs.insert(
+            parse_column(&id, "run id")?,
+            (
+                parse_column(&workspace, "workspace id")?,
+                row.try_get("image").map_err(read)?,
+            ),
+        );
     }
     attempts
         .into_iter()

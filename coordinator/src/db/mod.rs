@@ -362,7 +362,7 @@ pub(crate) struct WriteTx {
     tx: Transaction<'static, Any>,
     changed_runs: BTreeSet<RunId>,
     /// Released after `tx` ends (fields drop in order).
-    _gate: Option<OwnedMutexGuard<()>>,
+    gate: Option<OwnedMutexGuard<()>>,
 }
 
 /// A checkpoint commit's transaction (see [`MetadataStore::begin_commit`]).
@@ -516,7 +516,7 @@ impl MetadataStore {
         Ok(WriteTx {
             tx,
             changed_runs: BTreeSet::new(),
-            _gate: gate,
+            gate,
         })
     }
 
@@ -566,7 +566,7 @@ impl MetadataStore {
         let WriteTx {
             mut tx,
             changed_runs,
-            _gate,
+            gate,
         } = tx;
         if let Some(channel) = &self.run_channel {
             let ids: Vec<&str> = changed_runs.iter().map(RunId::as_str).collect();
@@ -581,7 +581,7 @@ impl MetadataStore {
             }
         }
         tx.commit().await.map_err(query_error("commit"))?;
-        drop(_gate);
+        drop(gate);
         for run in changed_runs {
             // No receiver is fine: nobody is watching.
             let _ = self.run_changes.send(run);

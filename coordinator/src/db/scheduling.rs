@@ -10,17 +10,15 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
 
-use super::checkpoints::push_in_list;
+use super::checkpoints::fetch_all_in;
 use super::hosts::lose_host;
 use super::run_records::{
     Attempt, EventDraft, RUN_COLUMNS, Run, add_event, attach_attempts, event_reason, load_run,
     run_from_row,
 };
 use super::runs::transition;
-use super::sql::SqlBuilder;
 use super::{
-    DbError, MetadataStore, ROWS_PER_STATEMENT, WriteTx, from_millis, millis, parse_column,
-    query_error, unsigned,
+    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
 };
 use crate::runlife::Event;
 use crate::tokens::Scope;
@@ -173,11 +171,11 @@ impl MetadataStore {
     }
 
     /// Updates why queued runs wait, in one transaction; a changed reason
-    /// is recorded as an event. Returns the runs whose reason changed.
-    pub async fn set_queue_reasons(
+    /// is recorded as an event. Returns the entries that changed a reason.
+    pub async fn set_queue_reasons<'r>(
         &self,
-        reasons: &[(RunId, String)],
-    ) -> Result<Vec<RunId>, DbError> {
+        reasons: &'r [(RunId, String)],
+    ) -> Result<Vec<&'r (RunId, String)>, DbError> {
         if reasons.is_empty() {
             return Ok(Vec::new());
         }
@@ -185,7 +183,8 @@ impl MetadataStore {
         let mut tx = self.begin_write().await?;
         let mut runs = load_runs(&mut tx, reasons.iter().map(|(id, _)| id)).await?;
         let mut changed = Vec::new();
-        for (id, reason) in reasons {
+        for entry in reasons {
+            let (id, reason) = entry;
             let Some(run) = runs.get_mut(id) else {
                 continue;
             };
@@ -206,7 +205,7 @@ impl MetadataStore {
                 now,
             )
             .await?;
-            changed.push(id.clone());
+            changed.push(entry);
         }
         self.commit(tx).await?;
         Ok(changed)
@@ -331,19 +330,12 @@ async fn load_runs<'a>(
     ids: impl Iterator<Item = &'a RunId>,
 ) -> Result<HashMap<RunId, Run>, DbError> {
     let ids: Vec<&RunId> = ids.collect();
-    let mut runs = Vec::with_capacity(ids.len());
-    for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-        let mut query = SqlBuilder::new(format!("SELECT {RUN_COLUMNS} FROM runs WHERE id IN"));
-        push_in_list(&mut query, chunk, |id| id.as_str());
-        let rows = query
-            .build()
-            .fetch_all(tx.conn())
-            .await
-            .map_err(query_error("runs to assign"))?;
-        for row in &rows {
-            runs.push(run_from_row(row)?);
-        }
-    }
+    let select = format!("SELECT {RUN_COLUMNS} FROM runs WHERE id IN");
+    let rows = fetch_all_in(tx.conn(), &select, &ids, |id| id.as_str(), "runs by id").await?;
+    let mut runs = rows
+        .iter()
+        .map(run_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
     attach_attempts(tx.conn(), &mut runs).await?;
     Ok(runs.into_iter().map(|run| (run.id.clone(), run)).collect())
 }
@@ -355,39 +347,36 @@ async fn host_capacities<'a>(
     ids: impl Iterator<Item = &'a HostId>,
 ) -> Result<HashMap<HostId, SlotsInTx>, DbError> {
     let ids: Vec<&HostId> = ids.collect::<BTreeSet<_>>().into_iter().collect();
-    let mut hosts = HashMap::with_capacity(ids.len());
-    for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-        let mut query = SqlBuilder::new(
-            "SELECT h.id, h.tenant, h.admin_state, COALESCE(h.lost_at, h.stopping_at) AS unavailable_since,
-                    h.slots,
-                    (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL) AS used
-             FROM hosts h WHERE h.id IN",
+    let rows = fetch_all_in(
+        tx.conn(),
+        "SELECT h.id, h.tenant, h.admin_state, COALESCE(h.lost_at, h.stopping_at) AS unavailable_since,
+                h.slots,
+                (SELECT COUNT(*) FROM attempts a WHERE a.host_id = h.id AND a.sandbox_gone_at IS NULL) AS used
+         FROM hosts h WHERE h.id IN",
+        &ids,
+        |id| id.as_str(),
+        "host capacity",
+    )
+    .await?;
+    let mut hosts = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let read = |source| DbError::Query {
+            op: "read host capacity",
+            source,
+        };
+        let id: String = row.try_get("id").map_err(read)?;
+        let tenant: String = row.try_get("tenant").map_err(read)?;
+        let admin_state: String = row.try_get("admin_state").map_err(read)?;
+        let unavailable_since: Option<i64> = row.try_get("unavailable_since").map_err(read)?;
+        hosts.insert(
+            parse_column(&id, "host id")?,
+            SlotsInTx {
+                tenant: parse_column(&tenant, "tenant")?,
+                ready: admin_state == HostState::Ready.as_str() && unavailable_since.is_none(),
+                slots: row.try_get("slots").map_err(read)?,
+                used: row.try_get("used").map_err(read)?,
+            },
         );
-        push_in_list(&mut query, chunk, |id| id.as_str());
-        let rows = query
-            .build()
-            .fetch_all(tx.conn())
-            .await
-            .map_err(query_error("host capacity"))?;
-        for row in &rows {
-            let read = |source| DbError::Query {
-                op: "read host capacity",
-                source,
-            };
-            let id: String = row.try_get("id").map_err(read)?;
-            let tenant: String = row.try_get("tenant").map_err(read)?;
-            let admin_state: String = row.try_get("admin_state").map_err(read)?;
-            let unavailable_since: Option<i64> = row.try_get("unavailable_since").map_err(read)?;
-            hosts.insert(
-                parse_column(&id, "host id")?,
-                SlotsInTx {
-                    tenant: parse_column(&tenant, "tenant")?,
-                    ready: admin_state == HostState::Ready.as_str() && unavailable_since.is_none(),
-                    slots: row.try_get("slots").map_err(read)?,
-                    used: row.try_get("used").map_err(read)?,
-                },
-            );
-        }
     }
     Ok(hosts)
 }
