@@ -69,10 +69,11 @@ async fn concurrent_commits_all_succeed_in_sequence() {
     assert_eq!(report.commits_ok, 20, "{report:#?}");
     assert_eq!(report.errors.total, 0, "{report:#?}");
     assert_eq!(report.commit.count, 20, "{report:#?}");
-    // Every answer's sequence was its workspace's previous one plus one:
-    // 10 commits after the first checkpoint on each workspace.
+    // Every answer's sequence was its workspace's previous one plus one.
+    // The workers share one count of commits to issue, so the faster one
+    // may take more than half: its workspace ends between 1 + 10 and 1 + 20.
     assert_eq!(report.sequence_errors, 0, "{report:#?}");
-    assert_eq!(report.max_sequence, 11, "{report:#?}");
+    assert!((11..=21).contains(&report.max_sequence), "{report:#?}");
     assert!(report.commits_per_second > 0.0, "{report:#?}");
     stopped_cleanly(&report.coordinators);
 }
