@@ -9,11 +9,13 @@ use cairn_proto::ids::{
     BlobId, CheckpointId, CommitRequestId, Generation, PackId, TenantId, WorkspaceId,
 };
 use cairn_proto::pb;
+use futures::future::BoxFuture;
 use prost::Message;
 use sqlx::any::AnyRow;
-use sqlx::{Any, Row};
+use sqlx::{Any, AnyConnection, Row};
 
 use super::gc::{deletions_pending_in, unusable_packs_in};
+use super::group_commit::{begin_savepoint, end_savepoint, fail_all, fail_batch};
 use super::{
     Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
     from_millis, millis, parse_column, query_error, signed, unsigned,
@@ -512,140 +514,239 @@ impl MetadataStore {
 
     /// Records a checkpoint in one transaction: the workspace's sequence
     /// counter, new packs (never one recorded for another workspace), their
-    /// blobs, the checkpoint, its pack list and the workspace's scope. Refuses a workspace that is not active or whose
-    /// generation differs from the commit's; nothing is written then.
+    /// blobs, the checkpoint, its pack list and the workspace's scope.
+    /// Refuses a workspace that is not active or whose generation differs
+    /// from the commit's; nothing is written then.
+    ///
+    /// On SQLite, commits made while another is being written share the
+    /// next transaction ([`super::group_commit`]), each in a savepoint of
+    /// its own: one write lock and one log flush for the lot. PostgreSQL
+    /// runs commits side by side and groups their flushes itself.
     pub async fn commit_checkpoint(
         &self,
         tenant: &TenantId,
         new: NewCheckpoint,
     ) -> Result<Checkpoint, DbError> {
-        let now = SystemTime::now();
-        let now_ms = millis(now);
-        let mut tx = self.begin_commit().await?;
+        match &self.checkpoint_commits {
+            Some(commits) => commits
+                .submit(self, (tenant.clone(), new))
+                .await
+                .and_then(|committed| committed),
+            None => {
+                let mut results = self
+                    .commit_checkpoints_together(vec![(tenant.clone(), new)])
+                    .await;
+                results.pop().expect("one result per commit")
+            }
+        }
+    }
 
-        // Writing first takes SQLite's write lock (PostgreSQL: the workspace
-        // row's) before anything is read, so commits of one workspace
-        // serialize and number their checkpoints in order.
-        let row = sqlx::query(
-            "UPDATE workspaces SET last_sequence = last_sequence + 1, updated_at = $1
+    /// Commits a batch of checkpoints in one transaction, one result each,
+    /// in order.
+    pub(super) async fn commit_checkpoints_together(
+        &self,
+        batch: Vec<CheckpointCommit>,
+    ) -> Vec<Result<Checkpoint, DbError>> {
+        let total = batch.len();
+        let now = SystemTime::now();
+        let mut tx = match self.begin_commit().await {
+            Ok(tx) => tx,
+            Err(e) => return fail_all(total, &e),
+        };
+        let alone = total == 1;
+        let mut recorded = Vec::with_capacity(total);
+        for (tenant, new) in batch {
+            if !alone && let Err(e) = begin_savepoint(&mut tx).await {
+                return fail_batch(recorded, total, &e);
+            }
+            let outcome = record_checkpoint(&mut tx, &tenant, new, now).await;
+            let keep = matches!(outcome, Ok(Recorded::New(_)));
+            if !alone && let Err(e) = end_savepoint(&mut tx, keep).await {
+                recorded.push(outcome.map(|r| (tenant, r)));
+                return fail_batch(recorded, total, &e);
+            }
+            recorded.push(outcome.map(|r| (tenant, r)));
+        }
+        // Alone, a commit refused or answered with an earlier checkpoint
+        // has nothing to keep: its transaction is rolled back. In a batch,
+        // its savepoint was.
+        let kept = recorded
+            .iter()
+            .any(|r| matches!(r, Ok((_, Recorded::New(_)))));
+        if kept || !alone {
+            if let Err(e) = tx.commit().await.map_err(query_error("commit checkpoint")) {
+                return fail_batch(recorded, total, &e);
+            }
+        } else {
+            drop(tx);
+        }
+        let mut results = Vec::with_capacity(total);
+        for outcome in recorded {
+            results.push(match outcome {
+                Ok((_, Recorded::New(checkpoint))) => Ok(checkpoint),
+                Ok((tenant, Recorded::Earlier(id))) => {
+                    self.checkpoint(&tenant, &id).await.and_then(|found| {
+                        found.ok_or_else(|| {
+                            DbError::Corrupt(format!("checkpoint {id} vanished while it was read"))
+                        })
+                    })
+                }
+                Err(e) => Err(e),
+            });
+        }
+        results
+    }
+}
+
+/// A checkpoint commit request: the tenant and what to record.
+pub(crate) type CheckpointCommit = (TenantId, NewCheckpoint);
+
+/// Commits a batch of checkpoints in one transaction (see
+/// [`super::group_commit`]).
+pub(crate) fn commit_checkpoint_batch(
+    store: MetadataStore,
+    batch: Vec<CheckpointCommit>,
+) -> BoxFuture<'static, Vec<Result<Checkpoint, DbError>>> {
+    Box::pin(async move { store.commit_checkpoints_together(batch).await })
+}
+
+/// What [`record_checkpoint`] did.
+enum Recorded {
+    New(Checkpoint),
+    /// The same request was committed before (its answer was cut off):
+    /// that checkpoint is the answer, whatever happened since. Nothing was
+    /// written that should stay: undo it.
+    Earlier(CheckpointId),
+}
+
+/// Records one checkpoint inside a commit transaction (see
+/// [`MetadataStore::commit_checkpoint`]).
+async fn record_checkpoint(
+    conn: &mut AnyConnection,
+    tenant: &TenantId,
+    new: NewCheckpoint,
+    now: SystemTime,
+) -> Result<Recorded, DbError> {
+    let now_ms = millis(now);
+    // Writing first takes SQLite's write lock (PostgreSQL: the workspace
+    // row's) before anything is read, so commits of one workspace
+    // serialize and number their checkpoints in order.
+    let row = sqlx::query(
+        "UPDATE workspaces SET last_sequence = last_sequence + 1, updated_at = $1
              WHERE id = $2 AND tenant = $3
              RETURNING last_sequence, generation, state",
+    )
+    .bind(now_ms)
+    .bind(new.workspace_id.as_str())
+    .bind(tenant.as_str())
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(query_error("advance workspace sequence"))?
+    .ok_or_else(|| DbError::WorkspaceNotFound(new.workspace_id.to_string()))?;
+    let read = |source| DbError::Query {
+        op: "advance workspace sequence",
+        source,
+    };
+    // The same request committed already (its answer was cut off):
+    // that checkpoint is the answer, whatever happened since.
+    if let Some(request) = &new.request_id {
+        let made: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM checkpoints WHERE workspace_id = $1 AND request_id = $2",
         )
-        .bind(now_ms)
         .bind(new.workspace_id.as_str())
-        .bind(tenant.as_str())
-        .fetch_optional(&mut *tx)
+        .bind(request.as_str())
+        .fetch_optional(&mut *conn)
         .await
-        .map_err(query_error("advance workspace sequence"))?
-        .ok_or_else(|| DbError::WorkspaceNotFound(new.workspace_id.to_string()))?;
-        let read = |source| DbError::Query {
-            op: "advance workspace sequence",
-            source,
-        };
-        // The same request committed already (its answer was cut off):
-        // that checkpoint is the answer, whatever happened since.
-        if let Some(request) = &new.request_id {
-            let made: Option<String> = sqlx::query_scalar(
-                "SELECT id FROM checkpoints WHERE workspace_id = $1 AND request_id = $2",
-            )
-            .bind(new.workspace_id.as_str())
-            .bind(request.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(query_error("find commit request"))?;
-            if let Some(made) = made {
-                drop(tx);
-                let id: CheckpointId = parse_column(&made, "checkpoint id")?;
-                return self.checkpoint(tenant, &id).await?.ok_or_else(|| {
-                    DbError::Corrupt(format!("checkpoint {id} vanished while it was read"))
-                });
-            }
+        .map_err(query_error("find commit request"))?;
+        if let Some(made) = made {
+            return Ok(Recorded::Earlier(parse_column(&made, "checkpoint id")?));
         }
-        let sequence: u64 = unsigned(row.try_get("last_sequence").map_err(read)?, "sequence")?;
-        let current = Generation(unsigned(
-            row.try_get("generation").map_err(read)?,
-            "generation",
-        )?);
-        let state: String = row.try_get("state").map_err(read)?;
-        let state: WorkspaceState = parse_column(&state, "workspace state")?;
-        if state != WorkspaceState::Active {
-            return Err(DbError::WorkspaceNotActive {
-                id: new.workspace_id,
-                state,
-            });
-        }
-        if new.generation != current {
-            return Err(DbError::GenerationMismatch {
-                given: new.generation,
-                current,
-            });
-        }
+    }
+    let sequence: u64 = unsigned(row.try_get("last_sequence").map_err(read)?, "sequence")?;
+    let current = Generation(unsigned(
+        row.try_get("generation").map_err(read)?,
+        "generation",
+    )?);
+    let state: String = row.try_get("state").map_err(read)?;
+    let state: WorkspaceState = parse_column(&state, "workspace state")?;
+    if state != WorkspaceState::Active {
+        return Err(DbError::WorkspaceNotActive {
+            id: new.workspace_id,
+            state,
+        });
+    }
+    if new.generation != current {
+        return Err(DbError::GenerationMismatch {
+            given: new.generation,
+            current,
+        });
+    }
 
-        // A pack recorded for another workspace cannot be claimed as new:
-        // that would put it in this workspace's scope (and its URLs in this
-        // workspace's manifests) by knowing its id alone.
-        let new_ids: Vec<&PackId> = new.new_packs.iter().map(|p| &p.pack_id).collect();
-        for chunk in new_ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new("SELECT p.id FROM packs p WHERE p.tenant = ");
-            query.push_bind(tenant.as_str()).push(" AND p.id IN");
-            push_in_list(&mut query, chunk, |id: &&PackId| id.as_str());
-            query
-                .push(
-                    " AND NOT EXISTS (SELECT 1 FROM workspace_packs wp
+    // A pack recorded for another workspace cannot be claimed as new:
+    // that would put it in this workspace's scope (and its URLs in this
+    // workspace's manifests) by knowing its id alone.
+    let new_ids: Vec<&PackId> = new.new_packs.iter().map(|p| &p.pack_id).collect();
+    for chunk in new_ids.chunks(ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new("SELECT p.id FROM packs p WHERE p.tenant = ");
+        query.push_bind(tenant.as_str()).push(" AND p.id IN");
+        push_in_list(&mut query, chunk, |id: &&PackId| id.as_str());
+        query
+            .push(
+                " AND NOT EXISTS (SELECT 1 FROM workspace_packs wp
                       WHERE wp.workspace_id = ",
-                )
-                .push_bind(new.workspace_id.as_str())
-                .push(" AND wp.pack_id = p.id) LIMIT 1");
-            let foreign: Option<String> = query
-                .build_query_scalar()
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(query_error("check new packs"))?;
-            if let Some(pack) = foreign {
-                return Err(DbError::ForeignPack {
-                    pack: parse_column(&pack, "pack id")?,
-                    workspace: new.workspace_id,
-                });
-            }
+            )
+            .push_bind(new.workspace_id.as_str())
+            .push(" AND wp.pack_id = p.id) LIMIT 1");
+        let foreign: Option<String> = query
+            .build_query_scalar()
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(query_error("check new packs"))?;
+        if let Some(pack) = foreign {
+            return Err(DbError::ForeignPack {
+                pack: parse_column(&pack, "pack id")?,
+                workspace: new.workspace_id,
+            });
         }
+    }
 
-        // A pack whose object a sweep is deleting cannot be recorded again
-        // now: the object may go after this commit. Upload it again later.
-        let pending = deletions_pending_in(&mut tx, tenant, &new_ids).await?;
-        if !pending.is_empty() {
-            return Err(DbError::PacksMissing { packs: pending });
-        }
+    // A pack whose object a sweep is deleting cannot be recorded again
+    // now: the object may go after this commit. Upload it again later.
+    let pending = deletions_pending_in(conn, tenant, &new_ids).await?;
+    if !pending.is_empty() {
+        return Err(DbError::PacksMissing { packs: pending });
+    }
 
-        for pack in &new.new_packs {
-            record_pack_in(&mut tx, tenant, pack, now_ms).await?;
-        }
+    for pack in &new.new_packs {
+        record_pack_in(conn, tenant, pack, now_ms).await?;
+    }
 
-        // What was checked before this transaction may have changed: a
-        // sweep may have deleted a pack this checkpoint deduplicated
-        // against since. Refused then, with the packs to upload again.
-        let unusable = unusable_packs_in(&mut tx, tenant, &new.referenced_packs, true).await?;
-        if !unusable.is_empty() {
-            return Err(DbError::PacksMissing { packs: unusable });
-        }
-        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new(
-                "UPDATE packs SET condemned_at = NULL WHERE condemned_at IS NOT NULL AND tenant = ",
-            );
-            query.push_bind(tenant.as_str()).push(" AND id IN");
-            push_in_list(&mut query, chunk, PackId::as_str);
-            query
-                .build()
-                .execute(&mut *tx)
-                .await
-                .map_err(query_error("absolve referenced packs"))?;
-        }
+    // What was checked before this transaction may have changed: a
+    // sweep may have deleted a pack this checkpoint deduplicated
+    // against since. Refused then, with the packs to upload again.
+    let unusable = unusable_packs_in(conn, tenant, &new.referenced_packs, true).await?;
+    if !unusable.is_empty() {
+        return Err(DbError::PacksMissing { packs: unusable });
+    }
+    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new(
+            "UPDATE packs SET condemned_at = NULL WHERE condemned_at IS NOT NULL AND tenant = ",
+        );
+        query.push_bind(tenant.as_str()).push(" AND id IN");
+        push_in_list(&mut query, chunk, PackId::as_str);
+        query
+            .build()
+            .execute(&mut *conn)
+            .await
+            .map_err(query_error("absolve referenced packs"))?;
+    }
 
-        let id = CheckpointId::generate();
-        let stats = new.stats.encode_to_vec();
-        let details = encode_details(&new.repos, &new.warnings, &new.harness);
-        let pack_count = u32::try_from(new.referenced_packs.len())
-            .map_err(|_| DbError::Corrupt("a checkpoint references more than 2^32 packs".into()))?;
-        sqlx::query(
+    let id = CheckpointId::generate();
+    let stats = new.stats.encode_to_vec();
+    let details = encode_details(&new.repos, &new.warnings, &new.harness);
+    let pack_count = u32::try_from(new.referenced_packs.len())
+        .map_err(|_| DbError::Corrupt("a checkpoint references more than 2^32 packs".into()))?;
+    sqlx::query(
             "INSERT INTO checkpoints (id, workspace_id, sequence, parent_id, reason, generation, format_version,
                                       root_tree, key_id, stats, details, pack_count, stored_bytes, created_at,
                                       request_id)
@@ -666,63 +767,59 @@ impl MetadataStore {
         .bind(signed(new.stored_bytes, "stored bytes")?)
         .bind(now_ms)
         .bind(new.request_id.as_ref().map(CommitRequestId::as_str))
-        .execute(&mut *tx)
+        .execute(&mut *conn)
         .await
         .map_err(query_error("insert checkpoint"))?;
 
-        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query =
-                SqlBuilder::new("INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ");
-            query.push_values(chunk, |mut row, pack| {
-                row.push_bind(id.as_str())
-                    .push_bind(tenant.as_str())
-                    .push_bind(pack.as_str());
-            });
-            query
-                .build()
-                .execute(&mut *tx)
-                .await
-                .map_err(query_error("insert checkpoint packs"))?;
-        }
-
-        // Every pack the checkpoint references is the workspace's from now
-        // on: it may dedup against it, reference it again, fetch it.
-        for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-            let mut query =
-                SqlBuilder::new("INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ");
-            query.push_values(chunk, |mut row, pack| {
-                row.push_bind(new.workspace_id.as_str())
-                    .push_bind(tenant.as_str())
-                    .push_bind(pack.as_str());
-            });
-            query.push(" ON CONFLICT (workspace_id, pack_id) DO NOTHING");
-            query
-                .build()
-                .execute(&mut *tx)
-                .await
-                .map_err(query_error("insert workspace packs"))?;
-        }
-
-        tx.commit()
+    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            SqlBuilder::new("INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ");
+        query.push_values(chunk, |mut row, pack| {
+            row.push_bind(id.as_str())
+                .push_bind(tenant.as_str())
+                .push_bind(pack.as_str());
+        });
+        query
+            .build()
+            .execute(&mut *conn)
             .await
-            .map_err(query_error("commit checkpoint"))?;
-        Ok(Checkpoint {
-            id,
-            workspace_id: new.workspace_id,
-            sequence,
-            parent: new.parent,
-            reason: new.reason,
-            generation: current,
-            created_at: from_millis(now_ms),
-            format_version: new.format_version,
-            root_tree: new.root_tree,
-            key_id: new.key_id,
-            stats: new.stats,
-            repos: new.repos,
-            warnings: new.warnings,
-            harness: new.harness,
-            pack_count,
-            stored_bytes: new.stored_bytes,
-        })
+            .map_err(query_error("insert checkpoint packs"))?;
     }
+
+    // Every pack the checkpoint references is the workspace's from now
+    // on: it may dedup against it, reference it again, fetch it.
+    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            SqlBuilder::new("INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ");
+        query.push_values(chunk, |mut row, pack| {
+            row.push_bind(new.workspace_id.as_str())
+                .push_bind(tenant.as_str())
+                .push_bind(pack.as_str());
+        });
+        query.push(" ON CONFLICT (workspace_id, pack_id) DO NOTHING");
+        query
+            .build()
+            .execute(&mut *conn)
+            .await
+            .map_err(query_error("insert workspace packs"))?;
+    }
+
+    Ok(Recorded::New(Checkpoint {
+        id,
+        workspace_id: new.workspace_id,
+        sequence,
+        parent: new.parent,
+        reason: new.reason,
+        generation: current,
+        created_at: from_millis(now_ms),
+        format_version: new.format_version,
+        root_tree: new.root_tree,
+        key_id: new.key_id,
+        stats: new.stats,
+        repos: new.repos,
+        warnings: new.warnings,
+        harness: new.harness,
+        pack_count,
+        stored_bytes: new.stored_bytes,
+    }))
 }

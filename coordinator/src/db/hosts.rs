@@ -9,14 +9,17 @@
 //! heartbeat, and a repeated report changes nothing.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
 use cairn_proto::runs::{AttemptState, HostState, Labels, SandboxState};
+use futures::future::BoxFuture;
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
 use super::checkpoints::{fetch_all_in, push_in_list};
+use super::group_commit::WriteRequest;
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
 };
@@ -476,13 +479,20 @@ impl MetadataStore {
                 return Ok(answer);
             }
         }
-        let mut tx = self.begin_write().await?;
-        let answer = heartbeat
-            .apply(Session::Write(&mut tx))
-            .await?
-            .ok_or_else(|| DbError::Corrupt("a write heartbeat asked for a write".into()))?;
-        self.commit(tx).await?;
-        Ok(answer)
+        // Heartbeats that write while another is being written share the
+        // next transaction (see [`super::group_commit`]).
+        let write = HeartbeatWrite {
+            tenant: tenant.clone(),
+            host_id: host_id.clone(),
+            reports: reports.to_vec(),
+            stopping,
+            kept: kept.to_vec(),
+            now,
+        };
+        Arc::clone(&self.heartbeat_writes)
+            .submit(self, write)
+            .await
+            .and_then(|answered| answered)
     }
 
     /// Renews `host`'s lease in memory until the next flush.
@@ -636,6 +646,38 @@ impl Session<'_> {
 }
 
 /// One heartbeat's contents.
+/// A heartbeat that must write, with what it reported: it may wait for a
+/// transaction shared with others.
+pub(crate) struct HeartbeatWrite {
+    tenant: TenantId,
+    host_id: HostId,
+    reports: Vec<ReportedSandbox>,
+    stopping: bool,
+    kept: Vec<WorkspaceId>,
+    now: i64,
+}
+
+impl WriteRequest for HeartbeatWrite {
+    type Answer = HeartbeatAnswer;
+
+    fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<HeartbeatAnswer, DbError>> {
+        Box::pin(async move {
+            let heartbeat = Heartbeat {
+                tenant: &self.tenant,
+                host_id: &self.host_id,
+                reports: &self.reports,
+                stopping: self.stopping,
+                kept: &self.kept,
+                now: self.now,
+            };
+            heartbeat
+                .apply(Session::Write(tx))
+                .await?
+                .ok_or_else(|| DbError::Corrupt("a write heartbeat asked for a write".into()))
+        })
+    }
+}
+
 struct Heartbeat<'a> {
     tenant: &'a TenantId,
     host_id: &'a HostId,

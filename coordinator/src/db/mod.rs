@@ -38,6 +38,7 @@
 mod checkpoints;
 mod compaction;
 mod gc;
+mod group_commit;
 mod hosts;
 mod location;
 mod messages;
@@ -176,6 +177,10 @@ pub enum DbError {
         run: RunId,
         illegal: crate::runlife::IllegalTransition,
     },
+    /// The transaction this request shared with others (group commit)
+    /// failed as a whole, not on this request: `message` says why.
+    #[error("{message}")]
+    Batch { retryable: bool, message: String },
 }
 
 fn packs_missing_message(packs: &[PackId]) -> String {
@@ -196,6 +201,7 @@ impl DbError {
     pub fn is_retryable(&self) -> bool {
         let source = match self {
             Self::Open { source, .. } | Self::Query { source, .. } => source,
+            Self::Batch { retryable, .. } => return *retryable,
             _ => return false,
         };
         match source {
@@ -341,6 +347,16 @@ pub struct MetadataStore {
     /// their turn here, in order, instead of in SQLite's busy handler,
     /// which sleeps up to 100 ms between tries and lets newcomers overtake.
     write_gate: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// CreateRun requests, created in shared transactions under load.
+    run_creations: Arc<group_commit::GroupCommit<runs::RunCreation, Result<Run, DbError>>>,
+    /// Heartbeats that must write, in shared transactions under load.
+    heartbeat_writes:
+        Arc<group_commit::GroupCommit<hosts::HeartbeatWrite, Result<HeartbeatAnswer, DbError>>>,
+    /// On SQLite, checkpoint commits, made in shared transactions under
+    /// load (PostgreSQL runs them side by side).
+    checkpoint_commits: Option<
+        Arc<group_commit::GroupCommit<checkpoints::CheckpointCommit, Result<Checkpoint, DbError>>>,
+    >,
 }
 
 /// Where a PostgreSQL database announces run changes to all replicas.
@@ -491,6 +507,13 @@ impl MetadataStore {
             run_changes,
             renewed_leases: Arc::default(),
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
+            run_creations: Arc::new(group_commit::GroupCommit::new(group_commit::write_batch)),
+            heartbeat_writes: Arc::new(group_commit::GroupCommit::new(group_commit::write_batch)),
+            checkpoint_commits: (backend == Backend::Sqlite).then(|| {
+                Arc::new(group_commit::GroupCommit::new(
+                    checkpoints::commit_checkpoint_batch,
+                ))
+            }),
             run_channel,
         };
         store.assign_token_ids().await?;

@@ -18,6 +18,7 @@
 //! queued again at once when an answer is already pending).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::sql::SqlBuilder;
@@ -27,9 +28,11 @@ use cairn_proto::runs::{
     AttemptPhase, AttemptState, CheckpointLimits, Labels, Outcome, RunState, SandboxState,
 };
 use cairn_proto::stations::{HandoffText, LaidFiles};
+use futures::future::BoxFuture;
 use prost::Message as _;
 use sqlx::AnyConnection;
 
+use super::group_commit::WriteRequest;
 use super::messages::{Message, deliver, load_message};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, RUN_COLUMNS, Run, RunEvent, RunInput,
@@ -581,88 +584,19 @@ impl MetadataStore {
     /// Creates a queued run (and its workspace, when asked). A workspace that
     /// is not active, or that already has a run that has not ended, is
     /// refused: two runs would fence each other's checkpoints off.
+    ///
+    /// Calls made while a creation is being written share the next
+    /// transaction ([`super::group_commit`]); each is refused or created on
+    /// its own.
     pub async fn create_run(&self, tenant: &TenantId, new: NewRun) -> Result<Run, DbError> {
-        let now = millis(SystemTime::now());
-        let mut tx = self.begin_write().await?;
-        let workspace = match &new.target {
-            NewRunTarget::Workspace(id) => {
-                ensure_active_workspace(tx.conn(), tenant, id, "find workspace").await?;
-                let busy: Option<(String, String)> = sqlx::query_as(
-                    "SELECT id, state FROM runs WHERE workspace_id = $1
-                     AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
-                )
-                .bind(id.as_str())
-                .fetch_optional(tx.conn())
-                .await
-                .map_err(query_error("find active runs"))?;
-                if let Some((run, state)) = busy {
-                    return Err(DbError::Precondition(format!(
-                        "workspace {id} already has run {run} ({state}); cancel it or wait until it ends"
-                    )));
-                }
-                id.clone()
-            }
-            NewRunTarget::NewWorkspace(name) => {
-                let id = WorkspaceId::generate();
-                let op = "insert workspace";
-                let lineage = KeyLineage::New;
-                insert_workspace(tx.conn(), &id, tenant, name.as_deref(), lineage, 0, now, op)
-                    .await?;
-                id
-            }
+        let creation = RunCreation {
+            tenant: tenant.clone(),
+            new,
         };
-        let id = RunId::generate();
-        let state_reason = "waiting for the scheduler";
-        sqlx::query(&format!(
-            "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, '', '', '', '', NULL, 0, 0, $13, $13, 0)"
-        ))
-        .bind(id.as_str())
-        .bind(tenant.as_str())
-        .bind(workspace.as_str())
-        .bind(&new.station)
-        .bind(&new.prompt)
-        .bind(encode_spec(&new))
-        .bind(&new.image)
-        .bind(duration_millis(new.hold))
-        .bind(duration_millis(new.checkpoint_interval))
-        .bind(i64::from(new.max_attempts))
-        .bind(runlife::INITIAL.as_str())
-        .bind(state_reason)
-        .bind(now)
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert run"))?;
-        super::stations::insert_laid_files(&mut tx, &id, &new.lay).await?;
-        let mut run = load_run(tx.conn(), &id)
-            .await?
-            .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
-        let detail = format!(
-            "station {}, harness {}{}{}",
-            run.station,
-            run.harness.name,
-            if run.labels.is_empty() {
-                String::new()
-            } else {
-                format!(", labels {}", run.labels)
-            },
-            match run.laid_paths.len() {
-                0 => String::new(),
-                1 => format!(", lays {}", run.laid_paths[0]),
-                n => format!(", lays {n} files"),
-            }
-        );
-        add_event(
-            &mut tx,
-            &run,
-            EventDraft::new(event_reason::CREATED, detail),
-            now,
-        )
-        .await?;
-        super::messages::attach_pending_messages(&mut tx, &run, now).await?;
-        self.commit(tx).await?;
-        run.updated_at = from_millis(now);
-        Ok(run)
+        Arc::clone(&self.run_creations)
+            .submit(self, creation)
+            .await
+            .and_then(|created| created)
     }
 
     /// One attempt of a run.
@@ -923,4 +857,107 @@ impl MetadataStore {
         self.commit(tx).await?;
         Ok(run)
     }
+}
+
+/// A CreateRun request: the tenant and what to create.
+pub(crate) struct RunCreation {
+    pub(crate) tenant: TenantId,
+    pub(crate) new: NewRun,
+}
+
+impl WriteRequest for RunCreation {
+    type Answer = Run;
+
+    fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<Run, DbError>> {
+        Box::pin(async move {
+            let now = millis(SystemTime::now());
+            create_run_in(tx, &self.tenant, self.new, now).await
+        })
+    }
+}
+
+/// Creates one run inside `tx` (see [`MetadataStore::create_run`]).
+async fn create_run_in(
+    tx: &mut WriteTx,
+    tenant: &TenantId,
+    new: NewRun,
+    now: i64,
+) -> Result<Run, DbError> {
+    let workspace = match &new.target {
+        NewRunTarget::Workspace(id) => {
+            ensure_active_workspace(tx.conn(), tenant, id, "find workspace").await?;
+            let busy: Option<(String, String)> = sqlx::query_as(
+                "SELECT id, state FROM runs WHERE workspace_id = $1
+                     AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 1",
+            )
+            .bind(id.as_str())
+            .fetch_optional(tx.conn())
+            .await
+            .map_err(query_error("find active runs"))?;
+            if let Some((run, state)) = busy {
+                return Err(DbError::Precondition(format!(
+                    "workspace {id} already has run {run} ({state}); cancel it or wait until it ends"
+                )));
+            }
+            id.clone()
+        }
+        NewRunTarget::NewWorkspace(name) => {
+            let id = WorkspaceId::generate();
+            let op = "insert workspace";
+            let lineage = KeyLineage::New;
+            insert_workspace(tx.conn(), &id, tenant, name.as_deref(), lineage, 0, now, op).await?;
+            id
+        }
+    };
+    let id = RunId::generate();
+    let state_reason = "waiting for the scheduler";
+    sqlx::query(&format!(
+            "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, '', '', '', '', NULL, 0, 0, $13, $13, 0)"
+        ))
+        .bind(id.as_str())
+        .bind(tenant.as_str())
+        .bind(workspace.as_str())
+        .bind(&new.station)
+        .bind(&new.prompt)
+        .bind(encode_spec(&new))
+        .bind(&new.image)
+        .bind(duration_millis(new.hold))
+        .bind(duration_millis(new.checkpoint_interval))
+        .bind(i64::from(new.max_attempts))
+        .bind(runlife::INITIAL.as_str())
+        .bind(state_reason)
+        .bind(now)
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert run"))?;
+    super::stations::insert_laid_files(tx, &id, &new.lay).await?;
+    let mut run = load_run(tx.conn(), &id)
+        .await?
+        .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
+    let detail = format!(
+        "station {}, harness {}{}{}",
+        run.station,
+        run.harness.name,
+        if run.labels.is_empty() {
+            String::new()
+        } else {
+            format!(", labels {}", run.labels)
+        },
+        match run.laid_paths.len() {
+            0 => String::new(),
+            1 => format!(", lays {}", run.laid_paths[0]),
+            n => format!(", lays {n} files"),
+        }
+    );
+    add_event(
+        tx,
+        &run,
+        EventDraft::new(event_reason::CREATED, detail),
+        now,
+    )
+    .await?;
+    super::messages::attach_pending_messages(tx, &run, now).await?;
+    run.updated_at = from_millis(now);
+    Ok(run)
 }

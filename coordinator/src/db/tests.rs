@@ -1,5 +1,7 @@
 //! Tests of the metadata store against a real SQLite file.
 
+use std::collections::BTreeMap;
+
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{BlobId, Generation, PackId, TenantId};
 use cairn_proto::pb;
@@ -616,4 +618,255 @@ async fn a_batch_of_assignments_rechecks_every_run_and_slot_in_its_transaction()
     assert!(db.set_queue_reasons(&reasons).await.unwrap().is_empty());
     let run = db.run(&tenant, &runs[1]).await.unwrap().unwrap();
     assert_eq!(run.state_reason, "all 2 matching hosts are full");
+}
+
+fn named_run(name: &str) -> runs::NewRun {
+    runs::NewRun {
+        target: runs::NewRunTarget::NewWorkspace(Some(name.to_owned())),
+        ..new_run()
+    }
+}
+
+#[tokio::test]
+async fn runs_created_in_one_transaction_are_refused_or_created_each_on_its_own() {
+    let (_dir, db, tenant) = open().await;
+    let creation = |name: &str| runs::RunCreation {
+        tenant: tenant.clone(),
+        new: named_run(name),
+    };
+    // The second is refused by the database itself (a unique name): on
+    // PostgreSQL that aborts the transaction unless its savepoint is
+    // rolled back.
+    let batch = vec![creation("first"), creation("first"), creation("second")];
+    let results = group_commit::write_together(&db, batch).await;
+    assert_eq!(results.len(), 3);
+    let first = results[0].as_ref().expect("the first run is created");
+    assert!(
+        matches!(&results[1], Err(DbError::NameTaken(name)) if name == "first"),
+        "{:?}",
+        results[1]
+    );
+    let second = results[2]
+        .as_ref()
+        .expect("the run after a refused one is created");
+
+    for (run, name) in [(first, "first"), (second, "second")] {
+        let stored = db.run(&tenant, &run.id).await.unwrap().expect("committed");
+        assert_eq!(stored.state, RunState::Queued);
+        let events = db.run_events(&run.id, 0, 10).await.unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].reason, run_records::event_reason::CREATED);
+        let workspace = db
+            .workspace(&tenant, &WorkspaceRef::Name(name.to_owned()))
+            .await
+            .unwrap()
+            .expect("its workspace is committed");
+        assert_eq!(workspace.id, run.workspace_id);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creations_each_get_their_own_answer() {
+    let (_dir, db, tenant) = open().await;
+    let creations = (0..40).map(|i| {
+        let (db, tenant) = (db.clone(), tenant.clone());
+        // Two of them ask for the same workspace name: one must lose.
+        let new = if i < 2 {
+            named_run("contested")
+        } else {
+            new_run()
+        };
+        tokio::spawn(async move { db.create_run(&tenant, new).await })
+    });
+    let results: Vec<Result<Run, DbError>> = futures::future::join_all(creations)
+        .await
+        .into_iter()
+        .map(|joined| joined.expect("no creation panics"))
+        .collect();
+    let refused: Vec<&DbError> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        matches!(refused.as_slice(), [DbError::NameTaken(name)] if name == "contested"),
+        "{refused:?}"
+    );
+    let created: BTreeSet<RunId> = results
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .map(|run| run.id.clone())
+        .collect();
+    assert_eq!(created.len(), 39);
+    for id in &created {
+        let run = db.run(&tenant, id).await.unwrap().expect("committed");
+        assert_eq!(run.state, RunState::Queued);
+        assert_eq!(db.run_events(id, 0, 10).await.unwrap().len(), 1);
+    }
+}
+
+#[tokio::test]
+async fn checkpoints_committed_in_one_transaction_are_refused_or_kept_each_on_its_own() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let other = db.create_workspace(&tenant, None).await.unwrap();
+    let mut first = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]);
+    first.request_id = Some(CommitRequestId::generate());
+    let mut stale = commit_of(&other, vec![new_pack(2, &[2])], vec![pack_id(2)]);
+    stale.generation = Generation(0);
+    // Fails on a foreign key after it has written the workspace's
+    // sequence and its pack: its savepoint must take both back.
+    let dangling = commit_of(&ws, vec![new_pack(3, &[3])], vec![pack_id(3), pack_id(7)]);
+    let second = commit_of(&ws, Vec::new(), vec![pack_id(1)]);
+    let repeated = first.clone();
+    let batch = vec![
+        (tenant.clone(), first),
+        (tenant.clone(), stale),
+        (tenant.clone(), dangling),
+        (tenant.clone(), second),
+        (tenant.clone(), repeated),
+    ];
+    let results = db.commit_checkpoints_together(batch).await;
+    assert_eq!(results.len(), 5);
+    let first = results[0].as_ref().expect("the first commit is kept");
+    assert_eq!(first.sequence, 1);
+    assert!(
+        matches!(results[1], Err(DbError::GenerationMismatch { .. })),
+        "{:?}",
+        results[1]
+    );
+    assert!(results[2].is_err(), "{:?}", results[2]);
+    let second = results[3]
+        .as_ref()
+        .expect("a commit after refused ones is kept");
+    assert_eq!(
+        second.sequence, 2,
+        "the refused commit took no sequence number"
+    );
+    let repeated = results[4].as_ref().expect("a repeated request is answered");
+    assert_eq!(repeated.id, first.id);
+
+    // Nothing of the refused commits stayed, and the repeated request
+    // took no number either: the next commit is the third.
+    assert!(
+        db.workspace_packs(&tenant, &ws.id, &[pack_id(3)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        db.workspace_packs(&tenant, &other.id, &[pack_id(2)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let third = db
+        .commit_checkpoint(&tenant, commit_of(&ws, Vec::new(), vec![pack_id(1)]))
+        .await
+        .unwrap();
+    assert_eq!(third.sequence, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_commits_number_each_workspaces_checkpoints_without_gaps() {
+    let (_dir, db, tenant) = open().await;
+    let mut workspaces = Vec::new();
+    for n in 0..4u8 {
+        let ws = db.create_workspace(&tenant, None).await.unwrap();
+        db.commit_checkpoint(
+            &tenant,
+            commit_of(&ws, vec![new_pack(n, &[n])], vec![pack_id(n)]),
+        )
+        .await
+        .unwrap();
+        workspaces.push((ws, pack_id(n)));
+    }
+    let commits = (0..40).map(|i| {
+        let (ws, pack) = workspaces[i % 4].clone();
+        let (db, tenant) = (db.clone(), tenant.clone());
+        tokio::spawn(async move {
+            db.commit_checkpoint(&tenant, commit_of(&ws, Vec::new(), vec![pack]))
+                .await
+                .map(|c| (ws.id.clone(), c.sequence))
+        })
+    });
+    let mut sequences: BTreeMap<WorkspaceId, Vec<u64>> = BTreeMap::new();
+    for joined in futures::future::join_all(commits).await {
+        let (ws, sequence) = joined
+            .expect("no commit panics")
+            .expect("every commit is kept");
+        sequences.entry(ws).or_default().push(sequence);
+    }
+    assert_eq!(sequences.len(), 4);
+    for (ws, mut numbers) in sequences {
+        numbers.sort_unstable();
+        assert_eq!(numbers, (2..=11).collect::<Vec<u64>>(), "workspace {ws}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_heartbeats_that_write_each_record_their_own_reports() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let mut started = Vec::new();
+    for n in 0..12 {
+        let registration = hosts::HostRegistration {
+            host_id: None,
+            name: format!("h{n}"),
+            labels: Default::default(),
+            slots: 1,
+            driver: "local".into(),
+        };
+        let hosts::Registered::Host { host, .. } = db
+            .register_host(&tenant, registration, false, None)
+            .await
+            .unwrap()
+        else {
+            panic!("a new host registers");
+        };
+        let run = db.create_run(&tenant, new_run()).await.unwrap();
+        let assignment = Assignment {
+            run: run.id.clone(),
+            attempt_count: 0,
+            host: host.id.clone(),
+            token_hash: [7; 32],
+        };
+        assert_eq!(db.assign_runs(&[assignment]).await.unwrap().len(), 1);
+        let answer = db
+            .heartbeat(&tenant, &host.id, &[], false, &[])
+            .await
+            .unwrap();
+        started.push((host.id, run.id, answer.assignments[0].sandbox_id.clone()));
+    }
+    // Every host reports at once: half their sandbox running, half their
+    // sandbox exited, each a write; each answer and record is its own.
+    let beats = started.iter().enumerate().map(|(n, (host, _, sandbox))| {
+        let (db, tenant, host) = (db.clone(), tenant.clone(), host.clone());
+        let report = hosts::ReportedSandbox {
+            sandbox_id: sandbox.clone(),
+            state: if n % 2 == 0 {
+                SandboxState::Running
+            } else {
+                SandboxState::Exited
+            },
+            exit_code: if n % 2 == 0 { 0 } else { 3 },
+            detail: String::new(),
+        };
+        tokio::spawn(async move { db.heartbeat(&tenant, &host, &[report], false, &[]).await })
+    });
+    for answered in futures::future::join_all(beats).await {
+        let answer = answered
+            .expect("no heartbeat panics")
+            .expect("every heartbeat is answered");
+        assert!(
+            answer.assignments.is_empty(),
+            "a reported sandbox is not assigned again"
+        );
+    }
+    for (n, (_, run, _)) in started.iter().enumerate() {
+        let attempt = db.attempt(run, 1).await.unwrap().unwrap();
+        let expected = if n % 2 == 0 {
+            SandboxState::Running
+        } else {
+            SandboxState::Exited
+        };
+        assert_eq!(attempt.sandbox_state, Some(expected), "run {n}");
+    }
 }

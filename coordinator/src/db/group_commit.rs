@@ -1,0 +1,288 @@
+//! Group commit: requests of one kind that arrive while a transaction of
+//! theirs is running wait, then share the next transaction.
+//!
+//! Every write transaction ends with a commit that waits for the disk (on
+//! SQLite, `synchronous = FULL`: an fsync of the log), and on SQLite only
+//! one writes at a time. Under load that makes the commit the limit when
+//! each request pays for one. Here a request joins a queue; whoever finds no
+//! transaction running starts a drainer task, which takes everything
+//! queued (up to [`MAX_BATCH`]), runs it in one transaction through the
+//! kind's batch function, hands each request its own result, and goes on
+//! until the queue is empty. One request alone still runs at once, in a
+//! transaction of its own; a burst costs a commit per batch, not per
+//! request.
+//!
+//! The batch runs in a task of its own, so a caller that goes away (a
+//! cancelled RPC) never abandons the others' transaction halfway.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures::future::BoxFuture;
+use tokio::sync::oneshot;
+
+use sqlx::AnyConnection;
+
+use super::{DbError, MetadataStore, WriteTx, query_error};
+
+/// Most requests one transaction carries: bounds how long the write lock
+/// is held at once, and so how long anything else waits for it.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// Runs a batch in one transaction: one result per request, in order.
+pub(crate) type BatchFn<T, R> = fn(MetadataStore, Vec<T>) -> BoxFuture<'static, Vec<R>>;
+
+/// The queue of one kind of request.
+pub(crate) struct GroupCommit<T, R> {
+    queue: Arc<Mutex<Queue<T, R>>>,
+    run: BatchFn<T, R>,
+}
+
+struct Queue<T, R> {
+    waiting: Vec<(T, oneshot::Sender<R>)>,
+    /// A drainer task is running: it takes what is queued before it ends.
+    draining: bool,
+}
+
+impl<T, R> GroupCommit<T, R>
+where
+    T: Send + 'static,
+    R: Send + 'static,
+{
+    pub(crate) fn new(run: BatchFn<T, R>) -> Self {
+        Self {
+            queue: Arc::new(Mutex::new(Queue {
+                waiting: Vec::new(),
+                draining: false,
+            })),
+            run,
+        }
+    }
+
+    /// Queues `request` and waits for its result.
+    pub(crate) async fn submit(&self, store: &MetadataStore, request: T) -> Result<R, DbError> {
+        let (answer, answered) = oneshot::channel();
+        let start_drainer = {
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            queue.waiting.push((request, answer));
+            !std::mem::replace(&mut queue.draining, true)
+        };
+        if start_drainer {
+            tokio::spawn(drain(Arc::clone(&self.queue), self.run, store.clone()));
+        }
+        answered.await.map_err(|_| DbError::Batch {
+            retryable: true,
+            message: "the transaction this request shared with others was abandoned (see the coordinator's log)".to_owned(),
+        })
+    }
+}
+
+/// Runs batches until the queue is empty.
+async fn drain<T, R>(queue: Arc<Mutex<Queue<T, R>>>, run: BatchFn<T, R>, store: MetadataStore) {
+    // Should a batch panic, the next request starts a new drainer rather
+    // than waiting for this one forever; the panicked batch's callers see
+    // their answers dropped.
+    let mut release = Release {
+        queue: &queue,
+        armed: true,
+    };
+    loop {
+        let batch = {
+            let mut queue = queue.lock().unwrap_or_else(PoisonError::into_inner);
+            if queue.waiting.is_empty() {
+                queue.draining = false;
+                release.armed = false;
+                return;
+            }
+            let take = queue.waiting.len().min(MAX_BATCH);
+            queue.waiting.drain(..take).collect::<Vec<_>>()
+        };
+        let (requests, answers): (Vec<T>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
+        let count = requests.len();
+        let results = run(store.clone(), requests).await;
+        if results.len() != count {
+            tracing::error!(
+                requests = count,
+                results = results.len(),
+                "a group commit answered a different number of requests than it was given"
+            );
+        }
+        for (answer, result) in answers.into_iter().zip(results) {
+            // A caller that went away no longer wants its answer.
+            let _ = answer.send(result);
+        }
+    }
+}
+
+struct Release<'a, T, R> {
+    queue: &'a Mutex<Queue<T, R>>,
+    armed: bool,
+}
+
+impl<T, R> Drop for Release<'_, T, R> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .draining = false;
+        }
+    }
+}
+
+impl<T, R> std::fmt::Debug for GroupCommit<T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("GroupCommit")
+            .field("waiting", &queue.waiting.len())
+            .field("draining", &queue.draining)
+            .finish()
+    }
+}
+
+/// A request that writes in a write transaction it may share.
+pub(crate) trait WriteRequest: Send + 'static {
+    type Answer: Send + 'static;
+
+    /// Writes this request inside `tx`; what it writes is undone if it
+    /// fails.
+    fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<Self::Answer, DbError>>;
+}
+
+/// The [`BatchFn`] of [`WriteRequest`]s: see [`write_together`].
+pub(crate) fn write_batch<T: WriteRequest>(
+    store: MetadataStore,
+    batch: Vec<T>,
+) -> BoxFuture<'static, Vec<Result<T::Answer, DbError>>> {
+    Box::pin(async move { write_together(&store, batch).await })
+}
+
+/// Writes `batch` in one write transaction, each request in a savepoint of
+/// its own when there are several, so one that fails leaves the others:
+/// one result per request, in order.
+pub(crate) async fn write_together<T: WriteRequest>(
+    store: &MetadataStore,
+    batch: Vec<T>,
+) -> Vec<Result<T::Answer, DbError>> {
+    let total = batch.len();
+    let mut tx = match store.begin_write().await {
+        Ok(tx) => tx,
+        Err(e) => return fail_all(total, &e),
+    };
+    let mut results = Vec::with_capacity(total);
+    if total == 1 {
+        // Alone: the transaction is the request's own, no savepoint.
+        let request = batch.into_iter().next().expect("one request");
+        match request.write(&mut tx).await {
+            Ok(answer) => results.push(Ok(answer)),
+            Err(e) => return vec![Err(e)],
+        }
+    } else {
+        for request in batch {
+            if let Err(e) = begin_savepoint(tx.conn()).await {
+                return fail_batch(results, total, &e);
+            }
+            // Runs a failed request touched are not announced.
+            let announced = tx.changed_runs.clone();
+            let written = request.write(&mut tx).await;
+            if written.is_err() {
+                tx.changed_runs = announced;
+            }
+            let ended = end_savepoint(tx.conn(), written.is_ok()).await;
+            results.push(written);
+            if let Err(e) = ended {
+                return fail_batch(results, total, &e);
+            }
+        }
+    }
+    match store.commit(tx).await {
+        Ok(()) => results,
+        Err(e) => fail_batch(results, total, &e),
+    }
+}
+
+/// The results of a batch whose transaction failed as a whole (its begin,
+/// a savepoint, or its commit) with `cause`: requests that had succeeded
+/// inside it, and those not reached, fail with the shared cause; requests
+/// that had failed on their own keep their own error.
+pub(crate) fn fail_batch<A, R>(
+    done: Vec<Result<A, DbError>>,
+    total: usize,
+    cause: &DbError,
+) -> Vec<Result<R, DbError>> {
+    let shared = || DbError::Batch {
+        retryable: cause.is_retryable(),
+        message: cause.to_string(),
+    };
+    let reached = done.len();
+    done.into_iter()
+        .map(|result| match result {
+            Ok(_) => Err(shared()),
+            Err(own) => Err(own),
+        })
+        .chain((reached..total).map(|_| Err(shared())))
+        .collect()
+}
+
+/// Starts the savepoint one request of a batch runs in.
+pub(crate) async fn begin_savepoint(conn: &mut AnyConnection) -> Result<(), DbError> {
+    sqlx::query("SAVEPOINT batch_request")
+        .execute(conn)
+        .await
+        .map(drop)
+        .map_err(query_error("start a request's savepoint"))
+}
+
+/// Ends the savepoint [`begin_savepoint`] started: keeps what the request
+/// wrote, or undoes it (a refused request leaves nothing behind, and on
+/// PostgreSQL a failed statement no longer aborts the whole transaction).
+pub(crate) async fn end_savepoint(conn: &mut AnyConnection, keep: bool) -> Result<(), DbError> {
+    if !keep {
+        sqlx::query("ROLLBACK TO SAVEPOINT batch_request")
+            .execute(&mut *conn)
+            .await
+            .map_err(query_error("undo a request's savepoint"))?;
+    }
+    sqlx::query("RELEASE SAVEPOINT batch_request")
+        .execute(conn)
+        .await
+        .map(drop)
+        .map_err(query_error("release a request's savepoint"))
+}
+
+/// The results of a batch whose transaction could not even start.
+pub(crate) fn fail_all<R>(total: usize, cause: &DbError) -> Vec<Result<R, DbError>> {
+    fail_batch(Vec::<Result<(), DbError>>::new(), total, cause)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_batch_keeps_each_requests_own_error_and_fails_the_rest() {
+        let cause = DbError::Corrupt("disk went away".into());
+        let done: Vec<Result<u32, DbError>> = vec![Ok(1), Err(DbError::NotFound("run x".into()))];
+        let results: Vec<Result<u32, DbError>> = fail_batch(done, 4, &cause);
+        assert_eq!(results.len(), 4);
+        let messages: Vec<String> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap_err().to_string())
+            .collect();
+        assert_eq!(
+            messages,
+            [
+                "metadata is inconsistent: disk went away",
+                "run x",
+                "metadata is inconsistent: disk went away",
+                "metadata is inconsistent: disk went away",
+            ]
+        );
+        assert!(matches!(
+            results[0],
+            Err(DbError::Batch {
+                retryable: false,
+                ..
+            })
+        ));
+    }
+}
