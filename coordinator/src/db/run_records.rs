@@ -411,6 +411,21 @@ pub(super) async fn add_event(
     .fetch_one(tx.conn())
     .await
     .map_err(query_error("advance event sequence"))?;
+    insert_event(tx, run, sequence, event, now).await
+}
+
+/// The sequence of a run's first event: a new run is written with it.
+pub(super) const FIRST_EVENT_SEQUENCE: i64 = 1;
+
+/// Inserts `run`'s event number `sequence`, which the run's
+/// `last_event_sequence` already counts.
+pub(super) async fn insert_event(
+    tx: &mut WriteTx,
+    run: &Run,
+    sequence: i64,
+    event: EventDraft,
+    now: i64,
+) -> Result<(), DbError> {
     sqlx::query(
         "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt, generation,
                                  checkpoint_id, detail)

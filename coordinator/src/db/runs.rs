@@ -35,9 +35,9 @@ use sqlx::AnyConnection;
 use super::group_commit::WriteRequest;
 use super::messages::{Message, deliver, load_message};
 use super::run_records::{
-    ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, RUN_COLUMNS, Run, RunEvent, RunInput,
-    add_event, add_input, attach_attempts, attempt_from_row, event_from_row, event_reason,
-    load_run, load_tenant_run, run_from_row,
+    ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, FIRST_EVENT_SEQUENCE, RUN_COLUMNS, Run,
+    RunEvent, RunInput, add_event, add_input, attach_attempts, attempt_from_row, event_from_row,
+    event_reason, insert_event, load_run, load_tenant_run, run_from_row,
 };
 use super::stations::HandoffNote;
 use super::workspaces::{KeyLineage, ensure_active_workspace, insert_workspace};
@@ -911,30 +911,31 @@ async fn create_run_in(
     };
     let id = RunId::generate();
     let state_reason = "waiting for the scheduler";
-    sqlx::query(&format!(
-            "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, '', '', '', '', NULL, 0, 0, $13, $13, 0)"
-        ))
-        .bind(id.as_str())
-        .bind(tenant.as_str())
-        .bind(workspace.as_str())
-        .bind(&new.station)
-        .bind(&new.prompt)
-        .bind(encode_spec(&new))
-        .bind(&new.image)
-        .bind(duration_millis(new.hold))
-        .bind(duration_millis(new.checkpoint_interval))
-        .bind(i64::from(new.max_attempts))
-        .bind(runlife::INITIAL.as_str())
-        .bind(state_reason)
-        .bind(now)
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert run"))?;
+    // The run is written with its first event's sequence and read back in
+    // the same statement: a new run has no attempts to load.
+    let row = sqlx::query(&format!(
+        "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, '', '', '', '', NULL, 0, 0, $13, $13, 1)
+         RETURNING {RUN_COLUMNS}"
+    ))
+    .bind(id.as_str())
+    .bind(tenant.as_str())
+    .bind(workspace.as_str())
+    .bind(&new.station)
+    .bind(&new.prompt)
+    .bind(encode_spec(&new))
+    .bind(&new.image)
+    .bind(duration_millis(new.hold))
+    .bind(duration_millis(new.checkpoint_interval))
+    .bind(i64::from(new.max_attempts))
+    .bind(runlife::INITIAL.as_str())
+    .bind(state_reason)
+    .bind(now)
+    .fetch_one(tx.conn())
+    .await
+    .map_err(query_error("insert run"))?;
+    let mut run = run_from_row(&row)?;
     super::stations::insert_laid_files(tx, &id, &new.lay).await?;
-    let mut run = load_run(tx.conn(), &id)
-        .await?
-        .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
     let detail = format!(
         "station {}, harness {}{}{}",
         run.station,
@@ -950,14 +951,12 @@ async fn create_run_in(
             n => format!(", lays {n} files"),
         }
     );
-    add_event(
-        tx,
-        &run,
-        EventDraft::new(event_reason::CREATED, detail),
-        now,
-    )
-    .await?;
-    super::messages::attach_pending_messages(tx, &run, now).await?;
+    let created = EventDraft::new(event_reason::CREATED, detail);
+    insert_event(tx, &run, FIRST_EVENT_SEQUENCE, created, now).await?;
+    // Messages left for the station wait on an existing workspace only.
+    if matches!(new.target, NewRunTarget::Workspace(_)) {
+        super::messages::attach_pending_messages(tx, &run, now).await?;
+    }
     run.updated_at = from_millis(now);
     Ok(run)
 }
