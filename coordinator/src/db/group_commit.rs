@@ -15,7 +15,7 @@
 //! The batch runs in a task of its own, so a caller that goes away (a
 //! cancelled RPC) never abandons the others' transaction halfway.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use futures::future::BoxFuture;
 use tokio::sync::oneshot;
@@ -67,13 +67,35 @@ where
             !std::mem::replace(&mut queue.draining, true)
         };
         if start_drainer {
-            tokio::spawn(drain(Arc::clone(&self.queue), self.run, store.clone()));
+            writer().spawn(drain(Arc::clone(&self.queue), self.run, store.clone()));
         }
         answered.await.map_err(|_| DbError::Batch {
             retryable: true,
             message: "the transaction this request shared with others was abandoned (see the coordinator's log)".to_owned(),
         })
     }
+}
+
+/// The runtime drainers run on: one thread of its own. A drainer is the
+/// one writer every request of its kind waits for, and each of its
+/// statements wakes it from a database thread; on the server's busy
+/// workers that wakeup waits behind every queued task (heartbeats,
+/// reads), so the writer would crawl while the readers it serves pile up.
+fn writer() -> &'static tokio::runtime::Handle {
+    static WRITER: OnceLock<tokio::runtime::Handle> = OnceLock::new();
+    WRITER.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .thread_name("cairn-db-writer")
+            .build()
+            .expect("the database writer's runtime starts");
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("cairn-db-writer".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .expect("the database writer's thread starts");
+        handle
+    })
 }
 
 /// Runs batches until the queue is empty.
