@@ -162,8 +162,19 @@ impl<T, R> std::fmt::Debug for GroupCommit<T, R> {
 }
 
 /// A request that writes in a write transaction it may share.
-pub(crate) trait WriteRequest: Send + 'static {
+pub(crate) trait WriteRequest: Sized + Send + Sync + 'static {
     type Answer: Send + 'static;
+
+    /// Writes a whole batch at once in a few statements, when this kind of
+    /// request can and this batch allows it: one answer per request, in
+    /// order. On any error what it wrote is undone and the requests are
+    /// written one by one, so each gets its own answer.
+    fn write_all<'a>(
+        _batch: &'a [Self],
+        _tx: &'a mut WriteTx,
+    ) -> Option<BoxFuture<'a, Result<Vec<Self::Answer>, DbError>>> {
+        None
+    }
 
     /// Writes this request inside `tx`; what it writes is undone if it
     /// fails.
@@ -199,6 +210,12 @@ pub(crate) async fn write_together<T: WriteRequest>(
             Err(e) => return vec![Err(e)],
         }
     } else {
+        if let Some(answers) = write_all_at_once(&mut tx, &batch).await {
+            return match store.commit(tx).await {
+                Ok(()) => answers.into_iter().map(Ok).collect(),
+                Err(e) => fail_all(total, &e),
+            };
+        }
         for request in batch {
             if let Err(e) = begin_savepoint(tx.conn()).await {
                 return fail_batch(results, total, &e);
@@ -219,6 +236,36 @@ pub(crate) async fn write_together<T: WriteRequest>(
     match store.commit(tx).await {
         Ok(()) => results,
         Err(e) => fail_batch(results, total, &e),
+    }
+}
+
+/// The answers of [`WriteRequest::write_all`], inside a savepoint: `None`
+/// when the kind cannot, or when it failed and its savepoint was undone.
+async fn write_all_at_once<T: WriteRequest>(
+    tx: &mut WriteTx,
+    batch: &[T],
+) -> Option<Vec<T::Answer>> {
+    begin_savepoint(tx.conn()).await.ok()?;
+    let announced = tx.changed_runs.clone();
+    let written = match T::write_all(batch, tx) {
+        Some(writing) => writing.await,
+        None => Err(DbError::Invalid("written one by one".into())),
+    };
+    match written {
+        Ok(answers) if answers.len() == batch.len() => {
+            end_savepoint(tx.conn(), true).await.ok()?;
+            Some(answers)
+        }
+        outcome => {
+            if let Err(e) = outcome {
+                tracing::debug!(error = %e, requests = batch.len(), "a batch is written one by one");
+            }
+            tx.changed_runs = announced;
+            // Should even this fail, the one-by-one writes fail on it too
+            // and say why.
+            let _ = end_savepoint(tx.conn(), false).await;
+            None
+        }
     }
 }
 

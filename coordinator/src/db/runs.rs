@@ -17,7 +17,7 @@
 //! waiting for a person is never retried as a failure: it is suspended (or
 //! queued again at once when an answer is already pending).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -40,7 +40,9 @@ use super::run_records::{
     event_reason, insert_event, load_run, load_tenant_run, run_from_row,
 };
 use super::stations::HandoffNote;
-use super::workspaces::{KeyLineage, ensure_active_workspace, insert_workspace};
+use super::workspaces::{
+    KeyLineage, ensure_active_workspace, insert_new_workspaces, insert_workspace,
+};
 use super::{
     DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
     unsigned,
@@ -865,8 +867,21 @@ pub(crate) struct RunCreation {
     pub(crate) new: NewRun,
 }
 
+/// Why a new run waits.
+const WAITING_FOR_THE_SCHEDULER: &str = "waiting for the scheduler";
+
 impl WriteRequest for RunCreation {
     type Answer = Run;
+
+    fn write_all<'a>(
+        batch: &'a [Self],
+        tx: &'a mut WriteTx,
+    ) -> Option<BoxFuture<'a, Result<Vec<Run>, DbError>>> {
+        let all_new = batch
+            .iter()
+            .all(|c| matches!(c.new.target, NewRunTarget::NewWorkspace(_)));
+        all_new.then(|| Box::pin(create_runs_on_new_workspaces(tx, batch)) as BoxFuture<'a, _>)
+    }
 
     fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<Run, DbError>> {
         Box::pin(async move {
@@ -910,7 +925,6 @@ async fn create_run_in(
         }
     };
     let id = RunId::generate();
-    let state_reason = "waiting for the scheduler";
     // The run is written with its first event's sequence and read back in
     // the same statement: a new run has no attempts to load.
     let row = sqlx::query(&format!(
@@ -929,14 +943,26 @@ async fn create_run_in(
     .bind(duration_millis(new.checkpoint_interval))
     .bind(i64::from(new.max_attempts))
     .bind(runlife::INITIAL.as_str())
-    .bind(state_reason)
+    .bind(WAITING_FOR_THE_SCHEDULER)
     .bind(now)
     .fetch_one(tx.conn())
     .await
     .map_err(query_error("insert run"))?;
     let mut run = run_from_row(&row)?;
     super::stations::insert_laid_files(tx, &id, &new.lay).await?;
-    let detail = format!(
+    let created = EventDraft::new(event_reason::CREATED, created_detail(&run));
+    insert_event(tx, &run, FIRST_EVENT_SEQUENCE, created, now).await?;
+    // Messages left for the station wait on an existing workspace only.
+    if matches!(new.target, NewRunTarget::Workspace(_)) {
+        super::messages::attach_pending_messages(tx, &run, now).await?;
+    }
+    run.updated_at = from_millis(now);
+    Ok(run)
+}
+
+/// What a run's `created` event says of it.
+fn created_detail(run: &Run) -> String {
+    format!(
         "station {}, harness {}{}{}",
         run.station,
         run.harness.name,
@@ -950,13 +976,109 @@ async fn create_run_in(
             1 => format!(", lays {}", run.laid_paths[0]),
             n => format!(", lays {n} files"),
         }
-    );
-    let created = EventDraft::new(event_reason::CREATED, detail);
-    insert_event(tx, &run, FIRST_EVENT_SEQUENCE, created, now).await?;
-    // Messages left for the station wait on an existing workspace only.
-    if matches!(new.target, NewRunTarget::Workspace(_)) {
-        super::messages::attach_pending_messages(tx, &run, now).await?;
+    )
+}
+
+/// Creates runs, each on a new workspace, in a few statements whatever
+/// their number: the workspaces and their keys, the runs (read back by
+/// RETURNING), their laid files, their `created` events. Any failure (a
+/// name taken) fails the lot; the caller then creates them one by one.
+async fn create_runs_on_new_workspaces(
+    tx: &mut WriteTx,
+    batch: &[RunCreation],
+) -> Result<Vec<Run>, DbError> {
+    let now = millis(SystemTime::now());
+    let mut ids = Vec::with_capacity(batch.len());
+    for creation in batch {
+        let NewRunTarget::NewWorkspace(name) = &creation.new.target else {
+            return Err(DbError::Invalid("a run on an existing workspace".into()));
+        };
+        ids.push((WorkspaceId::generate(), RunId::generate(), name.as_deref()));
     }
-    run.updated_at = from_millis(now);
-    Ok(run)
+    let workspaces: Vec<_> = batch
+        .iter()
+        .zip(&ids)
+        .map(|(creation, (workspace, _, name))| (workspace, &creation.tenant, *name))
+        .collect();
+    insert_new_workspaces(tx.conn(), &workspaces, now).await?;
+
+    let mut query = SqlBuilder::new(format!(
+        "INSERT INTO runs ({RUN_COLUMNS}, last_event_sequence)"
+    ));
+    query.push_values(
+        batch.iter().zip(&ids),
+        |mut row, (creation, (workspace, run, _))| {
+            let new = &creation.new;
+            row.push_bind(run.as_str())
+                .push_bind(creation.tenant.as_str())
+                .push_bind(workspace.as_str())
+                .push_bind(new.station.as_str())
+                .push_bind(new.prompt.as_str())
+                .push_bind(encode_spec(new))
+                .push_bind(new.image.as_str())
+                .push_bind(duration_millis(new.hold))
+                .push_bind(duration_millis(new.checkpoint_interval))
+                .push_bind(i64::from(new.max_attempts))
+                .push_bind(runlife::INITIAL.as_str())
+                .push_bind(WAITING_FOR_THE_SCHEDULER);
+            // question, summary, harness_session_id, last_checkpoint_id, then
+            // hold_until, attempt_count, failed_attempts: none yet.
+            row.push_bind("")
+                .push_bind("")
+                .push_bind("")
+                .push_bind("")
+                .push_bind(None::<i64>)
+                .push_bind(0_i64)
+                .push_bind(0_i64)
+                .push_bind(now)
+                .push_bind(now)
+                .push_bind(FIRST_EVENT_SEQUENCE);
+        },
+    );
+    query.push(format!(" RETURNING {RUN_COLUMNS}"));
+    let rows = query
+        .build()
+        .fetch_all(tx.conn())
+        .await
+        .map_err(query_error("insert runs"))?;
+    let mut by_id = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let run = run_from_row(row)?;
+        by_id.insert(run.id.clone(), run);
+    }
+    let mut runs = Vec::with_capacity(batch.len());
+    for (creation, (_, id, _)) in batch.iter().zip(&ids) {
+        let mut run = by_id
+            .remove(id)
+            .ok_or_else(|| DbError::Corrupt(format!("run {id} vanished while it was created")))?;
+        super::stations::insert_laid_files(tx, id, &creation.new.lay).await?;
+        run.updated_at = from_millis(now);
+        runs.push(run);
+    }
+
+    let mut query = SqlBuilder::new(
+        "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt, generation,
+                                 checkpoint_id, detail)",
+    );
+    query.push_values(&runs, |mut row, run| {
+        row.push_bind(run.id.as_str())
+            .push_bind(FIRST_EVENT_SEQUENCE)
+            .push_bind(now)
+            .push_bind(run.state.as_str())
+            .push_bind(event_reason::CREATED)
+            .push_bind("")
+            .push_bind(0_i64)
+            .push_bind(0_i64)
+            .push_bind("")
+            .push_bind(created_detail(run));
+    });
+    query
+        .build()
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert run events"))?;
+    for run in &runs {
+        tx.touch(&run.id);
+    }
+    Ok(runs)
 }

@@ -870,3 +870,77 @@ async fn concurrent_heartbeats_that_write_each_record_their_own_reports() {
         assert_eq!(attempt.sandbox_state, Some(expected), "run {n}");
     }
 }
+
+#[tokio::test]
+async fn runs_on_new_workspaces_are_created_together_as_if_one_by_one() {
+    let (_dir, db, tenant) = open().await;
+    let mut laying = new_run();
+    laying.lay = cairn_proto::stations::LaidFiles::try_from(
+        [("notes/brief.md".to_owned(), b"read me".to_vec())]
+            .into_iter()
+            .collect::<HashMap<_, _>>(),
+    )
+    .unwrap();
+    let batch = vec![
+        runs::RunCreation {
+            tenant: tenant.clone(),
+            new: new_run(),
+        },
+        runs::RunCreation {
+            tenant: tenant.clone(),
+            new: named_run("named"),
+        },
+        runs::RunCreation {
+            tenant: tenant.clone(),
+            new: laying,
+        },
+    ];
+    let changes = db.subscribe_runs();
+    let mut tx = db.begin_write().await.unwrap();
+    let created: Vec<Run> =
+        <runs::RunCreation as group_commit::WriteRequest>::write_all(&batch, &mut tx)
+            .expect("runs on new workspaces are written together")
+            .await
+            .expect("every run is created");
+    db.commit(tx).await.unwrap();
+    assert_eq!(created.len(), 3);
+    assert_eq!(changes.len(), 3, "each new run is announced");
+
+    let named = db
+        .workspace(&tenant, &WorkspaceRef::Name("named".into()))
+        .await
+        .unwrap()
+        .expect("the named workspace is committed");
+    assert_eq!(named.id, created[1].workspace_id);
+    assert_eq!(created[2].laid_paths, ["notes/brief.md"]);
+    for run in &created {
+        let stored = db.run(&tenant, &run.id).await.unwrap().expect("committed");
+        assert_eq!(stored.state, RunState::Queued);
+        assert_eq!(stored.workspace_id, run.workspace_id);
+        let events = db.run_events(&run.id, 0, 10).await.unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].sequence, 1);
+        assert_eq!(events[0].reason, run_records::event_reason::CREATED);
+        // Each workspace starts a key lineage of its own.
+        let key = db.current_key(&tenant, &run.workspace_id).await.unwrap();
+        assert_eq!(key.key_id, FIRST_KEY_ID);
+    }
+    assert_ne!(
+        db.current_key(&tenant, &created[0].workspace_id)
+            .await
+            .unwrap(),
+        db.current_key(&tenant, &created[2].workspace_id)
+            .await
+            .unwrap()
+    );
+    // The next event follows the first: the run counts it.
+    db.cancel_run(&tenant, &created[0].id, "not needed")
+        .await
+        .unwrap();
+    let events = db.run_events(&created[0].id, 0, 10).await.unwrap();
+    assert_eq!(
+        events.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+        (1..=events.len() as u64).collect::<Vec<_>>()
+    );
+    assert!(events.len() >= 2, "{events:?}");
+}

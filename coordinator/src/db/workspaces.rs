@@ -11,6 +11,7 @@ use sqlx::{AnyConnection, Row};
 use crate::retention::Overrides;
 
 use super::checkpoints::{checkpoint_in, copy_checkpoint_in, newest_checkpoint_in};
+use super::sql::SqlBuilder;
 use super::{
     DbError, FIRST_KEY_ID, MetadataStore, Workspace, from_millis, millis, parse_column,
     query_error, random_secret, unsigned,
@@ -153,6 +154,53 @@ pub(super) async fn insert_workspace(
         .await
         .map_err(query_error("insert lineage key"))?;
     }
+    Ok(())
+}
+
+/// Inserts new workspaces, each the start of its own key lineage, in two
+/// statements (what [`insert_workspace`] does for one). A name already
+/// taken fails the whole statement.
+pub(super) async fn insert_new_workspaces(
+    conn: &mut AnyConnection,
+    workspaces: &[(&WorkspaceId, &TenantId, Option<&str>)],
+    now: i64,
+) -> Result<(), DbError> {
+    if workspaces.is_empty() {
+        return Ok(());
+    }
+    let mut query = SqlBuilder::new(
+        "INSERT INTO workspaces (id, tenant, name, state, generation, last_sequence, created_at,
+                                 updated_at, lineage)",
+    );
+    query.push_values(workspaces, |mut row, (id, tenant, name)| {
+        row.push_bind(id.as_str())
+            .push_bind(tenant.as_str())
+            .push_bind(*name)
+            .push_bind(WorkspaceState::Active.as_str())
+            .push_bind(FIRST_GENERATION.0 as i64)
+            .push_bind(0_i64)
+            .push_bind(now)
+            .push_bind(now)
+            .push_bind(id.as_str());
+    });
+    query
+        .build()
+        .execute(&mut *conn)
+        .await
+        .map_err(query_error("insert workspaces"))?;
+    let mut query =
+        SqlBuilder::new("INSERT INTO lineage_keys (lineage, key_id, secret, created_at)");
+    query.push_values(workspaces, |mut row, (id, _, _)| {
+        row.push_bind(id.as_str())
+            .push_bind(FIRST_KEY_ID)
+            .push_bind(random_secret())
+            .push_bind(now);
+    });
+    query
+        .build()
+        .execute(conn)
+        .await
+        .map_err(query_error("insert lineage keys"))?;
     Ok(())
 }
 
