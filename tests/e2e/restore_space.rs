@@ -133,8 +133,12 @@ fn a_restore_too_big_for_the_blocks_or_inodes_is_refused_before_writing() {
 fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let coordinator = Coordinator::start();
     let client = coordinator.client();
+    // 37.5 MiB on a 64 MiB disk: the restore takes long enough that the
+    // filler, started when the space check passed, fills the disk before
+    // the restore ends even on a loaded machine (9.4 MiB on 16 MiB did not
+    // always: the restore sometimes finished first).
     let workspace = checkpointed(&coordinator, "filling", |root| {
-        for i in 0..300 {
+        for i in 0..1200 {
             write_pseudo_random(&root.join(format!("d{}/f{i}", i % 10)), 32 << 10, i);
         }
     });
@@ -143,7 +147,7 @@ fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let outcome = restore_on_tmpfs(
         &client,
         &workspace,
-        "size=16m,nr_inodes=10000",
+        "size=64m,nr_inodes=10000",
         &[("FILL", "1")],
     );
     let said = outcome.all_output();
@@ -158,7 +162,7 @@ fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let outcome = restore_on_tmpfs(
         &client,
         &workspace,
-        "size=16m,nr_inodes=10000",
+        "size=64m,nr_inodes=10000",
         &[("FILL", "1"), ("OLD", "1")],
     );
     let said = outcome.all_output();
