@@ -528,10 +528,7 @@ impl MetadataStore {
         new: NewCheckpoint,
     ) -> Result<Checkpoint, DbError> {
         match &self.checkpoint_commits {
-            Some(commits) => commits
-                .submit(self, (tenant.clone(), new))
-                .await
-                .and_then(|committed| committed),
+            Some(commits) => commits.submit(self, (tenant.clone(), new)).await,
             None => {
                 let mut results = self
                     .commit_checkpoints_together(vec![(tenant.clone(), new)])
@@ -561,11 +558,15 @@ impl MetadataStore {
             }
             let outcome = record_checkpoint(&mut tx, &tenant, new, now).await;
             let keep = matches!(outcome, Ok(Recorded::New(_)));
-            if !alone && let Err(e) = end_savepoint(&mut tx, keep).await {
-                recorded.push(outcome.map(|r| (tenant, r)));
+            let ended = if alone {
+                Ok(())
+            } else {
+                end_savepoint(&mut tx, keep).await
+            };
+            recorded.push(outcome.map(|r| (tenant, r)));
+            if let Err(e) = ended {
                 return fail_batch(recorded, total, &e);
             }
-            recorded.push(outcome.map(|r| (tenant, r)));
         }
         // Alone, a commit refused or answered with an earlier checkpoint
         // has nothing to keep: its transaction is rolled back. In a batch,

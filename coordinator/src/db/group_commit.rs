@@ -29,12 +29,23 @@ use super::{DbError, MetadataStore, WriteTx, query_error};
 pub(crate) const MAX_BATCH: usize = 64;
 
 /// Runs a batch in one transaction: one result per request, in order.
-pub(crate) type BatchFn<T, R> = fn(MetadataStore, Vec<T>) -> BoxFuture<'static, Vec<R>>;
+pub(crate) type BatchFn<T, A> =
+    fn(MetadataStore, Vec<T>) -> BoxFuture<'static, Vec<Result<A, DbError>>>;
 
-/// The queue of one kind of request.
-pub(crate) struct GroupCommit<T, R> {
-    queue: Arc<Mutex<Queue<T, R>>>,
-    run: BatchFn<T, R>,
+/// The queue of one kind of request, answered with an `A` each. Clones
+/// share the queue.
+pub(crate) struct GroupCommit<T, A> {
+    queue: Arc<Mutex<Queue<T, Result<A, DbError>>>>,
+    run: BatchFn<T, A>,
+}
+
+impl<T, A> Clone for GroupCommit<T, A> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: Arc::clone(&self.queue),
+            run: self.run,
+        }
+    }
 }
 
 struct Queue<T, R> {
@@ -43,12 +54,12 @@ struct Queue<T, R> {
     draining: bool,
 }
 
-impl<T, R> GroupCommit<T, R>
+impl<T, A> GroupCommit<T, A>
 where
     T: Send + 'static,
-    R: Send + 'static,
+    A: Send + 'static,
 {
-    pub(crate) fn new(run: BatchFn<T, R>) -> Self {
+    pub(crate) fn new(run: BatchFn<T, A>) -> Self {
         Self {
             queue: Arc::new(Mutex::new(Queue {
                 waiting: Vec::new(),
@@ -59,7 +70,7 @@ where
     }
 
     /// Queues `request` and waits for its result.
-    pub(crate) async fn submit(&self, store: &MetadataStore, request: T) -> Result<R, DbError> {
+    pub(crate) async fn submit(&self, store: &MetadataStore, request: T) -> Result<A, DbError> {
         let (answer, answered) = oneshot::channel();
         let start_drainer = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -69,9 +80,11 @@ where
         if start_drainer {
             writer().spawn(drain(Arc::clone(&self.queue), self.run, store.clone()));
         }
-        answered.await.map_err(|_| DbError::Batch {
-            retryable: true,
-            message: "the transaction this request shared with others was abandoned (see the coordinator's log)".to_owned(),
+        answered.await.unwrap_or_else(|_| {
+            Err(DbError::Batch {
+                retryable: true,
+                message: "the transaction this request shared with others was abandoned (see the coordinator's log)".to_owned(),
+            })
         })
     }
 }
@@ -99,7 +112,11 @@ fn writer() -> &'static tokio::runtime::Handle {
 }
 
 /// Runs batches until the queue is empty.
-async fn drain<T, R>(queue: Arc<Mutex<Queue<T, R>>>, run: BatchFn<T, R>, store: MetadataStore) {
+async fn drain<T, A>(
+    queue: Arc<Mutex<Queue<T, Result<A, DbError>>>>,
+    run: BatchFn<T, A>,
+    store: MetadataStore,
+) {
     // Should a batch panic, the next request starts a new drainer rather
     // than waiting for this one forever; the panicked batch's callers see
     // their answers dropped.
@@ -118,7 +135,7 @@ async fn drain<T, R>(queue: Arc<Mutex<Queue<T, R>>>, run: BatchFn<T, R>, store: 
             let take = queue.waiting.len().min(MAX_BATCH);
             queue.waiting.drain(..take).collect::<Vec<_>>()
         };
-        let (requests, answers): (Vec<T>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
+        let (requests, answers): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
         let count = requests.len();
         let results = run(store.clone(), requests).await;
         if results.len() != count {
@@ -151,7 +168,7 @@ impl<T, R> Drop for Release<'_, T, R> {
     }
 }
 
-impl<T, R> std::fmt::Debug for GroupCommit<T, R> {
+impl<T, A> std::fmt::Debug for GroupCommit<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         f.debug_struct("GroupCommit")
@@ -165,15 +182,21 @@ impl<T, R> std::fmt::Debug for GroupCommit<T, R> {
 pub(crate) trait WriteRequest: Sized + Send + Sync + 'static {
     type Answer: Send + 'static;
 
-    /// Writes a whole batch at once in a few statements, when this kind of
-    /// request can and this batch allows it: one answer per request, in
+    /// Whether [`Self::write_all`] can write this batch; most kinds write
+    /// one by one.
+    fn writes_all_at_once(_batch: &[Self]) -> bool {
+        false
+    }
+
+    /// Writes a whole batch at once in a few statements (only called where
+    /// [`Self::writes_all_at_once`] says so): one answer per request, in
     /// order. On any error what it wrote is undone and the requests are
     /// written one by one, so each gets its own answer.
     fn write_all<'a>(
         _batch: &'a [Self],
         _tx: &'a mut WriteTx,
-    ) -> Option<BoxFuture<'a, Result<Vec<Self::Answer>, DbError>>> {
-        None
+    ) -> BoxFuture<'a, Result<Vec<Self::Answer>, DbError>> {
+        Box::pin(async { Err(DbError::Invalid("this kind is written one by one".into())) })
     }
 
     /// Writes this request inside `tx`; what it writes is undone if it
@@ -240,17 +263,17 @@ pub(crate) async fn write_together<T: WriteRequest>(
 }
 
 /// The answers of [`WriteRequest::write_all`], inside a savepoint: `None`
-/// when the kind cannot, or when it failed and its savepoint was undone.
+/// when it cannot write this batch, or when it failed and its savepoint was undone.
 async fn write_all_at_once<T: WriteRequest>(
     tx: &mut WriteTx,
     batch: &[T],
 ) -> Option<Vec<T::Answer>> {
+    if !T::writes_all_at_once(batch) {
+        return None;
+    }
     begin_savepoint(tx.conn()).await.ok()?;
     let announced = tx.changed_runs.clone();
-    let written = match T::write_all(batch, tx) {
-        Some(writing) => writing.await,
-        None => Err(DbError::Invalid("written one by one".into())),
-    };
+    let written = T::write_all(batch, tx).await;
     match written {
         Ok(answers) if answers.len() == batch.len() => {
             end_savepoint(tx.conn(), true).await.ok()?;

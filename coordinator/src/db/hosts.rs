@@ -9,7 +9,6 @@
 //! heartbeat, and a repeated report changes nothing.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
@@ -489,10 +488,7 @@ impl MetadataStore {
             kept: kept.to_vec(),
             now,
         };
-        Arc::clone(&self.heartbeat_writes)
-            .submit(self, write)
-            .await
-            .and_then(|answered| answered)
+        self.heartbeat_writes.submit(self, write).await
     }
 
     /// Renews `host`'s lease in memory until the next flush.
@@ -645,7 +641,6 @@ impl Session<'_> {
     }
 }
 
-/// One heartbeat's contents.
 /// A heartbeat that must write, with what it reported: it may wait for a
 /// transaction shared with others.
 pub(crate) struct HeartbeatWrite {
@@ -678,6 +673,7 @@ impl WriteRequest for HeartbeatWrite {
     }
 }
 
+/// One heartbeat's contents.
 struct Heartbeat<'a> {
     tenant: &'a TenantId,
     host_id: &'a HostId,

@@ -348,15 +348,13 @@ pub struct MetadataStore {
     /// which sleeps up to 100 ms between tries and lets newcomers overtake.
     write_gate: Option<Arc<tokio::sync::Mutex<()>>>,
     /// CreateRun requests, created in shared transactions under load.
-    run_creations: Arc<group_commit::GroupCommit<runs::RunCreation, Result<Run, DbError>>>,
+    run_creations: group_commit::GroupCommit<runs::RunCreation, Run>,
     /// Heartbeats that must write, in shared transactions under load.
-    heartbeat_writes:
-        Arc<group_commit::GroupCommit<hosts::HeartbeatWrite, Result<HeartbeatAnswer, DbError>>>,
+    heartbeat_writes: group_commit::GroupCommit<hosts::HeartbeatWrite, HeartbeatAnswer>,
     /// On SQLite, checkpoint commits, made in shared transactions under
     /// load (PostgreSQL runs them side by side).
-    checkpoint_commits: Option<
-        Arc<group_commit::GroupCommit<checkpoints::CheckpointCommit, Result<Checkpoint, DbError>>>,
-    >,
+    checkpoint_commits:
+        Option<group_commit::GroupCommit<checkpoints::CheckpointCommit, Checkpoint>>,
 }
 
 /// Where a PostgreSQL database announces run changes to all replicas.
@@ -507,13 +505,10 @@ impl MetadataStore {
             run_changes,
             renewed_leases: Arc::default(),
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
-            run_creations: Arc::new(group_commit::GroupCommit::new(group_commit::write_batch)),
-            heartbeat_writes: Arc::new(group_commit::GroupCommit::new(group_commit::write_batch)),
-            checkpoint_commits: (backend == Backend::Sqlite).then(|| {
-                Arc::new(group_commit::GroupCommit::new(
-                    checkpoints::commit_checkpoint_batch,
-                ))
-            }),
+            run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
+            heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
+            checkpoint_commits: (backend == Backend::Sqlite)
+                .then(|| group_commit::GroupCommit::new(checkpoints::commit_checkpoint_batch)),
             run_channel,
         };
         store.assign_token_ids().await?;

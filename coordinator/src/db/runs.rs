@@ -18,7 +18,6 @@
 //! queued again at once when an answer is already pending).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::sql::SqlBuilder;
@@ -595,10 +594,7 @@ impl MetadataStore {
             tenant: tenant.clone(),
             new,
         };
-        Arc::clone(&self.run_creations)
-            .submit(self, creation)
-            .await
-            .and_then(|created| created)
+        self.run_creations.submit(self, creation).await
     }
 
     /// One attempt of a run.
@@ -873,14 +869,17 @@ const WAITING_FOR_THE_SCHEDULER: &str = "waiting for the scheduler";
 impl WriteRequest for RunCreation {
     type Answer = Run;
 
+    fn writes_all_at_once(batch: &[Self]) -> bool {
+        batch
+            .iter()
+            .all(|c| matches!(c.new.target, NewRunTarget::NewWorkspace(_)))
+    }
+
     fn write_all<'a>(
         batch: &'a [Self],
         tx: &'a mut WriteTx,
-    ) -> Option<BoxFuture<'a, Result<Vec<Run>, DbError>>> {
-        let all_new = batch
-            .iter()
-            .all(|c| matches!(c.new.target, NewRunTarget::NewWorkspace(_)));
-        all_new.then(|| Box::pin(create_runs_on_new_workspaces(tx, batch)) as BoxFuture<'a, _>)
+    ) -> BoxFuture<'a, Result<Vec<Run>, DbError>> {
+        Box::pin(create_runs_on_new_workspaces(tx, batch))
     }
 
     fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<Run, DbError>> {

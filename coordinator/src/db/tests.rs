@@ -897,11 +897,11 @@ async fn runs_on_new_workspaces_are_created_together_as_if_one_by_one() {
     ];
     let changes = db.subscribe_runs();
     let mut tx = db.begin_write().await.unwrap();
-    let created: Vec<Run> =
-        <runs::RunCreation as group_commit::WriteRequest>::write_all(&batch, &mut tx)
-            .expect("runs on new workspaces are written together")
-            .await
-            .expect("every run is created");
+    use group_commit::WriteRequest as _;
+    assert!(runs::RunCreation::writes_all_at_once(&batch));
+    let created: Vec<Run> = runs::RunCreation::write_all(&batch, &mut tx)
+        .await
+        .expect("every run is created");
     db.commit(tx).await.unwrap();
     assert_eq!(created.len(), 3);
     assert_eq!(changes.len(), 3, "each new run is announced");
