@@ -14,6 +14,10 @@
 //!
 //! The batch runs in a task of its own, so a caller that goes away (a
 //! cancelled RPC) never abandons the others' transaction halfway.
+//!
+//! The same queue batches reads that many callers make at once (heartbeats
+//! answered without a write): a batch reads for all of them in a few
+//! statements, as each statement costs two thread hops on SQLite.
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
@@ -37,6 +41,17 @@ pub(crate) type BatchFn<T, A> =
 pub(crate) struct GroupCommit<T, A> {
     queue: Arc<Mutex<Queue<T, Result<A, DbError>>>>,
     run: BatchFn<T, A>,
+    drainer: Drainer,
+}
+
+/// Where a queue's batches run.
+#[derive(Debug, Clone, Copy)]
+enum Drainer {
+    /// On the writer thread (see [`writer`]): batches that write.
+    Writer,
+    /// On the runtime of the caller that started the drainer: batches that
+    /// only read, which must not wait behind the writer.
+    Caller,
 }
 
 impl<T, A> Clone for GroupCommit<T, A> {
@@ -44,6 +59,7 @@ impl<T, A> Clone for GroupCommit<T, A> {
         Self {
             queue: Arc::clone(&self.queue),
             run: self.run,
+            drainer: self.drainer,
         }
     }
 }
@@ -59,13 +75,24 @@ where
     T: Send + 'static,
     A: Send + 'static,
 {
+    /// A queue of writes, run on the writer thread.
     pub(crate) fn new(run: BatchFn<T, A>) -> Self {
+        Self::with_drainer(run, Drainer::Writer)
+    }
+
+    /// A queue of reads, run beside their callers.
+    pub(crate) fn reads(run: BatchFn<T, A>) -> Self {
+        Self::with_drainer(run, Drainer::Caller)
+    }
+
+    fn with_drainer(run: BatchFn<T, A>, drainer: Drainer) -> Self {
         Self {
             queue: Arc::new(Mutex::new(Queue {
                 waiting: Vec::new(),
                 draining: false,
             })),
             run,
+            drainer,
         }
     }
 
@@ -78,12 +105,16 @@ where
             !std::mem::replace(&mut queue.draining, true)
         };
         if start_drainer {
-            writer().spawn(drain(Arc::clone(&self.queue), self.run, store.clone()));
+            let drain = drain(Arc::clone(&self.queue), self.run, store.clone());
+            match self.drainer {
+                Drainer::Writer => drop(writer().spawn(drain)),
+                Drainer::Caller => drop(tokio::spawn(drain)),
+            }
         }
         answered.await.unwrap_or_else(|_| {
             Err(DbError::Batch {
                 retryable: true,
-                message: "the transaction this request shared with others was abandoned (see the coordinator's log)".to_owned(),
+                message: "the batch this request shared with others was abandoned (see the coordinator's log)".to_owned(),
             })
         })
     }
@@ -188,14 +219,16 @@ pub(crate) trait WriteRequest: Sized + Send + Sync + 'static {
         false
     }
 
-    /// Writes a whole batch at once in a few statements (only called where
-    /// [`Self::writes_all_at_once`] says so): one answer per request, in
-    /// order. On any error what it wrote is undone and the requests are
-    /// written one by one, so each gets its own answer.
+    /// Writes a batch at once in a few statements (only called where
+    /// [`Self::writes_all_at_once`] says so): one entry per request, in
+    /// order, its answer or `None` for a request it leaves to be written on
+    /// its own afterwards (as if it had come after the others). On any error
+    /// what it wrote is undone and the requests are written one by one, so
+    /// each gets its own answer.
     fn write_all<'a>(
         _batch: &'a [Self],
         _tx: &'a mut WriteTx,
-    ) -> BoxFuture<'a, Result<Vec<Self::Answer>, DbError>> {
+    ) -> BoxFuture<'a, Result<Vec<Option<Self::Answer>>, DbError>> {
         Box::pin(async { Err(DbError::Invalid("this kind is written one by one".into())) })
     }
 
@@ -233,13 +266,15 @@ pub(crate) async fn write_together<T: WriteRequest>(
             Err(e) => return vec![Err(e)],
         }
     } else {
-        if let Some(answers) = write_all_at_once(&mut tx, &batch).await {
-            return match store.commit(tx).await {
-                Ok(()) => answers.into_iter().map(Ok).collect(),
-                Err(e) => fail_all(total, &e),
-            };
-        }
+        let mut written_at_once = write_all_at_once(&mut tx, &batch)
+            .await
+            .unwrap_or_default()
+            .into_iter();
         for request in batch {
+            if let Some(Some(answer)) = written_at_once.next() {
+                results.push(Ok(answer));
+                continue;
+            }
             if let Err(e) = begin_savepoint(tx.conn()).await {
                 return fail_batch(results, total, &e);
             }
@@ -267,7 +302,7 @@ pub(crate) async fn write_together<T: WriteRequest>(
 async fn write_all_at_once<T: WriteRequest>(
     tx: &mut WriteTx,
     batch: &[T],
-) -> Option<Vec<T::Answer>> {
+) -> Option<Vec<Option<T::Answer>>> {
     if !T::writes_all_at_once(batch) {
         return None;
     }

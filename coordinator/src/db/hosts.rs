@@ -18,7 +18,7 @@ use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
 use super::checkpoints::{fetch_all_in, push_in_list};
-use super::group_commit::WriteRequest;
+use super::group_commit::{WriteRequest, fail_all};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
 };
@@ -210,16 +210,26 @@ async fn attach_usage(conn: &mut AnyConnection, hosts: &mut [Host]) -> Result<()
 }
 
 async fn load_host(conn: &mut AnyConnection, id: &HostId) -> Result<Option<Host>, DbError> {
+    let Some(host) = load_host_without_usage(conn, id).await? else {
+        return Ok(None);
+    };
+    let mut hosts = [host];
+    attach_usage(conn, &mut hosts).await?;
+    let [host] = hosts;
+    Ok(Some(host))
+}
+
+/// A host with its usage left empty, for a heartbeat, which never needs it.
+async fn load_host_without_usage(
+    conn: &mut AnyConnection,
+    id: &HostId,
+) -> Result<Option<Host>, DbError> {
     let row = sqlx::query(&format!("SELECT {HOST_COLUMNS} FROM hosts WHERE id = $1"))
         .bind(id.as_str())
         .fetch_optional(&mut *conn)
         .await
         .map_err(query_error("host"))?;
-    let Some(row) = row else { return Ok(None) };
-    let mut hosts = [host_from_row(&row)?];
-    attach_usage(conn, &mut hosts).await?;
-    let [host] = hosts;
-    Ok(Some(host))
+    row.as_ref().map(host_from_row).transpose()
 }
 
 /// A host of `tenant` by id, or by name when the name is unambiguous (among
@@ -460,27 +470,6 @@ impl MetadataStore {
     ) -> Result<HeartbeatAnswer, DbError> {
         let now = millis(SystemTime::now());
         let heartbeat = Heartbeat {
-            tenant,
-            host_id,
-            reports,
-            stopping,
-            kept,
-            now,
-        };
-        {
-            let mut conn = self
-                .pool
-                .acquire()
-                .await
-                .map_err(query_error("heartbeat"))?;
-            if let Some(answer) = heartbeat.apply(Session::Read(&mut conn)).await? {
-                self.renew_lease(host_id, now);
-                return Ok(answer);
-            }
-        }
-        // Heartbeats that write while another is being written share the
-        // next transaction (see [`super::group_commit`]).
-        let write = HeartbeatWrite {
             tenant: tenant.clone(),
             host_id: host_id.clone(),
             reports: reports.to_vec(),
@@ -488,7 +477,16 @@ impl MetadataStore {
             kept: kept.to_vec(),
             now,
         };
-        self.heartbeat_writes.submit(self, write).await
+        // Heartbeats that arrive together are read together, and those
+        // that write while another is being written share the next
+        // transaction (see [`super::group_commit`]).
+        match self.heartbeat_reads.submit(self, heartbeat).await? {
+            ReadAnswer::Answered(answer) => {
+                self.renew_lease(host_id, now);
+                Ok(answer)
+            }
+            ReadAnswer::MustWrite(heartbeat) => self.heartbeat_writes.submit(self, heartbeat).await,
+        }
     }
 
     /// Renews `host`'s lease in memory until the next flush.
@@ -616,74 +614,229 @@ impl MetadataStore {
     }
 }
 
-/// Where a heartbeat runs: on a plain connection, where it answers only if
-/// nothing needs writing, or in a write transaction.
+/// Where a heartbeat runs.
 enum Session<'a> {
-    Read(&'a mut AnyConnection),
+    /// On what a batch of heartbeats read together: it answers only if
+    /// nothing needs writing.
+    Read(&'a Preloaded),
+    /// On what a batch of heartbeats read together in a write transaction:
+    /// it answers if all it writes is a lease, kept trees and sandbox
+    /// states, which it plans for the batch to write at once.
+    Plan(&'a Preloaded, &'a mut PlannedWrites),
+    /// In a write transaction, on its own.
     Write(&'a mut WriteTx),
 }
 
 impl Session<'_> {
-    fn conn(&mut self) -> &mut AnyConnection {
-        match self {
-            Self::Read(conn) => conn,
-            Self::Write(tx) => tx.conn(),
-        }
-    }
-
-    /// The transaction to write in; `None` on a read session, whose
-    /// heartbeat must then run again in a write transaction.
+    /// The transaction to write in; `None` on a read or plan session, whose
+    /// heartbeat must then run again in a write transaction of its own.
     fn writer(&mut self) -> Option<&mut WriteTx> {
         match self {
-            Self::Read(_) => None,
+            Self::Read(_) | Self::Plan(..) => None,
             Self::Write(tx) => Some(tx),
         }
     }
 }
 
-/// A heartbeat that must write, with what it reported: it may wait for a
-/// transaction shared with others.
-pub(crate) struct HeartbeatWrite {
-    tenant: TenantId,
-    host_id: HostId,
-    reports: Vec<ReportedSandbox>,
-    stopping: bool,
-    kept: Vec<WorkspaceId>,
-    now: i64,
+/// The writes of heartbeats planned together, written in a few statements.
+#[derive(Default)]
+struct PlannedWrites {
+    /// Host, heartbeat time, kept workspaces (as stored).
+    hosts: Vec<(HostId, i64, String)>,
+    /// Sandbox, state reported.
+    sandbox_states: Vec<(String, SandboxState)>,
 }
 
-impl WriteRequest for HeartbeatWrite {
+impl PlannedWrites {
+    fn extend(&mut self, other: Self) {
+        self.hosts.extend(other.hosts);
+        self.sandbox_states.extend(other.sandbox_states);
+    }
+
+    async fn write(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
+        for chunk in self.hosts.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new("UPDATE hosts SET last_heartbeat_at = CASE id");
+            for (host, at, _) in chunk {
+                query.push(" WHEN ").push_bind(host.as_str());
+                query.push(" THEN ").push_bind(*at);
+            }
+            query.push(" END, kept_workspaces = CASE id");
+            for (host, _, kept) in chunk {
+                query.push(" WHEN ").push_bind(host.as_str());
+                query.push(" THEN ").push_bind(kept.as_str());
+            }
+            query.push(" END WHERE id IN");
+            push_in_list(&mut query, chunk, |(host, _, _)| host.as_str());
+            query
+                .build()
+                .execute(&mut *conn)
+                .await
+                .map_err(query_error("record heartbeats"))?;
+        }
+        for chunk in self.sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new("UPDATE attempts SET sandbox_state = CASE sandbox_id");
+            for (sandbox, state) in chunk {
+                query.push(" WHEN ").push_bind(sandbox.as_str());
+                query.push(" THEN ").push_bind(state.as_str());
+            }
+            query.push(" END WHERE sandbox_id IN");
+            push_in_list(&mut query, chunk, |(sandbox, _)| sandbox.as_str());
+            query
+                .build()
+                .execute(&mut *conn)
+                .await
+                .map_err(query_error("record sandbox states"))?;
+        }
+        Ok(())
+    }
+}
+
+/// The stored form of a host's kept workspaces.
+fn kept_json(kept: &[WorkspaceId]) -> String {
+    let kept: Vec<&str> = kept.iter().map(WorkspaceId::as_str).collect();
+    serde_json::to_string(&kept).expect("strings always serialise")
+}
+
+/// A heartbeat's contents, as the host sent them.
+pub(crate) struct Heartbeat {
+    pub(super) tenant: TenantId,
+    pub(super) host_id: HostId,
+    pub(super) reports: Vec<ReportedSandbox>,
+    pub(super) stopping: bool,
+    pub(super) kept: Vec<WorkspaceId>,
+    /// When it arrived, in milliseconds since the epoch.
+    pub(super) now: i64,
+}
+
+/// What reading a heartbeat came to.
+pub(crate) enum ReadAnswer {
+    Answered(HeartbeatAnswer),
+    /// It changes something: it must run again in a write transaction.
+    MustWrite(Heartbeat),
+}
+
+impl WriteRequest for Heartbeat {
     type Answer = HeartbeatAnswer;
+
+    fn writes_all_at_once(_batch: &[Self]) -> bool {
+        true
+    }
+
+    /// Answers each heartbeat of a batch whose writes can be planned, and
+    /// writes what they planned in a few statements; leaves the others
+    /// (a host stopping, a sandbox gone, a second heartbeat of one host)
+    /// to be written one by one.
+    fn write_all<'a>(
+        batch: &'a [Self],
+        tx: &'a mut WriteTx,
+    ) -> BoxFuture<'a, Result<Vec<Option<HeartbeatAnswer>>, DbError>> {
+        Box::pin(async move {
+            let preloaded = Preloaded::read(tx.conn(), batch).await?;
+            let mut planned = PlannedWrites::default();
+            let mut hosts = std::collections::HashSet::new();
+            let mut answers = Vec::with_capacity(batch.len());
+            for heartbeat in batch {
+                if !hosts.insert(&heartbeat.host_id) {
+                    answers.push(None);
+                    continue;
+                }
+                let mut own = PlannedWrites::default();
+                // A heartbeat refused here is refused again on its own, with
+                // its own answer.
+                let answer = heartbeat
+                    .apply(Session::Plan(&preloaded, &mut own))
+                    .await
+                    .ok()
+                    .flatten();
+                if answer.is_some() {
+                    planned.extend(own);
+                }
+                answers.push(answer);
+            }
+            planned.write(tx.conn()).await?;
+            Ok(answers)
+        })
+    }
 
     fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<HeartbeatAnswer, DbError>> {
         Box::pin(async move {
-            let heartbeat = Heartbeat {
-                tenant: &self.tenant,
-                host_id: &self.host_id,
-                reports: &self.reports,
-                stopping: self.stopping,
-                kept: &self.kept,
-                now: self.now,
-            };
-            heartbeat
-                .apply(Session::Write(tx))
+            self.apply(Session::Write(tx))
                 .await?
                 .ok_or_else(|| DbError::Corrupt("a write heartbeat asked for a write".into()))
         })
     }
 }
 
-/// One heartbeat's contents.
-struct Heartbeat<'a> {
-    tenant: &'a TenantId,
-    host_id: &'a HostId,
-    reports: &'a [ReportedSandbox],
-    stopping: bool,
-    kept: &'a [WorkspaceId],
-    now: i64,
+/// The [`BatchFn`](super::group_commit::BatchFn) of heartbeats read
+/// together: what they all need, read in a few statements, then each one's
+/// answer, or its turn to write.
+pub(crate) fn read_heartbeats(
+    store: MetadataStore,
+    batch: Vec<Heartbeat>,
+) -> BoxFuture<'static, Vec<Result<ReadAnswer, DbError>>> {
+    Box::pin(async move {
+        let read = async {
+            let mut conn = store
+                .pool
+                .acquire()
+                .await
+                .map_err(query_error("heartbeat"))?;
+            Preloaded::read(&mut conn, &batch).await
+        };
+        let preloaded = match read.await {
+            Ok(preloaded) => preloaded,
+            Err(e) => return fail_all(batch.len(), &e),
+        };
+        let mut answers = Vec::with_capacity(batch.len());
+        for heartbeat in batch {
+            answers.push(match heartbeat.apply(Session::Read(&preloaded)).await {
+                Ok(Some(answer)) => Ok(ReadAnswer::Answered(answer)),
+                Ok(None) => Ok(ReadAnswer::MustWrite(heartbeat)),
+                Err(e) => Err(e),
+            });
+        }
+        answers
+    })
 }
 
-impl Heartbeat<'_> {
+/// What a batch of heartbeats needs to be answered without a write: their
+/// hosts (without usage, which a heartbeat does not need), the attempts they
+/// concern, and the workspace and image of every run a host may have to
+/// start.
+struct Preloaded {
+    hosts: HashMap<HostId, Host>,
+    known: KnownAttempts,
+    runs_to_start: HashMap<RunId, (WorkspaceId, String)>,
+}
+
+impl Preloaded {
+    async fn read(conn: &mut AnyConnection, batch: &[Heartbeat]) -> Result<Self, DbError> {
+        let ids: Vec<&HostId> = batch.iter().map(|h| &h.host_id).collect();
+        let select = format!("SELECT {HOST_COLUMNS} FROM hosts WHERE id IN");
+        let rows = fetch_all_in(conn, &select, &ids, |id| id.as_str(), "hosts").await?;
+        let mut hosts = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let host = host_from_row(row)?;
+            hosts.insert(host.id.clone(), host);
+        }
+        let reports: Vec<&ReportedSandbox> = batch.iter().flat_map(|h| &h.reports).collect();
+        let known = KnownAttempts::read(conn, &ids, &reports).await?;
+        let unstarted: Vec<&RunId> = known
+            .by_sandbox
+            .values()
+            .filter(|(_, a)| a.sandbox_state.is_none() && a.state == AttemptState::Assigned)
+            .map(|(run, _)| run)
+            .collect();
+        let runs_to_start = runs_to_start(conn, &unstarted).await?;
+        Ok(Self {
+            hosts,
+            known,
+            runs_to_start,
+        })
+    }
+}
+
+impl Heartbeat {
     /// The answer, after recording what changed; `None` when `session` is
     /// a read session and something must be written.
     async fn apply(&self, mut session: Session<'_>) -> Result<Option<HeartbeatAnswer>, DbError> {
@@ -694,13 +847,17 @@ impl Heartbeat<'_> {
             stopping,
             kept,
             now,
-        } = *self;
-        let mut host = load_host(session.conn(), host_id)
-            .await?
-            .filter(|h| &h.tenant == tenant)
-            .ok_or_else(|| {
-                DbError::NotFound(format!("host {host_id} is not registered; register again"))
-            })?;
+        } = self;
+        let (stopping, now) = (*stopping, *now);
+        let host = match &mut session {
+            Session::Read(preloaded) | Session::Plan(preloaded, _) => {
+                preloaded.hosts.get(host_id).cloned()
+            }
+            Session::Write(tx) => load_host_without_usage(tx.conn(), host_id).await?,
+        };
+        let mut host = host.filter(|h| &h.tenant == tenant).ok_or_else(|| {
+            DbError::NotFound(format!("host {host_id} is not registered; register again"))
+        })?;
         let lost = host.lost_at.is_some();
         if stopping && !lost && host.stopping_at.is_none() {
             let Some(tx) = session.writer() else {
@@ -709,19 +866,23 @@ impl Heartbeat<'_> {
             stop_host(tx, &host, now).await?;
             host.stopping_at = Some(from_millis(now));
         }
-        if let Some(tx) = session.writer() {
-            let kept: Vec<&str> = kept.iter().map(WorkspaceId::as_str).collect();
-            sqlx::query(
-                "UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3",
-            )
-            .bind(now)
-            .bind(serde_json::to_string(&kept).expect("strings always serialise"))
-            .bind(host_id.as_str())
-            .execute(tx.conn())
-            .await
-            .map_err(query_error("record heartbeat"))?;
-        } else if host.kept_workspaces != kept {
-            return Ok(None);
+        match &mut session {
+            Session::Write(tx) => {
+                sqlx::query(
+                    "UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3",
+                )
+                .bind(now)
+                .bind(kept_json(kept))
+                .bind(host_id.as_str())
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("record heartbeat"))?;
+            }
+            Session::Plan(_, planned) => {
+                planned.hosts.push((host_id.clone(), now, kept_json(kept)));
+            }
+            Session::Read(_) if &host.kept_workspaces != kept => return Ok(None),
+            Session::Read(_) => {}
         }
 
         let mut answer = HeartbeatAnswer {
@@ -729,10 +890,19 @@ impl Heartbeat<'_> {
             ..Default::default()
         };
         // The attempts this heartbeat concerns, read once in a few
-        // statements whatever the number of sandboxes. A run this
-        // heartbeat changes is read afresh before each later use, as the
-        // change may have moved its other attempts too.
-        let known = KnownAttempts::read(session.conn(), host_id, reports).await?;
+        // statements whatever the number of sandboxes (for a whole batch
+        // when reading). A run this heartbeat changes is read afresh before
+        // each later use, as the change may have moved its other attempts
+        // too.
+        let read_here;
+        let known = match &mut session {
+            Session::Read(preloaded) | Session::Plan(preloaded, _) => &preloaded.known,
+            Session::Write(tx) => {
+                let reports: Vec<&ReportedSandbox> = reports.iter().collect();
+                read_here = KnownAttempts::read(tx.conn(), &[host_id], &reports).await?;
+                &read_here
+            }
+        };
         let mut changed: std::collections::BTreeSet<RunId> = Default::default();
         let mut reported = std::collections::BTreeSet::new();
         for report in reports {
@@ -775,18 +945,24 @@ impl Heartbeat<'_> {
                 continue;
             }
             if attempt.sandbox_gone_at.is_none() && attempt.sandbox_state != Some(report.state) {
-                let Some(tx) = session.writer() else {
-                    return Ok(None);
-                };
-                sqlx::query(
-                    "UPDATE attempts SET sandbox_state = $1 WHERE run_id = $2 AND number = $3",
-                )
-                .bind(report.state.as_str())
-                .bind(run_id.as_str())
-                .bind(i64::from(number))
-                .execute(tx.conn())
-                .await
-                .map_err(query_error("record sandbox state"))?;
+                match &mut session {
+                    Session::Write(tx) => {
+                        sqlx::query(
+                            "UPDATE attempts SET sandbox_state = $1
+                             WHERE run_id = $2 AND number = $3",
+                        )
+                        .bind(report.state.as_str())
+                        .bind(run_id.as_str())
+                        .bind(i64::from(number))
+                        .execute(tx.conn())
+                        .await
+                        .map_err(query_error("record sandbox state"))?;
+                    }
+                    Session::Plan(_, planned) => planned
+                        .sandbox_states
+                        .push((attempt.sandbox_id.clone(), report.state)),
+                    Session::Read(_) => return Ok(None),
+                }
             }
             let unwanted = lost
                 || attempt.is_ended()
@@ -850,13 +1026,22 @@ impl Heartbeat<'_> {
                 to_start.push((run_id.clone(), attempt));
             }
         }
-        answer.assignments = assignment_records(session.conn(), to_start).await?;
+        let read_here;
+        let runs = match &mut session {
+            Session::Read(preloaded) | Session::Plan(preloaded, _) => &preloaded.runs_to_start,
+            Session::Write(tx) => {
+                let ids: Vec<&RunId> = to_start.iter().map(|(run, _)| run).collect();
+                read_here = runs_to_start(tx.conn(), &ids).await?;
+                &read_here
+            }
+        };
+        answer.assignments = assignment_records(runs, to_start)?;
         Ok(Some(answer))
     }
 }
 
 /// `attempt` as read at the heartbeat's start, or afresh if the heartbeat
-/// changed its run since.
+/// changed its run since (which only a write session does).
 async fn current_attempt(
     session: &mut Session<'_>,
     changed: &std::collections::BTreeSet<RunId>,
@@ -866,14 +1051,19 @@ async fn current_attempt(
     if !changed.contains(run_id) {
         return Ok(attempt.clone());
     }
-    let run = run_of_attempt(session.conn(), run_id).await?;
+    let Some(tx) = session.writer() else {
+        return Err(DbError::Corrupt(format!(
+            "run {run_id} changed during a heartbeat that only reads"
+        )));
+    };
+    let run = run_of_attempt(tx.conn(), run_id).await?;
     run.attempt(attempt.number)
         .cloned()
         .ok_or_else(|| DbError::Corrupt(format!("run {run_id} lost attempt {}", attempt.number)))
 }
 
-/// The attempts a heartbeat concerns: those on the host whose sandbox is
-/// not gone, and those of the sandboxes it reports.
+/// The attempts heartbeats concern: those on their hosts whose sandbox is
+/// not gone, and those of the sandboxes they report, by sandbox.
 struct KnownAttempts {
     by_sandbox: HashMap<String, (RunId, Attempt)>,
 }
@@ -881,8 +1071,8 @@ struct KnownAttempts {
 impl KnownAttempts {
     async fn read(
         conn: &mut AnyConnection,
-        host: &HostId,
-        reports: &[ReportedSandbox],
+        hosts: &[&HostId],
+        reports: &[&ReportedSandbox],
     ) -> Result<Self, DbError> {
         let mut by_sandbox = HashMap::new();
         let keep = |by_sandbox: &mut HashMap<_, _>, rows: Vec<AnyRow>| -> Result<(), DbError> {
@@ -892,14 +1082,11 @@ impl KnownAttempts {
             }
             Ok(())
         };
-        let on_host = sqlx::query(&format!(
-            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE host_id = $1 AND sandbox_gone_at IS NULL"
-        ))
-        .bind(host.as_str())
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(query_error("attempts on host"))?;
-        keep(&mut by_sandbox, on_host)?;
+        let select = format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_gone_at IS NULL AND host_id IN"
+        );
+        let on_hosts = fetch_all_in(conn, &select, hosts, |id| id.as_str(), "attempts on host");
+        keep(&mut by_sandbox, on_hosts.await?)?;
         let elsewhere: Vec<&str> = reports
             .iter()
             .map(|r| r.sandbox_id.as_str())
@@ -924,16 +1111,14 @@ impl KnownAttempts {
     }
 }
 
-/// What a host is told to start for each of `attempts`, with its run's
-/// workspace and image, in one statement a chunk.
-async fn assignment_records(
+/// The workspace and image of each of `runs`, in one statement a chunk.
+async fn runs_to_start(
     conn: &mut AnyConnection,
-    attempts: Vec<(RunId, Attempt)>,
-) -> Result<Vec<AssignmentRecord>, DbError> {
-    let mut runs: HashMap<RunId, (WorkspaceId, String)> = HashMap::new();
-    let ids: Vec<&RunId> = attempts.iter().map(|(run, _)| run).collect();
+    runs: &[&RunId],
+) -> Result<HashMap<RunId, (WorkspaceId, String)>, DbError> {
     let select = "SELECT id, workspace_id, image FROM runs WHERE id IN";
-    let rows = fetch_all_in(conn, select, &ids, |id| id.as_str(), "runs to start").await?;
+    let rows = fetch_all_in(conn, select, runs, |id| id.as_str(), "runs to start").await?;
+    let mut found = HashMap::with_capacity(rows.len());
     for row in &rows {
         let read = |source| DbError::Query {
             op: "read run to start",
@@ -941,7 +1126,7 @@ async fn assignment_records(
         };
         let id: String = row.try_get("id").map_err(read)?;
         let workspace: String = row.try_get("workspace_id").map_err(read)?;
-        runs.insert(
+        found.insert(
             parse_column(&id, "run id")?,
             (
                 parse_column(&workspace, "workspace id")?,
@@ -949,6 +1134,15 @@ async fn assignment_records(
             ),
         );
     }
+    Ok(found)
+}
+
+/// What a host is told to start for each of `attempts`, with its run's
+/// workspace and image from `runs`.
+fn assignment_records(
+    runs: &HashMap<RunId, (WorkspaceId, String)>,
+    attempts: Vec<(RunId, Attempt)>,
+) -> Result<Vec<AssignmentRecord>, DbError> {
     attempts
         .into_iter()
         .map(|(run_id, attempt)| {

@@ -350,7 +350,8 @@ pub struct MetadataStore {
     /// CreateRun requests, created in shared transactions under load.
     run_creations: group_commit::GroupCommit<runs::RunCreation, Run>,
     /// Heartbeats that must write, in shared transactions under load.
-    heartbeat_writes: group_commit::GroupCommit<hosts::HeartbeatWrite, HeartbeatAnswer>,
+    heartbeat_reads: group_commit::GroupCommit<hosts::Heartbeat, hosts::ReadAnswer>,
+    heartbeat_writes: group_commit::GroupCommit<hosts::Heartbeat, HeartbeatAnswer>,
     /// On SQLite, checkpoint commits, made in shared transactions under
     /// load (PostgreSQL runs them side by side).
     checkpoint_commits:
@@ -506,6 +507,7 @@ impl MetadataStore {
             renewed_leases: Arc::default(),
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
+            heartbeat_reads: group_commit::GroupCommit::reads(hosts::read_heartbeats),
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
             checkpoint_commits: (backend == Backend::Sqlite)
                 .then(|| group_commit::GroupCommit::new(checkpoints::commit_checkpoint_batch)),

@@ -878,8 +878,11 @@ impl WriteRequest for RunCreation {
     fn write_all<'a>(
         batch: &'a [Self],
         tx: &'a mut WriteTx,
-    ) -> BoxFuture<'a, Result<Vec<Run>, DbError>> {
-        Box::pin(create_runs_on_new_workspaces(tx, batch))
+    ) -> BoxFuture<'a, Result<Vec<Option<Run>>, DbError>> {
+        Box::pin(async move {
+            let runs = create_runs_on_new_workspaces(tx, batch).await?;
+            Ok(runs.into_iter().map(Some).collect())
+        })
     }
 
     fn write(self, tx: &mut WriteTx) -> BoxFuture<'_, Result<Run, DbError>> {

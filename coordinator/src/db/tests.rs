@@ -901,7 +901,10 @@ async fn runs_on_new_workspaces_are_created_together_as_if_one_by_one() {
     assert!(runs::RunCreation::writes_all_at_once(&batch));
     let created: Vec<Run> = runs::RunCreation::write_all(&batch, &mut tx)
         .await
-        .expect("every run is created");
+        .expect("every run is created")
+        .into_iter()
+        .map(|run| run.expect("no run is left to be created on its own"))
+        .collect();
     db.commit(tx).await.unwrap();
     assert_eq!(created.len(), 3);
     assert_eq!(changes.len(), 3, "each new run is announced");
@@ -943,4 +946,109 @@ async fn runs_on_new_workspaces_are_created_together_as_if_one_by_one() {
         (1..=events.len() as u64).collect::<Vec<_>>()
     );
     assert!(events.len() >= 2, "{events:?}");
+}
+
+/// Registers a host named `name` with `slots` slots.
+async fn register(db: &MetadataStore, tenant: &TenantId, name: &str, slots: u32) -> HostId {
+    let registration = hosts::HostRegistration {
+        host_id: None,
+        name: name.into(),
+        labels: Default::default(),
+        slots,
+        driver: "local".into(),
+    };
+    match db.register_host(tenant, registration, false, None).await {
+        Ok(hosts::Registered::Host { host, .. }) => host.id,
+        other => panic!("a new host registers: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_write_alone() {
+    use cairn_proto::runs::SandboxState;
+    use group_commit::WriteRequest as _;
+
+    let (_dir, db, tenant) = open().await;
+    let mut started = Vec::new();
+    for name in ["a", "b", "c", "d"] {
+        let host = register(&db, &tenant, name, 1).await;
+        let run = db.create_run(&tenant, new_run()).await.unwrap();
+        let assignment = Assignment {
+            run: run.id.clone(),
+            attempt_count: 0,
+            host: host.clone(),
+            token_hash: [0; 32],
+        };
+        db.assign_runs(&[assignment]).await.unwrap();
+        let sandbox = format!("sbx-{}-a1", run.id);
+        started.push((host, run, sandbox));
+    }
+    let report = |n: usize, state: SandboxState| hosts::ReportedSandbox {
+        sandbox_id: started[n].2.clone(),
+        state,
+        exit_code: 0,
+        detail: String::new(),
+    };
+    // Later than registration, so a lease written shows.
+    let now = millis(std::time::SystemTime::now()) + 1_000;
+    let heartbeat =
+        |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| hosts::Heartbeat {
+            tenant: tenant.clone(),
+            host_id: started[n].0.clone(),
+            reports,
+            stopping: false,
+            kept,
+            now,
+        };
+    let host_b = db.host(&tenant, started[1].0.as_str()).await.unwrap();
+    let kept = vec![started[2].1.workspace_id.clone()];
+    let batch = [
+        // Host a: its sandbox runs now.
+        heartbeat(0, vec![report(0, SandboxState::Running)], vec![]),
+        // Host b: its sandbox exited, which ends an attempt: left alone.
+        heartbeat(1, vec![report(1, SandboxState::Exited)], vec![]),
+        // Host c: keeps a tree now, sandbox not started yet.
+        heartbeat(2, vec![], kept.clone()),
+        // Host a again: a second heartbeat of one host is left alone.
+        heartbeat(0, vec![report(0, SandboxState::Running)], vec![]),
+        // Host d: nothing changes but its lease.
+        heartbeat(3, vec![], vec![]),
+    ];
+    let mut tx = db.begin_write().await.unwrap();
+    assert!(hosts::Heartbeat::writes_all_at_once(&batch));
+    let answers = hosts::Heartbeat::write_all(&batch, &mut tx).await.unwrap();
+    db.commit(tx).await.unwrap();
+
+    let answered: Vec<bool> = answers.iter().map(Option::is_some).collect();
+    assert_eq!(answered, [true, false, true, false, true]);
+    let assignments = |n: usize| answers[n].as_ref().unwrap().assignments.clone();
+    assert!(
+        assignments(0).is_empty(),
+        "a running sandbox is not assigned again"
+    );
+    for n in [2, 4] {
+        let host = if n == 2 { 2 } else { 3 };
+        let assigned = assignments(n);
+        let sandboxes: Vec<&str> = assigned.iter().map(|a| a.sandbox_id.as_str()).collect();
+        assert_eq!(sandboxes, [started[host].2.as_str()], "heartbeat {n}");
+    }
+    let attempt = |n: usize| {
+        let run = started[n].1.id.clone();
+        let db = db.clone();
+        async move { db.attempt(&run, 1).await.unwrap().unwrap() }
+    };
+    assert_eq!(attempt(0).await.sandbox_state, Some(SandboxState::Running));
+    assert_eq!(
+        attempt(1).await.sandbox_state,
+        None,
+        "left for its own write"
+    );
+    assert_eq!(attempt(2).await.sandbox_state, None);
+    for (n, kept_now) in [(0, vec![]), (2, kept), (3, vec![])] {
+        let host = db.host(&tenant, started[n].0.as_str()).await.unwrap();
+        assert_eq!(host.last_heartbeat_at, from_millis(now), "host {n}'s lease");
+        assert_eq!(host.kept_workspaces, kept_now, "host {n}'s kept trees");
+    }
+    let left = db.host(&tenant, started[1].0.as_str()).await.unwrap();
+    assert_eq!(left, host_b, "the heartbeat left alone wrote nothing");
 }
