@@ -414,6 +414,50 @@ pub(super) async fn add_event(
     insert_event(tx, run, sequence, event, now).await
 }
 
+/// Inserts events of several runs in one statement a chunk: each `(run,
+/// sequence, event)` is the run's event number `sequence`, which the run's
+/// `last_event_sequence` already counts.
+pub(super) async fn insert_events(
+    tx: &mut WriteTx,
+    events: &[(&Run, i64, EventDraft)],
+    now: i64,
+) -> Result<(), DbError> {
+    for chunk in events.chunks(super::ROWS_PER_STATEMENT) {
+        let mut query = SqlBuilder::new(
+            "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt,
+                                     generation, checkpoint_id, detail)",
+        );
+        let mut generations = Vec::with_capacity(chunk.len());
+        for (_, _, event) in chunk {
+            generations.push(signed(event.generation, "generation")?);
+        }
+        query.push_values(
+            chunk.iter().zip(generations),
+            |mut row, ((run, sequence, event), generation)| {
+                row.push_bind(run.id.as_str())
+                    .push_bind(*sequence)
+                    .push_bind(now)
+                    .push_bind(run.state.as_str())
+                    .push_bind(event.reason)
+                    .push_bind(event.host_id.as_str())
+                    .push_bind(i64::from(event.attempt))
+                    .push_bind(generation)
+                    .push_bind(event.checkpoint_id.as_str())
+                    .push_bind(event.detail.as_str());
+            },
+        );
+        query
+            .build()
+            .execute(tx.conn())
+            .await
+            .map_err(query_error("insert run events"))?;
+        for (run, _, _) in chunk {
+            tx.touch(&run.id);
+        }
+    }
+    Ok(())
+}
+
 /// The sequence of a run's first event: a new run is written with it.
 pub(super) const FIRST_EVENT_SEQUENCE: i64 = 1;
 

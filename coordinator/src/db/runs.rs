@@ -36,7 +36,7 @@ use super::messages::{Message, deliver, load_message};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, FIRST_EVENT_SEQUENCE, RUN_COLUMNS, Run,
     RunEvent, RunInput, add_event, add_input, attach_attempts, attempt_from_row, event_from_row,
-    event_reason, insert_event, load_run, load_tenant_run, run_from_row,
+    event_reason, insert_event, insert_events, load_run, load_tenant_run, run_from_row,
 };
 use super::stations::HandoffNote;
 use super::workspaces::{
@@ -1058,29 +1058,13 @@ async fn create_runs_on_new_workspaces(
         runs.push(run);
     }
 
-    let mut query = SqlBuilder::new(
-        "INSERT INTO run_events (run_id, sequence, at, state, reason, host_id, attempt, generation,
-                                 checkpoint_id, detail)",
-    );
-    query.push_values(&runs, |mut row, run| {
-        row.push_bind(run.id.as_str())
-            .push_bind(FIRST_EVENT_SEQUENCE)
-            .push_bind(now)
-            .push_bind(run.state.as_str())
-            .push_bind(event_reason::CREATED)
-            .push_bind("")
-            .push_bind(0_i64)
-            .push_bind(0_i64)
-            .push_bind("")
-            .push_bind(created_detail(run));
-    });
-    query
-        .build()
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("insert run events"))?;
-    for run in &runs {
-        tx.touch(&run.id);
-    }
+    let events: Vec<_> = runs
+        .iter()
+        .map(|run| {
+            let event = EventDraft::new(event_reason::CREATED, created_detail(run));
+            (run, FIRST_EVENT_SEQUENCE, event)
+        })
+        .collect();
+    insert_events(tx, &events, now).await?;
     Ok(runs)
 }

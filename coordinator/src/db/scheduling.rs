@@ -10,17 +10,19 @@ use cairn_proto::runs::{AttemptState, HostState, Labels, RunState};
 use prost::Message;
 use sqlx::Row;
 
-use super::checkpoints::fetch_all_in;
+use super::checkpoints::{fetch_all_in, push_in_list};
 use super::hosts::lose_host;
 use super::run_records::{
-    Attempt, EventDraft, RUN_COLUMNS, Run, add_event, attach_attempts, event_reason, load_run,
-    run_from_row,
+    Attempt, EventDraft, RUN_COLUMNS, Run, add_event, attach_attempts, event_reason, insert_events,
+    load_run, run_from_row,
 };
-use super::runs::transition;
+use super::runs::{decide, transition};
+use super::sql::SqlBuilder;
 use super::{
-    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, unsigned,
+    DbError, MetadataStore, WriteTx, from_millis, millis, parse_column, query_error, signed,
+    unsigned,
 };
-use crate::runlife::Event;
+use crate::runlife::{Change, Event};
 use crate::tokens::Scope;
 
 /// A run waiting for a host.
@@ -139,7 +141,8 @@ impl MetadataStore {
         let mut tx = self.begin_write().await?;
         let mut runs = load_runs(&mut tx, assignments.iter().map(|a| &a.run)).await?;
         let mut hosts = host_capacities(&mut tx, assignments.iter().map(|a| &a.host)).await?;
-        let mut assigned = Vec::with_capacity(assignments.len());
+        let active = active_workspaces(&mut tx, runs.values().map(|r| &r.workspace_id)).await?;
+        let mut chosen = Vec::with_capacity(assignments.len());
         for assignment in assignments {
             let Some(mut run) = runs.remove(&assignment.run) else {
                 continue;
@@ -153,19 +156,14 @@ impl MetadataStore {
             if host.tenant != run.tenant || !host.ready || host.used >= host.slots {
                 continue;
             }
-            if assign_in(
-                &mut tx,
-                &mut run,
-                &assignment.host,
-                &assignment.token_hash,
-                now,
-            )
-            .await?
-            {
-                host.used += 1;
-                assigned.push(run);
+            if !active.contains(&run.workspace_id) {
+                fail_on_inactive_workspace(&mut tx, &mut run, now).await?;
+                continue;
             }
+            host.used += 1;
+            chosen.push((run, assignment));
         }
+        let assigned = assign_all(&mut tx, chosen, now).await?;
         self.commit(tx).await?;
         Ok(assigned)
     }
@@ -381,6 +379,273 @@ async fn host_capacities<'a>(
     Ok(hosts)
 }
 
+/// Of the workspaces named, those still active.
+async fn active_workspaces<'a>(
+    tx: &mut WriteTx,
+    ids: impl Iterator<Item = &'a WorkspaceId>,
+) -> Result<BTreeSet<WorkspaceId>, DbError> {
+    let ids: Vec<&WorkspaceId> = ids.collect::<BTreeSet<_>>().into_iter().collect();
+    let select = "SELECT id FROM workspaces WHERE state = 'active' AND id IN";
+    let rows = fetch_all_in(
+        tx.conn(),
+        select,
+        &ids,
+        |id| id.as_str(),
+        "active workspaces",
+    )
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let id: String = row.try_get("id").map_err(|source| DbError::Query {
+                op: "read active workspace",
+                source,
+            })?;
+            parse_column(&id, "workspace id")
+        })
+        .collect()
+}
+
+/// Gives each chosen run, whose workspace is active, its next attempt on
+/// its host inside `tx`, in a few statements whatever their number;
+/// returns the runs assigned.
+async fn assign_all(
+    tx: &mut WriteTx,
+    chosen: Vec<(Run, &Assignment)>,
+    now: i64,
+) -> Result<Vec<Run>, DbError> {
+    let workspaces: BTreeSet<&WorkspaceId> =
+        chosen.iter().map(|(run, _)| &run.workspace_id).collect();
+    if chosen.len() < 2 || workspaces.len() < chosen.len() {
+        // One run, or runs sharing a workspace (each takes a generation of
+        // its own): one by one.
+        let mut assigned = Vec::with_capacity(chosen.len());
+        for (mut run, assignment) in chosen {
+            if assign_in(tx, &mut run, &assignment.host, &assignment.token_hash, now).await? {
+                assigned.push(run);
+            }
+        }
+        return Ok(assigned);
+    }
+    let workspaces: Vec<&WorkspaceId> = workspaces.into_iter().collect();
+    let mut generations: HashMap<WorkspaceId, i64> = HashMap::with_capacity(workspaces.len());
+    for chunk in workspaces.chunks(super::ROWS_PER_STATEMENT) {
+        let mut query =
+            SqlBuilder::new("UPDATE workspaces SET generation = generation + 1, updated_at = ");
+        query.push_bind(now);
+        query.push(" WHERE state = 'active' AND id IN");
+        push_in_list(&mut query, chunk, |id| id.as_str());
+        query.push(" RETURNING id, generation");
+        let rows = query
+            .build()
+            .fetch_all(tx.conn())
+            .await
+            .map_err(query_error("advance workspace generations"))?;
+        for row in &rows {
+            let read = |source| DbError::Query {
+                op: "read workspace generation",
+                source,
+            };
+            let id: String = row.try_get("id").map_err(read)?;
+            generations.insert(
+                parse_column(&id, "workspace id")?,
+                row.try_get("generation").map_err(read)?,
+            );
+        }
+    }
+
+    let mut assigned = Vec::with_capacity(chosen.len());
+    let mut tokens = Vec::with_capacity(chosen.len());
+    for (mut run, assignment) in chosen {
+        let Some(&generation) = generations.get(&run.workspace_id) else {
+            return Err(DbError::Corrupt(format!(
+                "workspace {} stopped being active while run {} was assigned",
+                run.workspace_id, run.id
+            )));
+        };
+        let decided = decide(&run, Event::Assigned)?;
+        if decided.change != Change::Enter(RunState::Assigned) || !decided.effects.is_empty() {
+            return Err(DbError::Corrupt(format!(
+                "assigning queued run {} decided {decided:?}",
+                run.id
+            )));
+        }
+        let attempt = new_attempt(&run, &assignment.host, generation, now)?;
+        run.attempt_count = attempt.number;
+        run.attempts.push(attempt);
+        run.state = RunState::Assigned;
+        run.state_reason = format!("assigned to host {}", assignment.host);
+        tokens.push(assignment.token_hash);
+        assigned.push(run);
+    }
+    for (runs, tokens) in assigned
+        .chunks_mut(super::ROWS_PER_STATEMENT)
+        .zip(tokens.chunks(super::ROWS_PER_STATEMENT))
+    {
+        record_assignments(tx, runs, tokens, now).await?;
+    }
+    Ok(assigned)
+}
+
+/// Writes assignments decided in memory: each run's new attempt (its last),
+/// state and attempt count, its `assigned` event, its run token.
+async fn record_assignments(
+    tx: &mut WriteTx,
+    runs: &mut [Run],
+    token_hashes: &[[u8; 32]],
+    now: i64,
+) -> Result<(), DbError> {
+    let attempts: Vec<(&Run, &Attempt)> = runs
+        .iter()
+        .map(|run| {
+            let attempt = run.attempts.last().ok_or_else(|| {
+                DbError::Corrupt(format!("run {} was assigned without an attempt", run.id))
+            })?;
+            Ok((run, attempt))
+        })
+        .collect::<Result<_, DbError>>()?;
+    let mut generations = Vec::with_capacity(attempts.len());
+    for (_, attempt) in &attempts {
+        generations.push(signed(attempt.generation.0, "generation")?);
+    }
+    let mut query = SqlBuilder::new(
+        "INSERT INTO attempts (run_id, number, generation, host_id, sandbox_id, state, started_at)",
+    );
+    query.push_values(
+        attempts.iter().zip(&generations),
+        |mut row, ((run, attempt), generation)| {
+            row.push_bind(run.id.as_str())
+                .push_bind(i64::from(attempt.number))
+                .push_bind(*generation)
+                .push_bind(attempt.host_id.as_str())
+                .push_bind(attempt.sandbox_id.as_str())
+                .push_bind(AttemptState::Assigned.as_str())
+                .push_bind(now);
+        },
+    );
+    query
+        .build()
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert attempts"))?;
+
+    let mut query = SqlBuilder::new("UPDATE runs SET state = ");
+    query.push_bind(RunState::Assigned.as_str());
+    query.push(", attempt_count = CASE id");
+    for (run, attempt) in &attempts {
+        query.push(" WHEN ").push_bind(run.id.as_str());
+        query.push(" THEN ").push_bind(i64::from(attempt.number));
+    }
+    query.push(" END, state_reason = CASE id");
+    for (run, _) in &attempts {
+        query.push(" WHEN ").push_bind(run.id.as_str());
+        query.push(" THEN ").push_bind(run.state_reason.as_str());
+    }
+    query.push(" END, updated_at = ").push_bind(now);
+    query.push(", last_event_sequence = last_event_sequence + 1 WHERE id IN");
+    push_in_list(&mut query, &attempts, |(run, _)| run.id.as_str());
+    query.push(" RETURNING id, last_event_sequence");
+    let rows = query
+        .build()
+        .fetch_all(tx.conn())
+        .await
+        .map_err(query_error("record assigned runs"))?;
+    let mut sequences: HashMap<String, i64> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let read = |source| DbError::Query {
+            op: "read assigned run",
+            source,
+        };
+        sequences.insert(
+            row.try_get("id").map_err(read)?,
+            row.try_get("last_event_sequence").map_err(read)?,
+        );
+    }
+    let mut events = Vec::with_capacity(attempts.len());
+    for (run, attempt) in &attempts {
+        let sequence = *sequences.get(run.id.as_str()).ok_or_else(|| {
+            DbError::Corrupt(format!("run {} vanished while it was assigned", run.id))
+        })?;
+        events.push((*run, sequence, assigned_event(attempt)));
+    }
+    insert_events(tx, &events, now).await?;
+
+    let mut query = SqlBuilder::new(
+        "INSERT INTO tokens (token_hash, tenant, scope, workspace_id, description, created_at, run_id, attempt)",
+    );
+    query.push_values(
+        attempts.iter().zip(token_hashes),
+        |mut row, ((run, attempt), hash)| {
+            row.push_bind(hash.as_slice())
+                .push_bind(run.tenant.as_str())
+                .push_bind(Scope::Run.as_str())
+                .push_bind(run.workspace_id.as_str())
+                .push_bind(format!("run {} attempt {}", run.id, attempt.number))
+                .push_bind(now)
+                .push_bind(run.id.as_str())
+                .push_bind(i64::from(attempt.number));
+        },
+    );
+    query.push(" ON CONFLICT (token_hash) DO NOTHING");
+    query
+        .build()
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("insert run tokens"))?;
+    for run in runs.iter_mut() {
+        run.updated_at = from_millis(now);
+    }
+    Ok(())
+}
+
+/// A queued run's next attempt on `host` at `generation`, as it is inserted.
+fn new_attempt(run: &Run, host: &HostId, generation: i64, now: i64) -> Result<Attempt, DbError> {
+    let number = run.attempt_count + 1;
+    Ok(Attempt {
+        number,
+        generation: Generation(unsigned(generation, "generation")?),
+        host_id: host.clone(),
+        sandbox_id: format!("sbx-{}-a{number}", run.id),
+        state: AttemptState::Assigned,
+        started_at: from_millis(now),
+        ended_at: None,
+        end_reason: String::new(),
+        prepare: String::new(),
+        restored_checkpoint_id: String::new(),
+        outcome: None,
+        destroy_reason: None,
+        sandbox_state: None,
+        exit_code: None,
+        sandbox_gone_at: None,
+    })
+}
+
+/// The `assigned` event of `attempt`.
+fn assigned_event(attempt: &Attempt) -> EventDraft {
+    let detail = format!(
+        "attempt {} on host {} (sandbox {}, generation {})",
+        attempt.number, attempt.host_id, attempt.sandbox_id, attempt.generation
+    );
+    EventDraft::new(event_reason::ASSIGNED, detail).of(attempt)
+}
+
+/// Fails queued `run`, whose workspace is no longer active.
+async fn fail_on_inactive_workspace(
+    tx: &mut WriteTx,
+    run: &mut Run,
+    now: i64,
+) -> Result<(), DbError> {
+    let why = format!("workspace {} is no longer active", run.workspace_id);
+    transition(
+        tx,
+        run,
+        Event::WorkspaceInactive,
+        why.clone(),
+        EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
+        now,
+    )
+    .await
+}
+
 /// Gives queued `run` its next attempt on `host` inside `tx`. Returns
 /// false, having failed the run, when its workspace is no longer active.
 async fn assign_in(
@@ -400,21 +665,12 @@ async fn assign_in(
     .await
     .map_err(query_error("advance workspace generation"))?;
     let Some(generation) = generation else {
-        let why = format!("workspace {} is no longer active", run.workspace_id);
-        transition(
-            tx,
-            run,
-            Event::WorkspaceInactive,
-            why.clone(),
-            EventDraft::new(event_reason::WORKSPACE_INACTIVE, why),
-            now,
-        )
-        .await?;
+        fail_on_inactive_workspace(tx, run, now).await?;
         return Ok(false);
     };
-    let number = run.attempt_count + 1;
+    let attempt = new_attempt(run, host_id, generation, now)?;
+    let number = attempt.number;
     let run_id = &run.id;
-    let sandbox_id = format!("sbx-{run_id}-a{number}");
     sqlx::query(
         "INSERT INTO attempts (run_id, number, generation, host_id, sandbox_id, state, started_at)
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -423,7 +679,7 @@ async fn assign_in(
     .bind(i64::from(number))
     .bind(generation)
     .bind(host_id.as_str())
-    .bind(&sandbox_id)
+    .bind(&attempt.sandbox_id)
     .bind(AttemptState::Assigned.as_str())
     .bind(now)
     .execute(tx.conn())
@@ -451,36 +707,15 @@ async fn assign_in(
     .execute(tx.conn())
     .await
     .map_err(query_error("insert run token"))?;
-    // What a reload would read back: the new attempt, as inserted above.
-    let attempt = Attempt {
-        number,
-        generation: Generation(unsigned(generation, "generation")?),
-        host_id: host_id.clone(),
-        sandbox_id: sandbox_id.clone(),
-        state: AttemptState::Assigned,
-        started_at: from_millis(now),
-        ended_at: None,
-        end_reason: String::new(),
-        prepare: String::new(),
-        restored_checkpoint_id: String::new(),
-        outcome: None,
-        destroy_reason: None,
-        sandbox_state: None,
-        exit_code: None,
-        sandbox_gone_at: None,
-    };
+    let event = assigned_event(&attempt);
     run.attempt_count = number;
-    run.attempts.push(attempt.clone());
-    let detail = format!(
-        "attempt {number} on host {host_id} (sandbox {sandbox_id}, generation {})",
-        attempt.generation
-    );
+    run.attempts.push(attempt);
     transition(
         tx,
         run,
         Event::Assigned,
         format!("assigned to host {host_id}"),
-        EventDraft::new(event_reason::ASSIGNED, detail).of(&attempt),
+        event,
         now,
     )
     .await?;

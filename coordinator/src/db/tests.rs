@@ -964,6 +964,126 @@ async fn register(db: &MetadataStore, tenant: &TenantId, name: &str, slots: u32)
 }
 
 #[tokio::test]
+async fn assignments_written_together_read_back_as_if_one_by_one() {
+    let (_dir, db, tenant) = open().await;
+    let hosts = [
+        register(&db, &tenant, "a", 2).await,
+        register(&db, &tenant, "b", 2).await,
+    ];
+    let mut runs = Vec::new();
+    for _ in 0..4 {
+        runs.push(db.create_run(&tenant, new_run()).await.unwrap());
+    }
+    // Run 1's workspace is finished behind the scheduler's back.
+    sqlx::query("UPDATE workspaces SET state = 'finished' WHERE id = $1")
+        .bind(runs[1].workspace_id.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let assignment = |run: usize, host: usize| Assignment {
+        run: runs[run].id.clone(),
+        attempt_count: 0,
+        host: hosts[host].clone(),
+        token_hash: [u8::try_from(run).unwrap() + 1; 32],
+    };
+    let changes = db.subscribe_runs();
+    let assigned = db
+        .assign_runs(&[
+            assignment(0, 0),
+            assignment(1, 0),
+            assignment(2, 1),
+            assignment(3, 0),
+        ])
+        .await
+        .unwrap();
+    let assigned_ids: Vec<&RunId> = assigned.iter().map(|r| &r.id).collect();
+    assert_eq!(assigned_ids, [&runs[0].id, &runs[2].id, &runs[3].id]);
+    assert_eq!(changes.len(), 4, "every run the batch moved is announced");
+
+    let failed = db.run(&tenant, &runs[1].id).await.unwrap().unwrap();
+    assert_eq!(failed.state, RunState::Failed);
+    assert!(failed.attempts.is_empty());
+    assert_eq!(
+        failed.state_reason,
+        format!("workspace {} is no longer active", runs[1].workspace_id)
+    );
+
+    // A run assigned alone takes the one-by-one path: the batch must have
+    // written the same things.
+    let alone = db.create_run(&tenant, new_run()).await.unwrap();
+    let alone_assigned = db
+        .assign_runs(&[Assignment {
+            run: alone.id.clone(),
+            attempt_count: 0,
+            host: hosts[1].clone(),
+            token_hash: [9; 32],
+        }])
+        .await
+        .unwrap();
+    assert_eq!(alone_assigned.len(), 1);
+    let written = |run: &Run| {
+        let attempt = run.current_attempt().expect("an attempt").clone();
+        (
+            run.state,
+            run.state_reason.replace(attempt.host_id.as_str(), "HOST"),
+            run.attempt_count,
+            attempt.number,
+            attempt.state,
+            attempt.generation,
+            attempt.sandbox_id.replace(run.id.as_str(), "RUN"),
+        )
+    };
+    let expected = written(&db.run(&tenant, &alone.id).await.unwrap().unwrap());
+    for (n, run) in assigned.iter().enumerate() {
+        let stored = db.run(&tenant, &run.id).await.unwrap().unwrap();
+        assert_eq!(
+            stored.attempts, run.attempts,
+            "run {n} reads back as returned"
+        );
+        assert_eq!(written(&stored), expected, "run {n}");
+        let events = db.run_events(&run.id, 0, 10).await.unwrap();
+        let reasons: Vec<(u64, &str, RunState)> = events
+            .iter()
+            .map(|e| (e.sequence, e.reason.as_str(), e.state))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                (1, "created", RunState::Queued),
+                (2, "assigned", RunState::Assigned)
+            ]
+        );
+        let attempt = stored.current_attempt().unwrap();
+        assert_eq!(events[1].host_id, attempt.host_id.as_str());
+        assert_eq!(
+            (events[1].attempt, events[1].generation),
+            (1, attempt.generation.0)
+        );
+        assert_eq!(
+            events[1].detail,
+            format!(
+                "attempt 1 on host {} (sandbox {}, generation {})",
+                attempt.host_id, attempt.sandbox_id, attempt.generation
+            )
+        );
+    }
+    // Each attempt's run token is recorded, bound to its run and attempt.
+    for (n, hash) in [(0, [1; 32]), (2, [3; 32]), (3, [4; 32])] {
+        let token = db
+            .token(&hash)
+            .await
+            .unwrap()
+            .expect("the run token is stored");
+        let binding = token.run.expect("a run token names its run");
+        assert_eq!((binding.run, binding.attempt), (runs[n].id.clone(), 1));
+    }
+    assert!(
+        db.token(&[2; 32]).await.unwrap().is_none(),
+        "no token for a failed run"
+    );
+}
+
+#[tokio::test]
 async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_write_alone() {
     use cairn_proto::runs::SandboxState;
     use group_commit::WriteRequest as _;
