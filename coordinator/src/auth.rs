@@ -80,7 +80,7 @@ async fn authenticate(db: &MetadataStore, headers: &http::HeaderMap) -> Result<P
             "missing bearer token (send `authorization: Bearer <token>`)",
         ));
     };
-    match db.token(&tokens::hash(token)).await {
+    match db.authenticating_token(&tokens::hash(token)).await {
         Ok(Some(record)) => tokens::admit(record, SystemTime::now()).map_err(refused),
         Ok(None) => Err(Status::permission_denied("the bearer token is not valid")),
         Err(e) => {

@@ -50,6 +50,7 @@ mod runs;
 mod scheduling;
 mod sql;
 mod stations;
+mod token_cache;
 mod tokens;
 mod workspaces;
 
@@ -68,6 +69,7 @@ pub use runs::{
 };
 pub use scheduling::{Assignment, HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
+pub use token_cache::TOKEN_CACHE_TTL;
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;
 
@@ -78,7 +80,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
 use cairn_proto::ids::{
-    BlobId, CheckpointId, CommitRequestId, Generation, HostId, PackId, RunId, TenantId, WorkspaceId,
+    BlobId, CheckpointId, CommitRequestId, Generation, HostId, PackId, RunId, TenantId, TokenId,
+    WorkspaceId,
 };
 use cairn_proto::pb;
 use cairn_proto::refusal::NotCurrent;
@@ -340,9 +343,12 @@ pub struct MetadataStore {
     /// Host leases renewed by heartbeats that changed nothing else, and
     /// when: written in batches by [`MetadataStore::flush_heartbeats`].
     renewed_leases: Arc<std::sync::Mutex<HashMap<HostId, i64>>>,
-    /// On PostgreSQL, the channel committed run changes are announced on
-    /// to every replica (`NOTIFY`), and the URL to listen with.
+    /// On PostgreSQL, the channel committed run changes (and token
+    /// revocations) are announced on to every replica (`NOTIFY`), and the
+    /// URL to listen with.
     run_channel: Option<RunChannel>,
+    /// Tokens authenticated recently (see [`token_cache`]).
+    token_cache: Arc<token_cache::TokenCache>,
     /// On SQLite, taken before the database's write lock: writers wait
     /// their turn here, in order, instead of in SQLite's busy handler,
     /// which sleeps up to 100 ms between tries and lets newcomers overtake.
@@ -366,6 +372,9 @@ struct RunChannel {
     /// database, and each schema holds another coordinator's metadata.
     name: String,
 }
+
+/// What starts a notification that a token was revoked (run ids never do).
+const REVOKED_TOKEN_PREFIX: &str = "revoked-token:";
 
 /// Most run ids one notification carries (PostgreSQL's payload limit is
 /// 8000 bytes; an id is 30 characters and a comma).
@@ -511,6 +520,8 @@ impl MetadataStore {
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
             checkpoint_commits: (backend == Backend::Sqlite)
                 .then(|| group_commit::GroupCommit::new(checkpoints::commit_checkpoint_batch)),
+            // On PostgreSQL, trusted once this replica hears revocations.
+            token_cache: Arc::new(token_cache::TokenCache::new(run_channel.is_none())),
             run_channel,
         };
         store.assign_token_ids().await?;
@@ -627,6 +638,7 @@ impl MetadataStore {
                 () = &mut stop => return,
                 result = listening => {
                     let Err(e) = result;
+                    self.token_cache.trust(false);
                     tracing::warn!(error = %e, "lost the run-change announcements of other coordinators; listening again");
                     // A second before, for clocks of replicas that differ a little.
                     lost_at.get_or_insert(millis(SystemTime::now()) - 1000);
@@ -650,6 +662,9 @@ impl MetadataStore {
     ) -> Result<std::convert::Infallible, sqlx::Error> {
         let mut listener = sqlx::postgres::PgListener::connect(&channel.url).await?;
         listener.listen(&channel.name).await?;
+        // From now on this replica hears every revocation (until the
+        // connection fails, which distrusts the cache again).
+        self.token_cache.trust(true);
         if let Some(since) = *lost_at {
             let missed: Vec<String> =
                 sqlx::query_scalar("SELECT DISTINCT run_id FROM run_events WHERE at >= $1")
@@ -663,6 +678,16 @@ impl MetadataStore {
         }
         loop {
             let notification = listener.recv().await?;
+            if let Some(id) = notification.payload().strip_prefix(REVOKED_TOKEN_PREFIX) {
+                match id.parse::<TokenId>() {
+                    Ok(id) => self.token_cache.forget(&id),
+                    Err(_) => {
+                        tracing::warn!(payload = %id, "a revocation names no token; forgetting every token");
+                        self.token_cache.trust(true);
+                    }
+                }
+                continue;
+            }
             for id in notification.payload().split(',') {
                 match id.parse::<RunId>() {
                     // No receiver is fine: nobody is watching.

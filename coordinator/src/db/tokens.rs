@@ -6,7 +6,7 @@
 //! became of it. Run tokens (one per attempt, written by the scheduler) have
 //! no id and are not listed: they die with their attempt.
 
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use cairn_proto::ids::{HostId, RunId, TenantId, TokenId, WorkspaceId};
 use cairn_proto::refusal::NotCurrent;
@@ -192,6 +192,24 @@ impl MetadataStore {
         insert_token(&mut conn, new).await
     }
 
+    /// [`Self::token`] for authenticating a call: an admin, client or host
+    /// token this replica read in the last [`super::TOKEN_CACHE_TTL`] is not
+    /// read again unless it was revoked since (see [`super::token_cache`]).
+    pub async fn authenticating_token(
+        &self,
+        hash: &[u8; 32],
+    ) -> Result<Option<TokenRecord>, DbError> {
+        let epoch = match self.token_cache.lookup(hash, Instant::now()) {
+            Ok(kept) => return Ok(Some(kept)),
+            Err(epoch) => epoch,
+        };
+        let record = self.token(hash).await?;
+        if let Some(record) = &record {
+            self.token_cache.keep(*hash, record, epoch, Instant::now());
+        }
+        Ok(record)
+    }
+
     /// Everything known about the token with this hash, for
     /// [`crate::tokens::admit`] to decide on (None: an unknown token).
     pub async fn token(&self, hash: &[u8; 32]) -> Result<Option<TokenRecord>, DbError> {
@@ -304,7 +322,17 @@ impl MetadataStore {
         .map_err(query_error("revoked token"))?
         .ok_or_else(|| DbError::NotFound(format!("token {id} does not exist")))?;
         let info = info_from_row(&row)?;
+        if let Some(channel) = &self.run_channel {
+            // Other replicas forget it when this commits.
+            sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
+                .bind(&channel.name)
+                .bind(format!("{}{id}", super::REVOKED_TOKEN_PREFIX))
+                .execute(tx.conn())
+                .await
+                .map_err(query_error("announce a revocation"))?;
+        }
         self.commit(tx).await?;
+        self.token_cache.forget(id);
         Ok(info)
     }
 }

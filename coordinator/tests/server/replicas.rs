@@ -141,3 +141,52 @@ async fn a_client_given_several_addresses_moves_to_the_next_when_one_is_gone() {
         .unwrap();
     assert_eq!(names(list(&mut client).await.unwrap()), ["on-b"]);
 }
+
+#[tokio::test]
+async fn a_token_revoked_on_one_replica_is_refused_by_the_others() {
+    use cairn_proto::refusal::TokenRefusal;
+
+    use crate::tokens::{client_token, list_workspaces, token_refusal};
+
+    if !on_postgres() {
+        return;
+    }
+    let (dir_a, dir_b) = (data_dir(), data_dir());
+    let database = test_location(dir_a.path());
+    let a = TestServer::start(dir_a.path()).await;
+    let b = TestServer::start_with(dir_b.path(), |config| {
+        config.database = Some(database.clone());
+    })
+    .await;
+    let mut admin = Clients::admin(&a).await;
+    let client = client_token(&mut admin, None).await;
+    // B authenticates the token, and keeps it for its next calls.
+    for _ in 0..3 {
+        list_workspaces(&b, &client.token).await.unwrap();
+    }
+
+    admin
+        .admin
+        .revoke_token(pb::RevokeTokenRequest {
+            id: client.id.clone(),
+        })
+        .await
+        .unwrap();
+    // B hears of it with A's commit, long before its kept copy would
+    // be read again (TOKEN_CACHE_TTL).
+    let refused = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match list_workspaces(&b, &client.token).await {
+                Err(refused) => return refused,
+                Ok(()) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await
+    .expect("B refuses the token A revoked within moments");
+    assert_eq!(token_refusal(&refused), Some(TokenRefusal::Revoked));
+    assert!(
+        cairn_coordinator::db::TOKEN_CACHE_TTL > Duration::from_secs(2),
+        "the wait above is shorter than a kept token's life"
+    );
+}

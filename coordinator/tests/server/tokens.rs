@@ -369,7 +369,7 @@ async fn a_run_token_reaches_only_its_own_workspace() {
 }
 
 /// A client token of its own, created through AdminService.
-async fn client_token(
+pub(crate) async fn client_token(
     admin: &mut Clients,
     expires_in: Option<Duration>,
 ) -> pb::CreateTokenResponse {
@@ -385,7 +385,7 @@ async fn client_token(
         .into_inner()
 }
 
-async fn list_workspaces(server: &TestServer, token: &str) -> Result<(), tonic::Status> {
+pub(crate) async fn list_workspaces(server: &TestServer, token: &str) -> Result<(), tonic::Status> {
     server
         .client_with(Some(token))
         .await
@@ -395,7 +395,7 @@ async fn list_workspaces(server: &TestServer, token: &str) -> Result<(), tonic::
         .map(drop)
 }
 
-fn token_refusal(status: &tonic::Status) -> Option<TokenRefusal> {
+pub(crate) fn token_refusal(status: &tonic::Status) -> Option<TokenRefusal> {
     match Refusal::of(status) {
         Some(Refusal::Token(why)) => Some(why),
         _ => None,
