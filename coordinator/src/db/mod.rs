@@ -334,6 +334,9 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 const POSTGRES_CONNECTIONS: u32 = 16;
 const SQLITE_CONNECTIONS: u32 = 8;
 
+/// A PostgreSQL connection idle longer is pinged before it is used.
+const POSTGRES_PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
 /// The metadata database.
 #[derive(Debug, Clone)]
 pub struct MetadataStore {
@@ -471,6 +474,9 @@ impl MetadataStore {
             DatabaseLocation::Sqlite(_) => {
                 let pool = AnyPoolOptions::new()
                     .max_connections(SQLITE_CONNECTIONS)
+                    // A file cannot hang up: pinging a connection before
+                    // each use would only cost a hop to its thread.
+                    .test_before_acquire(false)
                     .after_connect(|conn, _| {
                         Box::pin(async move {
                             // A committed checkpoint must survive a power loss.
@@ -494,6 +500,18 @@ impl MetadataStore {
                     .map_err(opened)?;
                 let pool = AnyPoolOptions::new()
                     .max_connections(POSTGRES_CONNECTIONS)
+                    // A connection in steady use answers its queries; one
+                    // idle a while may have been dropped by the server or
+                    // a proxy: only that one is pinged before use.
+                    .test_before_acquire(false)
+                    .before_acquire(|conn, meta| {
+                        Box::pin(async move {
+                            if meta.idle_for > POSTGRES_PING_AFTER_IDLE {
+                                conn.ping().await?;
+                            }
+                            Ok(true)
+                        })
+                    })
                     .connect(&location.sqlx_url())
                     .await
                     .map_err(opened)?;
