@@ -14,7 +14,7 @@ use prost::Message;
 use sqlx::any::AnyRow;
 use sqlx::{Any, AnyConnection, Row};
 
-use super::gc::{deletions_pending_in, unusable_packs_in};
+use super::gc::{deletions_pending_in, recheck_packs_in};
 use super::group_commit::{begin_savepoint, end_savepoint, fail_all, fail_batch};
 use super::{
     Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
@@ -725,11 +725,15 @@ async fn record_checkpoint(
     // What was checked before this transaction may have changed: a
     // sweep may have deleted a pack this checkpoint deduplicated
     // against since. Refused then, with the packs to upload again.
-    let unusable = unusable_packs_in(conn, tenant, &new.referenced_packs, true).await?;
-    if !unusable.is_empty() {
-        return Err(DbError::PacksMissing { packs: unusable });
+    let rechecked = recheck_packs_in(conn, tenant, &new.referenced_packs, true).await?;
+    if !rechecked.unusable.is_empty() {
+        return Err(DbError::PacksMissing {
+            packs: rechecked.unusable,
+        });
     }
-    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
+    // A referenced pack is not garbage: absolve those a collection
+    // condemned, so that its sweep leaves them.
+    for chunk in rechecked.condemned.chunks(ROWS_PER_STATEMENT) {
         let mut query = SqlBuilder::new(
             "UPDATE packs SET condemned_at = NULL WHERE condemned_at IS NOT NULL AND tenant = ",
         );

@@ -137,9 +137,35 @@ pub(super) async fn unusable_packs_in(
     packs: &[PackId],
     superseded_too: bool,
 ) -> Result<Vec<PackId>, DbError> {
+    Ok(recheck_packs_in(tx, tenant, packs, superseded_too)
+        .await?
+        .unusable)
+}
+
+/// What [`recheck_packs_in`] found.
+#[derive(Debug, Default)]
+pub(super) struct Rechecked {
+    /// See [`unusable_packs_in`].
+    pub unusable: Vec<PackId>,
+    /// Usable packs a collection condemned (a reference absolves them).
+    pub condemned: Vec<PackId>,
+}
+
+/// [`unusable_packs_in`], and which of the usable ones are condemned, in
+/// the same reads.
+pub(super) async fn recheck_packs_in(
+    tx: &mut sqlx::AnyConnection,
+    tenant: &TenantId,
+    packs: &[PackId],
+    superseded_too: bool,
+) -> Result<Rechecked, DbError> {
     let mut usable = HashSet::new();
+    let mut condemned = Vec::new();
     for chunk in packs.chunks(ROWS_PER_STATEMENT) {
-        let mut query = SqlBuilder::new("SELECT p.id FROM packs p WHERE p.tenant = ");
+        let mut query = SqlBuilder::new(
+            "SELECT p.id, CAST(CASE WHEN p.condemned_at IS NULL THEN 0 ELSE 1 END AS BIGINT) AS condemned
+             FROM packs p WHERE p.tenant = ",
+        );
         query.push_bind(tenant.as_str());
         if superseded_too {
             query.push(" AND p.superseded_at IS NULL");
@@ -149,18 +175,32 @@ pub(super) async fn unusable_packs_in(
               WHERE d.tenant = p.tenant AND d.pack_id = p.id) AND p.id IN",
         );
         push_in_list(&mut query, chunk, PackId::as_str);
-        let rows: Vec<String> = query
-            .build_query_scalar()
+        let rows = query
+            .build()
             .fetch_all(&mut *tx)
             .await
             .map_err(query_error("recheck referenced packs"))?;
-        usable.extend(rows);
+        for row in rows {
+            let read = |source| DbError::Query {
+                op: "recheck referenced packs",
+                source,
+            };
+            let id: String = row.try_get("id").map_err(read)?;
+            let is_condemned: i64 = row.try_get("condemned").map_err(read)?;
+            if is_condemned != 0 {
+                condemned.push(parse_column(&id, "pack id")?);
+            }
+            usable.insert(id);
+        }
     }
-    Ok(packs
-        .iter()
-        .filter(|p| !usable.contains(p.as_str()))
-        .cloned()
-        .collect())
+    Ok(Rechecked {
+        unusable: packs
+            .iter()
+            .filter(|p| !usable.contains(p.as_str()))
+            .cloned()
+            .collect(),
+        condemned,
+    })
 }
 
 /// Whether any of `packs` of `tenant` has a deletion under way (a commit

@@ -243,6 +243,40 @@ async fn names_are_unique_per_tenant_and_lookups_work_by_id_or_name() {
 }
 
 #[tokio::test]
+async fn a_commit_absolves_the_condemned_packs_it_references_and_only_those() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(
+            &ws,
+            vec![new_pack(1, &[1]), new_pack(2, &[2])],
+            vec![pack_id(1), pack_id(2)],
+        ),
+    )
+    .await
+    .unwrap();
+    // A collection condemned both (as its mark would, had the checkpoint
+    // gone) and has not swept yet.
+    sqlx::query("UPDATE packs SET condemned_at = 1 WHERE tenant = $1")
+        .bind(tenant.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(db.tenant_storage(&tenant).await.unwrap().condemned.packs, 2);
+
+    db.commit_checkpoint(&tenant, commit_of(&ws, vec![], vec![pack_id(1)]))
+        .await
+        .unwrap();
+    let condemned = db.tenant_storage(&tenant).await.unwrap().condemned;
+    assert_eq!(
+        (condemned.packs, condemned.bytes),
+        (1, 102),
+        "pack 1 is referenced again; pack 2 stays condemned"
+    );
+}
+
+#[tokio::test]
 async fn commits_number_checkpoints_and_record_packs_and_blobs() {
     let (_dir, db, tenant) = open().await;
     let ws = db.create_workspace(&tenant, None).await.unwrap();
