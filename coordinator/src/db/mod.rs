@@ -71,7 +71,7 @@ pub use scheduling::{Assignment, HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use token_cache::TOKEN_CACHE_TTL;
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
-pub use workspaces::Forked;
+pub use workspaces::{Forked, WorkspaceStanding};
 
 use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;

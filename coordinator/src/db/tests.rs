@@ -121,6 +121,30 @@ async fn each_new_workspace_has_a_key_of_its_own_and_forks_share_it() {
         db.keys(&tenant, &b.id, &["k1".into()]).await.unwrap(),
         vec![tenant_key]
     );
+
+    // What a commit checks: the key, in the workspace's lineage or (b)
+    // among the tenant's keys.
+    for ws in [&a, &b, fork] {
+        let standing = db
+            .workspace_standing(&tenant, &WorkspaceRef::Id(ws.id.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (standing.state, standing.generation),
+            (WorkspaceState::Active, ws.generation)
+        );
+        assert!(db.has_key(&tenant, &standing, "k1").await.unwrap());
+        assert!(!db.has_key(&tenant, &standing, "k9").await.unwrap());
+    }
+    let other: TenantId = "other".parse().unwrap();
+    assert!(
+        db.workspace_standing(&other, &WorkspaceRef::Id(a.id.clone()))
+            .await
+            .unwrap()
+            .is_none(),
+        "another tenant's workspace is not found"
+    );
 }
 
 #[tokio::test]

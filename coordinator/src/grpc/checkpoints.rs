@@ -9,7 +9,9 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::SystemTime;
 
-use cairn_proto::domain::{CommitCheckpoint, CompactPacks, PackKind, WorkspaceRef, to_timestamp};
+use cairn_proto::domain::{
+    CommitCheckpoint, CompactPacks, PackKind, WorkspaceRef, WorkspaceState, to_timestamp,
+};
 use cairn_proto::ids::{BlobId, CheckpointId, Generation, PackId};
 use cairn_proto::pb;
 use cairn_proto::pb::checkpoint_service_server::CheckpointService;
@@ -171,8 +173,12 @@ impl CheckpointApi {
         check_commit_limits(&self.shared.limits, &commit)?;
         let workspace = self
             .shared
-            .workspace_by_ref(principal, &commit.workspace)
-            .await?;
+            .db
+            .workspace_standing(&principal.tenant, &commit.workspace)
+            .await?
+            .ok_or_else(|| {
+                ServiceError::NotFound(format!("workspace {} does not exist", commit.workspace))
+            })?;
         principal
             .authorize(Action::WriteCheckpoints(&workspace.id))
             .map_err(ServiceError::Denied)?;
@@ -188,7 +194,13 @@ impl CheckpointApi {
             tracing::info!(checkpoint = %made.id, request = %request, "commit retried; answered with its checkpoint");
             return Ok(made);
         }
-        ensure_active(&workspace)?;
+        if workspace.state != WorkspaceState::Active {
+            return Err(DbError::WorkspaceNotActive {
+                id: workspace.id,
+                state: workspace.state,
+            }
+            .into());
+        }
         if let Some(own) = self.attempt_generation(principal).await?
             && commit.generation != own
         {
@@ -201,11 +213,7 @@ impl CheckpointApi {
             }
             .into());
         }
-        if db
-            .keys(tenant, &workspace.id, std::slice::from_ref(&commit.key_id))
-            .await?
-            .is_empty()
-        {
+        if !db.has_key(tenant, &workspace, &commit.key_id).await? {
             return Err(ServiceError::InvalidArgument(format!(
                 "key_id {:?} is not a key of workspace {}",
                 commit.key_id, workspace.id
