@@ -103,6 +103,17 @@ pub struct ReplicaReport {
     pub log_excerpt: Vec<String>,
 }
 
+/// The PostgreSQL schema a run used, and what became of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemaReport {
+    pub name: String,
+    /// Whether the harness dropped it at the end (only a schema it made,
+    /// and not with `--keep-data`).
+    pub dropped: bool,
+    /// Why it is still there, when it is.
+    pub left_because: Option<String>,
+}
+
 /// One running coordinator.
 #[derive(Debug)]
 pub(crate) struct Replica {
@@ -132,6 +143,10 @@ pub(crate) struct Cluster {
     keep_data: bool,
     /// The `--database-schema` the replicas were given, if any.
     pub schema: Option<String>,
+    /// The database, and whether the harness made the schema (and so
+    /// drops it at the end).
+    database: Option<String>,
+    own_schema: bool,
 }
 
 impl Cluster {
@@ -156,7 +171,9 @@ impl Cluster {
         let mut cluster = Self {
             replicas: Vec::with_capacity(options.replicas),
             keep_data: options.keep_data,
+            own_schema: schema.is_some() && options.database_schema.is_none(),
             schema,
+            database: options.database.clone(),
         };
         for index in 0..options.replicas {
             let replica = cluster.spawn(options, serve_args, index)?;
@@ -222,7 +239,9 @@ impl Cluster {
     /// Stops every coordinator (SIGTERM, then SIGKILL after a bounded
     /// wait) and says how each ended; removes the data directories unless
     /// they are kept.
-    pub async fn stop(mut self) -> Vec<ReplicaReport> {
+    /// Stops every replica, then drops the schema the harness made
+    /// (unless asked to keep the data).
+    pub async fn stop(mut self) -> (Vec<ReplicaReport>, Option<SchemaReport>) {
         let mut reports = Vec::with_capacity(self.replicas.len());
         for replica in &mut self.replicas {
             replica.channels.clear();
@@ -254,8 +273,49 @@ impl Cluster {
                 log_excerpt,
             });
         }
-        reports
+        let schema = match self.schema.take() {
+            Some(name) => Some(self.drop_schema(name).await),
+            None => None,
+        };
+        (reports, schema)
     }
+
+    async fn drop_schema(&self, name: String) -> SchemaReport {
+        let left = |why: String| SchemaReport {
+            name: name.clone(),
+            dropped: false,
+            left_because: Some(why),
+        };
+        if !self.own_schema {
+            return left("given with --database-schema".into());
+        }
+        if self.keep_data {
+            return left("--keep-data".into());
+        }
+        let Some(url) = &self.database else {
+            return left("no database".into());
+        };
+        match drop_postgres_schema(url, &name).await {
+            Ok(()) => SchemaReport {
+                name,
+                dropped: true,
+                left_because: None,
+            },
+            Err(e) => left(format!("dropping it failed: {e}")),
+        }
+    }
+}
+
+/// Drops schema `name` (one the harness named: letters, digits and `_`)
+/// and everything in it.
+async fn drop_postgres_schema(url: &str, name: &str) -> Result<(), sqlx::Error> {
+    use sqlx::Connection as _;
+    debug_assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+    let mut conn = sqlx::postgres::PgConnection::connect(url).await?;
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+        .execute(&mut conn)
+        .await?;
+    conn.close().await
 }
 
 impl Drop for Replica {

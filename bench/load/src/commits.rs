@@ -85,7 +85,7 @@ impl CommitsOptions {
 pub struct CommitsReport {
     pub replicas: usize,
     /// The PostgreSQL schema the coordinators used, if any.
-    pub database_schema: Option<String>,
+    pub database_schema: Option<crate::cluster::SchemaReport>,
     pub workspaces: u64,
     /// Workers that committed: `--concurrency`, or fewer when there are
     /// fewer workspaces.
@@ -125,8 +125,7 @@ pub async fn commits(options: CommitsOptions) -> Result<CommitsReport, LoadError
     let cluster = Cluster::start(&options.cluster, &[]).await?;
     let measured = run(&cluster, &options).await;
     let harness_cpu_seconds = crate::cluster::cpu_seconds("self");
-    let schema = cluster.schema.clone();
-    let coordinators = cluster.stop().await;
+    let (coordinators, schema) = cluster.stop().await;
     let mut report = measured?;
     report.harness_cpu_seconds = harness_cpu_seconds;
     report.database_schema = schema;

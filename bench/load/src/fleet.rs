@@ -88,7 +88,7 @@ impl FleetOptions {
 pub struct FleetReport {
     pub replicas: usize,
     /// The PostgreSQL schema the coordinators used, if any.
-    pub database_schema: Option<String>,
+    pub database_schema: Option<crate::cluster::SchemaReport>,
     pub hosts: u64,
     pub hosts_registered: u64,
     pub slots_per_host: u32,
@@ -145,8 +145,7 @@ pub async fn fleet(options: FleetOptions) -> Result<FleetReport, LoadError> {
     let cluster = Cluster::start(&options.cluster, &serve_args).await?;
     let measured = run(&cluster, &options).await;
     let harness_cpu_seconds = crate::cluster::cpu_seconds("self");
-    let schema = cluster.schema.clone();
-    let coordinators = cluster.stop().await;
+    let (coordinators, schema) = cluster.stop().await;
     let mut report = measured?;
     report.harness_cpu_seconds = harness_cpu_seconds;
     report.database_schema = schema;

@@ -24,7 +24,7 @@ pub mod stats;
 
 use std::time::Duration;
 
-pub use cluster::{ClusterOptions, ReplicaReport};
+pub use cluster::{ClusterOptions, ReplicaReport, SchemaReport};
 pub use commits::{CommitsOptions, CommitsReport, commits};
 pub use fleet::{FleetOptions, FleetReport, fleet};
 

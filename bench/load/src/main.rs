@@ -198,11 +198,14 @@ fn cpu(seconds: Option<f64>) -> String {
 
 fn print_coordinators(
     coordinators: &[ReplicaReport],
-    schema: Option<&str>,
+    schema: Option<&cairn_load::SchemaReport>,
     harness_cpu_seconds: Option<f64>,
 ) {
     if let Some(schema) = schema {
-        println!("  database schema     {schema}");
+        match &schema.left_because {
+            None => println!("  database schema     {} (dropped)", schema.name),
+            Some(why) => println!("  database schema     {} (left: {why})", schema.name),
+        }
     }
     println!("  harness CPU         {}", cpu(harness_cpu_seconds));
     for (i, c) in coordinators.iter().enumerate() {
@@ -264,7 +267,7 @@ fn print_fleet(r: &cairn_load::FleetReport) {
     );
     print_coordinators(
         &r.coordinators,
-        r.database_schema.as_deref(),
+        r.database_schema.as_ref(),
         r.harness_cpu_seconds,
     );
 }
@@ -297,7 +300,7 @@ fn print_commits(r: &cairn_load::CommitsReport) {
     );
     print_coordinators(
         &r.coordinators,
-        r.database_schema.as_deref(),
+        r.database_schema.as_ref(),
         r.harness_cpu_seconds,
     );
 }

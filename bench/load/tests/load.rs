@@ -1,16 +1,42 @@
 //! A tiny fleet and a tiny commits phase against the real
 //! `cairn-coordinator` binary (built by `cargo build -p cairn-coordinator`
-//! or `--workspace --bins`; its absence fails the test, never skips it).
+//! or `--workspace --bins`; its absence fails the test, never skips it), on
+//! SQLite, or on the PostgreSQL database `CAIRN_TEST_DATABASE` names.
 
 use std::time::Duration;
 
-use cairn_load::{ClusterOptions, CommitsOptions, FleetOptions, ReplicaReport};
+use cairn_load::{ClusterOptions, CommitsOptions, FleetOptions, ReplicaReport, SchemaReport};
+use sqlx::Connection as _;
+
+fn postgres() -> Option<String> {
+    std::env::var("CAIRN_TEST_DATABASE").ok()
+}
 
 fn cluster() -> ClusterOptions {
     let mut options =
         ClusterOptions::new(cairn_utils::testing::sibling_binary("cairn-coordinator"));
     options.channels_per_replica = 2;
+    options.database = postgres();
     options
+}
+
+/// On PostgreSQL, the run had a schema of its own and dropped it.
+async fn left_no_schema(schema: Option<&SchemaReport>) {
+    let Some(url) = postgres() else {
+        assert!(schema.is_none(), "{schema:?}");
+        return;
+    };
+    let schema = schema.expect("a schema of its own");
+    assert!(schema.dropped, "{schema:?}");
+    let mut conn = sqlx::postgres::PgConnection::connect(&url).await.unwrap();
+    let left: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1",
+    )
+    .bind(&schema.name)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "schema {} is still there", schema.name);
 }
 
 fn stopped_cleanly(coordinators: &[ReplicaReport]) {
@@ -51,6 +77,7 @@ async fn every_run_of_a_small_fleet_reaches_one_host_once() {
     assert_eq!(report.lost_answers, 0, "{report:#?}");
     assert_eq!(report.over_capacity, 0, "{report:#?}");
     stopped_cleanly(&report.coordinators);
+    left_no_schema(report.database_schema.as_ref()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -76,4 +103,5 @@ async fn concurrent_commits_all_succeed_in_sequence() {
     assert!((11..=21).contains(&report.max_sequence), "{report:#?}");
     assert!(report.commits_per_second > 0.0, "{report:#?}");
     stopped_cleanly(&report.coordinators);
+    left_no_schema(report.database_schema.as_ref()).await;
 }
