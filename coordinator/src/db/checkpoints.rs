@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::SystemTime;
 
 use super::sql::SqlBuilder;
-use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceState};
+use cairn_proto::domain::{CheckpointReason, NewPack, PackKind, WorkspaceRef, WorkspaceState};
 use cairn_proto::ids::{
     BlobId, CheckpointId, CommitRequestId, Generation, PackId, TenantId, WorkspaceId,
 };
@@ -20,6 +20,23 @@ use super::{
     Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
     from_millis, millis, parse_column, query_error, signed, unsigned,
 };
+
+/// What a commit checks before its transaction
+/// ([`MetadataStore::commit_preflight`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitPreflight {
+    pub workspace_id: WorkspaceId,
+    pub state: WorkspaceState,
+    pub generation: Generation,
+    /// The checkpoint a commit with the same request id made (its answer
+    /// was cut off): the answer to this one.
+    pub earlier: Option<CheckpointId>,
+    /// Whether the commit's key is one of the workspace's.
+    pub key_known: bool,
+    /// Whether the commit's parent is a checkpoint of the workspace (true
+    /// when it names none).
+    pub parent_known: bool,
+}
 
 const CHECKPOINT_COLUMNS: &str = "c.id, c.workspace_id, c.sequence, c.parent_id, c.reason, c.generation,
      c.format_version, c.root_tree, c.key_id, c.stats, c.details, c.pack_count, c.stored_bytes, c.created_at";
@@ -331,25 +348,65 @@ impl MetadataStore {
         row.as_ref().map(checkpoint_from_row).transpose()
     }
 
-    /// The checkpoint of `workspace` its commit named `request` made, if any.
-    pub async fn checkpoint_by_request(
+    /// What a commit to workspace `reference` checks before its
+    /// transaction, in one statement: the workspace's standing, the
+    /// checkpoint an earlier commit with the same `request` made, whether
+    /// `key_id` is a key of the workspace (of its lineage, or of its tenant
+    /// for workspaces older than lineages), and whether `parent` is one of
+    /// its checkpoints. None: no such workspace in `tenant`.
+    pub async fn commit_preflight(
         &self,
         tenant: &TenantId,
-        workspace: &WorkspaceId,
-        request: &CommitRequestId,
-    ) -> Result<Option<Checkpoint>, DbError> {
+        reference: &WorkspaceRef,
+        key_id: &str,
+        parent: Option<&CheckpointId>,
+        request: Option<&CommitRequestId>,
+    ) -> Result<Option<CommitPreflight>, DbError> {
+        let (condition, value) = match reference {
+            WorkspaceRef::Id(id) => ("w.id", id.as_str()),
+            WorkspaceRef::Name(name) => ("w.name", name.as_str()),
+        };
         let sql = format!(
-            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c JOIN workspaces w ON w.id = c.workspace_id
-             WHERE w.tenant = $1 AND c.workspace_id = $2 AND c.request_id = $3"
+            "SELECT w.id, w.state, w.generation,
+               (SELECT c.id FROM checkpoints c
+                 WHERE c.workspace_id = w.id AND c.request_id = $3) AS earlier,
+               CASE WHEN w.lineage IS NULL
+                 THEN (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = w.tenant AND k.key_id = $4)
+                 ELSE (SELECT COUNT(*) FROM lineage_keys k WHERE k.lineage = w.lineage AND k.key_id = $4)
+               END AS keys,
+               (SELECT COUNT(*) FROM checkpoints p WHERE p.workspace_id = w.id AND p.id = $5) AS parents
+             FROM workspaces w WHERE w.tenant = $1 AND {condition} = $2"
         );
         let row = sqlx::query(&sql)
             .bind(tenant.as_str())
-            .bind(workspace.as_str())
-            .bind(request.as_str())
+            .bind(value)
+            .bind(request.map(CommitRequestId::as_str))
+            .bind(key_id)
+            .bind(parent.map(CheckpointId::as_str))
             .fetch_optional(&self.pool)
             .await
-            .map_err(query_error("checkpoint by request"))?;
-        row.as_ref().map(checkpoint_from_row).transpose()
+            .map_err(query_error("commit preflight"))?;
+        let Some(row) = row else { return Ok(None) };
+        let read = |source| DbError::Query {
+            op: "read commit preflight",
+            source,
+        };
+        let id: String = row.try_get("id").map_err(read)?;
+        let state: String = row.try_get("state").map_err(read)?;
+        let generation: i64 = row.try_get("generation").map_err(read)?;
+        let earlier: Option<String> = row.try_get("earlier").map_err(read)?;
+        let keys: i64 = row.try_get("keys").map_err(read)?;
+        let parents: i64 = row.try_get("parents").map_err(read)?;
+        Ok(Some(CommitPreflight {
+            workspace_id: parse_column(&id, "workspace id")?,
+            state: parse_column(&state, "workspace state")?,
+            generation: Generation(unsigned(generation, "generation")?),
+            earlier: earlier
+                .map(|id| parse_column(&id, "checkpoint id"))
+                .transpose()?,
+            key_known: keys > 0,
+            parent_known: parent.is_none() || parents > 0,
+        }))
     }
 
     /// Checkpoints of a workspace, newest first, with a sequence below `before`.

@@ -54,6 +54,7 @@ mod token_cache;
 mod tokens;
 mod workspaces;
 
+pub use checkpoints::CommitPreflight;
 pub use compaction::Compacted;
 pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
 pub use hosts::{
@@ -71,7 +72,7 @@ pub use scheduling::{Assignment, HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
 pub use token_cache::TOKEN_CACHE_TTL;
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
-pub use workspaces::{Forked, WorkspaceStanding};
+pub use workspaces::Forked;
 
 use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;
@@ -596,16 +597,12 @@ impl MetadataStore {
         &self,
         lock: &'static str,
     ) -> Result<Transaction<'static, Any>, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
-        // The lock function returns void, which the Any driver cannot read:
-        // count the row instead.
-        sqlx::query(&format!(
-            "SELECT COUNT(*) FROM (SELECT {lock}($1)) AS locked"
-        ))
-        .bind(WRITE_LOCK)
-        .execute(&mut *tx)
-        .await?;
-        Ok(tx)
+        // BEGIN and the lock in one round trip (a simple query may hold
+        // several statements); the lock function returns void, which the
+        // Any driver cannot read, so nothing is read back.
+        self.pool
+            .begin_with(format!("BEGIN; SELECT {lock}({WRITE_LOCK})"))
+            .await
     }
 
     /// Commits `tx` and announces the runs it changed: to this replica's

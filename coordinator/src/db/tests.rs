@@ -125,26 +125,81 @@ async fn each_new_workspace_has_a_key_of_its_own_and_forks_share_it() {
     // What a commit checks: the key, in the workspace's lineage or (b)
     // among the tenant's keys.
     for ws in [&a, &b, fork] {
-        let standing = db
-            .workspace_standing(&tenant, &WorkspaceRef::Id(ws.id.clone()))
+        let reference = WorkspaceRef::Id(ws.id.clone());
+        let known = db
+            .commit_preflight(&tenant, &reference, "k1", None, None)
             .await
             .unwrap()
             .unwrap();
         assert_eq!(
-            (standing.state, standing.generation),
-            (WorkspaceState::Active, ws.generation)
+            (
+                known.state,
+                known.generation,
+                known.key_known,
+                known.parent_known
+            ),
+            (WorkspaceState::Active, ws.generation, true, true)
         );
-        assert!(db.has_key(&tenant, &standing, "k1").await.unwrap());
-        assert!(!db.has_key(&tenant, &standing, "k9").await.unwrap());
+        let unknown = db
+            .commit_preflight(&tenant, &reference, "k9", None, None)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(!unknown.key_known);
     }
     let other: TenantId = "other".parse().unwrap();
     assert!(
-        db.workspace_standing(&other, &WorkspaceRef::Id(a.id.clone()))
+        db.commit_preflight(&other, &WorkspaceRef::Id(a.id.clone()), "k1", None, None)
             .await
             .unwrap()
             .is_none(),
         "another tenant's workspace is not found"
     );
+}
+
+#[tokio::test]
+async fn a_commit_preflight_finds_the_parent_and_an_earlier_commit_of_the_request() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let other = db.create_workspace(&tenant, None).await.unwrap();
+    let request = CommitRequestId::generate();
+    let mut first = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]);
+    first.request_id = Some(request.clone());
+    let first = db.commit_checkpoint(&tenant, first).await.unwrap();
+    let theirs = db
+        .commit_checkpoint(
+            &tenant,
+            commit_of(&other, vec![new_pack(2, &[2])], vec![pack_id(2)]),
+        )
+        .await
+        .unwrap();
+
+    let preflight = |reference, parent, request| {
+        let db = db.clone();
+        let tenant = tenant.clone();
+        async move {
+            db.commit_preflight(&tenant, &reference, FIRST_KEY_ID, parent, request)
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    let by_id = WorkspaceRef::Id(ws.id.clone());
+    let retried = preflight(by_id.clone(), Some(&first.id), Some(&request)).await;
+    assert_eq!(retried.earlier, Some(first.id.clone()));
+    assert!(retried.parent_known);
+    let fresh = CommitRequestId::generate();
+    assert_eq!(
+        preflight(by_id.clone(), None, Some(&fresh)).await.earlier,
+        None
+    );
+    assert!(
+        !preflight(by_id, Some(&theirs.id), None).await.parent_known,
+        "another workspace's checkpoint is no parent"
+    );
+    // Another workspace does not see the request of this one.
+    let elsewhere = preflight(WorkspaceRef::Id(other.id.clone()), None, Some(&request)).await;
+    assert_eq!(elsewhere.earlier, None);
 }
 
 #[tokio::test]

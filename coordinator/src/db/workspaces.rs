@@ -29,17 +29,6 @@ pub struct Forked {
 /// in requests.
 pub(super) const FIRST_GENERATION: Generation = Generation(1);
 
-/// A workspace's id, state, generation and key lineage: what a checkpoint
-/// commit checks before its transaction ([`MetadataStore::workspace_standing`]).
-#[derive(Debug, Clone)]
-pub struct WorkspaceStanding {
-    pub id: WorkspaceId,
-    pub state: WorkspaceState,
-    pub generation: Generation,
-    /// Its key lineage (None: the tenant's keys).
-    lineage: Option<String>,
-}
-
 const WORKSPACE_COLUMNS: &str =
     "w.id, w.tenant, w.name, w.state, w.generation, w.created_at, w.updated_at,
      w.finished_at, w.keep_last, w.finished_retention_ms,
@@ -255,69 +244,6 @@ impl MetadataStore {
                     "workspace {id} vanished right after it was created"
                 ))
             })
-    }
-
-    /// What a checkpoint commit checks of workspace `reference` before
-    /// its transaction, in one cheap read (no checkpoint is counted or
-    /// read).
-    pub async fn workspace_standing(
-        &self,
-        tenant: &TenantId,
-        reference: &WorkspaceRef,
-    ) -> Result<Option<WorkspaceStanding>, DbError> {
-        let (condition, value) = match reference {
-            WorkspaceRef::Id(id) => ("id", id.as_str()),
-            WorkspaceRef::Name(name) => ("name", name.as_str()),
-        };
-        let sql = format!(
-            "SELECT id, state, generation, lineage FROM workspaces WHERE tenant = $1 AND {condition} = $2"
-        );
-        let row = sqlx::query(&sql)
-            .bind(tenant.as_str())
-            .bind(value)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(query_error("workspace standing"))?;
-        let Some(row) = row else { return Ok(None) };
-        let read = |source| DbError::Query {
-            op: "read workspace standing",
-            source,
-        };
-        let id: String = row.try_get("id").map_err(read)?;
-        let state: String = row.try_get("state").map_err(read)?;
-        let generation: i64 = row.try_get("generation").map_err(read)?;
-        Ok(Some(WorkspaceStanding {
-            id: parse_column(&id, "workspace id")?,
-            state: parse_column(&state, "workspace state")?,
-            generation: Generation(unsigned(generation, "generation")?),
-            lineage: row.try_get("lineage").map_err(read)?,
-        }))
-    }
-
-    /// Whether `key_id` is a key of the workspace (of its lineage, or of
-    /// its tenant for workspaces older than lineages).
-    pub async fn has_key(
-        &self,
-        tenant: &TenantId,
-        workspace: &WorkspaceStanding,
-        key_id: &str,
-    ) -> Result<bool, DbError> {
-        let query = match &workspace.lineage {
-            Some(lineage) => sqlx::query_scalar(
-                "SELECT COUNT(*) FROM lineage_keys WHERE lineage = $1 AND key_id = $2",
-            )
-            .bind(lineage.as_str()),
-            None => sqlx::query_scalar(
-                "SELECT COUNT(*) FROM tenant_keys WHERE tenant = $1 AND key_id = $2",
-            )
-            .bind(tenant.as_str()),
-        };
-        let found: i64 = query
-            .bind(key_id)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(query_error("workspace key"))?;
-        Ok(found > 0)
     }
 
     /// A workspace of `tenant` by id or name, with its newest checkpoint.

@@ -171,33 +171,35 @@ impl CheckpointApi {
         commit: CommitCheckpoint,
     ) -> Result<Checkpoint, ServiceError> {
         check_commit_limits(&self.shared.limits, &commit)?;
-        let workspace = self
-            .shared
-            .db
-            .workspace_standing(&principal.tenant, &commit.workspace)
+        let db = &self.shared.db;
+        let tenant = &principal.tenant;
+        let preflight = db
+            .commit_preflight(
+                tenant,
+                &commit.workspace,
+                &commit.key_id,
+                commit.parent.as_ref(),
+                commit.request_id.as_ref(),
+            )
             .await?
             .ok_or_else(|| {
                 ServiceError::NotFound(format!("workspace {} does not exist", commit.workspace))
             })?;
         principal
-            .authorize(Action::WriteCheckpoints(&workspace.id))
+            .authorize(Action::WriteCheckpoints(&preflight.workspace_id))
             .map_err(ServiceError::Denied)?;
-        let db = &self.shared.db;
-        let tenant = &principal.tenant;
         // A retry of a commit that went through (its answer was cut off)
         // gets that checkpoint, even if the workspace moved on since.
-        if let Some(request) = &commit.request_id
-            && let Some(made) = db
-                .checkpoint_by_request(tenant, &workspace.id, request)
-                .await?
+        if let Some(earlier) = &preflight.earlier
+            && let Some(made) = db.checkpoint(tenant, earlier).await?
         {
-            tracing::info!(checkpoint = %made.id, request = %request, "commit retried; answered with its checkpoint");
+            tracing::info!(checkpoint = %made.id, request = ?commit.request_id, "commit retried; answered with its checkpoint");
             return Ok(made);
         }
-        if workspace.state != WorkspaceState::Active {
+        if preflight.state != WorkspaceState::Active {
             return Err(DbError::WorkspaceNotActive {
-                id: workspace.id,
-                state: workspace.state,
+                id: preflight.workspace_id,
+                state: preflight.state,
             }
             .into());
         }
@@ -206,30 +208,26 @@ impl CheckpointApi {
         {
             return Err(attempt_stale(principal, commit.generation, own));
         }
-        if commit.generation != workspace.generation {
+        if commit.generation != preflight.generation {
             return Err(DbError::GenerationMismatch {
                 given: commit.generation,
-                current: workspace.generation,
+                current: preflight.generation,
             }
             .into());
         }
-        if !db.has_key(tenant, &workspace, &commit.key_id).await? {
+        let workspace = preflight.workspace_id;
+        if !preflight.key_known {
             return Err(ServiceError::InvalidArgument(format!(
-                "key_id {:?} is not a key of workspace {}",
-                commit.key_id, workspace.id
+                "key_id {:?} is not a key of workspace {workspace}",
+                commit.key_id
             )));
         }
-        if let Some(parent) = &commit.parent {
-            let of_workspace = db
-                .checkpoint(tenant, parent)
-                .await?
-                .is_some_and(|p| p.workspace_id == workspace.id);
-            if !of_workspace {
-                return Err(ServiceError::FailedPrecondition(format!(
-                    "parent checkpoint {parent} is not a checkpoint of workspace {}",
-                    workspace.id
-                )));
-            }
+        if let Some(parent) = &commit.parent
+            && !preflight.parent_known
+        {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "parent checkpoint {parent} is not a checkpoint of workspace {workspace}"
+            )));
         }
 
         let mut new_sizes: HashMap<&PackId, u64> = HashMap::new();
@@ -253,7 +251,7 @@ impl CheckpointApi {
             .filter(|id| !new_sizes.contains_key(id))
             .cloned()
             .collect();
-        let known = db.workspace_packs(tenant, &workspace.id, &old).await?;
+        let known = db.workspace_packs(tenant, &workspace, &old).await?;
         let mut expected = Vec::with_capacity(referenced.len());
         for id in &referenced {
             let size = match new_sizes.get(id) {
@@ -267,7 +265,7 @@ impl CheckpointApi {
                             },
                             message: format!(
                                 "pack {id} is not a pack of workspace {}; send it as a new pack",
-                                workspace.id
+                                workspace
                             ),
                         });
                     }
@@ -282,11 +280,7 @@ impl CheckpointApi {
             .any(|p| p.blob_ids.contains(&commit.root_tree));
         if !root_in_new {
             let recorded = db
-                .find_blobs(
-                    tenant,
-                    &workspace.id,
-                    std::slice::from_ref(&commit.root_tree),
-                )
+                .find_blobs(tenant, &workspace, std::slice::from_ref(&commit.root_tree))
                 .await?;
             let reachable = recorded
                 .get(&commit.root_tree)
@@ -310,7 +304,7 @@ impl CheckpointApi {
             .commit_checkpoint(
                 tenant,
                 NewCheckpoint {
-                    workspace_id: workspace.id.clone(),
+                    workspace_id: workspace.clone(),
                     generation: commit.generation,
                     parent: commit.parent,
                     reason: commit.reason,
@@ -330,7 +324,7 @@ impl CheckpointApi {
             .await?;
         tracing::info!(
             checkpoint = %checkpoint.id,
-            workspace = %workspace.id,
+            workspace = %workspace,
             sequence = checkpoint.sequence,
             reason = %checkpoint.reason,
             packs = checkpoint.pack_count,
