@@ -13,7 +13,7 @@ use tonic::Code;
 use crate::harness::*;
 
 /// Moves a workspace to its next generation, as a new attempt of a run would.
-async fn bump_generation(data_dir: &Path, workspace: &str) {
+pub(crate) async fn bump_generation(data_dir: &Path, workspace: &str) {
     sqlx::any::install_default_drivers();
     let location = crate::harness::test_location(data_dir);
     let pool = sqlx::AnyPool::connect(&location.sqlx_url()).await.unwrap();

@@ -186,6 +186,7 @@ async fn a_commit_sent_twice_with_one_request_id_makes_one_checkpoint() {
     upload(&mut client, &ws.id, &[&meta]).await;
     let mut request = commit_request(&begun, &meta, &[&meta], &[&meta]);
     request.request_id = cairn_proto::ids::CommitRequestId::generate().to_string();
+    let first_request = request.clone();
     let first = commit(&mut client, request.clone()).await;
     let again = commit(&mut client, request.clone()).await;
     assert_eq!(again.id, first.id);
@@ -197,6 +198,19 @@ async fn a_commit_sent_twice_with_one_request_id_makes_one_checkpoint() {
     let second = commit(&mut client, other).await;
     assert_ne!(second.id, first.id);
     assert_eq!(second.sequence, 2);
+
+    // Even once the workspace moved to a newer generation, which would
+    // refuse a new commit of the old one.
+    crate::checkpoints::bump_generation(dir.path(), &ws.id).await;
+    let late = commit(&mut client, first_request.clone()).await;
+    assert_eq!(late.id, first.id);
+    let status = commit_err(&mut client, {
+        let mut fresh = first_request;
+        fresh.request_id = cairn_proto::ids::CommitRequestId::generate().to_string();
+        fresh
+    })
+    .await;
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
 
     let mut malformed = commit_request(&begun, &meta, &[&meta], &[&meta]);
     malformed.request_id = "../x".into();
