@@ -698,7 +698,7 @@ impl MetadataStore {
                     Ok(id) => self.token_cache.forget(&id),
                     Err(_) => {
                         tracing::warn!(payload = %id, "a revocation names no token; forgetting every token");
-                        self.token_cache.trust(true);
+                        self.token_cache.forget_all();
                     }
                 }
                 continue;

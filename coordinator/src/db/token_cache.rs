@@ -108,12 +108,23 @@ impl TokenCache {
             .retain(|_, (record, _)| record.id.as_ref() != Some(id));
     }
 
+    /// Forgets every token (a revocation came that names none clearly).
+    pub(crate) fn forget_all(&self) {
+        self.state().forget_all();
+    }
+
     /// Whether revocations reach this cache; forgets everything either way.
     pub(crate) fn trust(&self, trusted: bool) {
         let mut state = self.state();
-        state.epoch += 1;
+        state.forget_all();
         state.trusted = trusted;
-        state.kept.clear();
+    }
+}
+
+impl State {
+    fn forget_all(&mut self) {
+        self.epoch += 1;
+        self.kept.clear();
     }
 }
 
@@ -178,9 +189,20 @@ mod tests {
         let racing = cache.lookup(&[3; 32], now).unwrap_err();
         cache.forget(&revoked);
         assert!(cache.lookup(&[1; 32], now).is_err(), "forgotten");
-        assert_eq!(cache.lookup(&[2; 32], now), Ok(client), "others stay");
+        assert_eq!(
+            cache.lookup(&[2; 32], now),
+            Ok(client.clone()),
+            "others stay"
+        );
         cache.keep([1; 32], &host, racing, now);
         assert!(cache.lookup(&[1; 32], now).is_err(), "not brought back");
+
+        // A revocation naming no token clearly forgets them all.
+        let before = cache.lookup(&[3; 32], now).unwrap_err();
+        cache.forget_all();
+        assert!(cache.lookup(&[2; 32], now).is_err(), "all forgotten");
+        cache.keep([2; 32], &client, before, now);
+        assert!(cache.lookup(&[2; 32], now).is_err(), "not brought back");
     }
 
     #[test]
