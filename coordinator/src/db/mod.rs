@@ -377,6 +377,20 @@ struct RunChannel {
     name: String,
 }
 
+impl RunChannel {
+    /// Sends `payload` to every replica's listener when `conn`'s
+    /// transaction commits.
+    async fn announce(&self, conn: &mut AnyConnection, payload: &str) -> Result<(), sqlx::Error> {
+        // pg_notify returns void, which the Any driver cannot read.
+        sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
+            .bind(&self.name)
+            .bind(payload)
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+}
+
 /// What starts a notification that a token was revoked (run ids never do).
 const REVOKED_TOKEN_PREFIX: &str = "revoked-token:";
 
@@ -617,11 +631,8 @@ impl MetadataStore {
         if let Some(channel) = &self.run_channel {
             let ids: Vec<&str> = changed_runs.iter().map(RunId::as_str).collect();
             for chunk in ids.chunks(RUNS_PER_NOTIFICATION) {
-                // pg_notify returns void, which the Any driver cannot read.
-                sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
-                    .bind(&channel.name)
-                    .bind(chunk.join(","))
-                    .execute(&mut *tx)
+                channel
+                    .announce(&mut tx, &chunk.join(","))
                     .await
                     .map_err(query_error("announce run changes"))?;
             }

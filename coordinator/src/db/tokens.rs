@@ -324,10 +324,8 @@ impl MetadataStore {
         let info = info_from_row(&row)?;
         if let Some(channel) = &self.run_channel {
             // Other replicas forget it when this commits.
-            sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
-                .bind(&channel.name)
-                .bind(format!("{}{id}", super::REVOKED_TOKEN_PREFIX))
-                .execute(tx.conn())
+            channel
+                .announce(tx.conn(), &format!("{}{id}", super::REVOKED_TOKEN_PREFIX))
                 .await
                 .map_err(query_error("announce a revocation"))?;
         }
