@@ -142,7 +142,7 @@ pub(crate) struct Cluster {
     pub replicas: Vec<Replica>,
     keep_data: bool,
     /// The `--database-schema` the replicas were given, if any.
-    pub schema: Option<String>,
+    schema: Option<String>,
     /// The database, and whether the harness made the schema (and so
     /// drops it at the end).
     database: Option<String>,
@@ -237,10 +237,8 @@ impl Cluster {
     }
 
     /// Stops every coordinator (SIGTERM, then SIGKILL after a bounded
-    /// wait) and says how each ended; removes the data directories unless
-    /// they are kept.
-    /// Stops every replica, then drops the schema the harness made
-    /// (unless asked to keep the data).
+    /// wait) and says how each ended; removes the data directories and
+    /// drops the schema the harness made unless they are kept.
     pub async fn stop(mut self) -> (Vec<ReplicaReport>, Option<SchemaReport>) {
         let mut reports = Vec::with_capacity(self.replicas.len());
         for replica in &mut self.replicas {
