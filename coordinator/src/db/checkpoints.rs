@@ -38,6 +38,18 @@ pub struct CommitPreflight {
     pub parent_known: bool,
 }
 
+/// The packs a commit references that it did not upload, as the
+/// workspace has them ([`MetadataStore::commit_packs`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitPacks {
+    /// The referenced packs the workspace may reference, by id; others are
+    /// left out, as unknown ids are.
+    pub known: HashMap<PackId, Pack>,
+    /// Whether one of the known packs holds the commit's root tree (and
+    /// is neither lost nor superseded, so a restore could read it there).
+    pub root_held: bool,
+}
+
 const CHECKPOINT_COLUMNS: &str = "c.id, c.workspace_id, c.sequence, c.parent_id, c.reason, c.generation,
      c.format_version, c.root_tree, c.key_id, c.stats, c.details, c.pack_count, c.stored_bytes, c.created_at";
 
@@ -508,6 +520,56 @@ impl MetadataStore {
             for row in &rows {
                 let pack = pack_from_row(row)?;
                 packs.insert(pack.id.clone(), pack);
+            }
+        }
+        Ok(packs)
+    }
+
+    /// What a commit needs to know of the packs it references without
+    /// uploading them, in one statement per chunk: which of `ids` the
+    /// workspace may reference (see [`Self::workspace_packs`]), and whether
+    /// one of those holds `root`.
+    pub async fn commit_packs(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        ids: &[PackId],
+        root: &BlobId,
+    ) -> Result<CommitPacks, DbError> {
+        let mut packs = CommitPacks::default();
+        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new(
+                "SELECT p.id, p.kind, p.size, p.index_offset, p.index_length,
+                   CAST(CASE WHEN p.lost_at IS NULL AND p.superseded_at IS NULL AND EXISTS (
+                     SELECT 1 FROM blobs b WHERE b.tenant = p.tenant AND b.pack_id = p.id AND b.blob_id = ",
+            );
+            query
+                .push_bind(root.as_bytes().as_slice())
+                .push(
+                    ") THEN 1 ELSE 0 END AS BIGINT) AS holds_root
+                     FROM packs p
+                     JOIN workspace_packs wp ON wp.tenant = p.tenant AND wp.pack_id = p.id
+                     WHERE wp.workspace_id = ",
+                )
+                .push_bind(workspace.as_str())
+                .push(" AND p.tenant = ")
+                .push_bind(tenant.as_str())
+                .push(" AND p.id IN");
+            push_in_list(&mut query, chunk, PackId::as_str);
+            let rows = query
+                .build()
+                .fetch_all(&self.pool)
+                .await
+                .map_err(query_error("commit packs"))?;
+            for row in &rows {
+                let pack = pack_from_row(row)?;
+                let holds_root: i64 =
+                    row.try_get("holds_root").map_err(|source| DbError::Query {
+                        op: "read commit packs",
+                        source,
+                    })?;
+                packs.root_held |= holds_root != 0;
+                packs.known.insert(pack.id.clone(), pack);
             }
         }
         Ok(packs)

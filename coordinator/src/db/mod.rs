@@ -54,7 +54,7 @@ mod token_cache;
 mod tokens;
 mod workspaces;
 
-pub use checkpoints::CommitPreflight;
+pub use checkpoints::{CommitPacks, CommitPreflight};
 pub use compaction::Compacted;
 pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
 pub use hosts::{

@@ -203,6 +203,60 @@ async fn a_commit_preflight_finds_the_parent_and_an_earlier_commit_of_the_reques
 }
 
 #[tokio::test]
+async fn commit_packs_know_the_workspace_packs_and_which_of_them_hold_the_root() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let other = db.create_workspace(&tenant, None).await.unwrap();
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(
+            &ws,
+            vec![new_pack(1, &[1, 2]), new_pack(2, &[3])],
+            vec![pack_id(1), pack_id(2)],
+        ),
+    )
+    .await
+    .unwrap();
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(&other, vec![new_pack(3, &[4])], vec![pack_id(3)]),
+    )
+    .await
+    .unwrap();
+    let blob = |n| BlobId([n; 32]);
+
+    let both = db
+        .commit_packs(&tenant, &ws.id, &[pack_id(1), pack_id(2)], &blob(2))
+        .await
+        .unwrap();
+    assert_eq!(both.known.len(), 2);
+    assert_eq!(both.known[&pack_id(2)].size, 102);
+    assert!(both.root_held);
+    // The root is in a pack of the workspace's, but not in one referenced.
+    let elsewhere = db
+        .commit_packs(&tenant, &ws.id, &[pack_id(2)], &blob(1))
+        .await
+        .unwrap();
+    assert!(!elsewhere.root_held);
+    // Another workspace's pack is unknown here, root or not.
+    let foreign = db
+        .commit_packs(&tenant, &ws.id, &[pack_id(3)], &blob(4))
+        .await
+        .unwrap();
+    assert!(foreign.known.is_empty());
+    assert!(!foreign.root_held);
+    // A lost pack is still known (the commit is refused for it later), but
+    // a restore could not read the root there.
+    db.mark_packs_lost(&tenant, &[pack_id(1)]).await.unwrap();
+    let lost = db
+        .commit_packs(&tenant, &ws.id, &[pack_id(1)], &blob(1))
+        .await
+        .unwrap();
+    assert!(lost.known.contains_key(&pack_id(1)));
+    assert!(!lost.root_held);
+}
+
+#[tokio::test]
 async fn a_workspace_sees_only_its_own_packs_and_those_it_was_forked_from() {
     let (_dir, db, tenant) = open().await;
     let a = db.create_workspace(&tenant, None).await.unwrap();

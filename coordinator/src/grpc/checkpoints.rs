@@ -251,12 +251,14 @@ impl CheckpointApi {
             .filter(|id| !new_sizes.contains_key(id))
             .cloned()
             .collect();
-        let known = db.workspace_packs(tenant, &workspace, &old).await?;
+        let packs = db
+            .commit_packs(tenant, &workspace, &old, &commit.root_tree)
+            .await?;
         let mut expected = Vec::with_capacity(referenced.len());
         for id in &referenced {
             let size = match new_sizes.get(id) {
                 Some(size) => *size,
-                None => match known.get(id) {
+                None => match packs.known.get(id) {
                     Some(pack) => pack.size,
                     None => {
                         return Err(ServiceError::Refused {
@@ -278,19 +280,11 @@ impl CheckpointApi {
             .new_packs
             .iter()
             .any(|p| p.blob_ids.contains(&commit.root_tree));
-        if !root_in_new {
-            let recorded = db
-                .find_blobs(tenant, &workspace, std::slice::from_ref(&commit.root_tree))
-                .await?;
-            let reachable = recorded
-                .get(&commit.root_tree)
-                .is_some_and(|pack| seen.contains(pack));
-            if !reachable {
-                return Err(ServiceError::FailedPrecondition(format!(
-                    "root tree {} is in none of the referenced packs",
-                    commit.root_tree
-                )));
-            }
+        if !root_in_new && !packs.root_held {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "root tree {} is in none of the referenced packs",
+                commit.root_tree
+            )));
         }
 
         let stored_bytes = self.check_packs_in_store(principal, &expected).await?;

@@ -177,6 +177,26 @@ async fn the_checkpoint_protocol_round_trips() {
         .unwrap();
     assert_eq!(fetched.as_ref(), data.sink.as_slice());
     assert!(manifest.urls_expire_at.is_some());
+
+    // Nothing changed since: a checkpoint of packs the workspace has,
+    // rooted in one of them, uploads nothing.
+    let third_begin = begin(&mut client, &ws.id).await;
+    let unchanged = commit(
+        &mut client,
+        commit_request(&third_begin, &meta2, &[], &[&meta2, &data]),
+    )
+    .await;
+    assert_eq!(unchanged.sequence, 3);
+    assert_eq!(unchanged.root_tree, second.root_tree);
+    // Rooted in a pack of the workspace's that it does not reference: a
+    // restore of it would not find its tree.
+    let status = commit_err(
+        &mut client,
+        commit_request(&third_begin, &meta, &[], &[&meta2, &data]),
+    )
+    .await;
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+    assert!(status.message().contains("root tree"), "{status}");
 }
 
 #[tokio::test]
