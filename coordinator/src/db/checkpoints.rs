@@ -17,7 +17,7 @@ use sqlx::{Any, AnyConnection, Row};
 use super::gc::{deletions_pending_in, recheck_packs_in};
 use super::group_commit::{begin_savepoint, end_savepoint, fail_all, fail_batch};
 use super::{
-    Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
+    Backend, Checkpoint, DbError, MetadataStore, NewCheckpoint, Pack, ROWS_PER_STATEMENT, WriteTx,
     from_millis, millis, parse_column, query_error, signed, unsigned,
 };
 
@@ -675,7 +675,7 @@ impl MetadataStore {
             if !alone && let Err(e) = begin_savepoint(&mut tx).await {
                 return fail_batch(recorded, total, &e);
             }
-            let outcome = record_checkpoint(&mut tx, &tenant, new, now).await;
+            let outcome = record_checkpoint(&mut tx, self.backend, &tenant, new, now).await;
             let keep = matches!(outcome, Ok(Recorded::New(_)));
             let ended = if alone {
                 Ok(())
@@ -743,6 +743,7 @@ enum Recorded {
 /// [`MetadataStore::commit_checkpoint`]).
 async fn record_checkpoint(
     conn: &mut AnyConnection,
+    backend: Backend,
     tenant: &TenantId,
     new: NewCheckpoint,
     now: SystemTime,
@@ -751,7 +752,7 @@ async fn record_checkpoint(
     // Writing first takes SQLite's write lock (PostgreSQL: the workspace
     // row's) before anything is read, so commits of one workspace
     // serialize and number their checkpoints in order.
-    let row = sqlx::query(
+    let advanced = sqlx::query(
         "UPDATE workspaces SET last_sequence = last_sequence + 1, updated_at = $1
              WHERE id = $2 AND tenant = $3
              RETURNING last_sequence, generation, state",
@@ -763,25 +764,70 @@ async fn record_checkpoint(
     .await
     .map_err(query_error("advance workspace sequence"))?
     .ok_or_else(|| DbError::WorkspaceNotFound(new.workspace_id.to_string()))?;
+    // The same request committed already (its answer was cut off): that
+    // checkpoint is the answer, whatever happened since. SQLite looks
+    // first. PostgreSQL saves the round trip: the statement that writes
+    // the checkpoint looks (it starts after this one waited for the
+    // workspace row, so it sees a duplicate committed meanwhile), and a
+    // refusal decided before it looks then.
+    let looked_up_last = backend == Backend::Postgres;
+    if !looked_up_last
+        && let Some(made) = earlier_commit(conn, &new.workspace_id, new.request_id.as_ref()).await?
+    {
+        return Ok(Recorded::Earlier(made));
+    }
+    let workspace = new.workspace_id.clone();
+    let request = new.request_id.clone();
+    match record_advanced(conn, backend, tenant, new, &advanced, now_ms).await {
+        Err(
+            refusal @ (DbError::WorkspaceNotActive { .. }
+            | DbError::GenerationMismatch { .. }
+            | DbError::ForeignPack { .. }
+            | DbError::PacksMissing { .. }),
+        ) if looked_up_last => match earlier_commit(conn, &workspace, request.as_ref()).await? {
+            Some(made) => Ok(Recorded::Earlier(made)),
+            None => Err(refusal),
+        },
+        outcome => outcome,
+    }
+}
+
+/// The checkpoint an earlier commit of `request` to `workspace` made.
+async fn earlier_commit(
+    conn: &mut AnyConnection,
+    workspace: &WorkspaceId,
+    request: Option<&CommitRequestId>,
+) -> Result<Option<CheckpointId>, DbError> {
+    let Some(request) = request else {
+        return Ok(None);
+    };
+    let made: Option<String> = sqlx::query_scalar(
+        "SELECT id FROM checkpoints WHERE workspace_id = $1 AND request_id = $2",
+    )
+    .bind(workspace.as_str())
+    .bind(request.as_str())
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(query_error("find commit request"))?;
+    made.map(|id| parse_column(&id, "checkpoint id"))
+        .transpose()
+}
+
+/// The rest of [`record_checkpoint`], once the workspace's sequence was
+/// advanced (`advanced` is the row that returned).
+async fn record_advanced(
+    conn: &mut AnyConnection,
+    backend: Backend,
+    tenant: &TenantId,
+    new: NewCheckpoint,
+    advanced: &AnyRow,
+    now_ms: i64,
+) -> Result<Recorded, DbError> {
+    let row = advanced;
     let read = |source| DbError::Query {
         op: "advance workspace sequence",
         source,
     };
-    // The same request committed already (its answer was cut off):
-    // that checkpoint is the answer, whatever happened since.
-    if let Some(request) = &new.request_id {
-        let made: Option<String> = sqlx::query_scalar(
-            "SELECT id FROM checkpoints WHERE workspace_id = $1 AND request_id = $2",
-        )
-        .bind(new.workspace_id.as_str())
-        .bind(request.as_str())
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(query_error("find commit request"))?;
-        if let Some(made) = made {
-            return Ok(Recorded::Earlier(parse_column(&made, "checkpoint id")?));
-        }
-    }
     let sequence: u64 = unsigned(row.try_get("last_sequence").map_err(read)?, "sequence")?;
     let current = Generation(unsigned(
         row.try_get("generation").map_err(read)?,
@@ -870,63 +916,83 @@ async fn record_checkpoint(
     let details = encode_details(&new.repos, &new.warnings, &new.harness);
     let pack_count = u32::try_from(new.referenced_packs.len())
         .map_err(|_| DbError::Corrupt("a checkpoint references more than 2^32 packs".into()))?;
-    sqlx::query(
-            "INSERT INTO checkpoints (id, workspace_id, sequence, parent_id, reason, generation, format_version,
-                                      root_tree, key_id, stats, details, pack_count, stored_bytes, created_at,
-                                      request_id)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
-        )
-        .bind(id.as_str())
-        .bind(new.workspace_id.as_str())
-        .bind(signed(sequence, "sequence")?)
-        .bind(new.parent.as_ref().map(CheckpointId::as_str))
-        .bind(new.reason.as_str())
-        .bind(signed(current.0, "generation")?)
-        .bind(i64::from(new.format_version))
-        .bind(new.root_tree.as_bytes().as_slice())
-        .bind(new.key_id.as_str())
-        .bind(stats)
-        .bind(details)
-        .bind(i64::from(pack_count))
-        .bind(signed(new.stored_bytes, "stored bytes")?)
-        .bind(now_ms)
-        .bind(new.request_id.as_ref().map(CommitRequestId::as_str))
-        .execute(&mut *conn)
-        .await
-        .map_err(query_error("insert checkpoint"))?;
-
-    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            SqlBuilder::new("INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ");
-        query.push_values(chunk, |mut row, pack| {
-            row.push_bind(id.as_str())
-                .push_bind(tenant.as_str())
-                .push_bind(pack.as_str());
-        });
-        query
-            .build()
-            .execute(&mut *conn)
-            .await
-            .map_err(query_error("insert checkpoint packs"))?;
-    }
-
-    // Every pack the checkpoint references is the workspace's from now
-    // on: it may dedup against it, reference it again, fetch it.
-    for chunk in new.referenced_packs.chunks(ROWS_PER_STATEMENT) {
-        let mut query =
-            SqlBuilder::new("INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ");
-        query.push_values(chunk, |mut row, pack| {
-            row.push_bind(new.workspace_id.as_str())
-                .push_bind(tenant.as_str())
-                .push_bind(pack.as_str());
-        });
-        query.push(" ON CONFLICT (workspace_id, pack_id) DO NOTHING");
-        query
-            .build()
-            .execute(&mut *conn)
-            .await
-            .map_err(query_error("insert workspace packs"))?;
-    }
+    let values = CheckpointValues {
+        id: &id,
+        new: &new,
+        sequence: signed(sequence, "sequence")?,
+        generation: signed(current.0, "generation")?,
+        stats: &stats,
+        details: &details,
+        pack_count,
+        stored_bytes: signed(new.stored_bytes, "stored bytes")?,
+        now_ms,
+    };
+    let packs_left = match backend {
+        Backend::Sqlite => {
+            let mut insert = SqlBuilder::new(format!(
+                "INSERT INTO checkpoints ({CHECKPOINT_INSERT_COLUMNS}) VALUES ("
+            ));
+            values.push(&mut insert);
+            insert
+                .push(")")
+                .build()
+                .execute(&mut *conn)
+                .await
+                .map_err(query_error("insert checkpoint"))?;
+            &new.referenced_packs[..]
+        }
+        // One statement writes the checkpoint, its pack list and the
+        // workspace's scope (up to a chunk of packs), unless the request
+        // was committed before.
+        Backend::Postgres => {
+            let (first, rest) = new
+                .referenced_packs
+                .split_at(new.referenced_packs.len().min(ROWS_PER_STATEMENT));
+            let mut insert = SqlBuilder::new(
+                "WITH earlier AS (SELECT id FROM checkpoints WHERE workspace_id = ",
+            );
+            insert
+                .push_bind(new.workspace_id.as_str())
+                .push(" AND request_id = ")
+                .push_bind(new.request_id.as_ref().map(CommitRequestId::as_str))
+                .push(format!(
+                    "), made AS (INSERT INTO checkpoints ({CHECKPOINT_INSERT_COLUMNS}) SELECT "
+                ));
+            values.push(&mut insert);
+            insert.push(" WHERE NOT EXISTS (SELECT 1 FROM earlier) RETURNING id, workspace_id)");
+            if !first.is_empty() {
+                insert.push(", referenced (pack_id) AS (");
+                insert.push_values(first, |mut row, pack| {
+                    row.push_bind(pack.as_str());
+                });
+                insert
+                    .push("), listed AS (INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id)
+                       SELECT made.id, ")
+                    .push_bind(tenant.as_str())
+                    .push(
+                        ", r.pack_id FROM made, referenced r),
+                       scoped AS (INSERT INTO workspace_packs (workspace_id, tenant, pack_id)
+                       SELECT made.workspace_id, ",
+                    )
+                    .push_bind(tenant.as_str())
+                    .push(
+                        ", r.pack_id FROM made, referenced r
+                       ON CONFLICT (workspace_id, pack_id) DO NOTHING)",
+                    );
+            }
+            insert.push(" SELECT id FROM earlier");
+            let earlier: Option<String> = insert
+                .build_query_scalar()
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(query_error("insert checkpoint"))?;
+            if let Some(made) = earlier {
+                return Ok(Recorded::Earlier(parse_column(&made, "checkpoint id")?));
+            }
+            rest
+        }
+    };
+    insert_pack_lists(conn, tenant, &id, &new.workspace_id, packs_left).await?;
 
     Ok(Recorded::New(Checkpoint {
         id,
@@ -946,4 +1012,85 @@ async fn record_checkpoint(
         pack_count,
         stored_bytes: new.stored_bytes,
     }))
+}
+
+/// The columns [`CheckpointValues::push`] gives values for, in order.
+const CHECKPOINT_INSERT_COLUMNS: &str = "id, workspace_id, sequence, parent_id, reason, generation, \
+     format_version, root_tree, key_id, stats, details, pack_count, stored_bytes, created_at, request_id";
+
+/// A new checkpoint's row, as bound parameters.
+struct CheckpointValues<'a> {
+    id: &'a CheckpointId,
+    new: &'a NewCheckpoint,
+    sequence: i64,
+    generation: i64,
+    stats: &'a [u8],
+    details: &'a [u8],
+    pack_count: u32,
+    stored_bytes: i64,
+    now_ms: i64,
+}
+
+impl<'a> CheckpointValues<'a> {
+    /// Appends the values of [`CHECKPOINT_INSERT_COLUMNS`], comma-separated.
+    fn push(&self, query: &mut SqlBuilder<'a>) {
+        let new = self.new;
+        let mut row = query.separated(", ");
+        row.push_bind(self.id.as_str())
+            .push_bind(new.workspace_id.as_str())
+            .push_bind(self.sequence)
+            .push_bind(new.parent.as_ref().map(CheckpointId::as_str))
+            .push_bind(new.reason.as_str())
+            .push_bind(self.generation)
+            .push_bind(i64::from(new.format_version))
+            .push_bind(new.root_tree.as_bytes().as_slice())
+            .push_bind(new.key_id.as_str())
+            .push_bind(self.stats)
+            .push_bind(self.details)
+            .push_bind(i64::from(self.pack_count))
+            .push_bind(self.stored_bytes)
+            .push_bind(self.now_ms)
+            .push_bind(new.request_id.as_ref().map(CommitRequestId::as_str));
+    }
+}
+
+/// Lists `packs` as checkpoint `id`'s and puts them in `workspace`'s scope:
+/// it may dedup against them, reference them again, fetch them.
+async fn insert_pack_lists(
+    conn: &mut AnyConnection,
+    tenant: &TenantId,
+    id: &CheckpointId,
+    workspace: &WorkspaceId,
+    packs: &[PackId],
+) -> Result<(), DbError> {
+    for chunk in packs.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            SqlBuilder::new("INSERT INTO checkpoint_packs (checkpoint_id, tenant, pack_id) ");
+        query.push_values(chunk, |mut row, pack| {
+            row.push_bind(id.as_str())
+                .push_bind(tenant.as_str())
+                .push_bind(pack.as_str());
+        });
+        query
+            .build()
+            .execute(&mut *conn)
+            .await
+            .map_err(query_error("insert checkpoint packs"))?;
+    }
+    for chunk in packs.chunks(ROWS_PER_STATEMENT) {
+        let mut query =
+            SqlBuilder::new("INSERT INTO workspace_packs (workspace_id, tenant, pack_id) ");
+        query.push_values(chunk, |mut row, pack| {
+            row.push_bind(workspace.as_str())
+                .push_bind(tenant.as_str())
+                .push_bind(pack.as_str());
+        });
+        query.push(" ON CONFLICT (workspace_id, pack_id) DO NOTHING");
+        query
+            .build()
+            .execute(&mut *conn)
+            .await
+            .map_err(query_error("insert workspace packs"))?;
+    }
+    Ok(())
 }

@@ -203,6 +203,48 @@ async fn a_commit_preflight_finds_the_parent_and_an_earlier_commit_of_the_reques
 }
 
 #[tokio::test]
+async fn a_committed_request_sent_again_gets_its_checkpoint_whatever_would_refuse_it_now() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    let request = CommitRequestId::generate();
+    let mut first = commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]);
+    first.request_id = Some(request.clone());
+    let first = db.commit_checkpoint(&tenant, first).await.unwrap();
+
+    // Sent again with what is refused now (a generation the workspace
+    // left, a pack it does not have): the answer is the checkpoint made.
+    let mut stale = commit_of(&ws, Vec::new(), vec![pack_id(1)]);
+    stale.generation = Generation(0);
+    stale.request_id = Some(request.clone());
+    let mut missing = commit_of(&ws, Vec::new(), vec![pack_id(1), pack_id(9)]);
+    missing.request_id = Some(request.clone());
+    let mut again = commit_of(&ws, Vec::new(), vec![pack_id(1)]);
+    again.request_id = Some(request);
+    for retry in [stale, missing, again] {
+        let answer = db.commit_checkpoint(&tenant, retry).await.unwrap();
+        assert_eq!(answer.id, first.id);
+        assert_eq!(answer.sequence, 1);
+    }
+    // Without the request, the same commits are refused; nothing was
+    // recorded by the retries, sequence counter included.
+    let mut stale = commit_of(&ws, Vec::new(), vec![pack_id(1)]);
+    stale.generation = Generation(0);
+    assert!(matches!(
+        db.commit_checkpoint(&tenant, stale).await,
+        Err(DbError::GenerationMismatch { .. })
+    ));
+    let next = db
+        .commit_checkpoint(&tenant, commit_of(&ws, Vec::new(), vec![pack_id(1)]))
+        .await
+        .unwrap();
+    assert_eq!(next.sequence, 2);
+    assert_eq!(
+        db.list_checkpoints(&ws.id, None, 10).await.unwrap().len(),
+        2
+    );
+}
+
+#[tokio::test]
 async fn commit_packs_know_the_workspace_packs_and_which_of_them_hold_the_root() {
     let (_dir, db, tenant) = open().await;
     let ws = db.create_workspace(&tenant, None).await.unwrap();
