@@ -812,22 +812,40 @@ struct Preloaded {
 impl Preloaded {
     async fn read(conn: &mut AnyConnection, batch: &[Heartbeat]) -> Result<Self, DbError> {
         let ids: Vec<&HostId> = batch.iter().map(|h| &h.host_id).collect();
-        let select = format!("SELECT {HOST_COLUMNS} FROM hosts WHERE id IN");
+        // The hosts and the attempts on them in one statement: a row per
+        // attempt, or one for a host without any.
+        let host_columns: Vec<String> = HOST_COLUMNS
+            .split(',')
+            .map(|column| format!("h.{}", column.trim()))
+            .collect();
+        let select = format!(
+            "SELECT {}, {} FROM hosts h
+             LEFT JOIN attempts a ON a.host_id = h.id AND a.sandbox_gone_at IS NULL
+             LEFT JOIN runs r ON r.id = a.run_id WHERE h.id IN",
+            host_columns.join(", "),
+            attempt_columns(),
+        );
         let rows = fetch_all_in(conn, &select, &ids, |id| id.as_str(), "hosts").await?;
-        let mut hosts = HashMap::with_capacity(rows.len());
+        let mut hosts: HashMap<HostId, Host> = HashMap::with_capacity(ids.len());
+        let mut known = KnownAttempts::default();
         for row in &rows {
-            let host = host_from_row(row)?;
-            hosts.insert(host.id.clone(), host);
+            let read = |source| DbError::Query {
+                op: "read host",
+                source,
+            };
+            let id: String = row.try_get("id").map_err(read)?;
+            if !hosts.contains_key(&parse_column::<HostId>(&id, "host id")?) {
+                let host = host_from_row(row)?;
+                hosts.insert(host.id.clone(), host);
+            }
+            let run: Option<String> = row.try_get("run_id").map_err(read)?;
+            if run.is_some() {
+                known.keep(row)?;
+            }
         }
         let reports: Vec<&ReportedSandbox> = batch.iter().flat_map(|h| &h.reports).collect();
-        let known = KnownAttempts::read(conn, &ids, &reports).await?;
-        let unstarted: Vec<&RunId> = known
-            .by_sandbox
-            .values()
-            .filter(|(_, a)| a.sandbox_state.is_none() && a.state == AttemptState::Assigned)
-            .map(|(run, _)| run)
-            .collect();
-        let runs_to_start = runs_to_start(conn, &unstarted).await?;
+        known.read_reported(conn, &reports).await?;
+        let runs_to_start = std::mem::take(&mut known.runs);
         Ok(Self {
             hosts,
             known,
@@ -1063,9 +1081,26 @@ async fn current_attempt(
 }
 
 /// The attempts heartbeats concern: those on their hosts whose sandbox is
-/// not gone, and those of the sandboxes they report, by sandbox.
+/// not gone, and those of the sandboxes they report, by sandbox; with the
+/// workspace and image of their runs, read in the same statements, for
+/// those a host has yet to start.
+#[derive(Default)]
 struct KnownAttempts {
     by_sandbox: HashMap<String, (RunId, Attempt)>,
+    runs: HashMap<RunId, (WorkspaceId, String)>,
+}
+
+/// The columns [`KnownAttempts::keep`] reads: the attempt's (`a`) and its
+/// run's (`r`) workspace and image.
+fn attempt_columns() -> String {
+    let attempt: Vec<String> = ATTEMPT_COLUMNS
+        .split(',')
+        .map(|column| format!("a.{}", column.trim()))
+        .collect();
+    format!(
+        "{}, r.workspace_id AS run_workspace_id, r.image AS run_image",
+        attempt.join(", ")
+    )
 }
 
 impl KnownAttempts {
@@ -1074,28 +1109,57 @@ impl KnownAttempts {
         hosts: &[&HostId],
         reports: &[&ReportedSandbox],
     ) -> Result<Self, DbError> {
-        let mut by_sandbox = HashMap::new();
-        let keep = |by_sandbox: &mut HashMap<_, _>, rows: Vec<AnyRow>| -> Result<(), DbError> {
-            for row in &rows {
-                let (run, attempt) = attempt_from_row(row)?;
-                by_sandbox.insert(attempt.sandbox_id.clone(), (run, attempt));
-            }
-            Ok(())
-        };
+        let mut known = Self::default();
         let select = format!(
-            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_gone_at IS NULL AND host_id IN"
+            "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id
+             WHERE a.sandbox_gone_at IS NULL AND a.host_id IN",
+            attempt_columns()
         );
-        let on_hosts = fetch_all_in(conn, &select, hosts, |id| id.as_str(), "attempts on host");
-        keep(&mut by_sandbox, on_hosts.await?)?;
+        for row in &fetch_all_in(conn, &select, hosts, |id| id.as_str(), "attempts on host").await?
+        {
+            known.keep(row)?;
+        }
+        known.read_reported(conn, reports).await?;
+        Ok(known)
+    }
+
+    /// Adds the attempts of `reports` not known yet.
+    async fn read_reported(
+        &mut self,
+        conn: &mut AnyConnection,
+        reports: &[&ReportedSandbox],
+    ) -> Result<(), DbError> {
         let elsewhere: Vec<&str> = reports
             .iter()
             .map(|r| r.sandbox_id.as_str())
-            .filter(|id| !by_sandbox.contains_key(*id))
+            .filter(|id| !self.by_sandbox.contains_key(*id))
             .collect();
-        let select = format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE sandbox_id IN");
-        let rows = fetch_all_in(conn, &select, &elsewhere, |id| *id, "reported sandboxes").await?;
-        keep(&mut by_sandbox, rows)?;
-        Ok(Self { by_sandbox })
+        let select = format!(
+            "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id WHERE a.sandbox_id IN",
+            attempt_columns()
+        );
+        for row in &fetch_all_in(conn, &select, &elsewhere, |id| *id, "reported sandboxes").await? {
+            self.keep(row)?;
+        }
+        Ok(())
+    }
+
+    /// Adds an attempt read with [`attempt_columns`].
+    fn keep(&mut self, row: &AnyRow) -> Result<(), DbError> {
+        let (run, attempt) = attempt_from_row(row)?;
+        let read = |source| DbError::Query {
+            op: "read attempt's run",
+            source,
+        };
+        let workspace: String = row.try_get("run_workspace_id").map_err(read)?;
+        let image: String = row.try_get("run_image").map_err(read)?;
+        self.runs.insert(
+            run.clone(),
+            (parse_column(&workspace, "workspace id")?, image),
+        );
+        self.by_sandbox
+            .insert(attempt.sandbox_id.clone(), (run, attempt));
+        Ok(())
     }
 
     /// The attempts on `host` whose sandbox was not gone, by run and number.
