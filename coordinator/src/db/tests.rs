@@ -1381,3 +1381,30 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
     let left = db.host(&tenant, started[1].0.as_str()).await.unwrap();
     assert_eq!(left, host_b, "the heartbeat left alone wrote nothing");
 }
+
+#[tokio::test]
+async fn every_text_column_on_postgresql_compares_bytes() {
+    let (_dir, db, _tenant) = open().await;
+    if db.backend != Backend::Postgres {
+        eprintln!(
+            "skipped here: a PostgreSQL schema's collations (CAIRN_TEST_DATABASE); scripts/test runs this on one"
+        );
+        return;
+    }
+    // A text column added later without COLLATE "C" would compare through
+    // strcoll again, and order ids differently from SQLite.
+    let linguistic: Vec<String> = sqlx::query_scalar(
+        "SELECT c.table_name || '.' || c.column_name
+         FROM information_schema.columns c
+         JOIN information_schema.tables t
+           ON t.table_schema = c.table_schema AND t.table_name = c.table_name
+         WHERE c.table_schema = current_schema() AND t.table_type = 'BASE TABLE'
+           AND c.data_type = 'text' AND c.table_name NOT LIKE '\\_sqlx%'
+           AND c.collation_name IS DISTINCT FROM 'C'
+         ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(linguistic.is_empty(), "{linguistic:?}");
+}
