@@ -266,10 +266,28 @@ pub(crate) async fn write_together<T: WriteRequest>(
             Err(e) => return vec![Err(e)],
         }
     } else {
-        let mut written_at_once = write_all_at_once(&mut tx, &batch)
-            .await
-            .unwrap_or_default()
-            .into_iter();
+        let mut written_at_once = Vec::new().into_iter();
+        if T::writes_all_at_once(&batch) {
+            match T::write_all(&batch, &mut tx).await {
+                Ok(answers) if answers.len() == total => written_at_once = answers.into_iter(),
+                outcome => {
+                    if let Err(e) = outcome {
+                        tracing::debug!(error = %e, requests = total, "a batch is written one by one");
+                    }
+                    // It was the transaction's first work: undoing the
+                    // transaction undoes it (cheaper than a savepoint
+                    // around every batch that succeeds).
+                    let restarted = match tx.rollback().await {
+                        Ok(()) => store.begin_write().await,
+                        Err(e) => Err(e),
+                    };
+                    tx = match restarted {
+                        Ok(tx) => tx,
+                        Err(e) => return fail_all(total, &e),
+                    };
+                }
+            }
+        }
         for request in batch {
             if let Some(Some(answer)) = written_at_once.next() {
                 results.push(Ok(answer));
@@ -294,36 +312,6 @@ pub(crate) async fn write_together<T: WriteRequest>(
     match store.commit(tx).await {
         Ok(()) => results,
         Err(e) => fail_batch(results, total, &e),
-    }
-}
-
-/// The answers of [`WriteRequest::write_all`], inside a savepoint: `None`
-/// when it cannot write this batch, or when it failed and its savepoint was undone.
-async fn write_all_at_once<T: WriteRequest>(
-    tx: &mut WriteTx,
-    batch: &[T],
-) -> Option<Vec<Option<T::Answer>>> {
-    if !T::writes_all_at_once(batch) {
-        return None;
-    }
-    begin_savepoint(tx.conn()).await.ok()?;
-    let announced = tx.changed_runs.clone();
-    let written = T::write_all(batch, tx).await;
-    match written {
-        Ok(answers) if answers.len() == batch.len() => {
-            end_savepoint(tx.conn(), true).await.ok()?;
-            Some(answers)
-        }
-        outcome => {
-            if let Err(e) = outcome {
-                tracing::debug!(error = %e, requests = batch.len(), "a batch is written one by one");
-            }
-            tx.changed_runs = announced;
-            // Should even this fail, the one-by-one writes fail on it too
-            // and say why.
-            let _ = end_savepoint(tx.conn(), false).await;
-            None
-        }
     }
 }
 

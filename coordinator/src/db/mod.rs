@@ -442,6 +442,15 @@ impl WriteTx {
     fn touch(&mut self, run: &RunId) {
         self.changed_runs.insert(run.clone());
     }
+
+    /// Undoes everything written in the transaction, announcing nothing,
+    /// then lets the next writer in.
+    async fn rollback(self) -> Result<(), DbError> {
+        let Self { tx, gate, .. } = self;
+        let rolled_back = tx.rollback().await.map_err(query_error("roll back"));
+        drop(gate);
+        rolled_back
+    }
 }
 
 fn millis(t: SystemTime) -> i64 {
