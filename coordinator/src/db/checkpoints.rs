@@ -499,30 +499,7 @@ impl MetadataStore {
         workspace: &WorkspaceId,
         ids: &[PackId],
     ) -> Result<HashMap<PackId, Pack>, DbError> {
-        let mut packs = HashMap::new();
-        for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new(
-                "SELECT p.id, p.kind, p.size, p.index_offset, p.index_length FROM packs p
-                 JOIN workspace_packs wp ON wp.tenant = p.tenant AND wp.pack_id = p.id
-                 WHERE wp.workspace_id = ",
-            );
-            query
-                .push_bind(workspace.as_str())
-                .push(" AND p.tenant = ")
-                .push_bind(tenant.as_str())
-                .push(" AND p.id IN");
-            push_in_list(&mut query, chunk, PackId::as_str);
-            let rows = query
-                .build()
-                .fetch_all(&self.pool)
-                .await
-                .map_err(query_error("workspace packs"))?;
-            for row in &rows {
-                let pack = pack_from_row(row)?;
-                packs.insert(pack.id.clone(), pack);
-            }
-        }
-        Ok(packs)
+        Ok(self.scoped_packs(tenant, workspace, ids, None).await?.known)
     }
 
     /// What a commit needs to know of the packs it references without
@@ -536,18 +513,35 @@ impl MetadataStore {
         ids: &[PackId],
         root: &BlobId,
     ) -> Result<CommitPacks, DbError> {
+        self.scoped_packs(tenant, workspace, ids, Some(root)).await
+    }
+
+    /// [`Self::workspace_packs`], and whether one of them holds `root`.
+    async fn scoped_packs(
+        &self,
+        tenant: &TenantId,
+        workspace: &WorkspaceId,
+        ids: &[PackId],
+        root: Option<&BlobId>,
+    ) -> Result<CommitPacks, DbError> {
         let mut packs = CommitPacks::default();
         for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new(
-                "SELECT p.id, p.kind, p.size, p.index_offset, p.index_length,
-                   CAST(CASE WHEN p.lost_at IS NULL AND p.superseded_at IS NULL AND EXISTS (
-                     SELECT 1 FROM blobs b WHERE b.tenant = p.tenant AND b.pack_id = p.id AND b.blob_id = ",
-            );
+            let mut query =
+                SqlBuilder::new("SELECT p.id, p.kind, p.size, p.index_offset, p.index_length, ");
+            match root {
+                Some(root) => query
+                    .push(
+                        "CAST(CASE WHEN p.lost_at IS NULL AND p.superseded_at IS NULL AND EXISTS (
+                           SELECT 1 FROM blobs b
+                           WHERE b.tenant = p.tenant AND b.pack_id = p.id AND b.blob_id = ",
+                    )
+                    .push_bind(root.as_bytes().as_slice())
+                    .push(") THEN 1 ELSE 0 END AS BIGINT)"),
+                None => query.push("CAST(0 AS BIGINT)"),
+            };
             query
-                .push_bind(root.as_bytes().as_slice())
                 .push(
-                    ") THEN 1 ELSE 0 END AS BIGINT) AS holds_root
-                     FROM packs p
+                    " AS holds_root FROM packs p
                      JOIN workspace_packs wp ON wp.tenant = p.tenant AND wp.pack_id = p.id
                      WHERE wp.workspace_id = ",
                 )
@@ -560,12 +554,12 @@ impl MetadataStore {
                 .build()
                 .fetch_all(&self.pool)
                 .await
-                .map_err(query_error("commit packs"))?;
+                .map_err(query_error("workspace packs"))?;
             for row in &rows {
                 let pack = pack_from_row(row)?;
                 let holds_root: i64 =
                     row.try_get("holds_root").map_err(|source| DbError::Query {
-                        op: "read commit packs",
+                        op: "read workspace packs",
                         source,
                     })?;
                 packs.root_held |= holds_root != 0;
