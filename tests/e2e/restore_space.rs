@@ -17,14 +17,24 @@ M="$1"; shift
 mount -t tmpfs -o "$OPTS" none "$M" || exit 90
 if [ -n "${OLD:-}" ]; then mkdir -p "$M/ws" && echo old > "$M/ws/old.txt"; fi
 if [ -n "${FILL:-}" ]; then
-  # A second writer fills the disk once the restore's space check passed
-  # (the mark appears right after it).
-  ( while [ ! -e "$M/ws/.cairn-restore-incomplete" ]; do sleep 0.001; done
-    dd if=/dev/zero of="$M/filler" bs=64k 2>/dev/null ) &
+  # The restore stops (a failpoint) once its space check passed and it
+  # marked the root; the disk is filled then, and the restore goes on.
+  CAIRN_FAILPOINTS=restore-after-mark=stop "$@" &
+  pid=$!
+  tries=0
+  while [ "$(awk '{print $3}' /proc/$pid/stat 2>/dev/null)" != T ]; do
+    kill -0 $pid 2>/dev/null || break
+    tries=$((tries + 1)); [ $tries -gt 6000 ] && { echo "the restore never stopped"; kill -9 $pid; break; }
+    sleep 0.01
+  done
+  dd if=/dev/zero of="$M/filler" bs=64k 2>/dev/null
+  kill -CONT $pid 2>/dev/null
+  wait $pid
+  code=$?
+else
+  "$@"
+  code=$?
 fi
-"$@"
-code=$?
-wait
 echo "restore-exit=$code"
 [ -d "$M/ws" ] && find "$M/ws" -mindepth 1 | sort | sed 's/^/left: /'
 exit 0
@@ -133,12 +143,10 @@ fn a_restore_too_big_for_the_blocks_or_inodes_is_refused_before_writing() {
 fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let coordinator = Coordinator::start();
     let client = coordinator.client();
-    // 37.5 MiB on a 64 MiB disk: the restore takes long enough that the
-    // filler, started when the space check passed, fills the disk before
-    // the restore ends even on a loaded machine (9.4 MiB on 16 MiB did not
-    // always: the restore sometimes finished first).
+    // 3.1 MiB on a 16 MiB disk: it fits, until the disk is filled while
+    // the restore is stopped right after its space check.
     let workspace = checkpointed(&coordinator, "filling", |root| {
-        for i in 0..1200 {
+        for i in 0..100 {
             write_pseudo_random(&root.join(format!("d{}/f{i}", i % 10)), 32 << 10, i);
         }
     });
@@ -147,10 +155,14 @@ fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let outcome = restore_on_tmpfs(
         &client,
         &workspace,
-        "size=64m,nr_inodes=10000",
+        "size=16m,nr_inodes=10000",
         &[("FILL", "1")],
     );
     let said = outcome.all_output();
+    assert!(
+        said.contains("failpoint restore-after-mark reached: stopped"),
+        "the disk is filled after the space check: {said}"
+    );
     assert_ne!(exit_of(&outcome), 0, "{said}");
     assert!(said.contains("was not restored"), "{said}");
     assert!(said.contains("No space left on device"), "{said}");
@@ -162,7 +174,7 @@ fn a_disk_that_fills_mid_restore_leaves_no_tree_passing_for_the_workspace() {
     let outcome = restore_on_tmpfs(
         &client,
         &workspace,
-        "size=64m,nr_inodes=10000",
+        "size=16m,nr_inodes=10000",
         &[("FILL", "1"), ("OLD", "1")],
     );
     let said = outcome.all_output();

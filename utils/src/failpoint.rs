@@ -5,7 +5,10 @@
 //! - `pause`: print `failpoint <name> reached` on stderr and sleep until
 //!   killed (tests SIGKILL the process at exactly that point);
 //! - `exit`: exit at once with status 101, as if the process had crashed;
-//! - `error`: make the operation fail with an error naming the failpoint.
+//! - `error`: make the operation fail with an error naming the failpoint;
+//! - `stop`: print `failpoint <name> reached: stopped` on stderr and stop
+//!   the process (SIGSTOP); it goes on where it was when sent SIGCONT, so a
+//!   test can change the world at exactly that point (fill a disk) first.
 //!
 //! Without the variable every failpoint is a no-op.
 //!
@@ -28,6 +31,7 @@ enum Action {
     Pause,
     Exit,
     Error,
+    Stop,
 }
 
 fn armed() -> &'static HashMap<String, Action> {
@@ -44,6 +48,7 @@ fn armed() -> &'static HashMap<String, Action> {
                     "pause" => Action::Pause,
                     "exit" => Action::Exit,
                     "error" => Action::Error,
+                    "stop" => Action::Stop,
                     other => {
                         eprintln!("{ENV}: unknown action {other:?} for {name}; ignored");
                         return None;
@@ -131,6 +136,14 @@ pub fn hit(name: &'static str) -> Result<(), FailpointError> {
         Some(Action::Exit) => {
             eprintln!("failpoint {name} reached: exiting");
             std::process::exit(101);
+        }
+        Some(Action::Stop) => {
+            eprintln!("failpoint {name} reached: stopped");
+            let _ = std::io::stderr().flush();
+            // SAFETY: raise only sends this process a signal; SIGSTOP
+            // cannot be caught, and the process resumes here on SIGCONT.
+            unsafe { libc::raise(libc::SIGSTOP) };
+            Ok(())
         }
         Some(Action::Pause) => {
             eprintln!("failpoint {name} reached");

@@ -216,6 +216,10 @@ pub struct NoProgress;
 
 impl RestoreProgress for NoProgress {}
 
+/// The failpoint a restore passes once its space check passed and it
+/// marked the root, before it writes anything else.
+pub const FAILPOINT_AFTER_MARK: &str = "restore-after-mark";
+
 /// Why a restore failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -239,6 +243,8 @@ pub enum RestoreError {
     Manifest(#[from] ManifestError),
     #[error(transparent)]
     Local(#[from] LocalError),
+    #[error(transparent)]
+    Failpoint(#[from] cairn_utils::failpoint::FailpointError),
     #[error(
         "checkpoint {checkpoint} needs {} on the filesystem of {}, which has {}; nothing was written",
         describe_needed(.needed), .root.display(), describe_free(.free)
@@ -1017,6 +1023,10 @@ async fn prepare_root(
     blocking(move || mark_incomplete(&root))
         .await
         .map_err(AttemptError::local)?;
+    // Tests stop the restore here to fill its disk after the check passed.
+    if let Err(e) = cairn_utils::failpoint::hit(FAILPOINT_AFTER_MARK) {
+        return Err(AttemptError::Fatal(RestoreError::Failpoint(e)));
+    }
     let prepared = {
         let target = target.clone();
         blocking(move || apply::prepare(&target, survey))
