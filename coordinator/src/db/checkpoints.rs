@@ -808,16 +808,15 @@ async fn earlier_commit(
 }
 
 /// The rest of [`record_checkpoint`], once the workspace's sequence was
-/// advanced (`advanced` is the row that returned).
+/// advanced (`row` is what that returned).
 async fn record_advanced(
     conn: &mut AnyConnection,
     backend: Backend,
     tenant: &TenantId,
     new: NewCheckpoint,
-    advanced: &AnyRow,
+    row: &AnyRow,
     now_ms: i64,
 ) -> Result<Recorded, DbError> {
-    let row = advanced;
     let read = |source| DbError::Query {
         op: "advance workspace sequence",
         source,

@@ -9,6 +9,7 @@
 //! heartbeat, and a repeated report changes nothing.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::LazyLock;
 use std::time::SystemTime;
 
 use cairn_proto::ids::{Generation, HostId, RunId, TenantId, WorkspaceId};
@@ -814,18 +815,16 @@ impl Preloaded {
         let ids: Vec<&HostId> = batch.iter().map(|h| &h.host_id).collect();
         // The hosts and the attempts on them in one statement: a row per
         // attempt, or one for a host without any.
-        let host_columns: Vec<String> = HOST_COLUMNS
-            .split(',')
-            .map(|column| format!("h.{}", column.trim()))
-            .collect();
-        let select = format!(
-            "SELECT {}, {} FROM hosts h
-             LEFT JOIN attempts a ON a.host_id = h.id AND a.sandbox_gone_at IS NULL
-             LEFT JOIN runs r ON r.id = a.run_id WHERE h.id IN",
-            host_columns.join(", "),
-            attempt_columns(),
-        );
-        let rows = fetch_all_in(conn, &select, &ids, |id| id.as_str(), "hosts").await?;
+        static SELECT: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "SELECT {}, {} FROM hosts h
+                 LEFT JOIN attempts a ON a.host_id = h.id AND a.sandbox_gone_at IS NULL
+                 LEFT JOIN runs r ON r.id = a.run_id WHERE h.id IN",
+                qualified("h", HOST_COLUMNS),
+                *ATTEMPT_WITH_RUN_COLUMNS,
+            )
+        });
+        let rows = fetch_all_in(conn, &SELECT, &ids, |id| id.as_str(), "hosts").await?;
         let mut hosts: HashMap<HostId, Host> = HashMap::with_capacity(ids.len());
         let mut known = KnownAttempts::default();
         for row in &rows {
@@ -1092,15 +1091,20 @@ struct KnownAttempts {
 
 /// The columns [`KnownAttempts::keep`] reads: the attempt's (`a`) and its
 /// run's (`r`) workspace and image.
-fn attempt_columns() -> String {
-    let attempt: Vec<String> = ATTEMPT_COLUMNS
-        .split(',')
-        .map(|column| format!("a.{}", column.trim()))
-        .collect();
+static ATTEMPT_WITH_RUN_COLUMNS: LazyLock<String> = LazyLock::new(|| {
     format!(
         "{}, r.workspace_id AS run_workspace_id, r.image AS run_image",
-        attempt.join(", ")
+        qualified("a", ATTEMPT_COLUMNS)
     )
+});
+
+/// `columns` (comma-separated), each prefixed with `table.`.
+fn qualified(table: &str, columns: &str) -> String {
+    let columns: Vec<String> = columns
+        .split(',')
+        .map(|column| format!("{table}.{}", column.trim()))
+        .collect();
+    columns.join(", ")
 }
 
 impl KnownAttempts {
@@ -1110,12 +1114,14 @@ impl KnownAttempts {
         reports: &[&ReportedSandbox],
     ) -> Result<Self, DbError> {
         let mut known = Self::default();
-        let select = format!(
-            "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id
-             WHERE a.sandbox_gone_at IS NULL AND a.host_id IN",
-            attempt_columns()
-        );
-        for row in &fetch_all_in(conn, &select, hosts, |id| id.as_str(), "attempts on host").await?
+        static SELECT: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id
+                 WHERE a.sandbox_gone_at IS NULL AND a.host_id IN",
+                *ATTEMPT_WITH_RUN_COLUMNS
+            )
+        });
+        for row in &fetch_all_in(conn, &SELECT, hosts, |id| id.as_str(), "attempts on host").await?
         {
             known.keep(row)?;
         }
@@ -1134,17 +1140,19 @@ impl KnownAttempts {
             .map(|r| r.sandbox_id.as_str())
             .filter(|id| !self.by_sandbox.contains_key(*id))
             .collect();
-        let select = format!(
-            "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id WHERE a.sandbox_id IN",
-            attempt_columns()
-        );
-        for row in &fetch_all_in(conn, &select, &elsewhere, |id| *id, "reported sandboxes").await? {
+        static SELECT: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "SELECT {} FROM attempts a JOIN runs r ON r.id = a.run_id WHERE a.sandbox_id IN",
+                *ATTEMPT_WITH_RUN_COLUMNS
+            )
+        });
+        for row in &fetch_all_in(conn, &SELECT, &elsewhere, |id| *id, "reported sandboxes").await? {
             self.keep(row)?;
         }
         Ok(())
     }
 
-    /// Adds an attempt read with [`attempt_columns`].
+    /// Adds an attempt read with [`ATTEMPT_WITH_RUN_COLUMNS`].
     fn keep(&mut self, row: &AnyRow) -> Result<(), DbError> {
         let (run, attempt) = attempt_from_row(row)?;
         let read = |source| DbError::Query {
