@@ -801,13 +801,11 @@ pub(crate) fn read_heartbeats(
 }
 
 /// What a batch of heartbeats needs to be answered without a write: their
-/// hosts (without usage, which a heartbeat does not need), the attempts they
-/// concern, and the workspace and image of every run a host may have to
-/// start.
+/// hosts (without usage, which a heartbeat does not need), and the attempts
+/// they concern with their runs' workspace and image.
 struct Preloaded {
     hosts: HashMap<HostId, Host>,
     known: KnownAttempts,
-    runs_to_start: HashMap<RunId, (WorkspaceId, String)>,
 }
 
 impl Preloaded {
@@ -844,12 +842,7 @@ impl Preloaded {
         }
         let reports: Vec<&ReportedSandbox> = batch.iter().flat_map(|h| &h.reports).collect();
         known.read_reported(conn, &reports).await?;
-        let runs_to_start = std::mem::take(&mut known.runs);
-        Ok(Self {
-            hosts,
-            known,
-            runs_to_start,
-        })
+        Ok(Self { hosts, known })
     }
 }
 
@@ -1043,16 +1036,8 @@ impl Heartbeat {
                 to_start.push((run_id.clone(), attempt));
             }
         }
-        let read_here;
-        let runs = match &mut session {
-            Session::Read(preloaded) | Session::Plan(preloaded, _) => &preloaded.runs_to_start,
-            Session::Write(tx) => {
-                let ids: Vec<&RunId> = to_start.iter().map(|(run, _)| run).collect();
-                read_here = runs_to_start(tx.conn(), &ids).await?;
-                &read_here
-            }
-        };
-        answer.assignments = assignment_records(runs, to_start)?;
+        // A run's workspace and image never change: as read with its attempts.
+        answer.assignments = assignment_records(&known.runs, to_start)?;
         Ok(Some(answer))
     }
 }
@@ -1181,32 +1166,6 @@ impl KnownAttempts {
         on_host.sort_by_key(|(run, a)| (*run, a.number));
         on_host
     }
-}
-
-/// The workspace and image of each of `runs`, in one statement a chunk.
-async fn runs_to_start(
-    conn: &mut AnyConnection,
-    runs: &[&RunId],
-) -> Result<HashMap<RunId, (WorkspaceId, String)>, DbError> {
-    let select = "SELECT id, workspace_id, image FROM runs WHERE id IN";
-    let rows = fetch_all_in(conn, select, runs, |id| id.as_str(), "runs to start").await?;
-    let mut found = HashMap::with_capacity(rows.len());
-    for row in &rows {
-        let read = |source| DbError::Query {
-            op: "read run to start",
-            source,
-        };
-        let id: String = row.try_get("id").map_err(read)?;
-        let workspace: String = row.try_get("workspace_id").map_err(read)?;
-        found.insert(
-            parse_column(&id, "run id")?,
-            (
-                parse_column(&workspace, "workspace id")?,
-                row.try_get("image").map_err(read)?,
-            ),
-        );
-    }
-    Ok(found)
 }
 
 /// What a host is told to start for each of `attempts`, with its run's
