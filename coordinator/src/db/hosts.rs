@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
-use super::checkpoints::{fetch_all_in, push_in_list};
+use super::checkpoints::fetch_all_in;
 use super::group_commit::{WriteRequest, fail_all};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
@@ -513,14 +513,14 @@ impl MetadataStore {
             // One statement a chunk; a renewal never moves a lease back (a
             // host that moved to another replica may have renewed since).
             for chunk in renewed.chunks(super::ROWS_PER_STATEMENT) {
-                let mut query = SqlBuilder::new("UPDATE hosts SET last_heartbeat_at = CASE");
-                for (host, at) in chunk {
-                    query.push(" WHEN id = ").push_bind(host.as_str());
-                    query.push(" AND last_heartbeat_at < ").push_bind(*at);
-                    query.push(" THEN ").push_bind(*at);
-                }
-                query.push(" ELSE last_heartbeat_at END WHERE id IN");
-                push_in_list(&mut query, chunk, |(host, _)| host.as_str());
+                let mut query =
+                    SqlBuilder::new("UPDATE hosts SET last_heartbeat_at = v.column2 FROM (");
+                query.push_values(chunk, |mut row, (host, at)| {
+                    row.push_bind(host.as_str()).push_bind(*at);
+                });
+                query.push(
+                    ") AS v WHERE hosts.id = v.column1 AND hosts.last_heartbeat_at < v.column2",
+                );
                 query
                     .build()
                     .execute(tx.conn())
@@ -654,34 +654,35 @@ impl PlannedWrites {
         self.sandbox_states.extend(other.sandbox_states);
     }
 
+    /// Writes the planned rows, a statement per [`super::ROWS_PER_STATEMENT`]
+    /// (each row joined to its values, not matched against a `CASE` of all
+    /// of them: that costs rows × values). Where a host or sandbox was
+    /// planned twice, the later plan is written.
     async fn write(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
-        for chunk in self.hosts.chunks(super::ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new("UPDATE hosts SET last_heartbeat_at = CASE id");
-            for (host, at, _) in chunk {
-                query.push(" WHEN ").push_bind(host.as_str());
-                query.push(" THEN ").push_bind(*at);
-            }
-            query.push(" END, kept_workspaces = CASE id");
-            for (host, _, kept) in chunk {
-                query.push(" WHEN ").push_bind(host.as_str());
-                query.push(" THEN ").push_bind(kept.as_str());
-            }
-            query.push(" END WHERE id IN");
-            push_in_list(&mut query, chunk, |(host, _, _)| host.as_str());
+        let hosts = last_per_key(&self.hosts, |(host, _, _)| host);
+        for chunk in hosts.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new(
+                "UPDATE hosts SET last_heartbeat_at = v.column2, kept_workspaces = v.column3 FROM (",
+            );
+            query.push_values(chunk, |mut row, (host, at, kept)| {
+                row.push_bind(host.as_str())
+                    .push_bind(*at)
+                    .push_bind(kept.as_str());
+            });
+            query.push(") AS v WHERE hosts.id = v.column1");
             query
                 .build()
                 .execute(&mut *conn)
                 .await
                 .map_err(query_error("record heartbeats"))?;
         }
-        for chunk in self.sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new("UPDATE attempts SET sandbox_state = CASE sandbox_id");
-            for (sandbox, state) in chunk {
-                query.push(" WHEN ").push_bind(sandbox.as_str());
-                query.push(" THEN ").push_bind(state.as_str());
-            }
-            query.push(" END WHERE sandbox_id IN");
-            push_in_list(&mut query, chunk, |(sandbox, _)| sandbox.as_str());
+        let sandbox_states = last_per_key(&self.sandbox_states, |(sandbox, _)| sandbox);
+        for chunk in sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new("UPDATE attempts SET sandbox_state = v.column2 FROM (");
+            query.push_values(chunk, |mut row, (sandbox, state)| {
+                row.push_bind(sandbox.as_str()).push_bind(state.as_str());
+            });
+            query.push(") AS v WHERE attempts.sandbox_id = v.column1");
             query
                 .build()
                 .execute(&mut *conn)
@@ -690,6 +691,19 @@ impl PlannedWrites {
         }
         Ok(())
     }
+}
+
+/// The last of `items` for each key, in the order those last ones come:
+/// an `UPDATE … FROM` joined to two rows for one key writes either.
+fn last_per_key<T, K: Eq + std::hash::Hash>(items: &[T], key: impl Fn(&T) -> &K) -> Vec<&T> {
+    let mut seen = std::collections::HashSet::with_capacity(items.len());
+    let mut last: Vec<&T> = items
+        .iter()
+        .rev()
+        .filter(|item| seen.insert(key(item)))
+        .collect();
+    last.reverse();
+    last
 }
 
 /// The stored form of a host's kept workspaces.
@@ -1224,4 +1238,19 @@ pub(super) async fn lose_host(
         end_attempt(tx, &mut run, number, EndCause::HostLost { lease }, now).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_per_key;
+
+    #[test]
+    fn a_key_planned_twice_keeps_its_later_plan_in_the_order_of_those_plans() {
+        let planned = [("a", 1), ("b", 2), ("a", 3), ("c", 4), ("b", 5)];
+        let kept: Vec<_> = last_per_key(&planned, |(key, _)| key)
+            .into_iter()
+            .copied()
+            .collect();
+        assert_eq!(kept, [("a", 3), ("c", 4), ("b", 5)]);
+    }
 }
