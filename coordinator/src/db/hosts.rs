@@ -1219,25 +1219,36 @@ async fn stop_host(tx: &mut WriteTx, host: &Host, now: i64) -> Result<(), DbErro
     release_host_sandboxes(tx, host, HostRelease::Stopping, now).await
 }
 
-/// Used by the scheduler: the hosts whose lease ran out are marked lost and
-/// their attempts end.
+/// Used by the scheduler: marks `host` lost and ends its attempts if its
+/// lease still ran out before `deadline` as it is marked; returns whether
+/// it did.
 pub(super) async fn lose_host(
     tx: &mut WriteTx,
     host: &HostId,
     lease: std::time::Duration,
+    deadline: i64,
     now: i64,
-) -> Result<(), DbError> {
-    sqlx::query("UPDATE hosts SET lost_at = $1 WHERE id = $2 AND lost_at IS NULL")
-        .bind(now)
-        .bind(host.as_str())
-        .execute(tx.conn())
-        .await
-        .map_err(query_error("mark host lost"))?;
+) -> Result<bool, DbError> {
+    // Decided by the statement that marks: on PostgreSQL an UPDATE re-reads
+    // the row once it holds it, so a lease renewed by then keeps the host,
+    // whatever lock the renewal took.
+    let marked = sqlx::query(
+        "UPDATE hosts SET lost_at = $1 WHERE id = $2 AND lost_at IS NULL AND last_heartbeat_at < $3",
+    )
+    .bind(now)
+    .bind(host.as_str())
+    .bind(deadline)
+    .execute(tx.conn())
+    .await
+    .map_err(query_error("mark host lost"))?;
+    if marked.rows_affected() == 0 {
+        return Ok(false);
+    }
     for (run_id, number) in attempts_on_host(tx.conn(), host).await? {
         let mut run = run_of_attempt(tx.conn(), &run_id).await?;
         end_attempt(tx, &mut run, number, EndCause::HostLost { lease }, now).await?;
     }
-    Ok(())
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -242,19 +242,10 @@ impl MetadataStore {
             let id: HostId = parse_column(&id, "host id")?;
             let now = millis(SystemTime::now());
             let mut tx = self.begin_write().await?;
-            // Re-checked under the write lock: a heartbeat may have come in.
-            let still_stale: Option<i64> = sqlx::query_scalar(
-                "SELECT 1 FROM hosts WHERE id = $1 AND lost_at IS NULL AND last_heartbeat_at < $2",
-            )
-            .bind(id.as_str())
-            .bind(deadline)
-            .fetch_optional(tx.conn())
-            .await
-            .map_err(query_error("stale host"))?;
-            if still_stale.is_none() {
+            // Re-checked as it is marked: a heartbeat may have come in.
+            if !lose_host(&mut tx, &id, lease, deadline, now).await? {
                 continue;
             }
-            lose_host(&mut tx, &id, lease, now).await?;
             self.commit(tx).await?;
             lost.push(id);
         }

@@ -1408,3 +1408,39 @@ async fn every_text_column_on_postgresql_compares_bytes() {
     .unwrap();
     assert!(linguistic.is_empty(), "{linguistic:?}");
 }
+
+#[tokio::test]
+async fn a_host_is_marked_lost_only_if_its_lease_is_still_stale_when_marked() {
+    let (_dir, db, tenant) = open().await;
+    let host = register(&db, &tenant, "h", 1).await;
+    let renewed = millis(
+        db.host(&tenant, host.as_str())
+            .await
+            .unwrap()
+            .last_heartbeat_at,
+    );
+    let lease = Duration::from_secs(10);
+    let now = renewed + 1;
+
+    // The scheduler saw it stale against an older lease; the lease it
+    // holds now was renewed since (not before the deadline).
+    let mut tx = db.begin_write().await.unwrap();
+    assert!(
+        !hosts::lose_host(&mut tx, &host, lease, renewed, now)
+            .await
+            .unwrap()
+    );
+    db.commit(tx).await.unwrap();
+    let kept = db.host(&tenant, host.as_str()).await.unwrap();
+    assert_eq!(kept.lost_at, None, "a renewed lease keeps the host");
+
+    let mut tx = db.begin_write().await.unwrap();
+    assert!(
+        hosts::lose_host(&mut tx, &host, lease, renewed + 1, now)
+            .await
+            .unwrap()
+    );
+    db.commit(tx).await.unwrap();
+    let lost = db.host(&tenant, host.as_str()).await.unwrap();
+    assert_eq!(lost.lost_at, Some(from_millis(now)));
+}
