@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 
 use sqlx::AnyConnection;
 
-use super::{DbError, MetadataStore, WriteTx, query_error};
+use super::{DbError, MetadataStore, TxLock, WriteTx, query_error};
 
 /// Most requests one transaction carries: bounds how long the write lock
 /// is held at once, and so how long anything else waits for it.
@@ -209,9 +209,49 @@ impl<T, A> std::fmt::Debug for GroupCommit<T, A> {
     }
 }
 
+/// What a batch's writes hold while they run, on PostgreSQL (SQLite has
+/// one writer whatever is asked; see [`MetadataStore::begin_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Locking {
+    /// The write lock, all of them: the batch reads what it decides on,
+    /// and no other writer may change that meanwhile.
+    All,
+    /// Written at once ([`WriteRequest::write_all`]): nothing at first
+    /// ([`TxLock::Nothing`]), beside the write lock's holders, as nothing
+    /// it writes is what they decide on without re-checking it in the
+    /// statement that acts. Written one by one: the host-rows turn, then
+    /// the write lock.
+    OneByOne,
+    /// Nothing: every request only inserts rows under ids made for it.
+    None,
+}
+
+impl Locking {
+    fn at_once(self) -> TxLock {
+        match self {
+            Self::All => TxLock::Write,
+            Self::OneByOne => TxLock::Nothing,
+            Self::None => TxLock::Nothing,
+        }
+    }
+
+    fn one_by_one(self) -> TxLock {
+        match self {
+            Self::All => TxLock::Write,
+            Self::OneByOne => TxLock::HostRowsThenWrite,
+            Self::None => TxLock::Nothing,
+        }
+    }
+}
+
 /// A request that writes in a write transaction it may share.
 pub(crate) trait WriteRequest: Sized + Send + Sync + 'static {
     type Answer: Send + 'static;
+
+    /// Which of this batch's writes take the write lock.
+    fn locking(_batch: &[Self]) -> Locking {
+        Locking::All
+    }
 
     /// Whether [`Self::write_all`] can write this batch; most kinds write
     /// one by one.
@@ -245,73 +285,154 @@ pub(crate) fn write_batch<T: WriteRequest>(
     Box::pin(async move { write_together(&store, batch).await })
 }
 
-/// Writes `batch` in one write transaction, each request in a savepoint of
-/// its own when there are several, so one that fails leaves the others:
-/// one result per request, in order.
+/// Writes `batch`: at once where the kind can ([`WriteRequest::write_all`]),
+/// the rest one by one, each in a savepoint of its own when it shares the
+/// transaction, so one that fails leaves the others: one result per
+/// request, in order. Usually one transaction; two when what was written at
+/// once holds no write lock and the rest must (that transaction commits
+/// before the lock is asked for: waiting for it while holding the rows
+/// written could deadlock with a holder that waits for those rows).
 pub(crate) async fn write_together<T: WriteRequest>(
     store: &MetadataStore,
     batch: Vec<T>,
 ) -> Vec<Result<T::Answer, DbError>> {
     let total = batch.len();
-    let mut tx = match store.begin_write().await {
-        Ok(tx) => tx,
-        Err(e) => return fail_all(total, &e),
-    };
-    let mut results = Vec::with_capacity(total);
-    if total == 1 {
-        // Alone: the transaction is the request's own, no savepoint.
-        let request = batch.into_iter().next().expect("one request");
-        match request.write(&mut tx).await {
-            Ok(answer) => results.push(Ok(answer)),
-            Err(e) => return vec![Err(e)],
-        }
-    } else {
-        let mut written_at_once = Vec::new().into_iter();
-        if T::writes_all_at_once(&batch) {
-            match T::write_all(&batch, &mut tx).await {
-                Ok(answers) if answers.len() == total => written_at_once = answers.into_iter(),
-                outcome => {
-                    if let Err(e) = outcome {
-                        tracing::debug!(error = %e, requests = total, "a batch is written one by one");
+    let locking = T::locking(&batch);
+    // Answers written at once (empty when nothing was), and whether they
+    // are in `open`, the transaction the rest is written in.
+    let mut at_once: Vec<Option<T::Answer>> = Vec::new();
+    let mut at_once_in_open = false;
+    let mut open = None;
+    // One request alone is written at once only where that spares the lock.
+    if T::writes_all_at_once(&batch) && (total > 1 || locking.at_once() != TxLock::Write) {
+        let mut tx = match store.begin_batch(locking.at_once()).await {
+            Ok(tx) => tx,
+            Err(e) => return fail_all(total, &e),
+        };
+        match T::write_all(&batch, &mut tx).await {
+            Ok(answers) if answers.len() == total => {
+                let rest_locked_apart = locking.one_by_one() != locking.at_once();
+                if rest_locked_apart && answers.iter().any(Option::is_none) {
+                    if let Err(e) = store.commit(tx).await {
+                        return fail_all(total, &e);
                     }
-                    // It was the transaction's first work: undoing the
-                    // transaction undoes it (cheaper than a savepoint
-                    // around every batch that succeeds).
-                    let restarted = match tx.rollback().await {
-                        Ok(()) => store.begin_write().await,
-                        Err(e) => Err(e),
-                    };
-                    tx = match restarted {
-                        Ok(tx) => tx,
-                        Err(e) => return fail_all(total, &e),
-                    };
+                } else {
+                    open = Some(tx);
+                    at_once_in_open = true;
+                }
+                at_once = answers;
+            }
+            outcome => {
+                if let Err(e) = outcome {
+                    tracing::debug!(error = %e, requests = total, "a batch is written one by one");
+                }
+                // It was the transaction's first work: undoing the
+                // transaction undoes it (cheaper than a savepoint around
+                // every batch that succeeds).
+                if let Err(e) = tx.rollback().await {
+                    return fail_all(total, &e);
                 }
             }
         }
+    }
+    let rest = if at_once.is_empty() {
+        total
+    } else {
+        at_once.iter().filter(|answer| answer.is_none()).count()
+    };
+    // Each result, and whether it waits for `open` to commit.
+    let mut results: Vec<(Result<T::Answer, DbError>, bool)> = Vec::with_capacity(total);
+    let mut at_once = at_once.into_iter();
+    if rest == 0 {
+        results.extend(
+            at_once
+                .flatten()
+                .map(|answer| (Ok(answer), at_once_in_open)),
+        );
+    } else {
+        if open.is_none() {
+            match store.begin_batch(locking.one_by_one()).await {
+                Ok(tx) => open = Some(tx),
+                Err(e) => {
+                    // What was written at once is committed; the rest is not.
+                    let left = at_once.map(|answer| answer.ok_or_else(|| batch_error(&e)));
+                    return left.collect();
+                }
+            }
+        }
+        let tx = open.as_mut().expect("a transaction for the rest");
+        // Alone in its transaction, a request needs no savepoint: undoing
+        // the transaction undoes it.
+        let savepoints = rest > 1 || at_once_in_open;
+        let mut failed_alone = false;
         for request in batch {
-            if let Some(Some(answer)) = written_at_once.next() {
-                results.push(Ok(answer));
+            if let Some(Some(answer)) = at_once.next() {
+                results.push((Ok(answer), at_once_in_open));
+                continue;
+            }
+            if !savepoints {
+                let written = request.write(tx).await;
+                failed_alone = written.is_err();
+                results.push((written, true));
                 continue;
             }
             if let Err(e) = begin_savepoint(tx.conn()).await {
-                return fail_batch(results, total, &e);
+                return fail_pending(results, total, &e);
             }
             // Runs a failed request touched are not announced.
             let announced = tx.changed_runs.clone();
-            let written = request.write(&mut tx).await;
+            let written = request.write(tx).await;
             if written.is_err() {
                 tx.changed_runs = announced;
             }
             let ended = end_savepoint(tx.conn(), written.is_ok()).await;
-            results.push(written);
+            results.push((written, true));
             if let Err(e) = ended {
-                return fail_batch(results, total, &e);
+                return fail_pending(results, total, &e);
+            }
+        }
+        if failed_alone {
+            // Nothing else is in it; an error undoing it is the next
+            // transaction's to find.
+            if let Err(e) = open.take().expect("open").rollback().await {
+                tracing::debug!(error = %e, "could not roll back a failed request's transaction");
             }
         }
     }
+    let Some(tx) = open else {
+        return results.into_iter().map(|(result, _)| result).collect();
+    };
     match store.commit(tx).await {
-        Ok(()) => results,
-        Err(e) => fail_batch(results, total, &e),
+        Ok(()) => results.into_iter().map(|(result, _)| result).collect(),
+        Err(e) => fail_pending(results, total, &e),
+    }
+}
+
+/// The results of a batch whose transaction failed as a whole (its begin,
+/// a savepoint, or its commit) with `cause`: requests that had succeeded
+/// in it, and those not reached, fail with the shared cause; requests that
+/// had failed on their own keep their own error, and those committed in an
+/// earlier transaction (`false` beside them) keep their answer.
+fn fail_pending<A>(
+    done: Vec<(Result<A, DbError>, bool)>,
+    total: usize,
+    cause: &DbError,
+) -> Vec<Result<A, DbError>> {
+    let reached = done.len();
+    done.into_iter()
+        .map(|(result, pending)| match result {
+            Ok(_) if pending => Err(batch_error(cause)),
+            kept => kept,
+        })
+        .chain((reached..total).map(|_| Err(batch_error(cause))))
+        .collect()
+}
+
+/// What a request gets when the transaction it shared failed with `cause`.
+fn batch_error(cause: &DbError) -> DbError {
+    DbError::Batch {
+        retryable: cause.is_retryable(),
+        message: cause.to_string(),
     }
 }
 
@@ -324,17 +445,13 @@ pub(crate) fn fail_batch<A, R>(
     total: usize,
     cause: &DbError,
 ) -> Vec<Result<R, DbError>> {
-    let shared = || DbError::Batch {
-        retryable: cause.is_retryable(),
-        message: cause.to_string(),
-    };
     let reached = done.len();
     done.into_iter()
         .map(|result| match result {
-            Ok(_) => Err(shared()),
+            Ok(_) => Err(batch_error(cause)),
             Err(own) => Err(own),
         })
-        .chain((reached..total).map(|_| Err(shared())))
+        .chain((reached..total).map(|_| Err(batch_error(cause))))
         .collect()
 }
 

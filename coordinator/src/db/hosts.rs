@@ -18,8 +18,9 @@ use futures::future::BoxFuture;
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
+use super::TxLock;
 use super::checkpoints::fetch_all_in;
-use super::group_commit::{WriteRequest, fail_all};
+use super::group_commit::{Locking, WriteRequest, fail_all};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EventDraft, Run, attempt_from_row, event_reason, load_run,
 };
@@ -459,8 +460,9 @@ impl MetadataStore {
     /// answered from reads alone and the lease is renewed in memory
     /// ([`MetadataStore::flush_heartbeats`] persists it in one batch). Only a
     /// heartbeat that changes something (a sandbox's state, a sandbox gone,
-    /// the kept trees, a host stopping) takes a write transaction, so the
-    /// write rate follows the work, not the fleet size.
+    /// the kept trees, a host stopping) takes a write transaction, and its
+    /// lease too waits in memory, so the write rate follows the work, not
+    /// the fleet size.
     pub async fn heartbeat(
         &self,
         tenant: &TenantId,
@@ -486,7 +488,13 @@ impl MetadataStore {
                 self.renew_lease(host_id, now);
                 Ok(answer)
             }
-            ReadAnswer::MustWrite(heartbeat) => self.heartbeat_writes.submit(self, heartbeat).await,
+            ReadAnswer::MustWrite(heartbeat) => {
+                let answer = self.heartbeat_writes.submit(self, heartbeat).await?;
+                // A heartbeat written in a batch's plan leaves its lease to
+                // the flush, as one that only reads.
+                self.renew_lease(host_id, now);
+                Ok(answer)
+            }
         }
     }
 
@@ -509,7 +517,10 @@ impl MetadataStore {
         }
         let result = async {
             let renewed: Vec<(&HostId, i64)> = renewed.iter().map(|(h, at)| (h, *at)).collect();
-            let mut tx = self.begin_write().await?;
+            // In this replica's host-rows turn, which heartbeat batches
+            // updating these rows take too (see `TxLock::HostRows`); the
+            // scheduler marks a host lost by re-reading its lease.
+            let mut tx = self.begin_batch(TxLock::HostRows).await?;
             // One statement a chunk; a renewal never moves a lease back (a
             // host that moved to another replica may have renewed since).
             for chunk in renewed.chunks(super::ROWS_PER_STATEMENT) {
@@ -642,15 +653,15 @@ impl Session<'_> {
 /// The writes of heartbeats planned together, written in a few statements.
 #[derive(Default)]
 struct PlannedWrites {
-    /// Host, heartbeat time, kept workspaces (as stored).
-    hosts: Vec<(HostId, i64, String)>,
+    /// Host, kept workspaces (as stored), where they changed.
+    kept: Vec<(HostId, String)>,
     /// Sandbox, state reported.
     sandbox_states: Vec<(String, SandboxState)>,
 }
 
 impl PlannedWrites {
     fn extend(&mut self, other: Self) {
-        self.hosts.extend(other.hosts);
+        self.kept.extend(other.kept);
         self.sandbox_states.extend(other.sandbox_states);
     }
 
@@ -658,21 +669,20 @@ impl PlannedWrites {
     /// (each row joined to its values, not matched against a `CASE` of all
     /// of them: that costs rows × values). Where a host or sandbox was
     /// planned twice, the later plan is written.
-    async fn write(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
-        let hosts = last_per_key(&self.hosts, |(host, _, _)| host);
-        for chunk in hosts.chunks(super::ROWS_PER_STATEMENT) {
-            let mut query = SqlBuilder::new(
-                "UPDATE hosts SET last_heartbeat_at = v.column2, kept_workspaces = v.column3 FROM (",
-            );
-            query.push_values(chunk, |mut row, (host, at, kept)| {
-                row.push_bind(host.as_str())
-                    .push_bind(*at)
-                    .push_bind(kept.as_str());
+    async fn write(&self, tx: &mut WriteTx) -> Result<(), DbError> {
+        let kept = last_per_key(&self.kept, |(host, _)| host);
+        if !kept.is_empty() {
+            tx.take_host_rows_turn().await;
+        }
+        for chunk in kept.chunks(super::ROWS_PER_STATEMENT) {
+            let mut query = SqlBuilder::new("UPDATE hosts SET kept_workspaces = v.column2 FROM (");
+            query.push_values(chunk, |mut row, (host, kept)| {
+                row.push_bind(host.as_str()).push_bind(kept.as_str());
             });
             query.push(") AS v WHERE hosts.id = v.column1");
             query
                 .build()
-                .execute(&mut *conn)
+                .execute(tx.conn())
                 .await
                 .map_err(query_error("record heartbeats"))?;
         }
@@ -685,7 +695,7 @@ impl PlannedWrites {
             query.push(") AS v WHERE attempts.sandbox_id = v.column1");
             query
                 .build()
-                .execute(&mut *conn)
+                .execute(tx.conn())
                 .await
                 .map_err(query_error("record sandbox states"))?;
         }
@@ -733,6 +743,17 @@ pub(crate) enum ReadAnswer {
 impl WriteRequest for Heartbeat {
     type Answer = HeartbeatAnswer;
 
+    /// What a plan writes (kept trees, sandbox states) is what no lock
+    /// holder decides on unchecked: a sandbox taken as gone before it was
+    /// reported gets a destroy order at its next report. Its leases are
+    /// renewed in memory, as a heartbeat's that only reads, and flushed
+    /// with those (a host is marked lost by a statement that re-reads its
+    /// lease). Heartbeats written one by one change runs, and take the
+    /// write lock.
+    fn locking(_batch: &[Self]) -> Locking {
+        Locking::OneByOne
+    }
+
     fn writes_all_at_once(_batch: &[Self]) -> bool {
         true
     }
@@ -768,7 +789,7 @@ impl WriteRequest for Heartbeat {
                 }
                 answers.push(answer);
             }
-            planned.write(tx.conn()).await?;
+            planned.write(tx).await?;
             Ok(answers)
         })
     }
@@ -902,9 +923,11 @@ impl Heartbeat {
                 .await
                 .map_err(query_error("record heartbeat"))?;
             }
-            Session::Plan(_, planned) => {
-                planned.hosts.push((host_id.clone(), now, kept_json(kept)));
+            // The lease is renewed in memory once the batch commits.
+            Session::Plan(_, planned) if &host.kept_workspaces != kept => {
+                planned.kept.push((host_id.clone(), kept_json(kept)));
             }
+            Session::Plan(..) => {}
             Session::Read(_) if &host.kept_workspaces != kept => return Ok(None),
             Session::Read(_) => {}
         }

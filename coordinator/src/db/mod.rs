@@ -27,6 +27,13 @@
 //!   the write lock first (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: an
 //!   exclusive transaction-level advisory lock), so reads inside see the state
 //!   they change and no two of them interleave.
+//! - On PostgreSQL, two kinds of batch write beside that lock ([`TxLock`]),
+//!   as no holder decides on what they write without re-checking it in the
+//!   statement that acts: runs created on new workspaces (rows under new
+//!   ids), and heartbeats' planned writes (sandbox states, kept trees; the
+//!   leases wait in memory for the flush, and a host is marked lost by a
+//!   statement that re-reads its lease). Within a replica, transactions
+//!   that update many host rows take turns, so they cannot deadlock.
 //! - A checkpoint commit takes the same advisory lock shared on PostgreSQL:
 //!   commits of different workspaces run side by side (the workspace row
 //!   orders those of one workspace), and none runs beside a write
@@ -357,6 +364,8 @@ pub struct MetadataStore {
     /// their turn here, in order, instead of in SQLite's busy handler,
     /// which sleeps up to 100 ms between tries and lets newcomers overtake.
     write_gate: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// On PostgreSQL, the turn [`TxLock::HostRows`] takes.
+    host_rows: Arc<tokio::sync::Mutex<()>>,
     /// CreateRun requests, created in shared transactions under load.
     run_creations: group_commit::GroupCommit<runs::RunCreation, Run>,
     /// Heartbeats that must write, in shared transactions under load.
@@ -398,6 +407,30 @@ const REVOKED_TOKEN_PREFIX: &str = "revoked-token:";
 /// 8000 bytes; an id is 30 characters and a comma).
 const RUNS_PER_NOTIFICATION: usize = 200;
 
+/// What a write transaction holds from its start, on PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TxLock {
+    /// The write lock: no other write transaction or checkpoint commit
+    /// runs beside it.
+    Write,
+    /// This replica's turn to update many host rows at once, without the
+    /// write lock (the lease flush). Two transactions that each update many
+    /// of the same rows, in an order neither controls, can deadlock; taking
+    /// turns keeps this replica's apart. (Another replica's meet this
+    /// replica's only for a host that moved between them; PostgreSQL
+    /// detects such a deadlock and the loser is written again.)
+    HostRows,
+    /// The host-rows turn, then the write lock (never the other way
+    /// round): for heartbeats written one by one, which update host rows
+    /// among others.
+    HostRowsThenWrite,
+    /// Nothing at first: for rows no lock holder decides on without
+    /// re-checking them in the statement that acts, or rows under ids made
+    /// for this transaction. It takes the host-rows turn before it updates
+    /// host rows ([`WriteTx::take_host_rows_turn`]).
+    Nothing,
+}
+
 /// A write transaction that took the database's write lock at its start, and
 /// the runs it changed (announced after the commit).
 pub(crate) struct WriteTx {
@@ -405,6 +438,10 @@ pub(crate) struct WriteTx {
     changed_runs: BTreeSet<RunId>,
     /// Released after `tx` ends (fields drop in order).
     gate: Option<OwnedMutexGuard<()>>,
+    /// The host-rows turn this transaction may still take (see
+    /// [`TxLock::Nothing`]), and the turn once taken.
+    host_rows: Option<Arc<tokio::sync::Mutex<()>>>,
+    host_rows_turn: Option<OwnedMutexGuard<()>>,
 }
 
 /// A checkpoint commit's transaction (see [`MetadataStore::begin_commit`]).
@@ -446,10 +483,25 @@ impl WriteTx {
     /// Undoes everything written in the transaction, announcing nothing,
     /// then lets the next writer in.
     async fn rollback(self) -> Result<(), DbError> {
-        let Self { tx, gate, .. } = self;
+        let Self {
+            tx,
+            gate,
+            host_rows_turn,
+            ..
+        } = self;
         let rolled_back = tx.rollback().await.map_err(query_error("roll back"));
-        drop(gate);
+        drop((gate, host_rows_turn));
         rolled_back
+    }
+
+    /// Waits for this replica's host-rows turn, if this transaction began
+    /// without it and without the write lock (see [`TxLock::Nothing`]),
+    /// before updating several host rows. Call it before the first
+    /// statement that locks a row.
+    async fn take_host_rows_turn(&mut self) {
+        if let Some(turn) = self.host_rows.take() {
+            self.host_rows_turn = Some(turn.lock_owned().await);
+        }
     }
 }
 
@@ -557,6 +609,7 @@ impl MetadataStore {
             run_changes,
             renewed_leases: Arc::default(),
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
+            host_rows: Arc::default(),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
             heartbeat_reads: group_commit::GroupCommit::reads(hosts::read_heartbeats),
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
@@ -590,6 +643,36 @@ impl MetadataStore {
             tx,
             changed_runs: BTreeSet::new(),
             gate,
+            host_rows: None,
+            host_rows_turn: None,
+        })
+    }
+
+    /// Starts a batch's write transaction holding `lock` (see
+    /// [`TxLock`]); on SQLite, where one writes at a time, every kind is
+    /// [`Self::begin_write`].
+    pub(crate) async fn begin_batch(&self, lock: TxLock) -> Result<WriteTx, DbError> {
+        if lock == TxLock::Write || self.backend == Backend::Sqlite {
+            return self.begin_write().await;
+        }
+        let turn = match lock {
+            TxLock::HostRows | TxLock::HostRowsThenWrite => {
+                Some(Arc::clone(&self.host_rows).lock_owned().await)
+            }
+            TxLock::Write | TxLock::Nothing => None,
+        };
+        if lock == TxLock::HostRowsThenWrite {
+            let mut tx = self.begin_write().await?;
+            tx.host_rows_turn = turn;
+            return Ok(tx);
+        }
+        let tx = self.pool.begin().await.map_err(query_error("begin"))?;
+        Ok(WriteTx {
+            tx,
+            changed_runs: BTreeSet::new(),
+            gate: None,
+            host_rows: (lock == TxLock::Nothing).then(|| Arc::clone(&self.host_rows)),
+            host_rows_turn: turn,
         })
     }
 
@@ -636,6 +719,8 @@ impl MetadataStore {
             mut tx,
             changed_runs,
             gate,
+            host_rows_turn,
+            ..
         } = tx;
         if let Some(channel) = &self.run_channel {
             let ids: Vec<&str> = changed_runs.iter().map(RunId::as_str).collect();
@@ -647,7 +732,7 @@ impl MetadataStore {
             }
         }
         tx.commit().await.map_err(query_error("commit"))?;
-        drop(gate);
+        drop((gate, host_rows_turn));
         for run in changed_runs {
             // No receiver is fine: nobody is watching.
             let _ = self.run_changes.send(run);

@@ -31,7 +31,7 @@ use futures::future::BoxFuture;
 use prost::Message as _;
 use sqlx::AnyConnection;
 
-use super::group_commit::WriteRequest;
+use super::group_commit::{Locking, WriteRequest};
 use super::messages::{Message, deliver, load_message};
 use super::run_records::{
     ATTEMPT_COLUMNS, Attempt, EVENT_COLUMNS, EventDraft, FIRST_EVENT_SEQUENCE, RUN_COLUMNS, Run,
@@ -868,6 +868,17 @@ const WAITING_FOR_THE_SCHEDULER: &str = "waiting for the scheduler";
 
 impl WriteRequest for RunCreation {
     type Answer = Run;
+
+    /// A run on a new workspace inserts its workspace, keys, run, laid
+    /// files and event, all under ids made for it, and reads nothing; a
+    /// name two take at once is settled by the unique index.
+    fn locking(batch: &[Self]) -> Locking {
+        if Self::writes_all_at_once(batch) {
+            Locking::None
+        } else {
+            Locking::All
+        }
+    }
 
     fn writes_all_at_once(batch: &[Self]) -> bool {
         batch

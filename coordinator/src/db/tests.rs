@@ -695,7 +695,8 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
     assert_eq!(answer.assignments.len(), 1);
     assert_eq!(stored_heartbeat().await, registered, "no write for a lease");
 
-    // A sandbox report changes something: written at once, lease included.
+    // A sandbox report changes something: the state is written at once;
+    // the lease still waits in memory for the flush.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let running = [hosts::ReportedSandbox {
         sandbox_id: answer.assignments[0].sandbox_id.clone(),
@@ -711,10 +712,12 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
         answer.assignments.is_empty(),
         "a started sandbox is not assigned again"
     );
-    let reported = stored_heartbeat().await;
-    assert!(reported > registered);
     let attempt = db.attempt(&created.id, 1).await.unwrap().unwrap();
     assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
+    assert_eq!(stored_heartbeat().await, registered);
+    assert_eq!(db.flush_heartbeats().await.unwrap(), 1);
+    let reported = stored_heartbeat().await;
+    assert!(reported > registered, "the flush writes the lease");
 
     // The same report again: only the lease, renewed in memory.
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1343,7 +1346,8 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
         // Host d: nothing changes but its lease.
         heartbeat(3, vec![], vec![]),
     ];
-    let mut tx = db.begin_write().await.unwrap();
+    // As the group commit writes them: without the write lock.
+    let mut tx = db.begin_batch(TxLock::Nothing).await.unwrap();
     assert!(hosts::Heartbeat::writes_all_at_once(&batch));
     let answers = hosts::Heartbeat::write_all(&batch, &mut tx).await.unwrap();
     db.commit(tx).await.unwrap();
@@ -1375,11 +1379,120 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
     assert_eq!(attempt(2).await.sandbox_state, None);
     for (n, kept_now) in [(0, vec![]), (2, kept), (3, vec![])] {
         let host = db.host(&tenant, started[n].0.as_str()).await.unwrap();
-        assert_eq!(host.last_heartbeat_at, from_millis(now), "host {n}'s lease");
+        assert!(
+            host.last_heartbeat_at < from_millis(now),
+            "host {n}'s lease waits in memory for the flush"
+        );
         assert_eq!(host.kept_workspaces, kept_now, "host {n}'s kept trees");
     }
     let left = db.host(&tenant, started[1].0.as_str()).await.unwrap();
     assert_eq!(left, host_b, "the heartbeat left alone wrote nothing");
+}
+
+#[tokio::test]
+async fn a_heartbeat_batch_answers_each_whether_planned_or_left_to_write_alone() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let mut started = Vec::new();
+    for name in ["a", "b"] {
+        let host = register(&db, &tenant, name, 1).await;
+        let run = db.create_run(&tenant, new_run()).await.unwrap();
+        let assignment = Assignment {
+            run: run.id.clone(),
+            attempt_count: 0,
+            host: host.clone(),
+            token_hash: [0; 32],
+        };
+        db.assign_runs(&[assignment]).await.unwrap();
+        started.push((host, run));
+    }
+    let heartbeat = |n: usize, state: SandboxState| hosts::Heartbeat {
+        tenant: tenant.clone(),
+        host_id: started[n].0.clone(),
+        reports: vec![hosts::ReportedSandbox {
+            sandbox_id: format!("sbx-{}-a1", started[n].1.id),
+            state,
+            exit_code: 0,
+            detail: String::new(),
+        }],
+        stopping: false,
+        kept: vec![],
+        now: millis(std::time::SystemTime::now()),
+    };
+    // Host a's report is planned (written beside the write lock on
+    // PostgreSQL); host b's exit ends an attempt, so it is written on its
+    // own afterwards, under the lock: two transactions, each answer kept.
+    let batch = vec![
+        heartbeat(0, SandboxState::Running),
+        heartbeat(1, SandboxState::Exited),
+    ];
+    let answers = group_commit::write_together(&db, batch).await;
+    assert_eq!(answers.len(), 2);
+    for (n, answer) in answers.iter().enumerate() {
+        let answer = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("heartbeat {n}: {e}"));
+        assert!(answer.assignments.is_empty(), "heartbeat {n}");
+    }
+    let attempt = |n: usize| {
+        let run = started[n].1.id.clone();
+        let db = db.clone();
+        async move { db.attempt(&run, 1).await.unwrap().unwrap() }
+    };
+    assert_eq!(attempt(0).await.sandbox_state, Some(SandboxState::Running));
+    let exited = attempt(1).await;
+    assert_eq!(exited.sandbox_state, Some(SandboxState::Exited));
+    assert!(exited.is_ended(), "the exit ended the attempt");
+}
+
+#[tokio::test]
+async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_lock_is_held() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    if db.backend != Backend::Postgres {
+        eprintln!(
+            "skipped here: SQLite has one writer (CAIRN_TEST_DATABASE); scripts/test runs this on PostgreSQL"
+        );
+        return;
+    }
+    let host = register(&db, &tenant, "h", 1).await;
+    let queued = db.create_run(&tenant, new_run()).await.unwrap();
+    let assignment = Assignment {
+        run: queued.id.clone(),
+        attempt_count: 0,
+        host: host.clone(),
+        token_hash: [0; 32],
+    };
+    assert_eq!(db.assign_runs(&[assignment]).await.unwrap().len(), 1);
+
+    // A scheduler pass (or any write transaction) holds the lock
+    // meanwhile: these must not wait for it. (The bound only keeps a
+    // regression from hanging the suite.)
+    let held = db.begin_write().await.unwrap();
+    let bound = Duration::from_secs(60);
+    let created = tokio::time::timeout(bound, db.create_run(&tenant, new_run()))
+        .await
+        .expect("a run on a new workspace is created beside the write lock")
+        .unwrap();
+    let running = [hosts::ReportedSandbox {
+        sandbox_id: format!("sbx-{}-a1", queued.id),
+        state: SandboxState::Running,
+        exit_code: 0,
+        detail: String::new(),
+    }];
+    tokio::time::timeout(bound, db.heartbeat(&tenant, &host, &running, false, &[]))
+        .await
+        .expect("a sandbox report is written beside the write lock")
+        .unwrap();
+    let attempt = db.attempt(&queued.id, 1).await.unwrap().unwrap();
+    assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
+    assert_eq!(
+        db.run(&tenant, &created.id).await.unwrap().unwrap().state,
+        RunState::Queued
+    );
+    held.rollback().await.unwrap();
 }
 
 #[tokio::test]
