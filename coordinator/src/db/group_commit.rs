@@ -298,20 +298,24 @@ pub(crate) async fn write_together<T: WriteRequest>(
 ) -> Vec<Result<T::Answer, DbError>> {
     let total = batch.len();
     let locking = T::locking(&batch);
+    let (at_once_lock, one_by_one_lock) = (
+        store.effective(locking.at_once()),
+        store.effective(locking.one_by_one()),
+    );
     // Answers written at once (empty when nothing was), and whether they
     // are in `open`, the transaction the rest is written in.
     let mut at_once: Vec<Option<T::Answer>> = Vec::new();
     let mut at_once_in_open = false;
     let mut open = None;
     // One request alone is written at once only where that spares the lock.
-    if T::writes_all_at_once(&batch) && (total > 1 || locking.at_once() != TxLock::Write) {
-        let mut tx = match store.begin_batch(locking.at_once()).await {
+    if T::writes_all_at_once(&batch) && (total > 1 || at_once_lock != TxLock::Write) {
+        let mut tx = match store.begin_batch(at_once_lock).await {
             Ok(tx) => tx,
             Err(e) => return fail_all(total, &e),
         };
         match T::write_all(&batch, &mut tx).await {
             Ok(answers) if answers.len() == total => {
-                let rest_locked_apart = locking.one_by_one() != locking.at_once();
+                let rest_locked_apart = one_by_one_lock != at_once_lock;
                 if rest_locked_apart && answers.iter().any(Option::is_none) {
                     if let Err(e) = store.commit(tx).await {
                         return fail_all(total, &e);
@@ -351,7 +355,7 @@ pub(crate) async fn write_together<T: WriteRequest>(
         );
     } else {
         if open.is_none() {
-            match store.begin_batch(locking.one_by_one()).await {
+            match store.begin_batch(one_by_one_lock).await {
                 Ok(tx) => open = Some(tx),
                 Err(e) => {
                     // What was written at once is committed; the rest is not.

@@ -648,11 +648,21 @@ impl MetadataStore {
         })
     }
 
+    /// What `lock` comes to here: on SQLite, where one writes at a time,
+    /// every kind is the write lock.
+    pub(crate) fn effective(&self, lock: TxLock) -> TxLock {
+        match self.backend {
+            Backend::Sqlite => TxLock::Write,
+            Backend::Postgres => lock,
+        }
+    }
+
     /// Starts a batch's write transaction holding `lock` (see
     /// [`TxLock`]); on SQLite, where one writes at a time, every kind is
     /// [`Self::begin_write`].
     pub(crate) async fn begin_batch(&self, lock: TxLock) -> Result<WriteTx, DbError> {
-        if lock == TxLock::Write || self.backend == Backend::Sqlite {
+        let lock = self.effective(lock);
+        if lock == TxLock::Write {
             return self.begin_write().await;
         }
         let turn = match lock {
