@@ -490,8 +490,8 @@ impl MetadataStore {
             }
             ReadAnswer::MustWrite(heartbeat) => {
                 let answer = self.heartbeat_writes.submit(self, heartbeat).await?;
-                // A heartbeat written in a batch's plan leaves its lease to
-                // the flush, as one that only reads.
+                // A heartbeat that writes leaves its lease to the flush
+                // too: lease renewals are written in one place.
                 self.renew_lease(host_id, now);
                 Ok(answer)
             }
@@ -912,18 +912,17 @@ impl Heartbeat {
             host.stopping_at = Some(from_millis(now));
         }
         match &mut session {
-            Session::Write(tx) => {
-                sqlx::query(
-                    "UPDATE hosts SET last_heartbeat_at = $1, kept_workspaces = $2 WHERE id = $3",
-                )
-                .bind(now)
-                .bind(kept_json(kept))
-                .bind(host_id.as_str())
-                .execute(tx.conn())
-                .await
-                .map_err(query_error("record heartbeat"))?;
+            // Every heartbeat's lease is renewed in memory once it is
+            // answered (see `MetadataStore::heartbeat`).
+            Session::Write(tx) if &host.kept_workspaces != kept => {
+                sqlx::query("UPDATE hosts SET kept_workspaces = $1 WHERE id = $2")
+                    .bind(kept_json(kept))
+                    .bind(host_id.as_str())
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("record kept trees"))?;
             }
-            // The lease is renewed in memory once the batch commits.
+            Session::Write(_) => {}
             Session::Plan(_, planned) if &host.kept_workspaces != kept => {
                 planned.kept.push((host_id.clone(), kept_json(kept)));
             }
