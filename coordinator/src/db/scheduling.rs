@@ -519,22 +519,19 @@ async fn record_assignments(
         .await
         .map_err(query_error("insert attempts"))?;
 
+    // Each row joined to its values (a CASE per column would cost rows ×
+    // values).
     let mut query = SqlBuilder::new("UPDATE runs SET state = ");
     query.push_bind(RunState::Assigned.as_str());
-    query.push(", attempt_count = CASE id");
-    for (run, attempt) in &attempts {
-        query.push(" WHEN ").push_bind(run.id.as_str());
-        query.push(" THEN ").push_bind(i64::from(attempt.number));
-    }
-    query.push(" END, state_reason = CASE id");
-    for (run, _) in &attempts {
-        query.push(" WHEN ").push_bind(run.id.as_str());
-        query.push(" THEN ").push_bind(run.state_reason.as_str());
-    }
-    query.push(" END, updated_at = ").push_bind(now);
-    query.push(", last_event_sequence = last_event_sequence + 1 WHERE id IN");
-    push_in_list(&mut query, &attempts, |(run, _)| run.id.as_str());
-    query.push(" RETURNING id, last_event_sequence");
+    query.push(", attempt_count = v.column2, state_reason = v.column3, updated_at = ");
+    query.push_bind(now);
+    query.push(", last_event_sequence = last_event_sequence + 1 FROM (");
+    query.push_values(&attempts, |mut row, (run, attempt)| {
+        row.push_bind(run.id.as_str())
+            .push_bind(i64::from(attempt.number))
+            .push_bind(run.state_reason.as_str());
+    });
+    query.push(") AS v WHERE runs.id = v.column1 RETURNING id, last_event_sequence");
     let rows = query
         .build()
         .fetch_all(tx.conn())
