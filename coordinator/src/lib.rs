@@ -39,6 +39,8 @@
 //! - [`signing`]: HMAC-SHA256 signed URLs of the embedded blob store.
 //! - [`blob_http`]: the embedded blob server (axum) behind those URLs.
 //! - [`conn_limits`]: connection caps and deadlines of both listeners.
+//! - [`metrics`]: Prometheus metrics on `--metrics-listen`: counters kept
+//!   as calls are answered, database figures read at each scrape.
 //! - [`tls`]: TLS on both listeners; mutual TLS for hosts.
 //!
 //! Invariants:
@@ -63,6 +65,7 @@ pub mod db;
 pub mod gc;
 pub mod grpc;
 pub mod leader;
+pub mod metrics;
 pub mod retention;
 pub mod runlife;
 pub mod scheduler;
@@ -88,6 +91,7 @@ use crate::db::{DatabaseLocation, DbError, MetadataStore};
 use crate::gc::{Collector, GcConfig};
 use crate::grpc::{GrpcError, HostTiming, ServerLimits, ServiceLimits, Shared};
 use crate::leader::Leadership;
+use crate::metrics::Metrics;
 use crate::scheduler::{MAX_PASS_INTERVAL, SchedulerConfig, SchedulerHandle};
 use crate::signing::UrlSigner;
 use crate::store::{LocalStore, ObjectStore, RemoteStore, StoreConfigError, StoreLayer};
@@ -208,6 +212,8 @@ pub enum ServeError {
     Listener(std::io::Error),
     #[error("blob server failed: {0}")]
     BlobServer(std::io::Error),
+    #[error("metrics server failed: {0}")]
+    MetricsServer(std::io::Error),
     #[error(transparent)]
     Grpc(#[from] GrpcError),
     #[error("TLS: {0}")]
@@ -225,6 +231,8 @@ pub struct Coordinator {
     run_tokens: RunTokenKey,
     admin_token_created: bool,
     tls: Option<ServerTls>,
+    /// Where [`metrics`] are served, if anywhere.
+    metrics_listener: Option<TcpListener>,
     /// Held while this coordinator lives: no second one serves from the
     /// same data directory.
     _data_dir_lock: std::fs::File,
@@ -318,8 +326,16 @@ impl Coordinator {
             run_tokens,
             admin_token_created,
             tls,
+            metrics_listener: None,
             _data_dir_lock: data_dir_lock,
         })
+    }
+
+    /// Serves the Prometheus metrics ([`metrics`]) at `/metrics` on
+    /// `listener` too, while the coordinator runs.
+    pub fn with_metrics_listener(mut self, listener: TcpListener) -> Self {
+        self.metrics_listener = Some(listener);
+        self
     }
 
     pub fn data_dir(&self) -> &DataDir {
@@ -341,11 +357,13 @@ impl Coordinator {
     /// either server fails), then lets open requests finish and closes the
     /// database.
     pub async fn run(
-        self,
+        mut self,
         grpc_listener: TcpListener,
         blob_listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
+        let metrics = Arc::new(Metrics::new());
+        let metrics_listener = self.metrics_listener.take();
         let grpc_addr = grpc_listener.local_addr().map_err(ServeError::Listener)?;
         let blob_addr = blob_listener.local_addr().map_err(ServeError::Listener)?;
         let blob_url = match &self.config.blob_public_url {
@@ -386,6 +404,7 @@ impl Coordinator {
                 self.config.gc.clone(),
                 self.config.clock.clone(),
             ),
+            metrics: metrics.clone(),
         };
         // Uploads in flight when an earlier process died stay in the temp
         // dir otherwise; none of them can be in flight now, this process
@@ -493,8 +512,30 @@ impl Coordinator {
                 }
             }
         };
-        let (grpc_result, blob_result, (), (), (), (), (), ()) = tokio::join!(
-            grpc, blob, signal, scheduling, reload, collecting, leases, relaying
+        let metrics_serving = async {
+            let Some(listener) = metrics_listener else {
+                return Ok(());
+            };
+            let result = crate::metrics::serve(
+                listener,
+                metrics,
+                self.db.clone(),
+                stop.clone().cancelled_owned(),
+            )
+            .await;
+            stop.cancel();
+            result
+        };
+        let (grpc_result, blob_result, metrics_result, (), (), (), (), (), ()) = tokio::join!(
+            grpc,
+            blob,
+            metrics_serving,
+            signal,
+            scheduling,
+            reload,
+            collecting,
+            leases,
+            relaying
         );
         // Heartbeats answered since the last flush.
         if let Err(e) = self.db.flush_heartbeats().await {
@@ -507,6 +548,7 @@ impl Coordinator {
         self.db.close().await;
         grpc_result?;
         blob_result.map_err(ServeError::BlobServer)?;
+        metrics_result.map_err(ServeError::MetricsServer)?;
         Ok(())
     }
 }

@@ -108,6 +108,21 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// A stable word naming this kind of refusal (metrics count by it).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::StaleGeneration { .. } => "stale_generation",
+            Self::PacksMissing { .. } => "packs_missing",
+            Self::WorkspaceNotActive { .. } => "workspace_not_active",
+            Self::LimitExceeded { .. } => "limit_exceeded",
+            Self::AttemptNotCurrent { .. } => "attempt_not_current",
+            Self::Token(_) => "token",
+            Self::WrongHost { .. } => "wrong_host",
+            Self::ClientCertificateRequired => "client_certificate_required",
+            Self::WorkspaceHasRuns { .. } => "workspace_has_runs",
+        }
+    }
+
     /// The status code this refusal is sent with.
     pub fn code(&self) -> Code {
         match self {

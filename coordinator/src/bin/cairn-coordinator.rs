@@ -58,6 +58,11 @@ struct ServeArgs {
     /// Address of the embedded blob server that signed URLs point at.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7401")]
     blob_listen: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics (off unless given).
+    /// The endpoint has no authentication: bind it where only the scraper
+    /// reaches it.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
     /// Base URL runners reach the blob server at, when it differs from
     /// http://<blob-listen> (e.g. behind a proxy or on another interface).
     #[arg(long, value_name = "URL")]
@@ -235,7 +240,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         grace: args.gc_grace,
         interval: (!args.gc_interval.is_zero()).then_some(args.gc_interval),
     };
-    let coordinator = Coordinator::open(config).await?;
+    let mut coordinator = Coordinator::open(config).await?;
     if coordinator.admin_token_created() {
         println!(
             "admin token written to {}",
@@ -245,6 +250,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc_listener = bind(&args.listen, "gRPC").await?;
     let blob_listener = bind(&args.blob_listen, "the blob server").await?;
+    if let Some(address) = &args.metrics_listen {
+        let listener = bind(address, "metrics").await?;
+        tracing::info!(metrics = %format!("{}/metrics", local_url(listener.local_addr()?, false)), "serving metrics");
+        coordinator = coordinator.with_metrics_listener(listener);
+    }
     let grpc_url = local_url(grpc_listener.local_addr()?, coordinator.uses_tls());
     let blob_url = local_url(blob_listener.local_addr()?, coordinator.uses_tls());
     data_dir.write_endpoints(&grpc_url, &blob_url)?;

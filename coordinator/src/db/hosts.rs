@@ -73,13 +73,23 @@ impl Host {
     /// What the scheduler and the host see: lost, then stopping, win over
     /// the operator's state.
     pub fn state(&self) -> HostState {
-        if self.lost_at.is_some() {
-            HostState::Lost
-        } else if self.stopping_at.is_some() {
-            HostState::Stopping
-        } else {
-            self.admin_state
-        }
+        host_state(
+            self.admin_state,
+            self.lost_at.is_some(),
+            self.stopping_at.is_some(),
+        )
+    }
+}
+
+/// The state a host is shown in: lost, else stopping, else what an admin
+/// set.
+pub(super) fn host_state(admin: HostState, lost: bool, stopping: bool) -> HostState {
+    if lost {
+        HostState::Lost
+    } else if stopping {
+        HostState::Stopping
+    } else {
+        admin
     }
 }
 

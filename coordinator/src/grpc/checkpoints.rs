@@ -892,10 +892,23 @@ impl CheckpointService for CheckpointApi {
         &self,
         request: Request<pb::CommitCheckpointRequest>,
     ) -> Result<Response<pb::Checkpoint>, Status> {
+        let started = std::time::Instant::now();
         let principal = principal(&request)?.clone();
-        let commit =
-            CommitCheckpoint::try_from(request.into_inner()).map_err(ServiceError::from)?;
-        let checkpoint = self.commit(&principal, commit).await?;
+        let committed = match CommitCheckpoint::try_from(request.into_inner()) {
+            Ok(commit) => {
+                let new_bytes = commit.new_packs.iter().map(|pack| pack.size).sum::<u64>();
+                self.commit(&principal, commit)
+                    .await
+                    .map(|checkpoint| (checkpoint, new_bytes))
+            }
+            Err(e) => Err(ServiceError::from(e)),
+        }
+        .map_err(Status::from);
+        self.shared.metrics.checkpoint_commit(
+            started.elapsed(),
+            committed.as_ref().map(|(_, new_bytes)| *new_bytes),
+        );
+        let (checkpoint, _) = committed?;
         Ok(Response::new(checkpoint_to_pb(&checkpoint)))
     }
 

@@ -173,6 +173,8 @@ pub struct Shared {
     pub shutdown: CancellationToken,
     /// Retention and garbage collection (with the clock they go by).
     pub collector: Collector,
+    /// What the services count for `/metrics`.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl std::fmt::Debug for Shared {

@@ -46,6 +46,25 @@ pub fn test_location(data_dir: &Path) -> DatabaseLocation {
 impl TestServer {
     /// Starts a coordinator on `data_dir`, letting `configure` adjust the config.
     pub async fn start_with(data_dir: &Path, configure: impl FnOnce(&mut ServerConfig)) -> Self {
+        Self::start_serving(data_dir, configure, None).await
+    }
+
+    /// Starts a coordinator on `data_dir` that serves its metrics too; also
+    /// returns their URL.
+    pub async fn start_with_metrics(data_dir: &Path) -> (Self, String) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+        (
+            Self::start_serving(data_dir, |_| {}, Some(listener)).await,
+            url,
+        )
+    }
+
+    async fn start_serving(
+        data_dir: &Path,
+        configure: impl FnOnce(&mut ServerConfig),
+        metrics: Option<TcpListener>,
+    ) -> Self {
         cairn_engine::transfer::install_crypto_provider();
         let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let blob = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -56,9 +75,17 @@ impl TestServer {
         config.database = Some(test_location(data_dir));
         configure(&mut config);
         let (shutdown, stop) = oneshot::channel::<()>();
-        let task = tokio::spawn(cairn_coordinator::serve(config, grpc, blob, async {
-            let _ = stop.await;
-        }));
+        let task = tokio::spawn(async move {
+            let mut coordinator = cairn_coordinator::Coordinator::open(config).await?;
+            if let Some(listener) = metrics {
+                coordinator = coordinator.with_metrics_listener(listener);
+            }
+            coordinator
+                .run(grpc, blob, async {
+                    let _ = stop.await;
+                })
+                .await
+        });
         let mut server = Self {
             data_dir: data_dir.to_owned(),
             grpc_url,

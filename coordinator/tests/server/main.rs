@@ -12,6 +12,7 @@ mod gc;
 mod harness;
 mod hosts;
 mod isolation;
+mod metrics;
 mod remote_stores;
 mod replicas;
 mod restart;
