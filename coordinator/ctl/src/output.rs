@@ -390,6 +390,7 @@ pub fn run_json(r: &pb::Run) -> Value {
         "summary": r.summary,
         "harness_session_id": r.harness_session_id,
         "last_checkpoint_id": r.last_checkpoint_id,
+        "workspace_checkpointed_at": rfc3339(time_of!(r.workspace_checkpointed_at)),
         "repos": r.repos.iter().map(|repo| json!({
             "name": repo.name,
             "url": repo.url,

@@ -319,7 +319,8 @@ pub async fn list(
     Ok(ExitCode::SUCCESS)
 }
 
-/// One row per run: where it is, on which host, and why.
+/// One row per run: where it is, on which host, how old its workspace's
+/// newest checkpoint is (the work losing the sandbox would lose), and why.
 pub fn runs_table(runs: &[pb::Run]) -> String {
     let rows: Vec<Vec<String>> = runs
         .iter()
@@ -335,6 +336,7 @@ pub fn runs_table(runs: &[pb::Run]) -> String {
                     .map_or_else(|| "-".into(), |h| h.name.clone()),
                 r.attempts.len().to_string(),
                 attempt.map_or_else(|| "-".into(), |a| output::or_dash(&a.host_id)),
+                output::age(time_of!(r.workspace_checkpointed_at)),
                 output::age(time_of!(r.created_at)),
                 output::first_line(&r.state_reason, 60),
             ]
@@ -349,6 +351,7 @@ pub fn runs_table(runs: &[pb::Run]) -> String {
             "HARNESS",
             "ATTEMPTS",
             "HOST",
+            "CHECKPOINTED",
             "CREATED",
             "WHY",
         ],
@@ -438,6 +441,10 @@ pub fn run_details(run: &pb::Run) -> String {
         ("summary", output::or_dash(&run.summary)),
         ("session", output::or_dash(&run.harness_session_id)),
         ("last checkpoint", output::or_dash(&run.last_checkpoint_id)),
+        (
+            "workspace checkpointed",
+            output::when(time_of!(run.workspace_checkpointed_at)),
+        ),
         ("created", output::when(time_of!(run.created_at))),
         ("updated", output::when(time_of!(run.updated_at))),
     ]);
@@ -780,6 +787,9 @@ mod tests {
                 ..Default::default()
             }],
             question: "Which colour?".into(),
+            workspace_checkpointed_at: Some(cairn_proto::domain::to_timestamp(
+                std::time::SystemTime::now() - Duration::from_secs(150),
+            )),
             ..Default::default()
         };
         let text = run_details(&run);
@@ -795,6 +805,13 @@ mod tests {
         );
         assert_eq!(value_of("hold").as_deref(), Some("5m"), "{text}");
         assert_eq!(value_of("question").as_deref(), Some("Which colour?"));
+        let checkpointed = value_of("workspace checkpointed").unwrap_or_default();
+        assert!(checkpointed.ends_with("(2m ago)"), "{text}");
+        let table = runs_table(std::slice::from_ref(&run));
+        let mut lines = table.lines();
+        let column = lines.next().unwrap().find("CHECKPOINTED").unwrap();
+        let row = lines.next().unwrap();
+        assert!(row[column..].starts_with("2m ago "), "{table}");
         assert_eq!(
             value_of("checkpoint limits").as_deref(),
             Some("- (the runner's own)"),

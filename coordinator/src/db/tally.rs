@@ -1,5 +1,6 @@
-//! What the metrics read at each scrape: runs and hosts by state, the
-//! oldest queued run, and each active run's newest checkpoint.
+//! Figures for operators: what the metrics read at each scrape (runs and
+//! hosts by state, the oldest queued run, each active run's newest
+//! checkpoint) and the recovery points runs are shown with.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -8,6 +9,7 @@ use cairn_proto::ids::{RunId, WorkspaceId};
 use cairn_proto::runs::{HostState, RunState};
 use sqlx::Row;
 
+use super::checkpoints::fetch_all_in;
 use super::hosts::host_state;
 use super::{DbError, MetadataStore, from_millis, parse_column, query_error, unsigned};
 
@@ -122,5 +124,36 @@ impl MetadataStore {
             });
         }
         Ok(tally)
+    }
+}
+
+impl MetadataStore {
+    /// When each of `workspaces` was last checkpointed (absent: never).
+    pub async fn newest_checkpoints(
+        &self,
+        workspaces: &[&WorkspaceId],
+    ) -> Result<HashMap<WorkspaceId, SystemTime>, DbError> {
+        let op = "read newest checkpoints";
+        let mut conn = self.pool.acquire().await.map_err(query_error(op))?;
+        let rows = fetch_all_in(
+            &mut conn,
+            "SELECT w.id, (SELECT MAX(c.created_at) FROM checkpoints c
+                           WHERE c.workspace_id = w.id) AS newest
+             FROM workspaces w WHERE w.id IN",
+            workspaces,
+            |id| id.as_str(),
+            op,
+        )
+        .await?;
+        let read = |source| DbError::Query { op, source };
+        let mut newest = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let id: String = row.try_get("id").map_err(read)?;
+            let at: Option<i64> = row.try_get("newest").map_err(read)?;
+            if let Some(at) = at {
+                newest.insert(parse_column(&id, "workspace id")?, from_millis(at));
+            }
+        }
+        Ok(newest)
     }
 }

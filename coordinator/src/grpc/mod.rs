@@ -493,6 +493,7 @@ fn run_to_pb(r: &Run) -> pb::Run {
         checkpoint_limits: Some(r.checkpoint_limits.into()),
         hold_until: r.hold_until.map(to_timestamp),
         laid_paths: r.laid_paths.clone(),
+        workspace_checkpointed_at: None,
     }
 }
 

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::time::Duration;
 
-use cairn_proto::domain::validate_name;
-use cairn_proto::ids::RunId;
+use cairn_proto::domain::{to_timestamp, validate_name};
+use cairn_proto::ids::{RunId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::run_service_server::RunService;
 use cairn_proto::runs::{Labels, RunState, from_proto_duration, validate_station};
@@ -22,7 +22,7 @@ use super::{
     run_event_to_pb, run_to_pb,
 };
 use crate::auth::principal;
-use crate::db::{NewRun, NewRunTarget, RunFilter};
+use crate::db::{NewRun, NewRunTarget, Run, RunFilter};
 use crate::tokens::{Action, Principal};
 
 const PAGE_KIND: &str = "runs";
@@ -140,6 +140,20 @@ fn optional_duration(
 }
 
 impl RunApi {
+    /// `runs` as sent, each with when its workspace was last checkpointed.
+    async fn with_recovery_points(&self, runs: &[Run]) -> Result<Vec<pb::Run>, ServiceError> {
+        let workspaces: BTreeSet<&WorkspaceId> = runs.iter().map(|run| &run.workspace_id).collect();
+        let workspaces: Vec<&WorkspaceId> = workspaces.into_iter().collect();
+        let newest = self.shared.db.newest_checkpoints(&workspaces).await?;
+        Ok(runs
+            .iter()
+            .map(|run| pb::Run {
+                workspace_checkpointed_at: newest.get(&run.workspace_id).copied().map(to_timestamp),
+                ..run_to_pb(run)
+            })
+            .collect())
+    }
+
     async fn create(
         &self,
         principal: &Principal,
@@ -341,7 +355,10 @@ impl RunService for RunApi {
         let principal = principal(&request)?.clone();
         let id = parse_run_id(&request.get_ref().run_id)?;
         let run = self.readable_run(&principal, &id).await?;
-        Ok(Response::new(run_to_pb(&run)))
+        let mut shown = self
+            .with_recovery_points(std::slice::from_ref(&run))
+            .await?;
+        Ok(Response::new(shown.remove(0)))
     }
 
     async fn list_runs(
@@ -384,7 +401,7 @@ impl RunService for RunApi {
             String::new()
         };
         Ok(Response::new(pb::ListRunsResponse {
-            runs: runs.iter().map(run_to_pb).collect(),
+            runs: self.with_recovery_points(&runs).await?,
             next_page_token,
         }))
     }

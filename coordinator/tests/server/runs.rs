@@ -646,3 +646,50 @@ async fn run_requests_are_checked_and_runs_list_newest_first_in_pages() {
     let ids: Vec<_> = in_workspace.iter().map(|r| r.id.clone()).collect();
     assert_eq!(ids, [named.id.as_str()]);
 }
+
+#[tokio::test]
+async fn runs_are_shown_with_when_their_workspace_was_last_checkpointed() {
+    use cairn_proto::domain::PackKind;
+
+    let dir = data_dir();
+    let server = TestServer::start(dir.path()).await;
+    let mut client = server.client().await;
+    let ws = create_workspace(&mut client, "").await;
+    let begin = begin(&mut client, &ws.id).await;
+    let keys = keys_of(&begin);
+    let meta = build_pack(&keys, PackKind::Meta, &[b"tree"]);
+    upload(&mut client, &ws.id, &[&meta]).await;
+    let checkpoint = commit(
+        &mut client,
+        commit_request(&begin, &meta, &[&meta], &[&meta]),
+    )
+    .await;
+
+    let mut clients = Clients::admin(&server).await;
+    let on_checkpointed = clients.create(run_on(&ws.id)).await;
+    let on_new = clients.create_run(&[]).await;
+    assert_eq!(
+        on_checkpointed.workspace_checkpointed_at, None,
+        "CreateRun does not look it up"
+    );
+    let shown = clients.get(&on_checkpointed.id).await;
+    assert_eq!(shown.workspace_checkpointed_at, checkpoint.created_at);
+    assert_eq!(
+        clients.get(&on_new.id).await.workspace_checkpointed_at,
+        None
+    );
+
+    let listed = clients
+        .runs
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    let by_id = |id: &str| listed.iter().find(|run| run.id == id).unwrap().clone();
+    assert_eq!(
+        by_id(&on_checkpointed.id).workspace_checkpointed_at,
+        checkpoint.created_at
+    );
+    assert_eq!(by_id(&on_new.id).workspace_checkpointed_at, None);
+}
