@@ -449,14 +449,11 @@ pub(crate) fn fail_batch<A, R>(
     total: usize,
     cause: &DbError,
 ) -> Vec<Result<R, DbError>> {
-    let reached = done.len();
-    done.into_iter()
-        .map(|result| match result {
-            Ok(_) => Err(batch_error(cause)),
-            Err(own) => Err(own),
-        })
-        .chain((reached..total).map(|_| Err(batch_error(cause))))
-        .collect()
+    let failed = done
+        .into_iter()
+        .map(|result| (result.and_then(|_| Err(batch_error(cause))), false))
+        .collect();
+    fail_pending(failed, total, cause)
 }
 
 /// Starts the savepoint one request of a batch runs in.
@@ -487,7 +484,7 @@ pub(crate) async fn end_savepoint(conn: &mut AnyConnection, keep: bool) -> Resul
 
 /// The results of a batch whose transaction could not even start.
 pub(crate) fn fail_all<R>(total: usize, cause: &DbError) -> Vec<Result<R, DbError>> {
-    fail_batch(Vec::<Result<(), DbError>>::new(), total, cause)
+    fail_pending(Vec::new(), total, cause)
 }
 
 #[cfg(test)]

@@ -1175,6 +1175,21 @@ async fn register(db: &MetadataStore, tenant: &TenantId, name: &str, slots: u32)
     }
 }
 
+/// A host of one slot named `name` and a run on a new workspace assigned to
+/// it (its sandbox is `sbx-RUN-a1`).
+async fn assigned_run(db: &MetadataStore, tenant: &TenantId, name: &str) -> (HostId, Run) {
+    let host = register(db, tenant, name, 1).await;
+    let run = db.create_run(tenant, new_run()).await.unwrap();
+    let assignment = Assignment {
+        run: run.id.clone(),
+        attempt_count: 0,
+        host: host.clone(),
+        token_hash: [0; 32],
+    };
+    assert_eq!(db.assign_runs(&[assignment]).await.unwrap().len(), 1);
+    (host, run)
+}
+
 #[tokio::test]
 async fn assignments_written_together_read_back_as_if_one_by_one() {
     let (_dir, db, tenant) = open().await;
@@ -1303,15 +1318,7 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
     let (_dir, db, tenant) = open().await;
     let mut started = Vec::new();
     for name in ["a", "b", "c", "d"] {
-        let host = register(&db, &tenant, name, 1).await;
-        let run = db.create_run(&tenant, new_run()).await.unwrap();
-        let assignment = Assignment {
-            run: run.id.clone(),
-            attempt_count: 0,
-            host: host.clone(),
-            token_hash: [0; 32],
-        };
-        db.assign_runs(&[assignment]).await.unwrap();
+        let (host, run) = assigned_run(&db, &tenant, name).await;
         let sandbox = format!("sbx-{}-a1", run.id);
         started.push((host, run, sandbox));
     }
@@ -1396,16 +1403,7 @@ async fn a_heartbeat_batch_answers_each_whether_planned_or_left_to_write_alone()
     let (_dir, db, tenant) = open().await;
     let mut started = Vec::new();
     for name in ["a", "b"] {
-        let host = register(&db, &tenant, name, 1).await;
-        let run = db.create_run(&tenant, new_run()).await.unwrap();
-        let assignment = Assignment {
-            run: run.id.clone(),
-            attempt_count: 0,
-            host: host.clone(),
-            token_hash: [0; 32],
-        };
-        db.assign_runs(&[assignment]).await.unwrap();
-        started.push((host, run));
+        started.push(assigned_run(&db, &tenant, name).await);
     }
     let heartbeat = |n: usize, state: SandboxState| hosts::Heartbeat {
         tenant: tenant.clone(),
@@ -1457,15 +1455,7 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
         );
         return;
     }
-    let host = register(&db, &tenant, "h", 1).await;
-    let queued = db.create_run(&tenant, new_run()).await.unwrap();
-    let assignment = Assignment {
-        run: queued.id.clone(),
-        attempt_count: 0,
-        host: host.clone(),
-        token_hash: [0; 32],
-    };
-    assert_eq!(db.assign_runs(&[assignment]).await.unwrap().len(), 1);
+    let (host, assigned) = assigned_run(&db, &tenant, "h").await;
 
     // A scheduler pass (or any write transaction) holds the lock
     // meanwhile: these must not wait for it. (The bound only keeps a
@@ -1477,7 +1467,7 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
         .expect("a run on a new workspace is created beside the write lock")
         .unwrap();
     let running = [hosts::ReportedSandbox {
-        sandbox_id: format!("sbx-{}-a1", queued.id),
+        sandbox_id: format!("sbx-{}-a1", assigned.id),
         state: SandboxState::Running,
         exit_code: 0,
         detail: String::new(),
@@ -1486,7 +1476,7 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
         .await
         .expect("a sandbox report is written beside the write lock")
         .unwrap();
-    let attempt = db.attempt(&queued.id, 1).await.unwrap().unwrap();
+    let attempt = db.attempt(&assigned.id, 1).await.unwrap().unwrap();
     assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
     assert_eq!(
         db.run(&tenant, &created.id).await.unwrap().unwrap().state,
