@@ -9,7 +9,6 @@
 //! crash would lose). Counters are this replica's; the database figures
 //! are the same on every replica.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
@@ -226,8 +225,7 @@ async fn scrape(State(scrape): State<Arc<Scrape>>) -> Response {
         Ok(text) => ([(header::CONTENT_TYPE, TEXT_FORMAT)], text).into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "could not read the database for a metrics scrape");
-            let mut body = String::new();
-            let _ = writeln!(body, "could not read the database: {e}");
+            let body = format!("could not read the database: {e}\n");
             (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
         }
     }

@@ -302,10 +302,9 @@ pub(crate) async fn write_together<T: WriteRequest>(
         store.effective(locking.at_once()),
         store.effective(locking.one_by_one()),
     );
-    // Answers written at once (empty when nothing was), and whether they
-    // are in `open`, the transaction the rest is written in.
+    // Answers written at once (empty when nothing was), and the transaction
+    // they are in if it is still open (the rest is written in it too).
     let mut at_once: Vec<Option<T::Answer>> = Vec::new();
-    let mut at_once_in_open = false;
     let mut open = None;
     // One request alone is written at once only where that spares the lock.
     if T::writes_all_at_once(&batch) && (total > 1 || at_once_lock != TxLock::Write) {
@@ -322,7 +321,6 @@ pub(crate) async fn write_together<T: WriteRequest>(
                     }
                 } else {
                     open = Some(tx);
-                    at_once_in_open = true;
                 }
                 at_once = answers;
             }
@@ -339,6 +337,7 @@ pub(crate) async fn write_together<T: WriteRequest>(
             }
         }
     }
+    let at_once_in_open = open.is_some();
     let rest = if at_once.is_empty() {
         total
     } else {
@@ -347,65 +346,57 @@ pub(crate) async fn write_together<T: WriteRequest>(
     // Each result, and whether it waits for `open` to commit.
     let mut results: Vec<(Result<T::Answer, DbError>, bool)> = Vec::with_capacity(total);
     let mut at_once = at_once.into_iter();
-    if rest == 0 {
-        results.extend(
-            at_once
-                .flatten()
-                .map(|answer| (Ok(answer), at_once_in_open)),
-        );
-    } else {
-        if open.is_none() {
-            match store.begin_batch(one_by_one_lock).await {
-                Ok(tx) => open = Some(tx),
-                Err(e) => {
-                    // What was written at once is committed; the rest is not.
-                    let left = at_once.map(|answer| answer.ok_or_else(|| batch_error(&e)));
-                    return left.collect();
-                }
+    // When everything was answered at once, `open` holds it and the loop
+    // below only collects the answers.
+    let mut tx = match open {
+        Some(tx) => tx,
+        None => match store.begin_batch(one_by_one_lock).await {
+            Ok(tx) => tx,
+            Err(e) => {
+                // What was written at once is committed; the rest is not.
+                let left = at_once.map(|answer| answer.ok_or_else(|| batch_error(&e)));
+                return left.collect();
             }
+        },
+    };
+    // Alone in its transaction, a request needs no savepoint: undoing
+    // the transaction undoes it.
+    let savepoints = rest > 1 || at_once_in_open;
+    let mut failed_alone = false;
+    for request in batch {
+        if let Some(Some(answer)) = at_once.next() {
+            results.push((Ok(answer), at_once_in_open));
+            continue;
         }
-        let tx = open.as_mut().expect("a transaction for the rest");
-        // Alone in its transaction, a request needs no savepoint: undoing
-        // the transaction undoes it.
-        let savepoints = rest > 1 || at_once_in_open;
-        let mut failed_alone = false;
-        for request in batch {
-            if let Some(Some(answer)) = at_once.next() {
-                results.push((Ok(answer), at_once_in_open));
-                continue;
-            }
-            if !savepoints {
-                let written = request.write(tx).await;
-                failed_alone = written.is_err();
-                results.push((written, true));
-                continue;
-            }
-            if let Err(e) = begin_savepoint(tx.conn()).await {
-                return fail_pending(results, total, &e);
-            }
-            // Runs a failed request touched are not announced.
-            let announced = tx.changed_runs.clone();
-            let written = request.write(tx).await;
-            if written.is_err() {
-                tx.changed_runs = announced;
-            }
-            let ended = end_savepoint(tx.conn(), written.is_ok()).await;
+        if !savepoints {
+            let written = request.write(&mut tx).await;
+            failed_alone = written.is_err();
             results.push((written, true));
-            if let Err(e) = ended {
-                return fail_pending(results, total, &e);
-            }
+            continue;
         }
-        if failed_alone {
-            // Nothing else is in it; an error undoing it is the next
-            // transaction's to find.
-            if let Err(e) = open.take().expect("open").rollback().await {
-                tracing::debug!(error = %e, "could not roll back a failed request's transaction");
-            }
+        if let Err(e) = begin_savepoint(tx.conn()).await {
+            return fail_pending(results, total, &e);
+        }
+        // Runs a failed request touched are not announced.
+        let announced = tx.changed_runs.clone();
+        let written = request.write(&mut tx).await;
+        if written.is_err() {
+            tx.changed_runs = announced;
+        }
+        let ended = end_savepoint(tx.conn(), written.is_ok()).await;
+        results.push((written, true));
+        if let Err(e) = ended {
+            return fail_pending(results, total, &e);
         }
     }
-    let Some(tx) = open else {
+    if failed_alone {
+        // Nothing else is in it; an error undoing it is the next
+        // transaction's to find.
+        if let Err(e) = tx.rollback().await {
+            tracing::debug!(error = %e, "could not roll back a failed request's transaction");
+        }
         return results.into_iter().map(|(result, _)| result).collect();
-    };
+    }
     match store.commit(tx).await {
         Ok(()) => results.into_iter().map(|(result, _)| result).collect(),
         Err(e) => fail_pending(results, total, &e),

@@ -677,14 +677,14 @@ impl PlannedWrites {
 
     /// Writes the planned rows, a statement per [`super::ROWS_PER_STATEMENT`]
     /// (each row joined to its values, not matched against a `CASE` of all
-    /// of them: that costs rows × values). Where a host or sandbox was
-    /// planned twice, the later plan is written.
+    /// of them: that costs rows × values). A host is planned once (a second
+    /// heartbeat of it is written on its own); a sandbox reported twice in
+    /// one heartbeat gets its later report.
     async fn write(&self, tx: &mut WriteTx) -> Result<(), DbError> {
-        let kept = last_per_key(&self.kept, |(host, _)| host);
-        if !kept.is_empty() {
+        if !self.kept.is_empty() {
             tx.take_host_rows_turn().await;
         }
-        for chunk in kept.chunks(super::ROWS_PER_STATEMENT) {
+        for chunk in self.kept.chunks(super::ROWS_PER_STATEMENT) {
             let mut query = SqlBuilder::new("UPDATE hosts SET kept_workspaces = v.column2 FROM (");
             query.push_values(chunk, |mut row, (host, kept)| {
                 row.push_bind(host.as_str()).push_bind(kept.as_str());

@@ -649,21 +649,11 @@ async fn run_requests_are_checked_and_runs_list_newest_first_in_pages() {
 
 #[tokio::test]
 async fn runs_are_shown_with_when_their_workspace_was_last_checkpointed() {
-    use cairn_proto::domain::PackKind;
-
     let dir = data_dir();
     let server = TestServer::start(dir.path()).await;
     let mut client = server.client().await;
     let ws = create_workspace(&mut client, "").await;
-    let begin = begin(&mut client, &ws.id).await;
-    let keys = keys_of(&begin);
-    let meta = build_pack(&keys, PackKind::Meta, &[b"tree"]);
-    upload(&mut client, &ws.id, &[&meta]).await;
-    let checkpoint = commit(
-        &mut client,
-        commit_request(&begin, &meta, &[&meta], &[&meta]),
-    )
-    .await;
+    let checkpoint = checkpoint(&mut client, &ws.id, b"state").await;
 
     let mut clients = Clients::admin(&server).await;
     let on_checkpointed = clients.create(run_on(&ws.id)).await;
