@@ -33,6 +33,7 @@ use futures::{StreamExt as _, TryStreamExt as _};
 use crate::clock::Clock;
 use crate::db::{DbError, MetadataStore, PackDeletion, PackTally};
 use crate::leader::Leadership;
+use crate::metrics::Metrics;
 use crate::retention::{self, Policy};
 use crate::store::{ObjectKey, ObjectStore, ObjectStoreError};
 
@@ -101,6 +102,7 @@ pub struct Collector {
     store: Arc<dyn ObjectStore>,
     config: GcConfig,
     clock: Clock,
+    metrics: Arc<Metrics>,
     /// One cycle at a time: two sweeps would race over the same deletions.
     running: Arc<tokio::sync::Mutex<()>>,
 }
@@ -119,12 +121,14 @@ impl Collector {
         store: Arc<dyn ObjectStore>,
         config: GcConfig,
         clock: Clock,
+        metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             db,
             store,
             config,
             clock,
+            metrics,
             running: Arc::default(),
         }
     }
@@ -145,6 +149,22 @@ impl Collector {
         dry_run: bool,
     ) -> Result<GcReport, GcError> {
         let _one_at_a_time = self.running.lock().await;
+        let cycled = self.cycle_alone(tenant, dry_run).await;
+        if !dry_run {
+            match &cycled {
+                Ok(report) => self.metrics.gc_cycle_done(report, self.clock.now()),
+                Err(_) => self.metrics.gc_cycle_failed(),
+            }
+        }
+        cycled
+    }
+
+    /// [`Self::cycle`], while no other cycle runs.
+    async fn cycle_alone(
+        &self,
+        tenant: Option<&TenantId>,
+        dry_run: bool,
+    ) -> Result<GcReport, GcError> {
         let started = Instant::now();
         let now = self.clock.now();
         let cutoff = now

@@ -403,6 +403,7 @@ impl Coordinator {
                 store.clone(),
                 self.config.gc.clone(),
                 self.config.clock.clone(),
+                metrics.clone(),
             ),
             metrics: metrics.clone(),
         };
@@ -432,6 +433,7 @@ impl Coordinator {
             },
             scheduler,
             leadership.clone(),
+            metrics.clone(),
             stop.clone(),
         );
         let relaying = self.db.relay_run_changes(stop.clone().cancelled_owned());

@@ -1,13 +1,16 @@
 //! The coordinator's Prometheus metrics, served at `/metrics` on
 //! `--metrics-listen` (off unless given), in Prometheus' text format.
 //!
-//! Two kinds: what the coordinator counts as it answers (checkpoint
-//! commits, refusals by reason, commit latency, pack bytes committed),
-//! and what it reads from the database at each scrape (runs and hosts by
-//! state, how long the oldest queued run has waited, and each active run's
-//! recovery point: the age of its workspace's newest checkpoint, the work a
-//! crash would lose). Counters are this replica's; the database figures
-//! are the same on every replica.
+//! Two kinds: what the coordinator counts as it works (checkpoint commits,
+//! refusals by reason, commit and restore-manifest latency, pack bytes
+//! committed, scheduler passes and how long runs waited for their first
+//! host, garbage collection cycles and what they deleted), and what it
+//! reads from the database at each scrape (runs and hosts by state, how
+//! long the oldest queued run has waited, what each tenant's packs hold,
+//! and each active run's recovery point: the age of its workspace's newest
+//! checkpoint, the work a crash would lose). Counters are this replica's
+//! (the scheduler and the interval collector count only on the replica
+//! that leads); the database figures are the same on every replica.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -30,6 +33,7 @@ use tokio::net::TcpListener;
 use tonic::{Code, Status};
 
 use crate::db::{DbError, MetadataStore, Tally};
+use crate::gc::GcReport;
 
 /// The content type of Prometheus' text format.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -42,6 +46,17 @@ struct StateLabel {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoredLabel {
+    tenant: String,
+    state: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -64,6 +79,23 @@ pub struct Metrics {
     hosts: Family<StateLabel, Gauge>,
     oldest_queued: SecondsGauge,
     checkpoint_age: Family<RunLabel, SecondsGauge>,
+    restore_manifest_seconds: Histogram,
+    stored_packs: Family<StoredLabel, Gauge>,
+    stored_bytes: Family<StoredLabel, Gauge>,
+    scheduler_pass_seconds: Histogram,
+    first_assignment_wait: Histogram,
+    gc_cycles: Family<OutcomeLabel, Counter>,
+    gc_cycle_seconds: Histogram,
+    gc_last_success: SecondsGauge,
+    gc_checkpoints_deleted: Counter,
+    gc_workspaces_expired: Counter,
+    gc_packs_deleted: Counter,
+    gc_bytes_freed: Counter,
+}
+
+/// 1 ms to about 65 s.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 17)
 }
 
 impl Default for Metrics {
@@ -87,8 +119,7 @@ impl Metrics {
             "Checkpoint commits refused, by reason (a typed refusal's kind, else the status code)",
             refusals.clone(),
         );
-        // 1 ms to about 65 s.
-        let commit_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 17));
+        let commit_seconds = Histogram::new(latency_buckets());
         registry.register(
             "cairn_checkpoint_commit_duration_seconds",
             "Time to answer a checkpoint commit that succeeded",
@@ -116,6 +147,79 @@ impl Metrics {
             "Per active run, the age of its workspace's newest checkpoint (since the run was created, if the workspace has none): the work a crash would lose",
             checkpoint_age.clone(),
         );
+        let restore_manifest_seconds = Histogram::new(latency_buckets());
+        registry.register(
+            "cairn_restore_manifest_duration_seconds",
+            "Time to answer a restore manifest request that succeeded",
+            restore_manifest_seconds.clone(),
+        );
+        let stored_packs = Family::<StoredLabel, Gauge>::default();
+        registry.register(
+            "cairn_stored_packs",
+            "Packs in the object store per tenant; state is live, or condemned (unreferenced, deleted once the grace has passed)",
+            stored_packs.clone(),
+        );
+        let stored_bytes = Family::<StoredLabel, Gauge>::default();
+        registry.register(
+            "cairn_stored_bytes",
+            "Bytes of packs in the object store per tenant; state is live or condemned",
+            stored_bytes.clone(),
+        );
+        let scheduler_pass_seconds = Histogram::new(latency_buckets());
+        registry.register(
+            "cairn_scheduler_pass_duration_seconds",
+            "Time a scheduler pass took: lost hosts, expired holds, placements",
+            scheduler_pass_seconds.clone(),
+        );
+        // 10 ms to about 45 min.
+        let first_assignment_wait = Histogram::new(exponential_buckets(0.01, 2.0, 19));
+        registry.register(
+            "cairn_run_first_assignment_wait_seconds",
+            "Time from a run's creation to its first assignment to a host",
+            first_assignment_wait.clone(),
+        );
+        let gc_cycles = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "cairn_gc_cycles",
+            "Garbage collection cycles run (not dry runs), by outcome: ok or failed",
+            gc_cycles.clone(),
+        );
+        let gc_cycle_seconds = Histogram::new(latency_buckets());
+        registry.register(
+            "cairn_gc_cycle_duration_seconds",
+            "Time a garbage collection cycle that succeeded took",
+            gc_cycle_seconds.clone(),
+        );
+        let gc_last_success = SecondsGauge::default();
+        registry.register(
+            "cairn_gc_last_success_timestamp_seconds",
+            "When this replica last finished a garbage collection cycle (Unix time; 0: never)",
+            gc_last_success.clone(),
+        );
+        let gc_checkpoints_deleted = Counter::default();
+        registry.register(
+            "cairn_gc_checkpoints_deleted",
+            "Checkpoints retention let go and garbage collection deleted",
+            gc_checkpoints_deleted.clone(),
+        );
+        let gc_workspaces_expired = Counter::default();
+        registry.register(
+            "cairn_gc_workspaces_expired",
+            "Finished workspaces deleted past their expiry",
+            gc_workspaces_expired.clone(),
+        );
+        let gc_packs_deleted = Counter::default();
+        registry.register(
+            "cairn_gc_packs_deleted",
+            "Packs garbage collection deleted from the object store (swept and orphaned uploads)",
+            gc_packs_deleted.clone(),
+        );
+        let gc_bytes_freed = Counter::default();
+        registry.register(
+            "cairn_gc_freed_bytes",
+            "Bytes garbage collection deleted from the object store",
+            gc_bytes_freed.clone(),
+        );
         Self {
             registry,
             commits,
@@ -126,7 +230,64 @@ impl Metrics {
             hosts,
             oldest_queued,
             checkpoint_age,
+            restore_manifest_seconds,
+            stored_packs,
+            stored_bytes,
+            scheduler_pass_seconds,
+            first_assignment_wait,
+            gc_cycles,
+            gc_cycle_seconds,
+            gc_last_success,
+            gc_checkpoints_deleted,
+            gc_workspaces_expired,
+            gc_packs_deleted,
+            gc_bytes_freed,
         }
+    }
+
+    /// Records a restore manifest answered in `took`.
+    pub fn restore_manifest(&self, took: Duration) {
+        self.restore_manifest_seconds.observe(took.as_secs_f64());
+    }
+
+    /// Records a scheduler pass and, for every run it assigned for the
+    /// first time, how long that run waited since it was created.
+    pub fn scheduler_pass(&self, took: Duration, first_assignment_waits: &[Duration]) {
+        self.scheduler_pass_seconds.observe(took.as_secs_f64());
+        for wait in first_assignment_waits {
+            self.first_assignment_wait.observe(wait.as_secs_f64());
+        }
+    }
+
+    /// Records a garbage collection cycle (not a dry run) that finished
+    /// at `now`, and what it deleted.
+    pub fn gc_cycle_done(&self, report: &GcReport, now: SystemTime) {
+        self.gc_cycles
+            .get_or_create(&OutcomeLabel { outcome: "ok" })
+            .inc();
+        self.gc_cycle_seconds.observe(report.took.as_secs_f64());
+        let unix = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.gc_last_success.set(unix.as_secs_f64());
+        self.gc_checkpoints_deleted
+            .inc_by(report.checkpoints_deleted);
+        self.gc_workspaces_expired.inc_by(report.workspaces_expired);
+        self.gc_packs_deleted
+            .inc_by(report.swept.packs + report.orphans_swept.packs);
+        self.gc_bytes_freed.inc_by(
+            report
+                .swept
+                .bytes
+                .saturating_add(report.orphans_swept.bytes),
+        );
+    }
+
+    /// Records a garbage collection cycle that failed.
+    pub fn gc_cycle_failed(&self) {
+        self.gc_cycles
+            .get_or_create(&OutcomeLabel { outcome: "failed" })
+            .inc();
     }
 
     /// Records a checkpoint commit's answer: the bytes of the new packs it
@@ -178,6 +339,23 @@ impl Metrics {
             };
             let since = run.newest_checkpoint_at.unwrap_or(run.created_at);
             self.checkpoint_age.get_or_create(&label).set(age(since));
+        }
+        // A tenant whose packs are all gone leaves no series behind.
+        self.stored_packs.clear();
+        self.stored_bytes.clear();
+        for stored in &tally.stored {
+            for (state, packs) in [("live", stored.live), ("condemned", stored.condemned)] {
+                let label = StoredLabel {
+                    tenant: stored.tenant.to_string(),
+                    state,
+                };
+                self.stored_packs
+                    .get_or_create(&label)
+                    .set(i64::try_from(packs.packs).unwrap_or(i64::MAX));
+                self.stored_bytes
+                    .get_or_create(&label)
+                    .set(i64::try_from(packs.bytes).unwrap_or(i64::MAX));
+            }
         }
     }
 
@@ -250,18 +428,92 @@ pub async fn serve(
 mod tests {
     use std::time::{Duration, SystemTime};
 
-    use cairn_proto::ids::{RunId, WorkspaceId};
+    use cairn_proto::ids::{RunId, TenantId, WorkspaceId};
 
     use super::*;
-    use crate::db::ActiveRun;
+    use crate::db::{ActiveRun, PackTally, StoredPacks};
 
-    fn encoded(metrics: &Metrics) -> Vec<String> {
+    fn lines_of(metrics: &Metrics, prefix: &str) -> Vec<String> {
         let mut text = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut text, &metrics.registry).unwrap();
         text.lines()
-            .filter(|line| line.starts_with("cairn_run_checkpoint_age_seconds{"))
+            .filter(|line| line.starts_with(prefix))
             .map(str::to_owned)
             .collect()
+    }
+
+    fn encoded(metrics: &Metrics) -> Vec<String> {
+        lines_of(metrics, "cairn_run_checkpoint_age_seconds{")
+    }
+
+    #[test]
+    fn gc_counters_add_up_what_each_cycle_deleted() {
+        let metrics = Metrics::new();
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let report = GcReport {
+            checkpoints_deleted: 3,
+            workspaces_expired: 1,
+            swept: PackTally {
+                packs: 4,
+                bytes: 4000,
+            },
+            orphans_swept: PackTally {
+                packs: 1,
+                bytes: 500,
+            },
+            took: Duration::from_millis(20),
+            ..GcReport::default()
+        };
+        metrics.gc_cycle_done(&report, at);
+        metrics.gc_cycle_done(&report, at + Duration::from_secs(60));
+        metrics.gc_cycle_failed();
+        let mut lines = lines_of(&metrics, "cairn_gc_");
+        lines.retain(|line| !line.contains("_bucket") && !line.contains("duration"));
+        lines.sort();
+        assert_eq!(
+            lines,
+            [
+                "cairn_gc_checkpoints_deleted_total 6",
+                "cairn_gc_cycles_total{outcome=\"failed\"} 1",
+                "cairn_gc_cycles_total{outcome=\"ok\"} 2",
+                "cairn_gc_freed_bytes_total 9000",
+                "cairn_gc_last_success_timestamp_seconds 1700000060.0",
+                "cairn_gc_packs_deleted_total 10",
+                "cairn_gc_workspaces_expired_total 2",
+            ]
+        );
+    }
+
+    #[test]
+    fn stored_figures_are_per_tenant_and_state_and_vanish_with_the_tenants_packs() {
+        let metrics = Metrics::new();
+        let tenant = TenantId::default_tenant();
+        let tally = Tally {
+            stored: vec![StoredPacks {
+                tenant: tenant.clone(),
+                live: PackTally {
+                    packs: 5,
+                    bytes: 5_000,
+                },
+                condemned: PackTally {
+                    packs: 1,
+                    bytes: 700,
+                },
+            }],
+            ..Tally::default()
+        };
+        metrics.set(&tally, SystemTime::now());
+        let mut lines = lines_of(&metrics, "cairn_stored_bytes{");
+        lines.sort();
+        assert_eq!(
+            lines,
+            [
+                format!("cairn_stored_bytes{{tenant=\"{tenant}\",state=\"condemned\"}} 700"),
+                format!("cairn_stored_bytes{{tenant=\"{tenant}\",state=\"live\"}} 5000"),
+            ]
+        );
+        metrics.set(&Tally::default(), SystemTime::now());
+        assert!(lines_of(&metrics, "cairn_stored_").is_empty());
     }
 
     #[test]

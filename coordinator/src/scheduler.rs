@@ -19,7 +19,7 @@
 
 use std::cmp::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use cairn_proto::ids::{HostId, RunId};
 use tokio::sync::Notify;
@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::{Assignment, DbError, HostCapacity, MetadataStore, QueuedRun};
 use crate::leader::Leadership;
+use crate::metrics::Metrics;
 use crate::tokens::RunTokenKey;
 
 /// Longest time between two passes.
@@ -140,6 +141,7 @@ pub async fn run(
     config: SchedulerConfig,
     handle: SchedulerHandle,
     leadership: Arc<Leadership>,
+    metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
     // Hosts get a full lease from when this replica began to lead before
@@ -159,12 +161,13 @@ pub async fn run(
         }
         if leads {
             let since = *leading_since.get_or_insert_with(SystemTime::now);
-            if let Err(e) = pass(&db, &run_tokens, &config, since).await {
-                if e.is_retryable() {
+            let started = Instant::now();
+            match pass(&db, &run_tokens, &config, since).await {
+                Ok(first_waits) => metrics.scheduler_pass(started.elapsed(), &first_waits),
+                Err(e) if e.is_retryable() => {
                     tracing::warn!(error = %e, "scheduler pass failed; retrying");
-                } else {
-                    tracing::error!(error = %e, "scheduler pass failed");
                 }
+                Err(e) => tracing::error!(error = %e, "scheduler pass failed"),
             }
         }
         tokio::select! {
@@ -175,13 +178,14 @@ pub async fn run(
     }
 }
 
-/// One pass: lost hosts, expired holds, placements.
+/// One pass: lost hosts, expired holds, placements. Returns how long each
+/// run assigned for the first time waited since it was created.
 async fn pass(
     db: &MetadataStore,
     run_tokens: &RunTokenKey,
     config: &SchedulerConfig,
     started: SystemTime,
-) -> Result<(), DbError> {
+) -> Result<Vec<Duration>, DbError> {
     for host in db.mark_lost_hosts(config.lease, started).await? {
         tracing::warn!(%host, lease = %humantime::format_duration(config.lease), "host lost: no heartbeat within the lease");
     }
@@ -189,8 +193,9 @@ async fn pass(
         tracing::info!(%run, "hold expired; releasing the sandbox");
     }
     let queued = db.queued_runs().await?;
+    let mut first_waits = Vec::new();
     if queued.is_empty() {
-        return Ok(());
+        return Ok(first_waits);
     }
     let hosts = db.ready_hosts().await?;
     let mut assignments = Vec::new();
@@ -223,6 +228,14 @@ async fn pass(
     for batch in assignments.chunks(ASSIGNMENTS_PER_TRANSACTION) {
         for run in db.assign_runs(batch).await? {
             let attempt = run.current_attempt();
+            if let Some(first) = attempt.filter(|a| a.number == 1) {
+                first_waits.push(
+                    first
+                        .started_at
+                        .duration_since(run.created_at)
+                        .unwrap_or_default(),
+                );
+            }
             tracing::info!(
                 run = %run.id,
                 host = %attempt.map_or_else(String::new, |a| a.host_id.to_string()),
@@ -237,7 +250,7 @@ async fn pass(
             tracing::info!(%run, %reason, "run waits for a host");
         }
     }
-    Ok(())
+    Ok(first_waits)
 }
 
 #[cfg(test)]

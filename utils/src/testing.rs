@@ -1,6 +1,7 @@
 //! For tests that start another package's binary, or a real S3-compatible
 //! server ([`S3sFs`]), or Azure's storage emulator ([`Azurite`]), or keep a
-//! coordinator's metadata in PostgreSQL ([`test_database`]).
+//! coordinator's metadata in PostgreSQL ([`test_database`]), or read a
+//! `/metrics` scrape with Prometheus' own parser ([`parse_prometheus`]).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -254,4 +255,81 @@ impl Drop for Azurite {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One sample of a scrape: metric name, labels, value.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+pub struct Sample {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parses a scrape in Prometheus' text format with the Prometheus client
+/// library's own parser (Python's `prometheus_client`), which refuses what
+/// Prometheus would. Panics, saying what to install, when no Python has it.
+pub fn parse_prometheus(text: &str) -> Vec<Sample> {
+    use std::io::Write as _;
+    const SCRIPT: &str = "import json, sys\n\
+        from prometheus_client.parser import text_string_to_metric_families\n\
+        for family in text_string_to_metric_families(sys.stdin.read()):\n\
+        \x20   for s in family.samples:\n\
+        \x20       print(json.dumps({'name': s.name, 'labels': s.labels, 'value': s.value}))\n";
+    let mut child = Command::new(python_with_prometheus_client())
+        .args(["-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the python that imports prometheus_client runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin is piped")
+        .write_all(text.as_bytes())
+        .expect("the parser reads the scrape");
+    let output = child.wait_with_output().expect("the parser runs");
+    assert!(
+        output.status.success(),
+        "prometheus_client refused the scrape:\n{}\n{text}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout)
+        .expect("the parser prints JSON")
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("the parser prints one sample a line"))
+        .collect()
+}
+
+/// The value of the one sample named `name` with exactly `labels`.
+pub fn sample_value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    let labels: std::collections::BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let found: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.name == name && s.labels == labels)
+        .map(|s| s.value)
+        .collect();
+    assert_eq!(found.len(), 1, "one sample {name}{labels:?} in {samples:?}");
+    found[0]
+}
+
+/// A Python that imports `prometheus_client`: the one on the PATH, else
+/// the system's, where Debian's python3-prometheus-client installs it (a
+/// PATH may lead to another Python first).
+fn python_with_prometheus_client() -> &'static str {
+    ["python3", "/usr/bin/python3"]
+        .into_iter()
+        .find(|python| {
+            Command::new(python)
+                .args(["-c", "import prometheus_client"])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success())
+        })
+        .expect(
+            "no python3 imports prometheus_client: apt-get install python3-prometheus-client (.ci/run does)",
+        )
 }

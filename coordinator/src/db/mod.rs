@@ -78,7 +78,7 @@ pub use runs::{
 };
 pub use scheduling::{Assignment, HostCapacity, QueuedRun};
 pub use stations::{HandoffNote, NOTES_PER_ATTEMPT};
-pub use tally::{ActiveRun, Tally};
+pub use tally::{ActiveRun, StoredPacks, Tally};
 pub use token_cache::TOKEN_CACHE_TTL;
 pub use tokens::{NewTokenRow, TokenInfo, expiry_after};
 pub use workspaces::Forked;

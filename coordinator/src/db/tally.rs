@@ -1,15 +1,17 @@
 //! Figures for operators: what the metrics read at each scrape (runs and
 //! hosts by state, the oldest queued run, each active run's newest
-//! checkpoint) and the recovery points runs are shown with.
+//! checkpoint, what each tenant stores) and the recovery points runs are
+//! shown with.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
 
-use cairn_proto::ids::{RunId, WorkspaceId};
+use cairn_proto::ids::{RunId, TenantId, WorkspaceId};
 use cairn_proto::runs::{HostState, RunState};
 use sqlx::Row;
 
 use super::checkpoints::fetch_all_in;
+use super::gc::PackTally;
 use super::hosts::host_state;
 use super::{DbError, MetadataStore, from_millis, parse_column, query_error, unsigned};
 
@@ -25,6 +27,18 @@ pub struct Tally {
     pub oldest_queued_since: Option<SystemTime>,
     /// Runs with a sandbox assigned or running, oldest id first.
     pub active: Vec<ActiveRun>,
+    /// Per tenant with packs, what its packs hold (tenant order).
+    pub stored: Vec<StoredPacks>,
+}
+
+/// What one tenant's packs hold in the object store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredPacks {
+    pub tenant: TenantId,
+    /// Packs a checkpoint references, or that no sweep has condemned yet.
+    pub live: PackTally,
+    /// Packs condemned and waiting out the grace before they are deleted.
+    pub condemned: PackTally,
 }
 
 /// A run with a sandbox, and how recent its workspace's newest checkpoint is.
@@ -47,7 +61,7 @@ const ACTIVE: [RunState; 4] = [
 ];
 
 impl MetadataStore {
-    /// Reads the figures the metrics report, in four statements.
+    /// Reads the figures the metrics report, in five statements.
     pub async fn tally(&self) -> Result<Tally, DbError> {
         let op = "read figures for metrics";
         let mut conn = self.pool.acquire().await.map_err(query_error(op))?;
@@ -122,6 +136,38 @@ impl MetadataStore {
                 created_at: from_millis(created_at),
                 newest_checkpoint_at: newest.map(from_millis),
             });
+        }
+
+        let rows = sqlx::query(
+            "SELECT tenant,
+                    CAST(CASE WHEN condemned_at IS NULL THEN 0 ELSE 1 END AS BIGINT) AS condemned,
+                    COUNT(*) AS packs, CAST(COALESCE(SUM(size), 0) AS BIGINT) AS bytes
+             FROM packs GROUP BY 1, 2 ORDER BY 1",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(query_error(op))?;
+        for row in &rows {
+            let tenant: String = row.try_get("tenant").map_err(read)?;
+            let tenant: TenantId = parse_column(&tenant, "tenant")?;
+            let condemned: i64 = row.try_get("condemned").map_err(read)?;
+            let packs = PackTally {
+                packs: unsigned(row.try_get("packs").map_err(read)?, "pack count")?,
+                bytes: unsigned(row.try_get("bytes").map_err(read)?, "pack bytes")?,
+            };
+            if tally.stored.last().is_none_or(|s| s.tenant != tenant) {
+                tally.stored.push(StoredPacks {
+                    tenant,
+                    live: PackTally::default(),
+                    condemned: PackTally::default(),
+                });
+            }
+            let stored = tally.stored.last_mut().expect("pushed above");
+            if condemned != 0 {
+                stored.condemned.absorb(packs);
+            } else {
+                stored.live.absorb(packs);
+            }
         }
         Ok(tally)
     }

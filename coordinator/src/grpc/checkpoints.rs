@@ -1043,10 +1043,12 @@ impl CheckpointService for CheckpointApi {
         &self,
         request: Request<pb::GetRestoreManifestRequest>,
     ) -> Result<Response<pb::RestoreManifest>, Status> {
+        let started = std::time::Instant::now();
         let principal = principal(&request)?.clone();
         let manifest = self
             .restore_manifest(&principal, request.into_inner())
             .await?;
+        self.shared.metrics.restore_manifest(started.elapsed());
         Ok(Response::new(manifest))
     }
 }

@@ -1,88 +1,17 @@
-//! `/metrics`: a scrape after commits, a refused commit and runs, read by
-//! the Prometheus client library's own parser (Python's
-//! `prometheus_client`).
-
-use std::collections::BTreeMap;
-use std::io::Write as _;
-use std::process::{Command, Stdio};
+//! `/metrics`: a scrape after commits, a refused commit, a restore
+//! manifest, runs and a garbage collection cycle, read by the Prometheus
+//! client library's own parser (Python's `prometheus_client`).
 
 use cairn_proto::domain::PackKind;
+use cairn_proto::pb;
+use cairn_proto::pb::admin_service_client::AdminServiceClient;
+use cairn_utils::testing::{Sample, parse_prometheus, sample_value as value};
 
 use crate::fleet::*;
 use crate::harness::*;
 
-/// One sample: metric name, labels, value.
-type Sample = (String, BTreeMap<String, String>, f64);
-
-/// Parses a scrape with `prometheus_client`'s text parser, which refuses
-/// what Prometheus would.
-fn parse_exposition(text: &str) -> Vec<Sample> {
-    const SCRIPT: &str = "import json, sys\n\
-        from prometheus_client.parser import text_string_to_metric_families\n\
-        for family in text_string_to_metric_families(sys.stdin.read()):\n\
-        \x20   for s in family.samples:\n\
-        \x20       print(json.dumps([s.name, s.labels, s.value]))\n";
-    let mut child = Command::new(python_with_prometheus_client())
-        .args(["-c", SCRIPT])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the python that imports prometheus_client runs");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(
-        output.status.success(),
-        "prometheus_client refused the scrape (or is not installed: apt-get install python3-prometheus-client):\n{}\n{text}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout)
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect()
-}
-
-/// A Python that imports `prometheus_client`: the one on the PATH, else
-/// the system's, where Debian's python3-prometheus-client installs it (a
-/// PATH may lead to another Python first).
-fn python_with_prometheus_client() -> &'static str {
-    ["python3", "/usr/bin/python3"]
-        .into_iter()
-        .find(|python| {
-            Command::new(python)
-                .args(["-c", "import prometheus_client"])
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|status| status.success())
-        })
-        .expect(
-            "no python3 imports prometheus_client: apt-get install python3-prometheus-client (.ci/run does)",
-        )
-}
-
-/// The value of the one sample named `name` with exactly `labels`.
-fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
-    let labels: BTreeMap<String, String> = labels
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
-    let found: Vec<f64> = samples
-        .iter()
-        .filter(|(n, l, _)| n == name && *l == labels)
-        .map(|(_, _, v)| *v)
-        .collect();
-    assert_eq!(found.len(), 1, "one sample {name}{labels:?} in {samples:?}");
-    found[0]
-}
-
 #[tokio::test]
-async fn a_scrape_counts_commits_refusals_runs_hosts_and_recovery_points() {
+async fn a_scrape_counts_commits_refusals_runs_hosts_storage_gc_and_recovery_points() {
     let dir = data_dir();
     let (server, metrics_url) = TestServer::start_with_metrics(dir.path()).await;
     let mut client = server.client().await;
@@ -99,6 +28,16 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_and_recovery_points() {
     upload(&mut client, &ws.id, &[&data]).await;
     commit(&mut client, request()).await;
     let committed_bytes = (meta.size + data.size) as f64;
+    manifest(&mut client, &ws.id, "").await;
+    AdminServiceClient::new(client.auth_channel())
+        .collect_garbage(pb::CollectGarbageRequest { dry_run: false })
+        .await
+        .unwrap();
+    // A dry run deletes nothing and is not a cycle.
+    AdminServiceClient::new(client.auth_channel())
+        .collect_garbage(pb::CollectGarbageRequest { dry_run: true })
+        .await
+        .unwrap();
 
     // A run no host can take, and one a host is assigned, on the workspace
     // just checkpointed.
@@ -118,7 +57,7 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_and_recovery_points() {
         content_type.starts_with("text/plain; version=0.0.4"),
         "{content_type}"
     );
-    let samples = parse_exposition(&response.text().await.unwrap());
+    let samples = parse_prometheus(&response.text().await.unwrap());
 
     assert_eq!(
         value(&samples, "cairn_checkpoints_committed_total", &[]),
@@ -145,6 +84,54 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_and_recovery_points() {
         1.0
     );
 
+    assert_eq!(
+        value(
+            &samples,
+            "cairn_restore_manifest_duration_seconds_count",
+            &[]
+        ),
+        1.0
+    );
+
+    // The two packs the commit brought are live, none condemned.
+    let stored = |name: &str, state: &str| {
+        value(&samples, name, &[("tenant", &ws.tenant), ("state", state)])
+    };
+    assert_eq!(stored("cairn_stored_bytes", "live"), committed_bytes);
+    assert_eq!(stored("cairn_stored_packs", "live"), 2.0);
+    assert_eq!(stored("cairn_stored_bytes", "condemned"), 0.0);
+
+    // One cycle ran, deleting nothing: every pack is referenced.
+    assert_eq!(
+        value(&samples, "cairn_gc_cycles_total", &[("outcome", "ok")]),
+        1.0
+    );
+    assert_eq!(value(&samples, "cairn_gc_freed_bytes_total", &[]), 0.0);
+    assert_eq!(
+        value(&samples, "cairn_gc_checkpoints_deleted_total", &[]),
+        0.0
+    );
+    let last_gc = value(&samples, "cairn_gc_last_success_timestamp_seconds", &[]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        last_gc > now - 600.0 && last_gc <= now,
+        "{last_gc} vs {now}"
+    );
+
+    // The scheduler assigned one run for the first time.
+    assert_eq!(
+        value(
+            &samples,
+            "cairn_run_first_assignment_wait_seconds_count",
+            &[]
+        ),
+        1.0
+    );
+    assert!(value(&samples, "cairn_scheduler_pass_duration_seconds_count", &[]) >= 1.0);
+
     // Every state has a series; the two runs are where they should be.
     let runs = |state: &str| value(&samples, "cairn_runs", &[("state", state)]);
     assert_eq!(runs("queued"), 1.0);
@@ -163,27 +150,28 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_and_recovery_points() {
     // The recovery point of the run with a sandbox, and of no other.
     let ages: Vec<&Sample> = samples
         .iter()
-        .filter(|(name, _, _)| name == "cairn_run_checkpoint_age_seconds")
+        .filter(|s| s.name == "cairn_run_checkpoint_age_seconds")
         .collect();
     assert_eq!(ages.len(), 1, "{ages:?}");
-    assert_eq!(ages[0].1["run"], active.id);
-    assert_eq!(ages[0].1["workspace"], ws.id);
-    assert!(ages[0].2 >= 0.0);
-    assert_ne!(ages[0].1["run"], queued.id);
+    assert_eq!(ages[0].labels["run"], active.id);
+    assert_eq!(ages[0].labels["workspace"], ws.id);
+    assert!(ages[0].value >= 0.0);
+    assert_ne!(ages[0].labels["run"], queued.id);
 
-    // The example alerts name only series the coordinator serves.
+    // The example alerts name only series the coordinator serves (hosts'
+    // are checked by the host metrics test).
     let alerts = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/alerts.yml"),
     )
     .unwrap();
     let mut named = alerts
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|word| word.starts_with("cairn_"))
+        .filter(|word| word.starts_with("cairn_") && !word.starts_with("cairn_host_"))
         .peekable();
     assert!(named.peek().is_some(), "docs/alerts.yml names cairn series");
     for series in named {
         assert!(
-            samples.iter().any(|(name, _, _)| name == series),
+            samples.iter().any(|s| s.name == series),
             "docs/alerts.yml names {series}, which the coordinator does not serve"
         );
     }
