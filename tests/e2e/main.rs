@@ -20,7 +20,8 @@
 //! Issue 31: retention (keep-last with churn, pins, forks outliving a
 //! deleted source, a sweep cut short by a crash). Issue 32: s3_store
 //! (`--store s3://…` against s3s-fs: checkpoints, restores and collection
-//! through the bucket; refused start-ups).
+//! through the bucket; refused start-ups). Issue 33: host_metrics
+//! (`cairn-host --metrics-listen` after runs on a kept tree).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -38,6 +39,7 @@ mod demo;
 mod faults;
 mod fidelity;
 mod fork;
+mod host_metrics;
 mod hostile;
 mod hosts;
 mod incremental;

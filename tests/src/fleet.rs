@@ -78,6 +78,8 @@ pub struct HostOptions {
     pub client_certificate: Option<(PathBuf, PathBuf)>,
     /// More `--env NAME=VALUE` for every sandbox (a provider's address).
     pub env: Vec<(String, String)>,
+    /// `--metrics-listen`.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl Default for HostOptions {
@@ -89,6 +91,7 @@ impl Default for HostOptions {
             token: None,
             client_certificate: None,
             env: Vec::new(),
+            metrics_listen: None,
         }
     }
 }
@@ -908,6 +911,9 @@ impl Host {
         };
         for (name, value) in &self.options.env {
             command.arg("--env").arg(format!("{name}={value}"));
+        }
+        if let Some(address) = self.options.metrics_listen {
+            command.arg("--metrics-listen").arg(address.to_string());
         }
         if let Some((cert, key)) = &self.options.client_certificate {
             command

@@ -20,6 +20,8 @@
 //!   key is ([`compact::compact`]).
 //! - [`client`]: the gRPC connection to the coordinator
 //!   ([`client::CoordinatorClient`]).
+//! - [`host_reports`]: what a runner tells its host about its restores and
+//!   checkpoints (for the host's metrics), and how the host reads it.
 //!
 //! Underneath, each module depending only on those above it in this list:
 //! - [`format`]: the versioned checkpoint format (trees, sealed blobs, packs).
@@ -43,6 +45,7 @@ pub mod compact;
 pub mod format;
 pub mod git;
 pub mod gitobj;
+pub mod host_reports;
 pub mod libgit2;
 pub mod restore;
 pub mod scan;

@@ -44,9 +44,11 @@ use tonic::service::interceptor::InterceptedService;
 use super::driver::{Driver, Sandbox, SandboxSpec};
 use super::kept::KeptWorkspaces;
 use super::layout::{HostCredential, Layout, SandboxRecord, valid_sandbox_id};
+use super::metrics::HostMetrics;
 use super::sandbox::{self, Cleanup, KeepOnEnd, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
 use super::{HostConfig, HostError};
 use cairn_engine::client::{AuthChannel, CoordinatorChannel};
+use cairn_engine::host_reports::{self, ReportReader};
 
 /// How often kept workspace trees are checked against their age bound.
 const KEPT_PRUNE_EVERY: Duration = Duration::from_secs(600);
@@ -108,6 +110,7 @@ pub struct Agent<D: Driver> {
     layout: Layout,
     kept: Option<Arc<KeptWorkspaces>>,
     kept_pruned: Instant,
+    metrics: Arc<HostMetrics>,
     channel: CoordinatorChannel,
     client: HostServiceClient<AuthChannel>,
     /// The client speaks with the host's bound token (kept in the data dir),
@@ -183,6 +186,7 @@ impl<D: Driver> Agent<D> {
             layout,
             kept,
             kept_pruned: Instant::now(),
+            metrics: Arc::new(HostMetrics::new()),
             channel,
             client,
             bound,
@@ -202,6 +206,11 @@ impl<D: Driver> Agent<D> {
             unreachable: None,
             full_warned: HashSet::new(),
         })
+    }
+
+    /// What the agent counts, for `/metrics`.
+    pub fn metrics(&self) -> Arc<HostMetrics> {
+        self.metrics.clone()
     }
 
     /// Runs until `shutdown` resolves and every sandbox is gone.
@@ -230,6 +239,10 @@ impl<D: Driver> Agent<D> {
                     next_exchange = Instant::now() + self.exchange().await;
                 }
             }
+            self.metrics.set_sandboxes(
+                self.config.slots,
+                self.sandboxes.values().map(|t| t.record.state),
+            );
         }
         // Updates sent just before the last task ended.
         while let Ok(update) = self.updates_rx.try_recv() {
@@ -261,7 +274,9 @@ impl<D: Driver> Agent<D> {
                 // Nothing to tell a coordinator we are not registered with; wait for the sandboxes.
                 return Duration::from_secs(3600);
             }
-            return match self.register().await {
+            let registered = self.register().await;
+            self.metrics.exchange(registered.is_ok());
+            return match registered {
                 Ok(()) => {
                     self.reachable();
                     Duration::ZERO
@@ -279,7 +294,9 @@ impl<D: Driver> Agent<D> {
                 }
             };
         }
-        match self.heartbeat(self.rpc_timeout()).await {
+        let answered = self.heartbeat(self.rpc_timeout()).await;
+        self.metrics.exchange(answered.is_ok());
+        match answered {
             Ok(answer) => {
                 self.reachable();
                 self.handle(answer);
@@ -393,15 +410,17 @@ impl<D: Driver> Agent<D> {
         &mut self,
         timeout: Duration,
     ) -> Result<pb::HeartbeatResponse, ExchangeError> {
+        let kept_workspaces: Vec<String> = self
+            .kept
+            .as_ref()
+            .map(|kept| kept.workspaces().iter().map(ToString::to_string).collect())
+            .unwrap_or_default();
+        self.metrics.set_kept_trees(kept_workspaces.len());
         let request = pb::HeartbeatRequest {
             host_id: self.host_id.clone().unwrap_or_default(),
             sandboxes: self.sandboxes.values().map(Tracked::report).collect(),
             stopping: self.shutting_down,
-            kept_workspaces: self
-                .kept
-                .as_ref()
-                .map(|kept| kept.workspaces().iter().map(ToString::to_string).collect())
-                .unwrap_or_default(),
+            kept_workspaces,
         };
         let mut client = self.client.clone();
         match tokio::time::timeout(timeout, client.heartbeat(request)).await {
@@ -542,7 +561,9 @@ impl<D: Driver> Agent<D> {
         };
         let keep = self.keep_on_end(&record);
         if let Some(keep) = &keep {
-            match keep.kept.take(&keep.workspace, &paths) {
+            let taken = keep.kept.take(&keep.workspace, &paths);
+            self.metrics.kept_take(matches!(taken, Ok(Some(_))));
+            match taken {
                 Ok(Some(bytes)) => tracing::info!(
                     sandbox = %id, workspace = %keep.workspace, size = %cairn_proto::size::human_bytes(bytes),
                     "starting on the workspace tree an earlier sandbox of this workspace left"
@@ -554,6 +575,10 @@ impl<D: Driver> Agent<D> {
                     tracing::warn!(sandbox = %id, error = %e, "cannot take the kept workspace tree")
                 }
             }
+        }
+        // After the take: a kept cache directory brings the last sandbox's.
+        if let Err(e) = host_reports::create(&paths.cache) {
+            tracing::warn!(sandbox = %id, error = %e, "cannot create the runner's reports file; its restores and checkpoints are not in the metrics");
         }
         let coordinator = self
             .config
@@ -588,8 +613,10 @@ impl<D: Driver> Agent<D> {
                     sandbox = %id, run = %record.run_id, attempt = record.attempt, pid = ?record.pid,
                     log = %spec.log_file.display(), "sandbox started"
                 );
+                self.metrics.sandbox_started();
                 let (destroy_tx, destroy_rx) = oneshot::channel();
-                self.supervise(&spec, keep, started, destroy_rx);
+                let reports = ReportReader::new();
+                self.supervise(&spec, keep, started, destroy_rx, reports);
                 self.remember_live(record, destroy_tx);
             }
             Err(e) => {
@@ -599,6 +626,7 @@ impl<D: Driver> Agent<D> {
                 }
                 record.state = SandboxState::Failed;
                 record.detail = e.to_string();
+                self.metrics.sandbox_ended(SandboxState::Failed);
                 self.remember(record);
             }
         }
@@ -631,6 +659,7 @@ impl<D: Driver> Agent<D> {
         keep: Option<KeepOnEnd>,
         started: D::Sandbox,
         destroy_rx: oneshot::Receiver<String>,
+        reports: ReportReader,
     ) {
         let handle = self.tasks.spawn(sandbox::supervise(
             spec.sandbox_id.clone(),
@@ -641,7 +670,11 @@ impl<D: Driver> Agent<D> {
                 paths: spec.paths.clone(),
                 keep,
             },
-            spec.log_file.clone(),
+            sandbox::RunnerOutput {
+                log_file: spec.log_file.clone(),
+                reports,
+                metrics: self.metrics.clone(),
+            },
             self.updates_tx.clone(),
         ));
         self.task_sandboxes
@@ -748,6 +781,7 @@ impl<D: Driver> Agent<D> {
                     return;
                 };
                 tracked.destroy = None;
+                self.metrics.sandbox_ended(state);
                 tracked.record.state = state;
                 tracked.record.exit_code = exit_code;
                 tracked.record.detail = detail;
@@ -836,7 +870,9 @@ impl<D: Driver> Agent<D> {
                     let (destroy_tx, destroy_rx) = oneshot::channel();
                     let _ = destroy_tx.send(REASON_HOST_RESTARTED.to_owned());
                     let keep = self.keep_on_end(&record);
-                    self.supervise(&spec, keep, adopted, destroy_rx);
+                    // The earlier process counted what is in the file.
+                    let reports = ReportReader::from_end(&spec.paths.cache);
+                    self.supervise(&spec, keep, adopted, destroy_rx, reports);
                     self.sandboxes.insert(
                         id,
                         Tracked {

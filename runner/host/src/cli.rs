@@ -136,6 +136,12 @@ pub struct HostArgs {
     )]
     pub tls_client_key: Option<PathBuf>,
 
+    /// Serve Prometheus metrics at http://ADDR/metrics (sandboxes, kept
+    /// trees, restore and checkpoint durations, pack cache use); off
+    /// unless given.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "CAIRN_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -266,6 +272,7 @@ async fn stop_signal() {
 pub fn main() -> ExitCode {
     let args = HostArgs::parse();
     cairn_utils::logging::init(args.log_format, "info");
+    let metrics_listen = args.metrics_listen;
     let config = match args.into_config() {
         Ok(config) => config,
         Err(e) => {
@@ -273,8 +280,16 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    cairn_utils::program::run(async {
-        super::run(config, stop_signal())
+    cairn_utils::program::run(async move {
+        let metrics_listener = match metrics_listen {
+            Some(address) => Some(
+                tokio::net::TcpListener::bind(address)
+                    .await
+                    .map_err(|source| super::HostError::MetricsListener { address, source })?,
+            ),
+            None => None,
+        };
+        super::run(config, metrics_listener, stop_signal())
             .await
             .map(|()| ExitCode::SUCCESS)
     })

@@ -44,6 +44,9 @@
 //! - [`template`]: the exec driver's command templates.
 //! - [`layout`]: the data directory (host id, sandbox dirs, records, logs).
 //! - [`kept`]: workspace trees kept for the next sandbox of their workspace.
+//! - [`metrics`]: Prometheus metrics on `--metrics-listen`: sandboxes, kept
+//!   trees, exchanges, and what runners report of their restores and
+//!   checkpoints.
 
 pub mod agent;
 pub mod cli;
@@ -52,6 +55,7 @@ pub mod exec;
 pub mod kept;
 pub mod layout;
 pub mod local;
+pub mod metrics;
 pub mod process;
 pub mod sandbox;
 pub mod template;
@@ -61,6 +65,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use cairn_proto::runs::Labels;
+use tokio::net::TcpListener;
 
 use cairn_engine::restore::PackCacheConfig;
 use cairn_engine::tls::ClientTls;
@@ -137,6 +142,11 @@ pub enum HostError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot listen for metrics scrapes on {address}: {source}")]
+    MetricsListener {
+        address: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 impl HostConfig {
@@ -201,9 +211,11 @@ pub fn parse_env_var(text: &str) -> Result<(String, String), String> {
 }
 
 /// Runs the host agent until `shutdown` resolves (then destroys every
-/// sandbox and returns) or the coordinator refuses the host.
+/// sandbox and returns) or the coordinator refuses the host, serving its
+/// [`metrics`] on `metrics_listener` meanwhile, if given.
 pub async fn run(
     config: HostConfig,
+    metrics_listener: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), HostError> {
     config.validate()?;
@@ -212,20 +224,43 @@ pub async fn run(
     match &config.driver {
         DriverConfig::Local => {
             let driver = LocalDriver::new(&config.runner_bin, layout.root())?;
-            agent::Agent::new(config, driver, layout)?
-                .run(shutdown)
-                .await
+            let agent = agent::Agent::new(config, driver, layout)?;
+            run_serving_metrics(agent, metrics_listener, shutdown).await
         }
         DriverConfig::Exec(templates) => {
             let runner = config.runner_bin.display().to_string();
             let pack_cache = config.pack_cache.as_ref().map(|c| c.dir.as_path());
             let driver =
                 ExecDriver::new(templates, &runner, layout.root(), pack_cache, config.grace)?;
-            agent::Agent::new(config, driver, layout)?
-                .run(shutdown)
-                .await
+            let agent = agent::Agent::new(config, driver, layout)?;
+            run_serving_metrics(agent, metrics_listener, shutdown).await
         }
     }
+}
+
+/// Runs `agent`, with its metrics served on `listener` until it stops.
+async fn run_serving_metrics<D: driver::Driver>(
+    agent: agent::Agent<D>,
+    listener: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), HostError> {
+    let Some(listener) = listener else {
+        return agent.run(shutdown).await;
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(metrics::serve(listener, agent.metrics(), async {
+        let _ = stopped.await;
+    }));
+    let result = agent.run(shutdown).await;
+    let _ = stop.send(());
+    match serving.await {
+        Ok(Ok(())) => {}
+        // The sandboxes matter more than the scrapes: the agent goes on
+        // without them.
+        Ok(Err(e)) => tracing::error!(error = %e, "the metrics server failed"),
+        Err(e) => tracing::error!(error = %e, "the metrics server panicked"),
+    }
+    result
 }
 
 /// Like [`run`] with a driver the caller built (tests, embedders).

@@ -21,6 +21,8 @@ use super::driver::ExitCode;
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
 use super::kept::{Keeping, KeptWorkspaces};
 use super::layout::{SandboxPaths, remove_tree};
+use super::metrics::HostMetrics;
+use cairn_engine::host_reports::ReportReader;
 use cairn_engine::restore::PackCacheConfig;
 use cairn_utils::process::describe_exit;
 
@@ -142,6 +144,26 @@ impl Cleanup {
     }
 }
 
+/// How often a sandbox's reports file is read while it runs.
+const READ_REPORTS_EVERY: Duration = Duration::from_secs(2);
+
+/// What a sandbox's runner leaves for the host: its log, whose tail an
+/// exit detail quotes, and its reports, read from its cache directory
+/// ([`cairn_engine::host_reports`]) into the host's metrics.
+#[derive(Debug)]
+pub struct RunnerOutput {
+    pub log_file: PathBuf,
+    pub reports: ReportReader,
+    pub metrics: Arc<HostMetrics>,
+}
+
+impl RunnerOutput {
+    fn read_reports(&mut self, cache_dir: &std::path::Path) {
+        let new = self.reports.read_new(cache_dir);
+        self.metrics.runner_reports(&new);
+    }
+}
+
 /// Supervises one started sandbox until it is gone and its directory removed.
 ///
 /// `destroy` carries the destroy reason; if its sender is dropped, the
@@ -152,9 +174,11 @@ pub async fn supervise<S: Sandbox>(
     grace: Duration,
     mut destroy: oneshot::Receiver<String>,
     cleanup: Cleanup,
-    log_file: PathBuf,
+    mut runner: RunnerOutput,
     updates: mpsc::UnboundedSender<Update>,
 ) {
+    let mut read_reports = tokio::time::interval(READ_REPORTS_EVERY);
+    read_reports.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (state, exit_code, mut detail) = loop {
         tokio::select! {
             biased;
@@ -171,15 +195,19 @@ pub async fn supervise<S: Sandbox>(
                 }
                 SandboxEvent::Ended(code) => {
                     sandbox.release().await;
-                    break (SandboxState::Exited, code, exit_detail(code, &log_file));
+                    break (SandboxState::Exited, code, exit_detail(code, &runner.log_file));
                 }
                 SandboxEvent::Failed(detail) => {
                     sandbox.release().await;
                     break (SandboxState::Failed, None, detail);
                 }
             },
+            _ = read_reports.tick() => runner.read_reports(&cleanup.paths.cache),
         }
     };
+    // What the runner reported last, the destroy checkpoint among it,
+    // before the directory is kept or removed.
+    runner.read_reports(&cleanup.paths.cache);
     // Walking and moving a workspace of tens of thousands of files is no
     // work for the agent's event loop.
     let id = sandbox_id.clone();

@@ -7,10 +7,13 @@ mod host_support;
 
 use std::fs;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_engine::host_reports::ReportReader;
 use cairn_host::driver::{Driver, SandboxSpec};
-use cairn_host::sandbox::{Cleanup, Update, supervise};
+use cairn_host::metrics::HostMetrics;
+use cairn_host::sandbox::{Cleanup, RunnerOutput, Update, supervise};
 use cairn_host::{ExecDriver, ExecTemplates, LocalDriver, NamespaceMode};
 use cairn_proto::runs::SandboxState;
 use host_support::*;
@@ -40,7 +43,11 @@ impl Running {
                 paths: spec.paths.clone(),
                 keep: None,
             },
-            spec.log_file.clone(),
+            RunnerOutput {
+                log_file: spec.log_file.clone(),
+                reports: ReportReader::new(),
+                metrics: Arc::new(HostMetrics::new()),
+            },
             updates_tx,
         ));
         Self {

@@ -18,6 +18,7 @@ use cairn_engine::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
 };
 use cairn_engine::client::CoordinatorClient;
+use cairn_engine::host_reports::{self, HostReport};
 use cairn_engine::restore::{self, NoProgress, RestoreError, RestoreOptions};
 use cairn_engine::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
 
@@ -168,6 +169,14 @@ impl RemoteStore {
 }
 
 impl RemoteStore {
+    /// Reports a restore or checkpoint to the host, if it asked for
+    /// reports ([`host_reports`]); the run goes on whatever happens.
+    fn tell_host(&self, report: &HostReport) {
+        if let Err(e) = host_reports::append(&self.cache_dir, report) {
+            tracing::debug!(error = %e, "cannot append to the host's reports file");
+        }
+    }
+
     /// How this store checkpoints the workspace.
     async fn checkpoint_options(
         &self,
@@ -214,6 +223,12 @@ impl WorkspaceStore for RemoteStore {
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
             match restored {
                 Ok(report) => {
+                    self.tell_host(&HostReport::Restore {
+                        duration_ms: report.duration_ms,
+                        bytes_downloaded: report.bytes_downloaded,
+                        bytes_from_cache: report.bytes_from_cache,
+                        bytes_written: report.bytes_written,
+                    });
                     // The restore recorded what it wrote in the cache: the
                     // first checkpoint finds it in memory, with what the
                     // restored checkpoint holds worked out meanwhile.
@@ -255,6 +270,12 @@ impl WorkspaceStore for RemoteStore {
                 Some(baseline) => checkpoint::checkpoint_if_changed(opts, baseline).await?,
                 None => Some(checkpoint::checkpoint(opts).await?),
             };
+            if let Some(report) = &report {
+                self.tell_host(&HostReport::Checkpoint {
+                    duration_ms: report.stats.duration_ms,
+                    bytes_uploaded: report.stats.uploaded_bytes,
+                });
+            }
             Ok(report.map(|report| Checkpointed {
                 id: report.checkpoint_id.clone(),
                 root_tree: report.root_tree,
