@@ -72,6 +72,30 @@ pub fn restore_summary(report: &RestoreReport, root: &Path) -> String {
     out
 }
 
+/// A warning when the checkpoint `report` restored was taken more than
+/// `threshold` before `now`: whatever was done in the workspace after it
+/// is not in the restored tree. `None` when it is newer, or its time is
+/// unknown.
+pub fn staleness_warning(
+    report: &RestoreReport,
+    threshold: std::time::Duration,
+    now: std::time::SystemTime,
+) -> Option<String> {
+    let taken = report.checkpoint_created_at()?;
+    let age = now.duration_since(taken).ok()?;
+    if threshold.is_zero() || age <= threshold {
+        return None;
+    }
+    let round = std::time::Duration::from_secs(age.as_secs());
+    Some(format!(
+        "warning: the restored checkpoint {} was taken {} ago, more than {}: \
+         anything done in the workspace after it is not in this tree",
+        report.checkpoint_id,
+        humantime::format_duration(round),
+        humantime::format_duration(threshold),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use cairn_engine::checkpoint::Stats;
@@ -119,6 +143,51 @@ mod tests {
             json.get("root_tree").is_none(),
             "the JSON output keeps its contract"
         );
+    }
+
+    #[test]
+    fn a_restore_of_an_old_checkpoint_warns_past_the_threshold_only() {
+        let now = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let report = |age_secs: u64| RestoreReport {
+            checkpoint_id: CheckpointId::generate(),
+            workspace_id: WorkspaceId::generate(),
+            checkpoint: cairn_proto::pb::Checkpoint {
+                created_at: Some(cairn_proto::domain::to_timestamp(
+                    now - std::time::Duration::from_secs(age_secs),
+                )),
+                ..Default::default()
+            },
+            fell_back_from: vec![],
+            files: 0,
+            directories: 0,
+            symlinks: 0,
+            total_bytes: 0,
+            bytes_written: 0,
+            bytes_downloaded: 0,
+            bytes_from_cache: 0,
+            files_reused: 0,
+            entries_removed: 0,
+            duration_ms: 0,
+        };
+        let hour = std::time::Duration::from_secs(3600);
+        assert_eq!(staleness_warning(&report(3599), hour, now), None);
+        let old = report(3 * 3600 + 120);
+        assert_eq!(
+            staleness_warning(&old, hour, now).unwrap(),
+            format!(
+                "warning: the restored checkpoint {} was taken 3h 2m ago, more than 1h: \
+                 anything done in the workspace after it is not in this tree",
+                old.checkpoint_id
+            )
+        );
+        // 0 turns the warning off; a checkpoint without a time cannot warn.
+        assert_eq!(
+            staleness_warning(&old, std::time::Duration::ZERO, now),
+            None
+        );
+        let mut timeless = report(0);
+        timeless.checkpoint.created_at = None;
+        assert_eq!(staleness_warning(&timeless, hour, now), None);
     }
 
     #[test]

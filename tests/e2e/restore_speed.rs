@@ -272,3 +272,44 @@ fn a_restore_onto_a_baked_older_copy_downloads_and_writes_only_the_difference() 
         "{again}"
     );
 }
+
+#[test]
+fn a_restore_says_when_its_checkpoint_was_taken_and_warns_when_it_is_too_old() {
+    let tmp = tempdir("restore-age");
+    let root = tmp.path().join("workspace");
+    write(&root.join("notes.txt"), "work\n");
+    let coordinator = Coordinator::start();
+    let workspace = coordinator.create_workspace("aged");
+    let client = coordinator.client();
+    client.checkpoint(&root, &workspace);
+
+    let fresh = client
+        .try_restore(&tmp.path().join("fresh"), &workspace, &["--output", "json"])
+        .assert_success();
+    let taken = fresh.json()["checkpoint_created_at"]
+        .as_str()
+        .map(humantime::parse_rfc3339)
+        .expect("the JSON says when the checkpoint was taken")
+        .expect("in RFC 3339");
+    let age = std::time::SystemTime::now()
+        .duration_since(taken)
+        .unwrap_or_default();
+    assert!(age < std::time::Duration::from_secs(600), "{age:?}");
+    assert!(!fresh.stderr.contains("warning"), "{}", fresh.stderr);
+
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let stale = client
+        .try_restore(
+            &tmp.path().join("stale"),
+            &workspace,
+            &["--warn-older-than", "1s"],
+        )
+        .assert_success();
+    assert!(
+        stale.stderr.contains("warning: the restored checkpoint")
+            && stale.stderr.contains("more than 1s"),
+        "{}",
+        stale.stderr
+    );
+    assert!(stale.stdout.contains("restored checkpoint"), "{}", stale.stdout);
+}

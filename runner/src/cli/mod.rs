@@ -263,6 +263,11 @@ pub struct RestoreArgs {
     #[command(flatten)]
     pub existing: ExistingFilesArgs,
 
+    /// Warn on stderr when the restored checkpoint is older than this (the
+    /// work after it is not restored); 0 never warns.
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub warn_older_than: std::time::Duration,
+
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
 }

@@ -6,7 +6,7 @@ use cairn_engine::restore::{NoProgress, RestoreOptions, restore};
 use cairn_proto::ids::CheckpointId;
 
 use super::{OutputFormat, RestoreArgs, default_cache_dir};
-use crate::report::restore_summary;
+use crate::report::{restore_summary, staleness_warning};
 
 pub(super) async fn main(args: RestoreArgs) -> anyhow::Result<()> {
     let checkpoint = args
@@ -28,6 +28,11 @@ pub(super) async fn main(args: RestoreArgs) -> anyhow::Result<()> {
         ..RestoreOptions::new(args.root, args.workspace)
     };
     let report = restore(&coordinator, &opts, &NoProgress).await?;
+    if let Some(warning) =
+        staleness_warning(&report, args.warn_older_than, std::time::SystemTime::now())
+    {
+        eprintln!("{warning}");
+    }
     match args.output {
         OutputFormat::Text => println!("{}", restore_summary(&report, &opts.root)),
         OutputFormat::Json => println!("{}", report.to_json()),

@@ -152,6 +152,8 @@ pub struct RestoreReport {
 struct ReportJson<'a> {
     checkpoint_id: &'a str,
     workspace_id: &'a str,
+    /// When the restored checkpoint was taken (RFC 3339), if recorded.
+    checkpoint_created_at: Option<String>,
     fell_back_from: &'a [SkippedCheckpoint],
     files: u64,
     directories: u64,
@@ -165,11 +167,22 @@ struct ReportJson<'a> {
 }
 
 impl RestoreReport {
+    /// When the restored checkpoint was taken, if its record says.
+    pub fn checkpoint_created_at(&self) -> Option<std::time::SystemTime> {
+        self.checkpoint
+            .created_at
+            .as_ref()
+            .map(cairn_proto::domain::from_timestamp)
+    }
+
     /// The report as the JSON object of `--output json`.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(ReportJson {
             checkpoint_id: self.checkpoint_id.as_str(),
             workspace_id: self.workspace_id.as_str(),
+            checkpoint_created_at: self
+                .checkpoint_created_at()
+                .map(|t| humantime::format_rfc3339_millis(t).to_string()),
             fell_back_from: &self.fell_back_from,
             files: self.files,
             directories: self.directories,
