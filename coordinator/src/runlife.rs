@@ -73,7 +73,9 @@
 //! move the run; an outcome still does), and an outcome reported for a run
 //! that already ended (recorded only).
 
-use cairn_proto::runs::RunState;
+use std::time::{Duration, SystemTime};
+
+use cairn_proto::runs::{Outcome, RunState};
 
 /// Why a host is told to destroy a sandbox (`DestroyOrder.reason`).
 pub mod destroy_reason {
@@ -315,6 +317,26 @@ pub fn next_step(state: RunState, destroy_order: Option<&str>, interrupted: bool
         None if interrupted => NextStep::Requeue { failure: false },
         None => NextStep::Requeue { failure: true },
     }
+}
+
+/// How much of the attempt before work a restore cannot bring back: the
+/// time from the restored checkpoint (or, with none restored, from that
+/// attempt's start) to its end, when it ended without its runner reporting
+/// an outcome — its host was lost, its sandbox failed or its runner died,
+/// so no checkpoint was cut as it stopped. `None` when the attempt before
+/// reported one (its last checkpoint is what it left) or has not ended.
+pub fn unsaved_window(
+    previous_outcome: Option<Outcome>,
+    previous_started_at: SystemTime,
+    previous_ended_at: Option<SystemTime>,
+    restored_taken_at: Option<SystemTime>,
+) -> Option<Duration> {
+    if previous_outcome.is_some() {
+        return None;
+    }
+    let ended = previous_ended_at?;
+    let from = restored_taken_at.unwrap_or(previous_started_at);
+    ended.duration_since(from).ok().filter(|d| !d.is_zero())
 }
 
 #[cfg(test)]
@@ -624,5 +646,33 @@ mod tests {
     fn illegal_transitions_say_what_was_refused() {
         let err = next(S::Queued, Event::Claimed).unwrap_err();
         assert_eq!(err.to_string(), "a queued run cannot take event Claimed");
+    }
+
+    #[test]
+    fn only_an_attempt_that_ended_without_an_outcome_loses_work_after_the_restored_checkpoint() {
+        let t = |secs| SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
+        // Host lost at 1000; the restore brings back the checkpoint of 400.
+        assert_eq!(
+            unsaved_window(None, t(100), Some(t(1000)), Some(t(400))),
+            Some(Duration::from_secs(600))
+        );
+        // Nothing restored: everything since the attempt started.
+        assert_eq!(
+            unsaved_window(None, t(100), Some(t(1000)), None),
+            Some(Duration::from_secs(900))
+        );
+        // The runner reported how it ended: it checkpointed as it stopped.
+        for outcome in [Outcome::Interrupted, Outcome::Succeeded, Outcome::Failed] {
+            assert_eq!(
+                unsaved_window(Some(outcome), t(100), Some(t(1000)), Some(t(400))),
+                None
+            );
+        }
+        // Not ended, or a checkpoint newer than the end: nothing lost.
+        assert_eq!(unsaved_window(None, t(100), None, Some(t(400))), None);
+        assert_eq!(
+            unsaved_window(None, t(100), Some(t(300)), Some(t(400))),
+            None
+        );
     }
 }

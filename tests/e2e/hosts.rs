@@ -89,6 +89,25 @@ fn a_crashed_host_s_run_resumes_on_another_host_from_the_last_checkpoint() {
         resumed.restored_checkpoint_id, newest.id,
         "attempt 2 restored the last checkpoint before the crash"
     );
+    // The run says what the crash cost: attempt 1's work after that
+    // checkpoint.
+    let events = fleet.events(&run_id);
+    let lost_work: Vec<_> = events.iter().filter(|e| e.reason == "work_lost").collect();
+    assert_eq!(lost_work.len(), 1, "{events:?}");
+    assert_eq!(
+        (lost_work[0].attempt, lost_work[0].checkpoint_id.as_str()),
+        (2, newest.id.as_str())
+    );
+    assert!(
+        lost_work[0]
+            .detail
+            .starts_with("attempt 1 ended (host_lost) ")
+            && lost_work[0]
+                .detail
+                .contains(&format!("after checkpoint {}", newest.id)),
+        "{}",
+        lost_work[0].detail
+    );
 
     let turns = fleet.agent_turns_in(&resumed.sandbox_id);
     assert_eq!(turns.len(), 1, "one turn on b");

@@ -302,6 +302,11 @@ fn hold_expiry_suspends_and_the_answer_resumes_the_conversation_on_another_host(
         "the restore event names attempt 2, host b and the checkpoint:\n{}",
         shown.join("\n")
     );
+    assert!(
+        events.iter().all(|e| e.reason != "work_lost"),
+        "attempt 1 checkpointed as it stopped: nothing was lost:\n{}",
+        shown.join("\n")
+    );
 }
 
 #[test]

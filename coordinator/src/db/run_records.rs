@@ -25,6 +25,9 @@ pub mod event_reason {
     pub const ASSIGNED: &str = "assigned";
     pub const CLAIMED: &str = "claimed";
     pub const RESTORED: &str = "restored";
+    /// A restore could not bring back the end of the attempt before: it
+    /// ended without a last checkpoint (host lost, runner died).
+    pub const WORK_LOST: &str = "work_lost";
     pub const PREPARED: &str = "prepared";
     pub const HARNESS_STARTED: &str = "harness_started";
     pub const RUNNING: &str = "running";

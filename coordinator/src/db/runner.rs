@@ -6,7 +6,7 @@
 //! [`DbError::Precondition`]. Reports of an attempt whose sandbox is being
 //! destroyed, or whose run ended, are recorded but no longer move the run.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use cairn_proto::ids::{CheckpointId, RunId};
 use cairn_proto::refusal::NotCurrent;
@@ -21,7 +21,7 @@ use super::runs::{
 };
 use super::stations::{NOTES_PER_ATTEMPT, laid_files, record_note, workspace_notes};
 use super::{DbError, MetadataStore, WriteTx, from_millis, millis, query_error, signed};
-use crate::runlife::Event;
+use crate::runlife::{self, Event};
 use sqlx::AnyConnection;
 
 /// The attempt a runner speaks for, if it is the run's current one and has
@@ -116,25 +116,55 @@ async fn consume_inputs(
 }
 
 /// Checks that `checkpoint` is a checkpoint of the run's workspace.
+/// Checks that `checkpoint` is one of `run`'s workspace; returns when it
+/// was taken.
 async fn check_checkpoint(
     tx: &mut WriteTx,
     run: &Run,
     checkpoint: &CheckpointId,
-) -> Result<(), DbError> {
-    let workspace: Option<String> =
-        sqlx::query_scalar("SELECT workspace_id FROM checkpoints WHERE id = $1")
+) -> Result<SystemTime, DbError> {
+    let found: Option<(String, i64)> =
+        sqlx::query_as("SELECT workspace_id, created_at FROM checkpoints WHERE id = $1")
             .bind(checkpoint.as_str())
             .fetch_optional(tx.conn())
             .await
             .map_err(query_error("find checkpoint"))?;
-    if workspace.as_deref() == Some(run.workspace_id.as_str()) {
-        Ok(())
-    } else {
-        Err(DbError::Invalid(format!(
+    match found {
+        Some((workspace, taken)) if workspace == run.workspace_id.as_str() => {
+            Ok(from_millis(taken))
+        }
+        _ => Err(DbError::Invalid(format!(
             "checkpoint {checkpoint} is not a checkpoint of workspace {}",
             run.workspace_id
-        )))
+        ))),
     }
+}
+
+/// What attempt `number`'s restore could not bring back of the attempt
+/// before, in words ([`runlife::unsaved_window`]).
+fn work_lost(
+    run: &Run,
+    number: u32,
+    restored_taken_at: Option<SystemTime>,
+    restored: &str,
+) -> Option<String> {
+    let previous = run.attempt(number.checked_sub(1)?)?;
+    let window = runlife::unsaved_window(
+        previous.outcome,
+        previous.started_at,
+        previous.ended_at,
+        restored_taken_at,
+    )?;
+    let window = humantime::format_duration(Duration::from_secs(window.as_secs().max(1)));
+    let since = if restored.is_empty() {
+        "after it started, and no checkpoint was there to restore".to_owned()
+    } else {
+        format!("after checkpoint {restored}, which this attempt restored,")
+    };
+    Some(format!(
+        "attempt {} ended ({}) {window} {since} without a last checkpoint: what it did in that time is lost",
+        previous.number, previous.end_reason
+    ))
 }
 
 async fn set_last_checkpoint(
@@ -252,9 +282,10 @@ impl MetadataStore {
             .unwrap_or_default();
         match report.phase {
             AttemptPhase::Restoring | AttemptPhase::Preparing => {
-                if let Some(id) = &report.checkpoint {
-                    check_checkpoint(&mut tx, &run, id).await?;
-                }
+                let restored_taken_at = match &report.checkpoint {
+                    Some(id) => Some(check_checkpoint(&mut tx, &run, id).await?),
+                    None => None,
+                };
                 let step = if report.detail.is_empty() {
                     match &report.checkpoint {
                         Some(id) => format!("restored {id}"),
@@ -297,6 +328,15 @@ impl MetadataStore {
                     now,
                 )
                 .await?;
+                if report.phase == AttemptPhase::Restoring
+                    && let Some(lost) = work_lost(&run, number, restored_taken_at, &checkpoint)
+                {
+                    tracing::warn!(run = %run.id, attempt = number, detail = %lost, "a restore could not bring back an attempt's last work");
+                    let draft = EventDraft::new(event_reason::WORK_LOST, lost)
+                        .of(&attempt)
+                        .checkpoint(&checkpoint);
+                    add_event(&mut tx, &run, draft, now).await?;
+                }
             }
             AttemptPhase::Running => {
                 if attempt.state != AttemptState::Running {
