@@ -566,3 +566,59 @@ fn the_next_run_of_a_workspace_goes_to_the_host_that_kept_its_tree_and_starts_on
     );
     fleet.cancel(&busy.id);
 }
+
+#[test]
+fn a_running_attempt_shows_the_work_no_checkpoint_holds_yet() {
+    let mut fleet = Fleet::start();
+    fleet.start_host("a", HostOptions::default());
+    let first = fleet
+        .create_run(fleet.run_request("unsaved", "commit work/one.txt written by the first run"));
+    let first = fleet.wait_for_state(&first.id, RunState::Succeeded);
+
+    // The second run restores the first's checkpoint, writes a file and
+    // works on; no checkpoint comes before its turn ends (the interval is
+    // ten minutes).
+    let draft = "thirteen bytes\n";
+    let second = fleet.create_run(on_workspace(
+        fleet.run_request("", "untracked work/draft.txt thirteen bytes\nsleep 600"),
+        &first.workspace_id,
+    ));
+    let run = fleet.wait_for_run(&second.id, "the runner reports unsaved work", |run| {
+        run.attempts
+            .last()
+            .and_then(|a| a.unsaved)
+            .is_some_and(|u| u.files > 0)
+    });
+    let unsaved = run.attempts[0].unsaved.expect("just seen");
+    assert!(unsaved.complete, "{unsaved:?}");
+    // The draft, and whatever the agent wrote of its own transcript.
+    assert!(
+        unsaved.bytes >= draft.len() as u64,
+        "the draft's bytes are counted: {unsaved:?}"
+    );
+    assert!(unsaved.reported_at.is_some());
+    let draft_at = fleet.host("a").sandbox_dir(&run.attempts[0].sandbox_id);
+    assert_eq!(
+        std::fs::read_to_string(draft_at.join("workspace/work/draft.txt")).unwrap(),
+        draft
+    );
+
+    // Cancelling checkpoints the workspace: nothing is unsaved any more.
+    fleet.cancel(&second.id);
+    fleet.wait_for_run(
+        &second.id,
+        "the destroy checkpoint clears the unsaved work",
+        |run| {
+            run.attempts[0]
+                .unsaved
+                .is_some_and(|u| (u.files, u.bytes) == (0, 0))
+        },
+    );
+    let newest = fleet.checkpoints(&first.workspace_id)[0].clone();
+    let (_tmp, checkout) = fleet.checkout(&first.workspace_id, &newest.id);
+    assert_eq!(
+        std::fs::read_to_string(checkout.join("work/draft.txt")).unwrap(),
+        draft,
+        "the destroy checkpoint holds what was unsaved"
+    );
+}

@@ -311,5 +311,9 @@ fn a_restore_says_when_its_checkpoint_was_taken_and_warns_when_it_is_too_old() {
         "{}",
         stale.stderr
     );
-    assert!(stale.stdout.contains("restored checkpoint"), "{}", stale.stdout);
+    assert!(
+        stale.stdout.contains("restored checkpoint"),
+        "{}",
+        stale.stdout
+    );
 }

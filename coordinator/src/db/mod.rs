@@ -72,7 +72,7 @@ pub use hosts::{
 pub use location::DatabaseLocation;
 pub use messages::{MESSAGE_INPUT, Message, MessageState};
 pub use retention::{Deleted, RetainedWorkspace, RetentionChange, RetentionFacts};
-pub use run_records::{Attempt, Run, RunEvent, RunInput, event_reason};
+pub use run_records::{Attempt, Run, RunEvent, RunInput, UnsavedWork, event_reason};
 pub use runs::{
     NewRun, NewRunTarget, OutcomeReport, ProgressReport, RunFilter, SessionRecord, StartedAttempt,
 };

@@ -74,6 +74,19 @@ pub struct Attempt {
     pub sandbox_state: Option<SandboxState>,
     pub exit_code: Option<i32>,
     pub sandbox_gone_at: Option<SystemTime>,
+    /// What its workspace holds that no checkpoint has yet, as its runner
+    /// last reported (`None`: never reported).
+    pub unsaved: Option<UnsavedWork>,
+}
+
+/// A runner's count of what its workspace holds that no checkpoint has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnsavedWork {
+    pub files: u64,
+    pub bytes: u64,
+    /// False: the count stopped at its bound; the figures are a floor.
+    pub complete: bool,
+    pub reported_at: SystemTime,
 }
 
 impl Attempt {
@@ -172,7 +185,8 @@ pub(super) const RUN_COLUMNS: &str =
 pub(super) const ATTEMPT_COLUMNS: &str =
     "run_id, number, generation, host_id, sandbox_id, state, started_at,
      ended_at, end_reason, prepare, restored_checkpoint_id, outcome, destroy_reason,
-     sandbox_state, exit_code, sandbox_gone_at";
+     sandbox_state, exit_code, sandbox_gone_at, unsaved_files, unsaved_bytes,
+     unsaved_complete, unsaved_at";
 
 pub(super) const EVENT_COLUMNS: &str =
     "run_id, sequence, at, state, reason, host_id, attempt, generation, checkpoint_id, detail";
@@ -268,8 +282,29 @@ pub(super) fn attempt_from_row(row: &AnyRow) -> Result<(RunId, Attempt), DbError
             .map(|c| i32::try_from(c).map_err(|_| DbError::Corrupt(format!("exit code {c}"))))
             .transpose()?,
         sandbox_gone_at: gone_at.map(from_millis),
+        unsaved: unsaved_from_row(row)?,
     };
     Ok((parse_column(&run, "run id")?, attempt))
+}
+
+fn unsaved_from_row(row: &AnyRow) -> Result<Option<UnsavedWork>, DbError> {
+    let read = |source| DbError::Query {
+        op: "read attempt",
+        source,
+    };
+    let at: Option<i64> = row.try_get("unsaved_at").map_err(read)?;
+    let Some(at) = at else {
+        return Ok(None);
+    };
+    let files: Option<i64> = row.try_get("unsaved_files").map_err(read)?;
+    let bytes: Option<i64> = row.try_get("unsaved_bytes").map_err(read)?;
+    let complete: Option<i64> = row.try_get("unsaved_complete").map_err(read)?;
+    Ok(Some(UnsavedWork {
+        files: unsigned(files.unwrap_or(0), "unsaved files")?,
+        bytes: unsigned(bytes.unwrap_or(0), "unsaved bytes")?,
+        complete: complete.unwrap_or(0) != 0,
+        reported_at: from_millis(at),
+    }))
 }
 
 pub(super) fn event_from_row(row: &AnyRow) -> Result<RunEvent, DbError> {

@@ -368,6 +368,20 @@ impl MetadataStore {
                     DbError::Invalid("a CHECKPOINTED report names no checkpoint_id".into())
                 })?;
                 set_last_checkpoint(&mut tx, &mut run, id).await?;
+                // What was unsaved is in the checkpoint now; the runner's
+                // next count starts from it.
+                if attempt.unsaved.is_some_and(|u| u.files > 0 || u.bytes > 0) {
+                    sqlx::query(
+                        "UPDATE attempts SET unsaved_files = 0, unsaved_bytes = 0, unsaved_complete = 1,
+                                unsaved_at = $1 WHERE run_id = $2 AND number = $3",
+                    )
+                    .bind(now)
+                    .bind(run_id.as_str())
+                    .bind(i64::from(number))
+                    .execute(tx.conn())
+                    .await
+                    .map_err(query_error("clear unsaved work"))?;
+                }
                 add_event(
                     &mut tx,
                     &run,
@@ -379,6 +393,39 @@ impl MetadataStore {
                 .await?;
             }
         }
+        self.commit(tx).await
+    }
+
+    /// Records what attempt `number`'s workspace holds that no checkpoint
+    /// has yet, as its runner counted it.
+    pub async fn report_unsaved(
+        &self,
+        run_id: &RunId,
+        number: u32,
+        files: u64,
+        bytes: u64,
+        complete: bool,
+    ) -> Result<(), DbError> {
+        let now = millis(SystemTime::now());
+        let mut tx = self.begin_write().await?;
+        let (run, attempt) = load_runner_attempt(tx.conn(), run_id, number).await?;
+        if !follows_runner(&run, &attempt) {
+            // Its sandbox is going: what it held is the destroy checkpoint's.
+            return self.commit(tx).await;
+        }
+        sqlx::query(
+            "UPDATE attempts SET unsaved_files = $1, unsaved_bytes = $2, unsaved_complete = $3,
+                    unsaved_at = $4 WHERE run_id = $5 AND number = $6",
+        )
+        .bind(signed(files, "unsaved files")?)
+        .bind(signed(bytes, "unsaved bytes")?)
+        .bind(i64::from(complete))
+        .bind(now)
+        .bind(run_id.as_str())
+        .bind(i64::from(number))
+        .execute(tx.conn())
+        .await
+        .map_err(query_error("record unsaved work"))?;
         self.commit(tx).await
     }
 

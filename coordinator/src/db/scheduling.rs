@@ -604,6 +604,7 @@ fn new_attempt(run: &Run, host: &HostId, generation: i64, now: i64) -> Result<At
         sandbox_state: None,
         exit_code: None,
         sandbox_gone_at: None,
+        unsaved: None,
     })
 }
 

@@ -465,6 +465,12 @@ fn attempt_to_pb(a: &Attempt) -> pb::Attempt {
         end_reason: a.end_reason.clone(),
         prepare: a.prepare.clone(),
         restored_checkpoint_id: a.restored_checkpoint_id.clone(),
+        unsaved: a.unsaved.map(|u| pb::UnsavedWork {
+            files: u.files,
+            bytes: u.bytes,
+            complete: u.complete,
+            reported_at: Some(to_timestamp(u.reported_at)),
+        }),
     }
 }
 

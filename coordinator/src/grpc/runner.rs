@@ -162,6 +162,34 @@ impl RunnerService for RunnerApi {
         Ok(Response::new(pb::ReportAck {}))
     }
 
+    async fn report_unsaved(
+        &self,
+        request: Request<pb::ReportUnsavedRequest>,
+    ) -> Result<Response<pb::ReportAck>, Status> {
+        let binding = binding(&request)?;
+        let req = request.into_inner();
+        // Stored as signed 64-bit integers; no workspace holds more.
+        if req.files > i64::MAX as u64 || req.bytes > i64::MAX as u64 {
+            return Err(ServiceError::InvalidArgument(format!(
+                "{} files, {} bytes is not a count of a workspace",
+                req.files, req.bytes
+            ))
+            .into());
+        }
+        self.shared
+            .db
+            .report_unsaved(
+                &binding.run,
+                binding.attempt,
+                req.files,
+                req.bytes,
+                req.complete,
+            )
+            .await
+            .map_err(ServiceError::from)?;
+        Ok(Response::new(pb::ReportAck {}))
+    }
+
     async fn report_harness_session(
         &self,
         request: Request<pb::ReportHarnessSessionRequest>,

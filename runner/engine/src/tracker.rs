@@ -51,7 +51,8 @@ use notify::event::ModifyKind;
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 
 use crate::scan::{
-    self, RepoFound, SYNC_COOKIE_PREFIX, Scan, ScanError, ScanOptions, Touched, is_sync_cookie,
+    self, NodeKind, RepoFound, SYNC_COOKIE_PREFIX, Scan, ScanError, ScanOptions, Touched,
+    is_sync_cookie,
 };
 
 /// Full walks at least this often, whatever the events say.
@@ -265,6 +266,66 @@ impl ChangeTracker {
         Ok((scan, kind))
     }
 
+    /// What the workspace holds that the last walk did not, as the events
+    /// since then tell it, without taking them (the next walk still lists
+    /// them): the files new, changed or removed, and the bytes of those
+    /// that exist. Stops counting after `at_most` entries (then the figures
+    /// are a floor). `None` when it cannot tell: no walk yet, events were
+    /// lost, or a walk is under way (it is about to take the changes).
+    pub fn unsaved(&self, opts: &ScanOptions, at_most: usize) -> Option<Unsaved> {
+        let patterns = scan::exclude_matcher(&self.root, &opts.excludes).ok()?;
+        // Held while syncing: a walk's own sync must not lose its cookie.
+        let Ok(_walking) = self.walking.try_lock() else {
+            return None;
+        };
+        // Changes made up to now are in the pending sets once it returns
+        // (else the count is a little behind; it is an estimate).
+        let _ = self.sync();
+        let (previous, _) = self.previous.lock().expect("previous lock").clone()?;
+        let (dirty, touched) = {
+            let pending = self.pending.0.lock().expect("pending lock");
+            if pending.lost.is_some() {
+                return None;
+            }
+            (pending.dirty.clone(), pending.touched.clone())
+        };
+        let excluded = excluded_below(&self.root, &opts.exclude_paths);
+        let mut count = UnsavedCount {
+            root: &self.root,
+            previous: &previous,
+            excluded: &excluded,
+            patterns: patterns.as_ref(),
+            dirty: &dirty,
+            left: at_most,
+            unsaved: Unsaved {
+                complete: true,
+                ..Unsaved::default()
+            },
+        };
+        for (dir, names) in &touched {
+            if dirty.contains(dir) {
+                // Listed again below, these names with it.
+                continue;
+            }
+            let listing = previous.listing(dir);
+            for name in names {
+                let rel = scan::join_rel(dir, name);
+                let before = listing.and_then(|l| l.node(name));
+                if !count.entry(&rel, before) {
+                    return Some(count.unsaved);
+                }
+            }
+        }
+        let mut dirs: Vec<&Vec<u8>> = dirty.iter().collect();
+        dirs.sort();
+        for dir in dirs {
+            if !count.dir(dir) {
+                break;
+            }
+        }
+        Some(count.unsaved)
+    }
+
     /// Makes a cookie in the root and waits until the watcher reports it:
     /// every event queued before it has then been handled.
     fn sync(&self) -> Synced {
@@ -291,6 +352,159 @@ impl ChangeTracker {
         } else {
             Synced::Yes
         }
+    }
+}
+
+/// What a workspace holds that no walk (so no checkpoint) has yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Unsaved {
+    /// Files (and symlinks) new, changed or removed.
+    pub files: u64,
+    /// The bytes of those that exist now.
+    pub bytes: u64,
+    /// Every change was counted (else the figures are a floor).
+    pub complete: bool,
+}
+
+/// The state of one [`ChangeTracker::unsaved`] count.
+struct UnsavedCount<'a> {
+    root: &'a Path,
+    previous: &'a Scan,
+    excluded: &'a [&'a Path],
+    /// The `--exclude` patterns, if any.
+    patterns: Option<&'a ignore::gitignore::Gitignore>,
+    dirty: &'a HashSet<Vec<u8>>,
+    /// Entries still to look at before the count stops.
+    left: usize,
+    unsaved: Unsaved,
+}
+
+impl UnsavedCount<'_> {
+    /// Whether no walk lists `rel`: an excluded path, or matched (it or a
+    /// directory above it) by an `--exclude` pattern.
+    fn is_excluded(&self, rel: &[u8], is_dir: bool) -> bool {
+        is_at_or_below_any(rel, self.excluded)
+            || self.patterns.is_some_and(|patterns| {
+                patterns
+                    .matched_path_or_any_parents(
+                        Path::new(std::ffi::OsStr::from_bytes(rel)),
+                        is_dir,
+                    )
+                    .is_ignore()
+            })
+    }
+
+    /// Counts the entry at `rel` if it is not what the walk found
+    /// (`before`). Returns false once the bound is reached.
+    fn entry(&mut self, rel: &[u8], before: Option<&scan::Node>) -> bool {
+        if self.left == 0 {
+            self.unsaved.complete = false;
+            return false;
+        }
+        self.left -= 1;
+        if self.is_excluded(rel, false) {
+            return true;
+        }
+        let path = self.root.join(std::ffi::OsStr::from_bytes(rel));
+        match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_file() => {
+                let now = crate::cache::Fingerprint::of(&meta);
+                if !matches!(before, Some(scan::Node { kind: NodeKind::File(was), .. }) if *was == now)
+                {
+                    self.unsaved.files += 1;
+                    self.unsaved.bytes += meta.len();
+                }
+            }
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(&path).ok();
+                let same = matches!(
+                    (before, &target),
+                    (Some(scan::Node { kind: NodeKind::Symlink(was), .. }), Some(now))
+                        if was[..] == *now.as_os_str().as_bytes()
+                );
+                if !same {
+                    self.unsaved.files += 1;
+                }
+            }
+            // A directory is counted through its own listing.
+            Ok(_) => {}
+            // Gone: a file the walk had is removed.
+            Err(_) => {
+                if matches!(
+                    before,
+                    Some(scan::Node {
+                        kind: NodeKind::File(_) | NodeKind::Symlink(_),
+                        ..
+                    })
+                ) {
+                    self.unsaved.files += 1;
+                }
+            }
+        }
+        true
+    }
+
+    /// Counts what changed in the directory at `rel` against its listing
+    /// in the walk, and everything in new directories below it. Returns
+    /// false once the bound is reached.
+    fn dir(&mut self, rel: &[u8]) -> bool {
+        if !rel.is_empty() && self.is_excluded(rel, true) {
+            return true;
+        }
+        let listing = self.previous.listing(rel).cloned();
+        let path = self.root.join(std::ffi::OsStr::from_bytes(rel));
+        let mut names: Vec<Vec<u8>> = match std::fs::read_dir(&path) {
+            Ok(entries) => entries
+                .filter_map(|e| Some(e.ok()?.file_name().as_bytes().to_vec()))
+                .filter(|name| !(rel.is_empty() && scan::is_sync_cookie(name)))
+                .collect(),
+            // Removed: its parent's listing counts what the walk had in it.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+            Err(_) => Vec::new(),
+        };
+        names.sort();
+        for name in &names {
+            let child = scan::join_rel(rel, name);
+            let before = listing.as_ref().and_then(|l| l.node(name));
+            if !self.entry(&child, before) {
+                return false;
+            }
+            // A new directory the events do not list again: its entries
+            // are all new.
+            let is_dir =
+                std::fs::symlink_metadata(self.root.join(std::ffi::OsStr::from_bytes(&child)))
+                    .is_ok_and(|m| m.is_dir());
+            if is_dir
+                && !self.dirty.contains(&child)
+                && self.previous.listing(&child).is_none()
+                && !self.dir(&child)
+            {
+                return false;
+            }
+        }
+        if let Some(listing) = &listing {
+            for node in &listing.nodes {
+                if names
+                    .binary_search_by(|n| n[..].cmp(&node.name[..]))
+                    .is_ok()
+                {
+                    continue;
+                }
+                if matches!(node.kind, NodeKind::Dir) {
+                    // Removed with everything the walk found in it.
+                    let gone = scan::join_rel(rel, &node.name);
+                    self.unsaved.files += self
+                        .previous
+                        .subtree(&gone)
+                        .flat_map(|d| &d.nodes)
+                        .filter(|n| !matches!(n.kind, NodeKind::Dir))
+                        .count() as u64;
+                } else {
+                    self.unsaved.files += 1;
+                }
+            }
+        }
+        true
     }
 }
 
@@ -675,6 +889,74 @@ mod tests {
                 b"a/b/c.rs".to_vec(),
                 b"top".to_vec()
             ]
+        );
+    }
+
+    #[test]
+    fn what_no_walk_has_yet_is_counted_without_taking_it_from_the_next_walk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(tmp.path()).unwrap();
+        fs::create_dir_all(root.join("src/old")).unwrap();
+        fs::write(root.join("src/kept.rs"), "same").unwrap();
+        fs::write(root.join("src/edited.rs"), "before").unwrap();
+        fs::write(root.join("src/removed.rs"), "gone soon").unwrap();
+        fs::write(root.join("src/old/a"), "1").unwrap();
+        fs::write(root.join("src/old/b"), "2").unwrap();
+        fs::create_dir_all(root.join(".cairn/cache")).unwrap();
+        let tracker = ChangeTracker::start(&root, DEFAULT_FULL_SCAN_INTERVAL).unwrap();
+        let opts = ScanOptions {
+            exclude_paths: vec![root.join(".cairn/cache")],
+            excludes: vec!["*.log".into()],
+            ..options(&root)
+        };
+        assert_eq!(tracker.unsaved(&opts, 1000), None, "no walk yet");
+        tracker.scan(&opts, &|_| {}).unwrap();
+        assert_eq!(
+            tracker.unsaved(&opts, 1000),
+            Some(Unsaved {
+                files: 0,
+                bytes: 0,
+                complete: true
+            })
+        );
+
+        fs::write(root.join("src/edited.rs"), "after, longer").unwrap(); // 13 bytes
+        fs::remove_file(root.join("src/removed.rs")).unwrap();
+        fs::remove_dir_all(root.join("src/old")).unwrap(); // 2 files
+        fs::create_dir_all(root.join("src/new/deeper")).unwrap();
+        fs::write(root.join("src/new/deeper/x.rs"), "12345").unwrap(); // 5 bytes
+        fs::write(root.join("top.txt"), "abc").unwrap(); // 3 bytes
+        fs::write(root.join(".cairn/cache/entries"), "not the workspace's").unwrap();
+        fs::write(root.join("src/build.log"), "excluded by a pattern").unwrap();
+        let unsaved = tracker.unsaved(&opts, 1000).unwrap();
+        assert_eq!(
+            unsaved,
+            Unsaved {
+                files: 1 + 1 + 2 + 1 + 1,
+                bytes: 13 + 5 + 3,
+                complete: true
+            }
+        );
+        // A bound stops the count, which says so.
+        let bounded = tracker.unsaved(&opts, 2).unwrap();
+        assert!(
+            !bounded.complete && bounded.files <= unsaved.files,
+            "{bounded:?}"
+        );
+
+        // Counting took nothing: the next walk sees every change.
+        let (walk, kind) = tracker.scan(&opts, &|_| {}).unwrap();
+        assert!(matches!(kind, ScanKind::Partial { .. }), "{kind:?}");
+        let listed = listing(&walk);
+        assert!(
+            listed.contains(&("src/new/deeper/x.rs".into(), "file 5".into())),
+            "{listed:?}"
+        );
+        assert!(!listed.iter().any(|(path, _)| path.starts_with("src/old")));
+        assert_eq!(
+            tracker.unsaved(&opts, 1000).map(|u| (u.files, u.bytes)),
+            Some((0, 0)),
+            "the walk took the changes"
         );
     }
 }

@@ -16,12 +16,15 @@ use tonic::Code;
 
 use cairn_engine::client::{AuthChannel, MAX_MESSAGE_BYTES};
 use cairn_engine::restore::describe_status;
+use cairn_engine::tracker::Unsaved;
 
 const ATTEMPTS: u32 = 8;
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Added to a long poll's own timeout for the request deadline.
 const POLL_SLACK: Duration = Duration::from_secs(15);
+/// How long an unsaved-work report may take; the next count tries again.
+const UNSAVED_TIMEOUT: Duration = Duration::from_secs(5);
 /// Texts sent (details, questions, summaries, errors) are cut to this many
 /// bytes: the coordinator refuses reports that are far larger, and a
 /// harness may say a lot.
@@ -140,6 +143,26 @@ impl Control {
         })
         .await
         .map(drop)
+    }
+
+    /// Reports the work no checkpoint has yet: once, within a few seconds
+    /// (the next count reports again if this one is lost).
+    pub async fn unsaved(&self, unsaved: Unsaved) -> Result<(), ControlError> {
+        let mut request = tonic::Request::new(pb::ReportUnsavedRequest {
+            files: unsaved.files,
+            bytes: unsaved.bytes,
+            complete: unsaved.complete,
+        });
+        request.set_timeout(UNSAVED_TIMEOUT);
+        self.client
+            .clone()
+            .report_unsaved(request)
+            .await
+            .map(drop)
+            .map_err(|status| ControlError {
+                call: "ReportUnsaved",
+                status,
+            })
     }
 
     pub async fn session(&self, harness: &str, session_id: &str) -> Result<(), ControlError> {

@@ -63,6 +63,7 @@ use crate::harness::{
 use crate::socket::{self as control_socket, Response, Unchanged};
 use cairn_engine::checkpoint::Baseline;
 use cairn_engine::client::{ConnectError, CoordinatorClient};
+use cairn_engine::tracker::Unsaved;
 
 pub use control::{Control, ControlError};
 pub use outcome::Outcome as OutcomeFile;
@@ -215,6 +216,7 @@ pub async fn run(
         agent_handoff: None,
         listening: None,
         requests: None,
+        unsaved_reported: None,
     };
     attempt.run().await
 }
@@ -286,7 +288,14 @@ struct Attempt {
     listening: Option<requests::Listening>,
     /// Checkpoints the agent asked for through it.
     requests: Option<mpsc::Receiver<requests::Asked>>,
+    /// The unsaved work the coordinator has for this attempt: the last
+    /// count reported, or nothing since the last commit.
+    unsaved_reported: Option<Unsaved>,
 }
+
+/// How often the runner counts the work no checkpoint has yet, and reports
+/// it if it changed.
+const UNSAVED_EVERY: Duration = Duration::from_secs(5);
 
 impl Attempt {
     async fn run(mut self) -> Result<Finished, RunError> {
@@ -789,6 +798,9 @@ impl Attempt {
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticker
         });
+        let mut count_unsaved =
+            tokio::time::interval_at(tokio::time::Instant::now() + UNSAVED_EVERY, UNSAVED_EVERY);
+        count_unsaved.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
@@ -801,6 +813,7 @@ impl Attempt {
                 }
                 exit = running.finished() => return Ok(Driven::Exited(exit)),
                 _ = tick(&mut ticker) => self.interval_checkpoint().await?,
+                _ = count_unsaved.tick() => self.report_unsaved().await,
                 Some((request, reply)) = next_request(requests) => {
                     self.asked_checkpoint(request, reply).await?;
                 }
@@ -964,7 +977,31 @@ impl Attempt {
                 Some(&checkpoint.id),
             )
             .await?;
+        // The coordinator set the attempt's unsaved work back to nothing.
+        self.unsaved_reported = Some(Unsaved {
+            complete: true,
+            ..Unsaved::default()
+        });
         Ok(())
+    }
+
+    /// Counts what the workspace holds that no checkpoint has yet and
+    /// reports it when it differs from what the coordinator has. A count
+    /// that cannot be made, or a report that fails, waits for the next
+    /// tick: it is a figure for people, never worth stopping the run.
+    async fn report_unsaved(&mut self) {
+        let Some(unsaved) = self.store.unsaved().await else {
+            return;
+        };
+        if self.unsaved_reported == Some(unsaved) {
+            return;
+        }
+        match self.control.unsaved(unsaved).await {
+            Ok(()) => self.unsaved_reported = Some(unsaved),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot report the unsaved work; the next count tries again")
+            }
+        }
     }
 
     /// A lifecycle checkpoint (pause, end, destroy): always committed.

@@ -20,7 +20,8 @@ use cairn_engine::checkpoint::{
 use cairn_engine::client::CoordinatorClient;
 use cairn_engine::host_reports::{self, HostReport};
 use cairn_engine::restore::{self, NoProgress, RestoreError, RestoreOptions};
-use cairn_engine::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL};
+use cairn_engine::scan::ScanOptions;
+use cairn_engine::tracker::{ChangeTracker, DEFAULT_FULL_SCAN_INTERVAL, Unsaved};
 
 /// What the workspace was prepared from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +115,11 @@ pub trait WorkspaceStore: Send + Sync {
         &self,
         request: CheckpointRequest,
     ) -> BoxFuture<'_, Result<Option<Checkpointed>, WorkspaceStoreError>>;
+    /// What the root holds that no checkpoint has yet, when the store can
+    /// tell without walking it (`None`: it cannot, or not now).
+    fn unsaved(&self) -> BoxFuture<'_, Option<Unsaved>> {
+        Box::pin(async { None })
+    }
 }
 
 /// What a store is for: one attempt's workspace.
@@ -200,7 +206,33 @@ impl RemoteStore {
     }
 }
 
+/// Entries an unsaved count looks at before it stops (its figures are
+/// then a floor): a bound on the work of one count.
+const UNSAVED_COUNT_AT_MOST: usize = 100_000;
+
 impl WorkspaceStore for RemoteStore {
+    fn unsaved(&self) -> BoxFuture<'_, Option<Unsaved>> {
+        Box::pin(async move {
+            // Only once the first checkpoint made the resident state: its
+            // walk is what the count compares with.
+            let resident = self.resident.get()?.clone();
+            let cache_dir =
+                std::fs::canonicalize(&self.cache_dir).unwrap_or_else(|_| self.cache_dir.clone());
+            let opts = ScanOptions {
+                root: self.root.clone(),
+                skip_ignored: false,
+                excludes: self.target.excludes.clone(),
+                exclude_paths: vec![cache_dir],
+            };
+            tokio::task::spawn_blocking(move || {
+                resident.tracker()?.unsaved(&opts, UNSAVED_COUNT_AT_MOST)
+            })
+            .await
+            .ok()
+            .flatten()
+        })
+    }
+
     fn restore(&self) -> BoxFuture<'_, Result<Restored, WorkspaceStoreError>> {
         let (address, token) = (self.coordinator.clone(), self.token.clone());
         let root = self.root.clone();

@@ -53,6 +53,7 @@ pub enum Call {
     },
     WaitForInput,
     Outcome(pb::ReportOutcomeRequest),
+    Unsaved(pb::ReportUnsavedRequest),
 }
 
 #[derive(Default)]
@@ -234,6 +235,14 @@ impl RunnerService for FakeRunnerService {
         request: Request<pb::ReportOutcomeRequest>,
     ) -> Result<Response<pb::ReportAck>, Status> {
         let call = Call::Outcome(request.get_ref().clone());
+        self.ack(&request, call)
+    }
+
+    async fn report_unsaved(
+        &self,
+        request: Request<pb::ReportUnsavedRequest>,
+    ) -> Result<Response<pb::ReportAck>, Status> {
+        let call = Call::Unsaved(request.get_ref().clone());
         self.ack(&request, call)
     }
 }
