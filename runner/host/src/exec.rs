@@ -82,11 +82,27 @@
 //! --exec-destroy 'sh -c "docker stop --time {grace_secs} cairn-{sandbox_id}; docker rm -f cairn-{sandbox_id}"'
 //! ```
 //!
-//! Podman: the same with `podman` (`podman wait` also prints the exit code).
+//! Podman (`podman wait` also prints the exit code), as the image tier runs
+//! it (tests/e2e/image.rs, README "### Sandboxes"): the same with `podman`
+//! plus this machine's settings, which a normal machine leaves out: `--runtime
+//! runc --cgroup-manager cgroupfs` (crun refuses the VM's hybrid cgroups; no
+//! systemd) and `--network host` (the coordinator on 127.0.0.1), with
+//! `CONTAINERS_CONF`/`CONTAINERS_STORAGE_CONF` in the host agent's
+//! environment (vfs storage, `default_ulimits = []`; written by
+//! scripts/runner-image):
 //!
-//! Kubernetes (the workspace lives in the pod; the runner restores it there;
-//! the run token is short-lived and scoped to this attempt's workspace, but
-//! it does appear in the pod spec):
+//! ```text
+//! --exec-create  'podman --runtime runc --cgroup-manager cgroupfs run -d --init --network host
+//!                 --name cairn-{sandbox_id} -v {workspace_dir}:/workspace -v {cache_dir}:/cache
+//!                 -e CAIRN_CACHE_DIR=/cache -v {pack_cache}:/pack-cache
+//!                 -e CAIRN_PACK_CACHE=/pack-cache {env_args} {image} cairn-runner run'
+//! --exec-wait    'podman wait cairn-{sandbox_id}'
+//! --exec-destroy 'sh -c "podman stop --time {grace_secs} cairn-{sandbox_id}; podman rm -f cairn-{sandbox_id}"'
+//! ```
+//!
+//! Kubernetes (not run by the tests; the workspace lives in the pod; the
+//! runner restores it there; the run token is short-lived and scoped to this
+//! attempt's workspace, but it does appear in the pod spec):
 //!
 //! ```text
 //! --exec-create  'sh -c "kubectl run cairn-{sandbox_id} --image={image} --restart=Never
