@@ -21,7 +21,9 @@
 //! deleted source, a sweep cut short by a crash). Issue 32: s3_store
 //! (`--store s3://…` against s3s-fs: checkpoints, restores and collection
 //! through the bucket; refused start-ups). Issue 33: host_metrics
-//! (`cairn-host --metrics-listen` after runs on a kept tree).
+//! (`cairn-host --metrics-listen` after runs on a kept tree), image (the
+//! runner image built here by scripts/runner-image; a run paused in a
+//! podman container on one exec-driver host, resumed in one on another).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -42,6 +44,7 @@ mod fork;
 mod host_metrics;
 mod hostile;
 mod hosts;
+mod image;
 mod incremental;
 mod layout;
 mod limits;

@@ -6,7 +6,8 @@
 //!   its hosts, gRPC helpers for runs and hosts (create, wait for a state,
 //!   events, answer, cancel, cordon, drain), and failure output that shows
 //!   the run, its events and every host's and sandbox's log.
-//! - [`Host`]: a `cairn-host --driver local` process with a private data
+//! - [`Host`]: a `cairn-host` process (`--driver local`, or exec with
+//!   [`ExecDriver`]) with a private data
 //!   dir; [`Host::crash`] SIGKILLs it together with its sandboxes' processes
 //!   (stopped first, so nothing gets to react), [`Host::stop`] is a clean
 //!   SIGTERM.
@@ -80,6 +81,20 @@ pub struct HostOptions {
     pub env: Vec<(String, String)>,
     /// `--metrics-listen`.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `--driver exec` with these commands (default: `--driver local`).
+    pub exec: Option<ExecDriver>,
+}
+
+/// `cairn-host --driver exec`: the templates, `--default-image`, and
+/// variables for the host agent's own environment, which its commands
+/// inherit (a container engine's configuration).
+#[derive(Debug, Clone, Default)]
+pub struct ExecDriver {
+    pub create: String,
+    pub wait: Option<String>,
+    pub destroy: Option<String>,
+    pub default_image: Option<String>,
+    pub host_env: Vec<(String, String)>,
 }
 
 impl Default for HostOptions {
@@ -92,6 +107,7 @@ impl Default for HostOptions {
             client_certificate: None,
             env: Vec::new(),
             metrics_listen: None,
+            exec: None,
         }
     }
 }
@@ -245,7 +261,8 @@ impl Fleet {
         fleet
     }
 
-    /// Starts `cairn-host --name NAME --driver local …` and waits until the
+    /// Starts `cairn-host --name NAME --driver local …` (or `exec`, see
+    /// [`HostOptions::exec`]) and waits until the
     /// coordinator lists it as ready.
     pub fn start_host(&mut self, name: &str, options: HostOptions) -> &Host {
         assert!(
@@ -789,7 +806,7 @@ pub fn describe_event(e: &pb::RunEvent) -> String {
 // ---------------------------------------------------------------------------
 // Hosts
 
-/// A `cairn-host --driver local` process; killed (with its sandboxes) on drop.
+/// A `cairn-host` process; killed (with its sandboxes) on drop.
 pub struct Host {
     pub name: String,
     /// The id the coordinator gave it.
@@ -887,11 +904,9 @@ impl Host {
             .arg(&self.coordinator)
             .arg("--data-dir")
             .arg(self.data_dir())
-            .args(["--name", &self.name, "--driver", "local"])
+            .args(["--name", &self.name])
             .args(["--slots", &self.options.slots.to_string()])
             .args(["--grace", &format!("{}ms", self.options.grace.as_millis())])
-            .arg("--env")
-            .arg(format!("PATH={path}"))
             .env(
                 "CAIRN_TOKEN",
                 self.options.token.as_deref().unwrap_or(&self.admin_token),
@@ -911,6 +926,32 @@ impl Host {
         };
         for (name, value) in &self.options.env {
             command.arg("--env").arg(format!("{name}={value}"));
+        }
+        match &self.options.exec {
+            // The runner finds the recorded agent's binaries on the host.
+            None => {
+                command
+                    .args(["--driver", "local", "--env"])
+                    .arg(format!("PATH={path}"));
+            }
+            // Containers keep their image's PATH ({env_args} passes every
+            // --env into them).
+            Some(exec) => {
+                command
+                    .args(["--driver", "exec"])
+                    .arg("--exec-create")
+                    .arg(&exec.create);
+                if let Some(wait) = &exec.wait {
+                    command.arg("--exec-wait").arg(wait);
+                }
+                if let Some(destroy) = &exec.destroy {
+                    command.arg("--exec-destroy").arg(destroy);
+                }
+                if let Some(image) = &exec.default_image {
+                    command.arg("--default-image").arg(image);
+                }
+                command.envs(exec.host_env.iter().map(|(k, v)| (k, v)));
+            }
         }
         if let Some(address) = self.options.metrics_listen {
             command.arg("--metrics-listen").arg(address.to_string());
