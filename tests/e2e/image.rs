@@ -274,6 +274,9 @@ fn a_run_in_runner_image_containers_resumes_in_a_container_on_another_host() {
     );
 
     // Both sandboxes were containers of the image, created and removed.
+    fleet.wait_for(&format!("container {container_b} to be removed"), || {
+        (!images.podman(&["container", "exists", &container_b]).0).then_some(())
+    });
     for name in [&container_a, &container_b] {
         let events = images.events(name);
         let statuses: Vec<&str> = events.iter().map(|(s, _)| s.as_str()).collect();
