@@ -1,6 +1,6 @@
 //! cairnctl: workspaces, checkpoints, checkout and verify, for people
-//! (tables) and scripts (`--output json`); and a coordinator restart that
-//! keeps everything.
+//! (tables, `-o wide`) and scripts (`-o json`, `-o yaml`); and a
+//! coordinator restart that keeps everything.
 
 use cairn_e2e::{
     Coordinator, PACK_DATA, TreeSnapshot, flip_byte, ids_with_prefix, json_str, pack_files,
@@ -141,4 +141,58 @@ fn a_restarted_coordinator_keeps_workspaces_checkpoints_and_the_admin_token() {
     let restored = tmp.path().join("restored");
     coordinator.client().restore(&restored, &workspace);
     TreeSnapshot::take(&root).assert_matches(&restored, false);
+}
+
+/// `-o yaml` is the JSON document in YAML, for every listing; `-o wide`
+/// adds columns to the table; a document on stdout leaves stderr quiet.
+#[test]
+fn yaml_is_the_json_document_and_wide_tables_add_columns() {
+    let tmp = tempdir("shapes");
+    let coordinator = Coordinator::start();
+    let client = coordinator.client();
+    let workspace = coordinator.create_workspace("shapes");
+    let root = tmp.path().join("workspace");
+    populate_small_workspace(&root, 9);
+    client.checkpoint(&root, &workspace);
+    client.ctl_json(&["tokens", "create", "--scope", "client"]);
+
+    for args in [
+        &["workspace", "list"][..],
+        &["workspace", "show", "shapes"],
+        &["checkpoints", "shapes"],
+        &["tokens", "list"],
+        &["storage"],
+    ] {
+        let json = client.ctl_json(args);
+        let yaml = run(client.ctl().args(["-o", "yaml"]).args(args)).assert_success();
+        let parsed: serde_json::Value = yaml_serde::from_str(&yaml.stdout)
+            .unwrap_or_else(|e| panic!("`{}` is not YAML ({e}): {yaml}", args.join(" ")));
+        assert_eq!(parsed, json, "`{}`: YAML and JSON differ", args.join(" "));
+        assert!(
+            yaml.stderr.is_empty(),
+            "nothing but the document for scripts: {yaml}"
+        );
+    }
+
+    let header = |output: &str| {
+        run(client.ctl().args(["-o", output, "checkpoints", "shapes"]))
+            .assert_success()
+            .stdout
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let (table, wide) = (header("table"), header("wide"));
+    for column in ["GEN", "PARENT", "STORED", "KEY"] {
+        assert!(wide.contains(column), "-o wide lacks {column}: {wide}");
+        assert!(!table.contains(column), "the table has {column}: {table}");
+    }
+
+    let verified = run(client.ctl().args(["-o", "json", "verify", "shapes"])).assert_success();
+    assert!(
+        verified.stderr.is_empty(),
+        "no progress for scripts: {verified}"
+    );
+    assert_eq!(verified.json()["ok"], true, "{verified}");
 }

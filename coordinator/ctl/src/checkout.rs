@@ -18,7 +18,7 @@ use cairn_engine::restore::{self, PackCacheConfig, PlannedWork, RestoreOptions, 
 use cairn_proto::ids::CheckpointId;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::{Output, emit, print_json};
+use super::{Output, emit, print_document};
 
 /// Feeds restore progress into an indicatif bar (bytes written).
 struct Bar(ProgressBar);
@@ -45,7 +45,7 @@ impl RestoreProgress for Bar {
 }
 
 fn progress_bar(out: Output) -> ProgressBar {
-    if out == Output::Json || !std::io::stderr().is_terminal() {
+    if out.is_document() || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(0);
@@ -83,8 +83,10 @@ pub async fn run(
     bar.0.finish_and_clear();
     let report = result?;
     match out {
-        Output::Json => print_json(&report.to_json())?,
-        Output::Table => emit(&cairn_runner::report::restore_summary(&report, &dest))?,
+        Output::Json | Output::Yaml => print_document(out, &report.to_json())?,
+        Output::Table | Output::Wide => {
+            emit(&cairn_runner::report::restore_summary(&report, &dest))?
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -8,7 +8,7 @@ use cairn_engine::client::CoordinatorClient;
 use cairn_proto::pb;
 
 use super::output::{self, time_of};
-use super::{Output, all_checkpoints, emit, print_json, rpc_error};
+use super::{Output, all_checkpoints, emit, print_document, rpc_error};
 
 pub async fn list(
     coordinator: &CoordinatorClient,
@@ -17,15 +17,16 @@ pub async fn list(
 ) -> anyhow::Result<ExitCode> {
     let checkpoints = all_checkpoints(coordinator, workspace).await?;
     match out {
-        Output::Json => print_json(&serde_json::Value::Array(
-            checkpoints.iter().map(output::checkpoint_json).collect(),
-        ))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::Value::Array(checkpoints.iter().map(output::checkpoint_json).collect()),
+        )?,
+        Output::Table | Output::Wide => {
             let rows: Vec<Vec<String>> = checkpoints
                 .iter()
                 .map(|c| {
                     let stats = c.stats.unwrap_or_default();
-                    vec![
+                    let mut row = vec![
                         c.id.clone(),
                         c.sequence.to_string(),
                         output::reason(c.reason).to_owned(),
@@ -37,16 +38,27 @@ pub async fn list(
                         output::repos(&c.repos),
                         output::kept_by(c.retention.as_ref()),
                         output::kept_until(c.retention.as_ref()),
-                    ]
+                    ];
+                    if out.is_wide() {
+                        row.extend([
+                            c.generation.to_string(),
+                            output::or_dash(&c.parent_checkpoint_id),
+                            output::bytes(c.stored_bytes),
+                            c.key_id.clone(),
+                            c.warnings.len().to_string(),
+                        ]);
+                    }
+                    row
                 })
                 .collect();
-            emit(&output::table(
-                &[
-                    "ID", "#", "REASON", "CREATED", "FILES", "SIZE", "UPLOADED", "PACKS", "REPOS",
-                    "KEPT BY", "UNTIL",
-                ],
-                &rows,
-            ))?;
+            let mut headers = vec![
+                "ID", "#", "REASON", "CREATED", "FILES", "SIZE", "UPLOADED", "PACKS", "REPOS",
+                "KEPT BY", "UNTIL",
+            ];
+            if out.is_wide() {
+                headers.extend(["GEN", "PARENT", "STORED", "KEY", "WARNINGS"]);
+            }
+            emit(&output::table(&headers, &rows))?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -94,8 +106,8 @@ pub async fn unpin(
 
 fn answer(c: &pb::Checkpoint, done: &str, out: Output) -> anyhow::Result<ExitCode> {
     match out {
-        Output::Json => print_json(&output::checkpoint_json(c))?,
-        Output::Table => emit(&format!(
+        Output::Json | Output::Yaml => print_document(out, &output::checkpoint_json(c))?,
+        Output::Table | Output::Wide => emit(&format!(
             "{done} {}; kept by: {} (until {})",
             output::checkpoint_brief(c),
             output::kept_by(c.retention.as_ref()),

@@ -49,7 +49,7 @@ use self::checks::{Check, Expected};
 use self::processes::{Binaries, Driver, HostProcess, HostSpec};
 use self::timeline::{Sink, Timeline};
 use super::output;
-use super::{Output, emit, hosts, print_json, runs};
+use super::{Output, emit, hosts, print_document, runs};
 
 /// Short enough that losing a host shows within seconds.
 const HOST_LEASE: Duration = Duration::from_secs(3);
@@ -310,8 +310,8 @@ struct Demo {
 impl Demo {
     fn new(bins: Binaries, dir: PathBuf, out: Output) -> Self {
         let sink = match out {
-            Output::Table => Sink::Stdout,
-            Output::Json => Sink::Stderr,
+            Output::Table | Output::Wide => Sink::Stdout,
+            Output::Json | Output::Yaml => Sink::Stderr,
         };
         Self {
             bins,
@@ -719,8 +719,10 @@ impl Demo {
         let checks: &[Check] = outcome.as_ref().map(Vec::as_slice).unwrap_or(&[]);
         let passed = outcome.is_ok() && checks.iter().all(|c| c.passed);
         match self.out {
-            Output::Json => print_json(&self.summary_json(outcome, passed, took)),
-            Output::Table => {
+            Output::Json | Output::Yaml => {
+                print_document(self.out, &self.summary_json(outcome, passed, took))
+            }
+            Output::Table | Output::Wide => {
                 let mut text = String::new();
                 if !checks.is_empty() {
                     text.push_str("\nchecks\n");

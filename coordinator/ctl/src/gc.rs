@@ -8,7 +8,7 @@ use cairn_proto::pb;
 use cairn_proto::runs::from_proto_duration;
 
 use super::output;
-use super::{Output, emit, print_json, rpc_error};
+use super::{Output, emit, print_document, rpc_error};
 
 fn duration(d: Option<&prost_types::Duration>) -> String {
     d.and_then(|d| from_proto_duration(d, "duration").ok())
@@ -30,22 +30,25 @@ pub async fn collect(
         .map_err(rpc_error("collecting garbage"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&serde_json::json!({
-            "dry_run": r.dry_run,
-            "checkpoints_deleted": r.checkpoints_deleted,
-            "workspaces_expired": r.workspaces_expired,
-            "packs_condemned": r.packs_condemned,
-            "bytes_condemned": r.bytes_condemned,
-            "packs_swept": r.packs_swept,
-            "bytes_swept": r.bytes_swept,
-            "orphans_swept": r.orphans_swept,
-            "orphan_bytes_swept": r.orphan_bytes_swept,
-            "packs_awaiting_grace": r.packs_awaiting_grace,
-            "bytes_awaiting_grace": r.bytes_awaiting_grace,
-            "grace_secs": r.grace.as_ref().map(|d| d.seconds),
-            "took_ms": r.took.as_ref().and_then(|d| from_proto_duration(d, "took").ok()).map(|d| d.as_millis() as u64),
-        }))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::json!({
+                "dry_run": r.dry_run,
+                "checkpoints_deleted": r.checkpoints_deleted,
+                "workspaces_expired": r.workspaces_expired,
+                "packs_condemned": r.packs_condemned,
+                "bytes_condemned": r.bytes_condemned,
+                "packs_swept": r.packs_swept,
+                "bytes_swept": r.bytes_swept,
+                "orphans_swept": r.orphans_swept,
+                "orphan_bytes_swept": r.orphan_bytes_swept,
+                "packs_awaiting_grace": r.packs_awaiting_grace,
+                "bytes_awaiting_grace": r.bytes_awaiting_grace,
+                "grace_secs": r.grace.as_ref().map(|d| d.seconds),
+                "took_ms": r.took.as_ref().and_then(|d| from_proto_duration(d, "took").ok()).map(|d| d.as_millis() as u64),
+            }),
+        )?,
+        Output::Table | Output::Wide => {
             let (prefix, free, delete, condemn, wait) = if r.dry_run {
                 (
                     "gc (dry run)",
@@ -92,16 +95,19 @@ pub async fn storage(coordinator: &CoordinatorClient, out: Output) -> anyhow::Re
         .map_err(rpc_error("reading the storage"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&serde_json::json!({
-            "tenant": s.tenant,
-            "packs": s.packs,
-            "stored_bytes": s.stored_bytes,
-            "condemned_packs": s.condemned_packs,
-            "condemned_bytes": s.condemned_bytes,
-            "workspaces": s.workspaces,
-            "checkpoints": s.checkpoints,
-        }))?,
-        Output::Table => emit(&output::key_values(&[
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::json!({
+                "tenant": s.tenant,
+                "packs": s.packs,
+                "stored_bytes": s.stored_bytes,
+                "condemned_packs": s.condemned_packs,
+                "condemned_bytes": s.condemned_bytes,
+                "workspaces": s.workspaces,
+                "checkpoints": s.checkpoints,
+            }),
+        )?,
+        Output::Table | Output::Wide => emit(&output::key_values(&[
             ("tenant", s.tenant.clone()),
             (
                 "stored",
@@ -132,8 +138,8 @@ pub async fn compact(
     let transfer = cairn_engine::transfer::BlobTransfer::default();
     let report = cairn_engine::compact::compact(coordinator, &transfer, &opts).await?;
     match out {
-        Output::Json => print_json(&serde_json::to_value(&report)?)?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(out, &serde_json::to_value(&report)?)?,
+        Output::Table | Output::Wide => {
             let live_share = if report.data_bytes == 0 {
                 1.0
             } else {

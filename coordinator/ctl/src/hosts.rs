@@ -9,7 +9,7 @@ use cairn_proto::pb::admin_service_client::AdminServiceClient;
 use serde_json::Value;
 
 use super::output::{self, time_of};
-use super::{Output, emit, print_json, rpc_error};
+use super::{Output, emit, print_document, rpc_error};
 
 /// An AdminService client on the coordinator's connection.
 pub fn client(coordinator: &CoordinatorClient) -> AdminServiceClient<AuthChannel> {
@@ -32,14 +32,18 @@ pub async fn list(coordinator: &CoordinatorClient, out: Output) -> anyhow::Resul
         .into_inner()
         .hosts;
     match out {
-        Output::Json => print_json(&Value::Array(hosts.iter().map(output::host_json).collect()))?,
-        Output::Table => emit(&hosts_table(&hosts))?,
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &Value::Array(hosts.iter().map(output::host_json).collect()),
+        )?,
+        Output::Table | Output::Wide => emit(&hosts_table(&hosts, out.is_wide()))?,
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// One row per host: state, capacity, labels, liveness, runs, kept trees.
-pub fn hosts_table(hosts: &[pb::Host]) -> String {
+/// One row per host: state, capacity, labels, liveness, runs, kept trees
+/// (`wide`: which workspaces' trees, and when the host registered).
+pub fn hosts_table(hosts: &[pb::Host], wide: bool) -> String {
     let rows: Vec<Vec<String>> = hosts
         .iter()
         .map(|h| {
@@ -56,24 +60,32 @@ pub fn hosts_table(hosts: &[pb::Host]) -> String {
                 } else {
                     h.run_ids.join(",")
                 },
-                h.kept_workspaces.len().to_string(),
+                if wide {
+                    output::or_dash(&h.kept_workspaces.join(","))
+                } else {
+                    h.kept_workspaces.len().to_string()
+                },
             ]
+            .into_iter()
+            .chain(wide.then(|| output::age(time_of!(h.registered_at))))
+            .collect()
         })
         .collect();
-    output::table(
-        &[
-            "ID",
-            "NAME",
-            "STATE",
-            "DRIVER",
-            "SLOTS",
-            "LABELS",
-            "HEARTBEAT",
-            "RUNS",
-            "KEPT",
-        ],
-        &rows,
-    )
+    let mut headers = vec![
+        "ID",
+        "NAME",
+        "STATE",
+        "DRIVER",
+        "SLOTS",
+        "LABELS",
+        "HEARTBEAT",
+        "RUNS",
+        if wide { "KEPT WORKSPACES" } else { "KEPT" },
+    ];
+    if wide {
+        headers.push("REGISTERED");
+    }
+    output::table(&headers, &rows)
 }
 
 pub async fn act(
@@ -102,8 +114,8 @@ pub async fn act(
     }
     .into_inner();
     match out {
-        Output::Json => print_json(&output::host_json(&host))?,
-        Output::Table => emit(&action_summary(action, &host))?,
+        Output::Json | Output::Yaml => print_document(out, &output::host_json(&host))?,
+        Output::Table | Output::Wide => emit(&action_summary(action, &host))?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -154,7 +166,7 @@ mod tests {
 
     #[test]
     fn the_host_table_shows_capacity_and_sorted_labels() {
-        let text = hosts_table(&[host(pb::HostState::Ready, 1)]);
+        let text = hosts_table(&[host(pb::HostState::Ready, 1)], false);
         let row = text.lines().nth(1).unwrap();
         for cell in ["host-1", "box", "ready", "1/2", "gpu=a100,zone=eu", "run-1"] {
             assert!(row.contains(cell), "{row}");

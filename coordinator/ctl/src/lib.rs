@@ -3,9 +3,11 @@
 //! gRPC with a bearer token — and `cairnctl demo`, the whole system on one
 //! machine.
 //!
-//! Tables for people, `--output json` for scripts (one JSON document on
-//! stdout; `runs events --follow` prints one object per line). Errors go to
-//! stderr as `error: <cause>`, with gRPC codes spelled out, and exit 1.
+//! Tables for people (`-o wide` adds columns), `-o json` or `-o yaml` for
+//! scripts (one document on stdout, the same in either language; `runs
+//! events --follow` prints one JSON object per line, or one YAML document
+//! each). Errors go to stderr as `error: <cause>`, with gRPC codes spelled
+//! out, and exit 1.
 //! `cairnctl checkout` is the engine's restore ([`cairn_engine::restore`])
 //! with `cairn-runner restore`'s flags; `cairnctl demo` starts the real
 //! binaries.
@@ -65,8 +67,8 @@ pub struct Cli {
     #[arg(long, global = true, env = "CAIRN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 
-    /// Tables for people or JSON for scripts.
-    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
+    /// Tables for people (wide: more columns) or JSON or YAML for scripts.
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = Output::Table)]
     pub output: Output,
 
     /// Log format on stderr (`RUST_LOG` filters; default `warn`).
@@ -77,10 +79,30 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// How results are shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Output {
+    /// Aligned tables and key/value blocks.
     Table,
+    /// Tables with more columns (labels, generations, sandboxes, whole texts).
+    Wide,
+    /// One JSON document (or one object per line where output streams).
     Json,
+    /// The same document as `json`, in YAML.
+    Yaml,
+}
+
+impl Output {
+    /// Whether this is a document for scripts (JSON or YAML) rather than
+    /// text for people; progress bars and other decorations stay off then.
+    pub fn is_document(self) -> bool {
+        matches!(self, Self::Json | Self::Yaml)
+    }
+
+    /// Whether tables get their extra columns.
+    pub fn is_wide(self) -> bool {
+        self == Self::Wide
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -563,8 +585,31 @@ async fn all_checkpoints(
         .map_err(rpc_error("listing checkpoints"))
 }
 
-fn print_json(value: &serde_json::Value) -> anyhow::Result<()> {
-    emit(&serde_json::to_string_pretty(value).context("encoding JSON")?)
+/// Prints `value` as one document: YAML for `-o yaml`, else JSON. Both
+/// come from the same value so a script may switch languages freely.
+fn print_document(out: Output, value: &serde_json::Value) -> anyhow::Result<()> {
+    emit(&document_text(value, out)?)
+}
+
+fn document_text(value: &serde_json::Value, out: Output) -> anyhow::Result<String> {
+    Ok(match out {
+        Output::Yaml => yaml_serde::to_string(value)
+            .context("encoding YAML")?
+            .trim_end()
+            .to_owned(),
+        Output::Table | Output::Wide | Output::Json => {
+            serde_json::to_string_pretty(value).context("encoding JSON")?
+        }
+    })
+}
+
+/// Prints one item of a stream that never ends in one document: a JSON
+/// object per line, or a YAML document per item (`---` before each).
+fn print_stream_item(value: &serde_json::Value, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Yaml => emit(&format!("---\n{}", document_text(value, out)?)),
+        _ => emit(&serde_json::to_string(value).context("encoding JSON")?),
+    }
 }
 
 /// Writes one block of output to stdout. A closed pipe (`cairnctl … | head`)
@@ -607,6 +652,28 @@ mod tests {
             Cli::try_parse_from(["cairnctl", "checkout", "ws"]).is_err(),
             "DEST is required"
         );
+    }
+
+    #[test]
+    fn yaml_is_the_same_document_as_json() {
+        let value = serde_json::json!({
+            "id": "ws-1",
+            "name": "yes",
+            "count": 3,
+            "ratio": 0.5,
+            "none": null,
+            "list": [{"id": "ck-1", "text": "line one\nline two"}],
+        });
+        let yaml = document_text(&value, Output::Yaml).unwrap();
+        let back: serde_json::Value = yaml_serde::from_str(&yaml).unwrap();
+        assert_eq!(back, value, "{yaml}");
+        let json = document_text(&value, Output::Json).unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&json).unwrap(),
+            value
+        );
+        let cli = Cli::try_parse_from(["cairnctl", "-o", "wide", "runs", "list"]).unwrap();
+        assert!(cli.output.is_wide() && !cli.output.is_document());
     }
 
     #[test]

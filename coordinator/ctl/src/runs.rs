@@ -14,7 +14,7 @@ use futures::StreamExt as _;
 use serde_json::Value;
 
 use super::output::{self, time_of};
-use super::{Output, emit, print_json, rpc_error};
+use super::{Output, emit, print_document, print_stream_item, rpc_error};
 
 /// `runs create`: what to run, where, and how.
 #[derive(Debug, clap::Args)]
@@ -265,8 +265,8 @@ pub async fn create(
         .map_err(rpc_error("creating the run"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&output::run_json(&run))?,
-        Output::Table => emit(&format!(
+        Output::Json | Output::Yaml => print_document(out, &output::run_json(&run))?,
+        Output::Table | Output::Wide => emit(&format!(
             "created run {} on workspace {}: {}",
             run.id,
             run.workspace_id,
@@ -313,20 +313,25 @@ pub async fn list(
         page_token = page.next_page_token;
     }
     match out {
-        Output::Json => print_json(&Value::Array(runs.iter().map(output::run_json).collect()))?,
-        Output::Table => emit(&runs_table(&runs))?,
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &Value::Array(runs.iter().map(output::run_json).collect()),
+        )?,
+        Output::Table | Output::Wide => emit(&runs_table(&runs, out.is_wide()))?,
     }
     Ok(ExitCode::SUCCESS)
 }
 
 /// One row per run: where it is, on which host, how old its workspace's
 /// newest checkpoint is (the work losing the sandbox would lose), and why.
-pub fn runs_table(runs: &[pb::Run]) -> String {
+/// `wide` adds the current attempt's generation, the run's labels, its last
+/// checkpoint and when it last changed, and gives the reason uncut.
+pub fn runs_table(runs: &[pb::Run], wide: bool) -> String {
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|r| {
             let attempt = output::current_attempt(r);
-            vec![
+            let mut row = vec![
                 r.id.clone(),
                 output::run_state(r.state).to_owned(),
                 r.workspace_id.clone(),
@@ -338,25 +343,37 @@ pub fn runs_table(runs: &[pb::Run]) -> String {
                 attempt.map_or_else(|| "-".into(), |a| output::or_dash(&a.host_id)),
                 output::age(time_of!(r.workspace_checkpointed_at)),
                 output::age(time_of!(r.created_at)),
-                output::first_line(&r.state_reason, 60),
-            ]
+            ];
+            if wide {
+                row.extend([
+                    attempt.map_or_else(|| "-".into(), |a| a.generation.to_string()),
+                    output::pairs(&r.labels),
+                    output::or_dash(&r.last_checkpoint_id),
+                    output::age(time_of!(r.updated_at)),
+                    output::or_dash(&r.state_reason.replace('\n', " ")),
+                ]);
+            } else {
+                row.push(output::first_line(&r.state_reason, 60));
+            }
+            row
         })
         .collect();
-    output::table(
-        &[
-            "ID",
-            "STATE",
-            "WORKSPACE",
-            "STATION",
-            "HARNESS",
-            "ATTEMPTS",
-            "HOST",
-            "CHECKPOINTED",
-            "CREATED",
-            "WHY",
-        ],
-        &rows,
-    )
+    let mut headers = vec![
+        "ID",
+        "STATE",
+        "WORKSPACE",
+        "STATION",
+        "HARNESS",
+        "ATTEMPTS",
+        "HOST",
+        "CHECKPOINTED",
+        "CREATED",
+    ];
+    if wide {
+        headers.extend(["GEN", "LABELS", "LAST CHECKPOINT", "UPDATED"]);
+    }
+    headers.push("WHY");
+    output::table(&headers, &rows)
 }
 
 pub async fn show(
@@ -372,14 +389,15 @@ pub async fn show(
         .map_err(rpc_error("showing the run"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&output::run_json(&run))?,
-        Output::Table => emit(&run_details(&run))?,
+        Output::Json | Output::Yaml => print_document(out, &output::run_json(&run))?,
+        Output::Table | Output::Wide => emit(&run_details(&run, out.is_wide()))?,
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// `runs show`: the run's settings and state, then its attempts.
-pub fn run_details(run: &pb::Run) -> String {
+/// `runs show`: the run's settings and state, then its attempts (`wide`:
+/// with their sandboxes, restored checkpoints and end times).
+pub fn run_details(run: &pb::Run, wide: bool) -> String {
     let harness = run.harness.clone().unwrap_or_default();
     let harness_text = if harness.config.is_empty() {
         harness.name.clone()
@@ -453,7 +471,7 @@ pub fn run_details(run: &pb::Run) -> String {
     if run.attempts.is_empty() {
         text.push_str("  none yet");
     } else {
-        text.push_str(&attempts_table(&run.attempts));
+        text.push_str(&attempts_table(&run.attempts, wide));
     }
     text
 }
@@ -485,33 +503,34 @@ fn parse_limit(text: &str) -> Result<u64, String> {
     }
 }
 
-fn attempts_table(attempts: &[pb::Attempt]) -> String {
+fn attempts_table(attempts: &[pb::Attempt], wide: bool) -> String {
     let rows: Vec<Vec<String>> = attempts
         .iter()
         .map(|a| {
-            vec![
+            let mut row = vec![
                 a.number.to_string(),
                 a.generation.to_string(),
                 output::or_dash(&a.host_id),
                 output::attempt_state(a.state).to_owned(),
                 output::age(time_of!(a.started_at)),
-                output::or_dash(&a.end_reason),
-                output::or_dash(&a.prepare),
-            ]
+            ];
+            if wide {
+                row.extend([
+                    output::age(time_of!(a.ended_at)),
+                    output::or_dash(&a.sandbox_id),
+                    output::or_dash(&a.restored_checkpoint_id),
+                ]);
+            }
+            row.extend([output::or_dash(&a.end_reason), output::or_dash(&a.prepare)]);
+            row
         })
         .collect();
-    output::table(
-        &[
-            "#",
-            "GEN",
-            "HOST",
-            "STATE",
-            "STARTED",
-            "ENDED BECAUSE",
-            "PREPARE",
-        ],
-        &rows,
-    )
+    let mut headers = vec!["#", "GEN", "HOST", "STATE", "STARTED"];
+    if wide {
+        headers.extend(["ENDED", "SANDBOX", "RESTORED"]);
+    }
+    headers.extend(["ENDED BECAUSE", "PREPARE"]);
+    output::table(&headers, &rows)
 }
 
 pub async fn events(
@@ -530,22 +549,22 @@ pub async fn events(
         .map_err(rpc_error("watching the run's events"))?
         .into_inner();
     let mut collected = Vec::new();
-    if out == Output::Table {
+    if !out.is_document() {
         emit(&output::event_header())?;
     }
     while let Some(event) = stream.next().await {
         let event = event.map_err(rpc_error("watching the run's events"))?;
         match (out, follow) {
-            (Output::Table, _) => emit(&output::event_line(&event))?,
-            // Following never ends in one document: one object per line.
-            (Output::Json, true) => {
-                emit(&serde_json::to_string(&output::event_json(&event)).context("encoding JSON")?)?
+            (Output::Table | Output::Wide, _) => emit(&output::event_line(&event))?,
+            // Following never ends in one document: one item at a time.
+            (Output::Json | Output::Yaml, true) => {
+                print_stream_item(&output::event_json(&event), out)?
             }
-            (Output::Json, false) => collected.push(output::event_json(&event)),
+            (Output::Json | Output::Yaml, false) => collected.push(output::event_json(&event)),
         }
     }
-    if out == Output::Json && !follow {
-        print_json(&Value::Array(collected))?;
+    if out.is_document() && !follow {
+        print_document(out, &Value::Array(collected))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -598,8 +617,8 @@ pub async fn act(
     };
     let run = run.into_inner();
     match out {
-        Output::Json => print_json(&output::run_json(&run))?,
-        Output::Table => emit(&format!(
+        Output::Json | Output::Yaml => print_document(out, &output::run_json(&run))?,
+        Output::Table | Output::Wide => emit(&format!(
             "{done} run {}: now {}",
             run.id,
             state_with_reason(&run)
@@ -770,6 +789,36 @@ mod tests {
     }
 
     #[test]
+    fn the_wide_runs_table_adds_generation_labels_and_the_whole_reason() {
+        let reason = format!("waiting for {}", "a host ".repeat(12));
+        let run = pb::Run {
+            id: "run-1".into(),
+            state: pb::RunState::Queued as i32,
+            state_reason: reason.clone(),
+            labels: HashMap::from([("zone".to_owned(), "eu".to_owned())]),
+            last_checkpoint_id: "ck-9".into(),
+            attempts: vec![pb::Attempt {
+                number: 1,
+                generation: 7,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let narrow = runs_table(std::slice::from_ref(&run), false);
+        let wide = runs_table(std::slice::from_ref(&run), true);
+        let header = wide.lines().next().unwrap();
+        for column in ["GEN", "LABELS", "LAST CHECKPOINT", "UPDATED"] {
+            assert!(header.contains(column), "{wide}");
+            assert!(!narrow.lines().next().unwrap().contains(column), "{narrow}");
+        }
+        assert!(header.ends_with("WHY"), "the reason stays last: {wide}");
+        let row = wide.lines().nth(1).unwrap();
+        assert!(row.contains(" 7 ") && row.contains("zone=eu") && row.contains("ck-9"));
+        assert!(row.ends_with(reason.trim_end()), "{wide}");
+        assert!(narrow.lines().nth(1).unwrap().ends_with('…'), "{narrow}");
+    }
+
+    #[test]
     fn runs_show_explains_the_state_and_lists_attempts() {
         let run = pb::Run {
             id: "run-1".into(),
@@ -792,7 +841,7 @@ mod tests {
             )),
             ..Default::default()
         };
-        let text = run_details(&run);
+        let text = run_details(&run, false);
         let value_of = |key: &str| {
             let line = text.lines().find(|l| l.starts_with(&format!("{key}  ")));
             line.map(|l| l[key.len()..].trim().to_owned())
@@ -807,7 +856,7 @@ mod tests {
         assert_eq!(value_of("question").as_deref(), Some("Which colour?"));
         let checkpointed = value_of("workspace checkpointed").unwrap_or_default();
         assert!(checkpointed.ends_with("(2m ago)"), "{text}");
-        let table = runs_table(std::slice::from_ref(&run));
+        let table = runs_table(std::slice::from_ref(&run), false);
         let mut lines = table.lines();
         let column = lines.next().unwrap().find("CHECKPOINTED").unwrap();
         let row = lines.next().unwrap();
@@ -825,12 +874,12 @@ mod tests {
             ..run.clone()
         };
         assert!(
-            run_details(&limited)
+            run_details(&limited, false)
                 .lines()
                 .any(|l| l.starts_with("checkpoint limits")
                     && l.ends_with("files up to 1.0 MiB, 2.0 GiB in all")),
             "{}",
-            run_details(&limited)
+            run_details(&limited, false)
         );
         let attempt_row = text.lines().last().unwrap();
         for cell in ["1", "4", "host-a", "ended", "host_lost", "restored ck-1"] {

@@ -13,7 +13,7 @@ use clap::ValueEnum;
 use serde_json::{Value, json};
 
 use super::output::{self, time_of};
-use super::{Output, emit, hosts, print_json, rpc_error};
+use super::{Output, emit, hosts, print_document, rpc_error};
 
 /// Scopes an admin can hand out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -64,13 +64,16 @@ pub async fn create(
         .into_inner();
     let expires_at = time_of!(created.expires_at);
     match out {
-        Output::Json => print_json(&json!({
-            "token": created.token,
-            "id": created.id,
-            "scope": created.scope,
-            "expires_at": output::rfc3339(expires_at),
-        }))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &json!({
+                "token": created.token,
+                "id": created.id,
+                "scope": created.scope,
+                "expires_at": output::rfc3339(expires_at),
+            }),
+        )?,
+        Output::Table | Output::Wide => {
             eprintln!(
                 "{} token {} created{}; it is shown only now and cannot be read back",
                 created.scope,
@@ -94,8 +97,12 @@ pub async fn list(coordinator: &CoordinatorClient, out: Output) -> anyhow::Resul
         .into_inner()
         .tokens;
     match out {
-        Output::Json => print_json(&Value::Array(tokens.iter().map(token_json).collect()))?,
-        Output::Table => emit(&tokens_table(&tokens, SystemTime::now()))?,
+        Output::Json | Output::Yaml => {
+            print_document(out, &Value::Array(tokens.iter().map(token_json).collect()))?
+        }
+        Output::Table | Output::Wide => {
+            emit(&tokens_table(&tokens, SystemTime::now(), out.is_wide()))?
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -111,8 +118,8 @@ pub async fn revoke(
         .map_err(rpc_error("revoking the token"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&token_json(&revoked))?,
-        Output::Table => emit(&format!(
+        Output::Json | Output::Yaml => print_document(out, &token_json(&revoked))?,
+        Output::Table | Output::Wide => emit(&format!(
             "token {} ({}) revoked: it is refused from now on",
             revoked.id, revoked.scope
         ))?,
@@ -153,8 +160,19 @@ fn token_json(t: &pb::TokenInfo) -> Value {
     })
 }
 
-/// One row per token: kind, status, times, bound host, description.
-pub fn tokens_table(tokens: &[pb::TokenInfo], now: SystemTime) -> String {
+/// One row per token: kind, status, times, bound host, description (`wide`:
+/// the whole description, and exact creation and revocation times).
+pub fn tokens_table(tokens: &[pb::TokenInfo], now: SystemTime, wide: bool) -> String {
+    let time = |t: Option<SystemTime>| {
+        if wide {
+            t.map_or_else(
+                || "-".to_owned(),
+                |t| humantime::format_rfc3339_seconds(t).to_string(),
+            )
+        } else {
+            output::age(t)
+        }
+    };
     let rows: Vec<Vec<String>> = tokens
         .iter()
         .map(|t| {
@@ -162,14 +180,18 @@ pub fn tokens_table(tokens: &[pb::TokenInfo], now: SystemTime) -> String {
                 t.id.clone(),
                 kind(t),
                 status(t, now).to_owned(),
-                output::age(time_of!(t.created_at)),
+                time(time_of!(t.created_at)),
                 time_of!(t.expires_at).map_or_else(
                     || "never".to_owned(),
                     |at| humantime::format_rfc3339_seconds(at).to_string(),
                 ),
-                output::age(time_of!(t.revoked_at)),
+                time(time_of!(t.revoked_at)),
                 output::or_dash(&t.host_id),
-                output::first_line(&t.description, 60),
+                if wide {
+                    output::or_dash(&t.description.replace('\n', " "))
+                } else {
+                    output::first_line(&t.description, 60)
+                },
             ]
         })
         .collect();
@@ -227,7 +249,7 @@ mod tests {
             revoked_at: Some(to_timestamp(now)),
             ..token("tok-d", "client", "")
         };
-        let table = tokens_table(&[enrollment, bound, expired, revoked], now);
+        let table = tokens_table(&[enrollment, bound, expired, revoked], now, false);
         let lines: Vec<&str> = table.lines().collect();
         assert!(lines[0].starts_with("ID"), "{table}");
         assert!(lines[1].contains("host (enrollment)") && lines[1].contains("valid"));

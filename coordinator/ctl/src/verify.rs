@@ -29,7 +29,7 @@ use cairn_proto::pb;
 use futures::StreamExt;
 use serde_json::json;
 
-use super::{Output, all_checkpoints, emit, print_json, rpc_error};
+use super::{Output, all_checkpoints, emit, print_document, rpc_error};
 
 /// Packs checked at once (each may be held whole in memory while checked).
 const PARALLEL_PACKS: usize = 4;
@@ -85,34 +85,37 @@ pub async fn run(
             &mut checked,
         )
         .await?;
-        if out == Output::Table {
+        if !out.is_document() {
             emit(&describe_result(&result))?;
         }
         results.push(result);
     }
     let failed = results.iter().filter(|r| !r.problems.is_empty()).count();
     match out {
-        Output::Json => print_json(&json!({
-            "workspace": workspace,
-            "read_data": read_data,
-            "ok": failed == 0,
-            "checkpoints": results.iter().map(|r| json!({
-                "checkpoint_id": r.checkpoint_id,
-                "sequence": r.sequence,
-                "ok": r.problems.is_empty(),
-                "packs": r.packs,
-                "blobs_verified": r.blobs_verified,
-                "problems": r.problems,
-            })).collect::<Vec<_>>(),
-        }))?,
-        Output::Table if results.is_empty() => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &json!({
+                "workspace": workspace,
+                "read_data": read_data,
+                "ok": failed == 0,
+                "checkpoints": results.iter().map(|r| json!({
+                    "checkpoint_id": r.checkpoint_id,
+                    "sequence": r.sequence,
+                    "ok": r.problems.is_empty(),
+                    "packs": r.packs,
+                    "blobs_verified": r.blobs_verified,
+                    "problems": r.problems,
+                })).collect::<Vec<_>>(),
+            }),
+        )?,
+        Output::Table | Output::Wide if results.is_empty() => {
             emit(&format!("workspace {workspace} has no checkpoints"))?
         }
-        Output::Table if failed == 0 => emit(&format!(
+        Output::Table | Output::Wide if failed == 0 => emit(&format!(
             "all {} checkpoints of {workspace} verified",
             results.len()
         ))?,
-        Output::Table => {}
+        Output::Table | Output::Wide => {}
     }
     if failed > 0 {
         eprintln!(

@@ -6,7 +6,7 @@ use cairn_engine::client::CoordinatorClient;
 use cairn_proto::pb;
 
 use super::output::{self, time_of};
-use super::{Output, emit, print_json, rpc_error};
+use super::{Output, emit, print_document, rpc_error};
 
 pub async fn create(
     coordinator: &CoordinatorClient,
@@ -22,8 +22,8 @@ pub async fn create(
         .map_err(rpc_error("creating the workspace"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&output::workspace_json(&workspace))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(out, &output::workspace_json(&workspace))?,
+        Output::Table | Output::Wide => {
             let named = if workspace.name.is_empty() {
                 String::new()
             } else {
@@ -47,15 +47,18 @@ pub async fn fork(
         .map_err(rpc_error("forking the workspace"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&serde_json::json!({
-            "checkpoint_id": forked.checkpoint_id,
-            "workspaces": forked
-                .workspaces
-                .iter()
-                .map(output::workspace_json)
-                .collect::<Vec<_>>(),
-        }))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::json!({
+                "checkpoint_id": forked.checkpoint_id,
+                "workspaces": forked
+                    .workspaces
+                    .iter()
+                    .map(output::workspace_json)
+                    .collect::<Vec<_>>(),
+            }),
+        )?,
+        Output::Table | Output::Wide => {
             emit(&format!(
                 "forked {} workspace{} from checkpoint {}",
                 forked.workspaces.len(),
@@ -110,14 +113,15 @@ pub async fn list(coordinator: &CoordinatorClient, out: Output) -> anyhow::Resul
         page_token = page.next_page_token;
     }
     match out {
-        Output::Json => print_json(&serde_json::Value::Array(
-            workspaces.iter().map(output::workspace_json).collect(),
-        ))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::Value::Array(workspaces.iter().map(output::workspace_json).collect()),
+        )?,
+        Output::Table | Output::Wide => {
             let rows: Vec<Vec<String>> = workspaces
                 .iter()
                 .map(|w| {
-                    vec![
+                    let mut row = vec![
                         w.id.clone(),
                         if w.name.is_empty() {
                             "-".into()
@@ -132,21 +136,35 @@ pub async fn list(coordinator: &CoordinatorClient, out: Output) -> anyhow::Resul
                             .map(|c| output::age(time_of!(c.created_at)))
                             .unwrap_or_else(|| "-".into()),
                         output::age(time_of!(w.created_at)),
-                    ]
+                    ];
+                    if out.is_wide() {
+                        // Storage figures are not here: only `workspace
+                        // show` asks the database for them.
+                        row.extend([
+                            output::age(time_of!(w.updated_at)),
+                            w.latest_checkpoint
+                                .as_ref()
+                                .map_or_else(|| "-".into(), |c| c.id.clone()),
+                            output::age(time_of!(w.finished_at)),
+                            output::when(time_of!(w.expires_at)),
+                        ]);
+                    }
+                    row
                 })
                 .collect();
-            emit(&output::table(
-                &[
-                    "ID",
-                    "NAME",
-                    "STATE",
-                    "GEN",
-                    "CHECKPOINTS",
-                    "LATEST",
-                    "CREATED",
-                ],
-                &rows,
-            ))?;
+            let mut headers = vec![
+                "ID",
+                "NAME",
+                "STATE",
+                "GEN",
+                "CHECKPOINTS",
+                "LATEST",
+                "CREATED",
+            ];
+            if out.is_wide() {
+                headers.extend(["UPDATED", "LATEST ID", "FINISHED", "EXPIRES"]);
+            }
+            emit(&output::table(&headers, &rows))?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -166,8 +184,8 @@ pub async fn show(
         .map_err(rpc_error("showing the workspace"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&output::workspace_json(&w))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(out, &output::workspace_json(&w))?,
+        Output::Table | Output::Wide => {
             let latest = match &w.latest_checkpoint {
                 Some(c) => output::checkpoint_brief(c),
                 None => "-".into(),
@@ -260,8 +278,8 @@ pub async fn end(
     }
     .into_inner();
     match out {
-        Output::Json => print_json(&output::workspace_json(&result))?,
-        Output::Table => emit(&match ending {
+        Output::Json | Output::Yaml => print_document(out, &output::workspace_json(&result))?,
+        Output::Table | Output::Wide => emit(&match ending {
             Ending::Finish => format!(
                 "finished workspace {}: no new runs; deleted {}",
                 result.id,
@@ -306,8 +324,8 @@ pub async fn set_retention(
         .map_err(rpc_error("setting the workspace's retention"))?
         .into_inner();
     match out {
-        Output::Json => print_json(&output::workspace_json(&w))?,
-        Output::Table => emit(&format!(
+        Output::Json | Output::Yaml => print_document(out, &output::workspace_json(&w))?,
+        Output::Table | Output::Wide => emit(&format!(
             "workspace {}: {}",
             w.id,
             retention_words(w.retention.as_ref())
@@ -353,8 +371,8 @@ pub async fn send(
         .message
         .ok_or_else(|| anyhow::anyhow!("the coordinator answered without the message"))?;
     match out {
-        Output::Json => print_json(&message_json(&message))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(out, &message_json(&message))?,
+        Output::Table | Output::Wide => {
             let where_ = if message.run_id.is_empty() {
                 format!("pending until the next run at station {}", message.station)
             } else {
@@ -381,10 +399,11 @@ pub async fn messages(
         .into_inner()
         .messages;
     match out {
-        Output::Json => print_json(&serde_json::Value::Array(
-            messages.iter().map(message_json).collect(),
-        ))?,
-        Output::Table => {
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::Value::Array(messages.iter().map(message_json).collect()),
+        )?,
+        Output::Table | Output::Wide => {
             let rows: Vec<Vec<String>> = messages
                 .iter()
                 .map(|m| {
@@ -395,7 +414,11 @@ pub async fn messages(
                         output::or_dash(&m.run_id),
                         m.given_back.to_string(),
                         output::age(time_of!(m.created_at)),
-                        output::first_line(&m.text, 60),
+                        if out.is_wide() {
+                            m.text.replace('\n', " ")
+                        } else {
+                            output::first_line(&m.text, 60)
+                        },
                     ]
                 })
                 .collect();
@@ -487,11 +510,12 @@ pub async fn notes(
         .into_inner()
         .notes;
     match out {
-        Output::Json => print_json(&serde_json::Value::Array(
-            notes.iter().map(note_json).collect(),
-        ))?,
-        Output::Table if notes.is_empty() => emit("no handoff notes yet")?,
-        Output::Table => emit(
+        Output::Json | Output::Yaml => print_document(
+            out,
+            &serde_json::Value::Array(notes.iter().map(note_json).collect()),
+        )?,
+        Output::Table | Output::Wide if notes.is_empty() => emit("no handoff notes yet")?,
+        Output::Table | Output::Wide => emit(
             notes
                 .iter()
                 .map(note_text)
