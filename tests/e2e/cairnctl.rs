@@ -3,7 +3,7 @@
 //! coordinator restart that keeps everything.
 
 use cairn_e2e::{
-    Coordinator, PACK_DATA, TreeSnapshot, flip_byte, ids_with_prefix, json_str, pack_files,
+    Coordinator, PACK_DATA, TreeSnapshot, binary, flip_byte, ids_with_prefix, json_str, pack_files,
     pack_kind, populate_small_workspace, run, tempdir, write, write_pseudo_random,
 };
 
@@ -195,4 +195,33 @@ fn yaml_is_the_json_document_and_wide_tables_add_columns() {
         "no progress for scripts: {verified}"
     );
     assert_eq!(verified.json()["ok"], true, "{verified}");
+}
+
+/// `cairnctl completions bash` completes subcommands in a real bash.
+#[test]
+fn bash_completes_cairnctl_subcommands() {
+    let script = run(std::process::Command::new(binary("cairnctl")).args(["completions", "bash"]))
+        .assert_success()
+        .stdout;
+    let tmp = tempdir("completions");
+    let file = tmp.path().join("cairnctl.bash");
+    write(&file, &script);
+    // What bash does on `cairnctl ru<TAB>`.
+    let complete = |line: &str| {
+        let words: Vec<&str> = line.split(' ').collect();
+        let program = format!(
+            "source {}; COMP_WORDS=({}); COMP_CWORD={}; COMP_LINE='{line}'; COMP_POINT={}; _cairnctl cairnctl '{}' '{}'; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            file.display(),
+            line,
+            words.len() - 1,
+            line.len(),
+            words[words.len() - 1],
+            words[words.len() - 2],
+        );
+        run(std::process::Command::new("bash").args(["-c", &program]))
+            .assert_success()
+            .stdout
+    };
+    let offered = complete("cairnctl ru");
+    assert_eq!(offered.trim(), "runs", "cairnctl ru<TAB>: {offered}");
 }

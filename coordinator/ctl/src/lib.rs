@@ -23,6 +23,8 @@
 //! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
 //! - [`tokens`]: `tokens create --scope client|host [--expires-in]`,
 //!   `tokens list`, `tokens revoke ID`.
+//! - `completions SHELL`: completion scripts for bash, zsh, fish, elvish
+//!   and PowerShell (clap_complete), from the same definitions as `--help`.
 //! - [`demo`]: `demo`, an embedded coordinator, two hosts and a run that
 //!   loses its host and resumes on the other.
 
@@ -180,6 +182,13 @@ pub enum Command {
     /// the other one when answered. Exits 0 only if the resumed agent
     /// remembered its first turn.
     Demo(demo::DemoArgs),
+    /// Print a completion script for SHELL on stdout, e.g.
+    /// `cairnctl completions bash > /etc/bash_completion.d/cairnctl`, or
+    /// `source <(cairnctl completions bash)` in ~/.bashrc.
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -406,11 +415,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // The demo brings its own coordinator.
     let command = match cli.command {
         Command::Demo(args) => return demo::run(args, output).await,
+        Command::Completions { shell } => return completions(shell),
         command => command,
     };
     let coordinator = CoordinatorClient::connect(&cli.coordinator, cli.token.as_deref()).await?;
     match command {
         Command::Demo(args) => demo::run(args, output).await,
+        Command::Completions { shell } => completions(shell),
         Command::Workspace(WorkspaceCommand::Create { name }) => {
             workspace::create(&coordinator, name, output).await
         }
@@ -564,6 +575,15 @@ async fn run_runs(
     runs::act(coordinator, action, &run, text, output).await
 }
 
+/// Writes the completion script for `shell` to stdout.
+fn completions(shell: clap_complete::Shell) -> anyhow::Result<ExitCode> {
+    use clap::CommandFactory as _;
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "cairnctl", &mut script);
+    emit(String::from_utf8_lossy(&script).trim_end())?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A refused RPC as an error naming what was attempted and the status in words.
 fn rpc_error(what: &'static str) -> impl FnOnce(tonic::Status) -> anyhow::Error {
     move |status| {
@@ -652,6 +672,25 @@ mod tests {
             Cli::try_parse_from(["cairnctl", "checkout", "ws"]).is_err(),
             "DEST is required"
         );
+    }
+
+    #[test]
+    fn bash_completions_offer_the_subcommands_and_output_formats() {
+        let mut script = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut Cli::command(),
+            "cairnctl",
+            &mut script,
+        );
+        let script = String::from_utf8(script).unwrap();
+        assert!(
+            script.contains("complete -F _cairnctl"),
+            "not a bash completion script"
+        );
+        for word in ["checkout", "verify", "runs", "completions", "yaml", "wide"] {
+            assert!(script.contains(word), "{word} is not offered");
+        }
     }
 
     #[test]
