@@ -225,3 +225,92 @@ fn bash_completes_cairnctl_subcommands() {
     let offered = complete("cairnctl ru");
     assert_eq!(offered.trim(), "runs", "cairnctl ru<TAB>: {offered}");
 }
+
+/// Refusals and failed connections say what happened and what to do.
+#[test]
+fn errors_name_the_cause_and_the_next_step() {
+    // Nothing listens on port 1 of the loopback.
+    let unreachable = run(std::process::Command::new(binary("cairnctl"))
+        .args(["--coordinator", "http://127.0.0.1:1", "workspace", "list"])
+        .env_remove("CAIRN_CA")
+        .env_remove("CAIRN_TOKEN")
+        .env_remove("CAIRN_COORDINATOR"))
+    .assert_exit(1);
+    assert!(
+        unreachable.stderr.contains(
+            "error: cannot reach the coordinator at http://127.0.0.1:1: connection refused"
+        ),
+        "{unreachable}"
+    );
+    assert!(
+        unreachable
+            .stderr
+            .contains("hint: is cairn-coordinator running and listening there?")
+            && unreachable.stderr.contains("CAIRN_COORDINATOR"),
+        "{unreachable}"
+    );
+
+    let coordinator = Coordinator::start();
+    let admin = coordinator.client();
+    let anonymous = run(coordinator
+        .client_with_token(None)
+        .ctl()
+        .args(["workspace", "list"]))
+    .assert_exit(1);
+    assert!(
+        anonymous
+            .stderr
+            .contains("hint: no token was given: set --token or CAIRN_TOKEN"),
+        "{anonymous}"
+    );
+
+    let minted = admin.ctl_json(&["tokens", "create", "--scope", "client"]);
+    let (token, id) = (json_str(&minted, "token"), json_str(&minted, "id"));
+    let client = coordinator.client_with_token(Some(token));
+    let denied = run(client.ctl().args(["hosts", "list"])).assert_exit(1);
+    assert!(
+        denied.stderr.contains("permission denied")
+            && denied.stderr.contains("need the admin token"),
+        "a client token on an admin command: {denied}"
+    );
+    run(admin.ctl().args(["tokens", "revoke", id])).assert_success();
+    let revoked = run(client.ctl().args(["workspace", "list"])).assert_exit(1);
+    assert!(
+        revoked.stderr.contains("hint: the token was revoked"),
+        "{revoked}"
+    );
+
+    let missing = run(admin.ctl().args(["workspace", "show", "no-such-workspace"])).assert_exit(1);
+    assert!(
+        missing
+            .stderr
+            .contains("hint: check the id or name: `cairnctl workspace list`"),
+        "{missing}"
+    );
+}
+
+/// A TLS coordinator reached without its CA is a TLS failure, with the
+/// variable that fixes it.
+#[test]
+fn a_coordinator_certificate_nobody_trusts_is_named_with_cairn_ca() {
+    let tmp = tempdir("ctl-tls");
+    let files = cairn_e2e::tls::TlsFiles::generate(tmp.path());
+    let coordinator = Coordinator::start_tls(&files, false, &[]);
+    let untrusting = run(coordinator
+        .client()
+        .ctl()
+        .args(["workspace", "list"])
+        .env_remove("CAIRN_CA"))
+    .assert_exit(1);
+    assert!(
+        untrusting.stderr.contains(&format!(
+            "error: the TLS handshake with the coordinator at {} failed",
+            coordinator.grpc_url()
+        )),
+        "{untrusting}"
+    );
+    assert!(
+        untrusting.stderr.contains("hint: set CAIRN_CA"),
+        "{untrusting}"
+    );
+}

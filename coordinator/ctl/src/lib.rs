@@ -7,7 +7,8 @@
 //! scripts (one document on stdout, the same in either language; `runs
 //! events --follow` prints one JSON object per line, or one YAML document
 //! each). Errors go to stderr as `error: <cause>`, with gRPC codes spelled
-//! out, and exit 1.
+//! out, then `hint: <what to do next>` where cairnctl knows it
+//! ([`errors`]), and exit 1.
 //! `cairnctl checkout` is the engine's restore ([`cairn_engine::restore`])
 //! with `cairn-runner restore`'s flags; `cairnctl demo` starts the real
 //! binaries.
@@ -31,6 +32,7 @@
 mod checkout;
 mod checkpoints;
 mod demo;
+mod errors;
 mod gc;
 mod hosts;
 mod output;
@@ -404,9 +406,38 @@ pub enum WorkspaceCommand {
     },
 }
 
-/// Runs a parsed command line to completion and prints any error.
+/// Runs a parsed command line to completion and prints any error, with
+/// the next step where cairnctl knows one.
 pub fn run_to_exit(cli: Cli) -> ExitCode {
-    cairn_utils::program::run(run(cli))
+    let circumstances = errors::Circumstances {
+        coordinator: cli.coordinator.clone(),
+        token_given: cli.token.as_deref().is_some_and(|t| !t.trim().is_empty()),
+        listing: listing_of(&cli.command),
+    };
+    cairn_utils::program::run(async move {
+        run(cli)
+            .await
+            .map_err(|e| errors::explain(&e, &circumstances))
+    })
+}
+
+/// The command that lists what `command` names, for when it is not found.
+fn listing_of(command: &Command) -> Option<&'static str> {
+    Some(match command {
+        Command::Runs(_) => "cairnctl runs list",
+        Command::Checkpoints {
+            command: Some(CheckpointsCommand::Pin { .. } | CheckpointsCommand::Unpin { .. }),
+            ..
+        } => "cairnctl checkpoints WS",
+        Command::Workspace(_)
+        | Command::Checkpoints { .. }
+        | Command::Checkout { .. }
+        | Command::Verify { .. }
+        | Command::Compact { .. } => "cairnctl workspace list",
+        Command::Hosts(_) => "cairnctl hosts list",
+        Command::Tokens(_) => "cairnctl tokens list",
+        _ => return None,
+    })
 }
 
 /// Runs one command. `Ok(FAILURE)` means the command ran and found problems.
@@ -584,14 +615,10 @@ fn completions(shell: clap_complete::Shell) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A refused RPC as an error naming what was attempted and the status in words.
+/// A refused RPC as an error naming what was attempted and the status in
+/// words; the status stays inside for [`errors::explain`] to decide on.
 fn rpc_error(what: &'static str) -> impl FnOnce(tonic::Status) -> anyhow::Error {
-    move |status| {
-        anyhow::anyhow!(
-            "{what}: {}",
-            cairn_engine::restore::describe_status(&status)
-        )
-    }
+    move |status| errors::RpcError { what, status }.into()
 }
 
 /// Every checkpoint of a workspace, newest first, across pages.
