@@ -1,24 +1,22 @@
 //! `cairnctl checkout WS DEST [--checkpoint CID]`: the runner's restore
 //! engine writing into any directory, with a progress bar on stderr.
 //!
-//! The bar is hidden when stderr is not a terminal or the output is JSON, so
-//! scripts see only the report. The runner's fingerprint cache is left
-//! alone: it belongs to the workspace's sandbox, not to this directory. A
-//! host's pack cache (`--pack-cache DIR`) is used and filled like a runner
-//! does, every byte from it verified.
+//! The bar is hidden when stderr is not a terminal or the output is JSON or
+//! YAML ([`super::progress`]), so scripts see only the report. The runner's
+//! fingerprint cache is left alone: it belongs to the workspace's sandbox,
+//! not to this directory. A host's pack cache (`--pack-cache DIR`) is used
+//! and filled like a runner does, every byte from it verified.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use cairn_engine::client::CoordinatorClient;
 use cairn_engine::restore::{self, PackCacheConfig, PlannedWork, RestoreOptions, RestoreProgress};
 use cairn_proto::ids::CheckpointId;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 
-use super::{Output, emit, print_document};
+use super::{Output, emit, print_document, progress};
 
 /// Feeds restore progress into an indicatif bar (bytes written).
 struct Bar(ProgressBar);
@@ -44,20 +42,9 @@ impl RestoreProgress for Bar {
     }
 }
 
-fn progress_bar(out: Output) -> ProgressBar {
-    if out.is_document() || !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(0);
-    let style = ProgressStyle::with_template(
-        "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-    )
-    .expect("the template is valid")
-    .progress_chars("=> ");
-    bar.set_style(style);
-    bar.enable_steady_tick(Duration::from_millis(120));
-    bar
-}
+/// Bytes written of the bytes the plan writes.
+pub(crate) const TEMPLATE: &str =
+    "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}";
 
 pub async fn run(
     coordinator: &CoordinatorClient,
@@ -78,7 +65,7 @@ pub async fn run(
         verify_existing,
         ..RestoreOptions::new(&dest, workspace)
     };
-    let bar = Bar(progress_bar(out));
+    let bar = Bar(progress::bar(out, TEMPLATE));
     let result = restore::restore(coordinator, &opts, &bar).await;
     bar.0.finish_and_clear();
     let report = result?;

@@ -8,7 +8,11 @@ use cairn_proto::pb;
 use cairn_proto::runs::from_proto_duration;
 
 use super::output;
-use super::{Output, emit, print_document, rpc_error};
+use super::{Output, emit, print_document, progress, rpc_error};
+
+/// The coordinator reports nothing until a cycle ends: a spinner and the
+/// time it has taken, so a long cycle does not look like a hang.
+pub(crate) const TEMPLATE: &str = "{spinner} {msg} {elapsed}";
 
 fn duration(d: Option<&prost_types::Duration>) -> String {
     d.and_then(|d| from_proto_duration(d, "duration").ok())
@@ -24,9 +28,17 @@ pub async fn collect(
     out: Output,
 ) -> anyhow::Result<ExitCode> {
     let mut client = super::hosts::client(coordinator);
-    let r = client
+    let spinner = progress::bar(out, TEMPLATE);
+    spinner.set_message(if dry_run {
+        "collecting garbage (dry run)"
+    } else {
+        "collecting garbage"
+    });
+    let answer = client
         .collect_garbage(pb::CollectGarbageRequest { dry_run })
-        .await
+        .await;
+    spinner.finish_and_clear();
+    let r = answer
         .map_err(rpc_error("collecting garbage"))?
         .into_inner();
     match out {

@@ -17,9 +17,11 @@
 //! - [`workspace`]: `workspace create|list|show|fork|send|messages|notes|
 //!   finish|delete|retention`.
 //! - [`checkpoints`]: `checkpoints [list] WS`, `checkpoints pin|unpin CID`.
-//! - [`gc`]: `gc [--dry-run]`, `storage`, `compact WS`.
+//! - [`gc`]: `gc [--dry-run]` (a spinner while it runs), `storage`,
+//!   `compact WS`.
 //! - [`checkout`]: `checkout WS DEST`, the restore engine with a progress bar.
-//! - [`verify`]: `verify WS [--read-data]`.
+//! - [`verify`]: `verify WS [--read-data]`, with a progress bar.
+//! - [`progress`]: the bars of checkout, verify and gc, for people only.
 //! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
 //! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
 //! - [`tokens`]: `tokens create --scope client|host [--expires-in]`,
@@ -36,6 +38,7 @@ mod errors;
 mod gc;
 mod hosts;
 mod output;
+mod progress;
 mod runs;
 mod tokens;
 mod verify;

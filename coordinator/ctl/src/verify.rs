@@ -9,7 +9,9 @@
 //!   against its keyed id; then the trees walked from the root (with the
 //!   restore's own safety checks) and every chunk they name found in a pack.
 //!
-//! Packs shared by several checkpoints are checked once.
+//! Packs shared by several checkpoints are checked once. Progress (the
+//! checkpoints done, the packs checked) is drawn on stderr for people
+//! ([`super::progress`]).
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
@@ -27,9 +29,14 @@ use cairn_proto::domain::PackKind;
 use cairn_proto::ids::{BlobId, PackId};
 use cairn_proto::pb;
 use futures::StreamExt;
+use indicatif::ProgressBar;
 use serde_json::json;
 
-use super::{Output, all_checkpoints, emit, print_document, rpc_error};
+use super::{Output, all_checkpoints, emit, print_document, progress, rpc_error};
+
+/// Checkpoints verified of the workspace's, and the packs checked so far.
+pub(crate) const TEMPLATE: &str =
+    "{spinner} verifying {msg} [{bar:30}] {pos}/{len} checkpoints {elapsed}";
 
 /// Packs checked at once (each may be held whole in memory while checked).
 const PARALLEL_PACKS: usize = 4;
@@ -75,7 +82,10 @@ pub async fn run(
     let transfer = BlobTransfer::default();
     let mut checked: HashMap<PackId, Arc<PackCheck>> = HashMap::new();
     let mut results = Vec::with_capacity(checkpoints.len());
+    let bar = progress::bar(out, TEMPLATE);
+    bar.set_length(checkpoints.len() as u64);
     for checkpoint in &checkpoints {
+        bar.set_message(checkpoint.id.clone());
         let result = verify_checkpoint(
             coordinator,
             workspace,
@@ -83,13 +93,24 @@ pub async fn run(
             read_data,
             &transfer,
             &mut checked,
+            &bar,
         )
-        .await?;
+        .await;
+        let result = match result {
+            Ok(result) => result,
+            Err(e) => {
+                bar.finish_and_clear();
+                return Err(e);
+            }
+        };
         if !out.is_document() {
-            emit(&describe_result(&result))?;
+            // Lines go above the bar, not through it.
+            bar.suspend(|| emit(&describe_result(&result)))?;
         }
+        bar.inc(1);
         results.push(result);
     }
+    bar.finish_and_clear();
     let failed = results.iter().filter(|r| !r.problems.is_empty()).count();
     match out {
         Output::Json | Output::Yaml => print_document(
@@ -158,6 +179,7 @@ async fn verify_checkpoint(
     read_data: bool,
     transfer: &BlobTransfer,
     checked: &mut HashMap<PackId, Arc<PackCheck>>,
+    bar: &ProgressBar,
 ) -> anyhow::Result<CheckpointResult> {
     let mut result = CheckpointResult {
         checkpoint_id: checkpoint.id.clone(),
@@ -205,12 +227,22 @@ async fn verify_checkpoint(
         .collect();
     let keys = &resolved.keys;
     let fetcher = &fetcher;
+    let packs_before = checked.len();
     let new_checks: Vec<(PackId, PackCheck)> = futures::stream::iter(todo)
         .map(|info| async move {
             let id = info.id.clone();
             (id, check_pack(fetcher, info, keys.clone(), read_data).await)
         })
         .buffer_unordered(PARALLEL_PACKS)
+        .enumerate()
+        .map(|(done, check)| {
+            bar.set_message(format!(
+                "{} · {} packs checked",
+                checkpoint.id,
+                packs_before + done + 1
+            ));
+            check
+        })
         .collect()
         .await;
     for (id, check) in new_checks {
