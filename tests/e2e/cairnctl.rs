@@ -206,7 +206,7 @@ fn bash_completes_cairnctl_subcommands() {
     let tmp = tempdir("completions");
     let file = tmp.path().join("cairnctl.bash");
     write(&file, &script);
-    // What bash does on `cairnctl ru<TAB>`.
+    // What bash does on `cairnctl ru<TAB>`, then `cairnctl runs w<TAB>`.
     let complete = |line: &str| {
         let words: Vec<&str> = line.split(' ').collect();
         let program = format!(
@@ -224,6 +224,8 @@ fn bash_completes_cairnctl_subcommands() {
     };
     let offered = complete("cairnctl ru");
     assert_eq!(offered.trim(), "runs", "cairnctl ru<TAB>: {offered}");
+    let offered = complete("cairnctl runs w");
+    assert_eq!(offered.trim(), "watch", "cairnctl runs w<TAB>: {offered}");
 }
 
 /// Refusals and failed connections say what happened and what to do.

@@ -1,6 +1,7 @@
 //! cairnctl for runs and hosts: create a run, see it wait, answer it, move
 //! it off a drained host, and read its timeline; list, cordon, uncordon and
-//! drain hosts; mint a host token that a host agent then uses.
+//! drain hosts; mint a host token that a host agent then uses; `runs
+//! watch` seeing runs created and cancelled.
 
 use cairn_e2e::fleet::{
     Fleet, HostOptions, checkpoint_reason, describe_event, state_of, state_of_host,
@@ -344,4 +345,172 @@ fn cairnctl_creates_answers_and_follows_runs_and_manages_hosts() {
     let mut both = vec![run_id, second_id];
     both.sort();
     assert_eq!(listed, both, "{all}");
+}
+
+/// A running `cairnctl runs watch` and the lines it has printed.
+struct Watch {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Watch {
+    fn start(mut cmd: std::process::Command) -> Self {
+        use std::io::BufRead as _;
+        let mut child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("cairnctl starts");
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The first new line `matches` accepts, within 30 s.
+    fn wait_for(&mut self, what: &str, matches: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if matches(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        panic!(
+            "runs watch printed no line with {what}; it printed:\n{}",
+            self.seen.join("\n")
+        );
+    }
+
+    /// Ctrl-C, then its exit status (within 10 s).
+    fn interrupt(mut self) -> std::process::ExitStatus {
+        cairn_e2e::fleet::signal(&[self.child.id()], "INT");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("status") {
+                return status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("runs watch still ran 10 s after Ctrl-C");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A queued run on `workspace`, created with cairnctl; its id.
+fn queued_run(client: &cairn_e2e::Client, workspace: &str) -> String {
+    let created = client.ctl_json(&[
+        "runs",
+        "create",
+        "--workspace",
+        workspace,
+        "--harness",
+        "claude",
+        "--prompt",
+        "watch me",
+        "--label",
+        "pool=nowhere",
+    ]);
+    ids_with_prefix(&created, "run-")
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no run id in {created}"))
+}
+
+/// `runs watch` as a script sees it (stdout a pipe): a JSON object per
+/// change with `-o json`, a line per change otherwise, and exit 0 on Ctrl-C.
+#[test]
+fn runs_watch_prints_each_change_and_stops_on_ctrl_c() {
+    let coordinator = cairn_e2e::Coordinator::start();
+    let client = coordinator.client();
+    coordinator.create_workspace("watched");
+
+    let mut watch = Watch::start({
+        let mut cmd = client.ctl();
+        cmd.args(["-o", "json", "runs", "watch", "--interval", "200ms"]);
+        cmd
+    });
+    let run_id = queued_run(&client, "watched");
+    let change = |line: &str| {
+        serde_json::from_str::<Value>(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+    };
+    let is = |line: &str, kind: &str, state: &str| {
+        let value = change(line);
+        value["change"] == kind
+            && value["run"]["id"] == run_id.as_str()
+            && value["run"]["state"] == state
+    };
+    watch.wait_for("the new queued run", |l| is(l, "new", "queued"));
+    run(client.ctl().args(["runs", "cancel", &run_id])).assert_success();
+    let cancelled = watch.wait_for("the run cancelled", |l| is(l, "changed", "cancelled"));
+    assert_eq!(
+        change(&cancelled)["previous_state"],
+        "queued",
+        "{cancelled}"
+    );
+    assert!(watch.interrupt().success(), "Ctrl-C is a clean stop");
+
+    let mut watch = Watch::start({
+        let mut cmd = client.ctl();
+        cmd.args([
+            "runs",
+            "watch",
+            "--workspace",
+            "watched",
+            "--interval",
+            "200ms",
+        ]);
+        cmd
+    });
+    let header = watch.wait_for("a header", |_| true);
+    assert!(
+        header.starts_with("TIME") && header.contains("CHANGE"),
+        "{header}"
+    );
+    let old = watch.wait_for("the cancelled run, as it is now", |l| l.contains(&run_id));
+    assert!(old.contains(" new ") && old.contains("cancelled"), "{old}");
+    let second = queued_run(&client, "watched");
+    let line = watch.wait_for("the second run", |l| l.contains(&second));
+    assert!(line.contains(" new ") && line.contains("queued"), "{line}");
+    run(client.ctl().args(["runs", "cancel", &second])).assert_success();
+    let line = watch.wait_for("the second run cancelled", |l| l.contains(&second));
+    assert!(
+        line.contains("changed") && line.contains("queued → cancelled"),
+        "{line}"
+    );
+    assert!(
+        !watch.seen.iter().any(|l| l.contains('\x1b')),
+        "no terminal control codes in a pipe: {:?}",
+        watch.seen
+    );
+    assert!(watch.interrupt().success(), "Ctrl-C is a clean stop");
 }

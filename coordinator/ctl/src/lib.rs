@@ -23,6 +23,7 @@
 //! - [`verify`]: `verify WS [--read-data]`, with a progress bar.
 //! - [`progress`]: the bars of checkout, verify and gc, for people only.
 //! - [`runs`]: `runs create|list|show|events|answer|suspend|cancel`.
+//! - [`watch`]: `runs watch`, the runs table kept current.
 //! - [`hosts`]: `hosts list|cordon|uncordon|drain`.
 //! - [`tokens`]: `tokens create --scope client|host [--expires-in]`,
 //!   `tokens list`, `tokens revoke ID`.
@@ -42,6 +43,7 @@ mod progress;
 mod runs;
 mod tokens;
 mod verify;
+mod watch;
 mod workspace;
 
 use std::path::PathBuf;
@@ -202,14 +204,13 @@ pub enum RunsCommand {
     Create(runs::CreateArgs),
     /// List runs, newest first.
     List {
-        /// Only runs on this workspace (id or name).
-        #[arg(long)]
-        workspace: Option<String>,
-        /// Only runs in this state (queued, assigned, starting, running,
-        /// waiting, suspended, succeeded, failed, cancelled).
-        #[arg(long, value_parser = parse_run_state)]
-        state: Option<RunState>,
+        #[command(flatten)]
+        filter: runs::RunFilter,
     },
+    /// Keep the runs table current: redrawn in place on a terminal, one
+    /// line (or with -o json, one JSON object) per change otherwise;
+    /// Ctrl-C stops.
+    Watch(watch::WatchArgs),
     /// Show a run: state and why, question, summary, session, attempts.
     Show {
         /// Run id.
@@ -326,7 +327,7 @@ pub enum TokensCommand {
     },
 }
 
-fn parse_run_state(text: &str) -> Result<RunState, String> {
+pub(crate) fn parse_run_state(text: &str) -> Result<RunState, String> {
     text.parse::<RunState>().map_err(|e| e.reason)
 }
 
@@ -595,9 +596,8 @@ async fn run_runs(
 ) -> anyhow::Result<ExitCode> {
     let (action, run, text) = match command {
         RunsCommand::Create(args) => return runs::create(coordinator, args, output).await,
-        RunsCommand::List { workspace, state } => {
-            return runs::list(coordinator, workspace, state, output).await;
-        }
+        RunsCommand::List { filter } => return runs::list(coordinator, &filter, output).await,
+        RunsCommand::Watch(args) => return watch::run(coordinator, args, output).await,
         RunsCommand::Show { run } => return runs::show(coordinator, &run, output).await,
         RunsCommand::Events { run, follow } => {
             return runs::events(coordinator, &run, follow, output).await;
@@ -718,7 +718,15 @@ mod tests {
             script.contains("complete -F _cairnctl"),
             "not a bash completion script"
         );
-        for word in ["checkout", "verify", "runs", "completions", "yaml", "wide"] {
+        for word in [
+            "checkout",
+            "verify",
+            "runs",
+            "watch",
+            "completions",
+            "yaml",
+            "wide",
+        ] {
             assert!(script.contains(word), "{word} is not offered");
         }
     }

@@ -1,5 +1,6 @@
 //! `cairnctl runs create|list|show|events|answer|suspend|cancel`: asking for
-//! agent work on a workspace and following it across attempts and hosts.
+//! agent work on a workspace and following it across attempts and hosts
+//! (`runs watch` is [`super::watch`]).
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -286,20 +287,33 @@ pub fn state_with_reason(run: &pb::Run) -> String {
     }
 }
 
-pub async fn list(
-    coordinator: &CoordinatorClient,
-    workspace: Option<String>,
-    state: Option<RunState>,
-    out: Output,
-) -> anyhow::Result<ExitCode> {
-    let mut client = client(coordinator);
+/// Which runs `runs list` and `runs watch` show.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RunFilter {
+    /// Only runs on this workspace (id or name).
+    #[arg(long)]
+    pub workspace: Option<String>,
+    /// Only runs in this state (queued, assigned, starting, running,
+    /// waiting, suspended, succeeded, failed, cancelled).
+    #[arg(long, value_parser = super::parse_run_state)]
+    pub state: Option<RunState>,
+}
+
+/// Every run `filter` lets through, newest first, across pages.
+pub async fn fetch(
+    client: &mut RunServiceClient<AuthChannel>,
+    filter: &RunFilter,
+) -> anyhow::Result<Vec<pb::Run>> {
     let mut runs = Vec::new();
     let mut page_token = String::new();
     loop {
         let page = client
             .list_runs(pb::ListRunsRequest {
-                workspace: workspace.clone().unwrap_or_default(),
-                state: state.map_or(pb::RunState::Unspecified, pb::RunState::from) as i32,
+                workspace: filter.workspace.clone().unwrap_or_default(),
+                state: filter
+                    .state
+                    .map_or(pb::RunState::Unspecified, pb::RunState::from)
+                    as i32,
                 page_size: 500,
                 page_token: page_token.clone(),
             })
@@ -312,6 +326,15 @@ pub async fn list(
         }
         page_token = page.next_page_token;
     }
+    Ok(runs)
+}
+
+pub async fn list(
+    coordinator: &CoordinatorClient,
+    filter: &RunFilter,
+    out: Output,
+) -> anyhow::Result<ExitCode> {
+    let runs = fetch(&mut client(coordinator), filter).await?;
     match out {
         Output::Json | Output::Yaml => print_document(
             out,
