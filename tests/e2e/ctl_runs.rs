@@ -514,3 +514,46 @@ fn runs_watch_prints_each_change_and_stops_on_ctrl_c() {
     );
     assert!(watch.interrupt().success(), "Ctrl-C is a clean stop");
 }
+
+/// On a terminal `runs watch` redraws the whole table in place: the
+/// cursor goes home and each line is cleared, no line per change.
+#[test]
+fn runs_watch_redraws_the_table_in_place_on_a_terminal() {
+    let coordinator = cairn_e2e::Coordinator::start();
+    let client = coordinator.client();
+    coordinator.create_workspace("watched");
+    let run_id = queued_run(&client, "watched");
+
+    // `script` (util-linux) runs cairnctl on a pseudo-terminal and copies
+    // what it draws to our pipe.
+    let ctl = client.ctl();
+    let line = format!(
+        "{} runs watch --interval 200ms",
+        ctl.get_program().to_string_lossy()
+    );
+    let mut cmd = std::process::Command::new("script");
+    cmd.args(["-qfec", &line, "/dev/null"]);
+    for (key, value) in ctl.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let mut watch = Watch::start(cmd);
+    watch.wait_for("the queued run in the table", |l| {
+        l.contains(&run_id) && l.contains("queued")
+    });
+    run(client.ctl().args(["runs", "cancel", &run_id])).assert_success();
+    watch.wait_for("the same row, now cancelled", |l| {
+        l.contains(&run_id) && l.contains("cancelled")
+    });
+    let screen = watch.seen.join("\n");
+    assert!(
+        screen.contains("\x1b[H") && screen.contains("Ctrl-C to stop"),
+        "not redrawn in place: {screen:?}"
+    );
+    assert!(
+        !screen.contains("CHANGE"),
+        "a terminal gets the table, not change lines: {screen:?}"
+    );
+}
