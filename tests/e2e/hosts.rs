@@ -583,13 +583,13 @@ fn a_running_attempt_shows_the_work_no_checkpoint_holds_yet() {
         fleet.run_request("", "untracked work/draft.txt thirteen bytes\nsleep 600"),
         &first.workspace_id,
     ));
-    let run = fleet.wait_for_run(&second.id, "the runner reports unsaved work", |run| {
+    let reported = fleet.wait_for_run(&second.id, "the runner reports unsaved work", |run| {
         run.attempts
             .last()
             .and_then(|a| a.unsaved)
             .is_some_and(|u| u.files > 0)
     });
-    let unsaved = run.attempts[0].unsaved.expect("just seen");
+    let unsaved = reported.attempts[0].unsaved.expect("just seen");
     assert!(unsaved.complete, "{unsaved:?}");
     // The draft, and whatever the agent wrote of its own transcript.
     assert!(
@@ -597,11 +597,37 @@ fn a_running_attempt_shows_the_work_no_checkpoint_holds_yet() {
         "the draft's bytes are counted: {unsaved:?}"
     );
     assert!(unsaved.reported_at.is_some());
-    let draft_at = fleet.host("a").sandbox_dir(&run.attempts[0].sandbox_id);
+    let draft_at = fleet
+        .host("a")
+        .sandbox_dir(&reported.attempts[0].sandbox_id);
     assert_eq!(
         std::fs::read_to_string(draft_at.join("workspace/work/draft.txt")).unwrap(),
         draft
     );
+    // cairnctl shows it: AT RISK in the list, a line in show, and JSON.
+    let client = fleet.coordinator.client();
+    let shown = run(client.ctl().args(["runs", "show", &second.id])).assert_success();
+    let at_risk = shown
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("at risk "))
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        at_risk.contains(" in no checkpoint (counted ") && at_risk.contains("file"),
+        "{}",
+        shown.stdout
+    );
+    let listed = run(client.ctl().args(["runs", "list"])).assert_success();
+    assert!(
+        listed.stdout.lines().next().unwrap().contains("AT RISK"),
+        "{}",
+        listed.stdout
+    );
+    let json = client.ctl_json(&["runs", "show", &second.id]);
+    assert_eq!(json["attempts"][0]["unsaved"]["complete"], true, "{json}");
+    assert!(json["attempts"][0]["unsaved"]["bytes"].as_u64().unwrap() >= draft.len() as u64);
 
     // Cancelling checkpoints the workspace: nothing is unsaved any more.
     fleet.cancel(&second.id);
@@ -620,5 +646,21 @@ fn a_running_attempt_shows_the_work_no_checkpoint_holds_yet() {
         std::fs::read_to_string(checkout.join("work/draft.txt")).unwrap(),
         draft,
         "the destroy checkpoint holds what was unsaved"
+    );
+    // A checkout of it warns once it is older than asked.
+    std::thread::sleep(Duration::from_millis(1100));
+    let dest = tempdir("old-checkout");
+    let checkout = run(client.ctl().args([
+        "checkout",
+        &first.workspace_id,
+        &dest.path().join("tree").display().to_string(),
+        "--warn-older-than",
+        "1s",
+    ]))
+    .assert_success();
+    assert!(
+        checkout.stderr.contains("warning: the restored checkpoint"),
+        "{}",
+        checkout.stderr
     );
 }

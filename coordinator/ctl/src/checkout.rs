@@ -46,15 +46,32 @@ impl RestoreProgress for Bar {
 pub(crate) const TEMPLATE: &str =
     "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}";
 
+/// What `cairnctl checkout` restores, where, and how.
+#[derive(Debug)]
+pub struct Checkout<'a> {
+    pub workspace: &'a str,
+    pub dest: PathBuf,
+    /// Exactly this checkpoint (no fallback to older ones).
+    pub checkpoint: Option<&'a str>,
+    pub pack_cache: Option<PackCacheConfig>,
+    pub verify_existing: bool,
+    /// A checkpoint older than this is restored with a warning (0: never).
+    pub warn_older_than: std::time::Duration,
+}
+
 pub async fn run(
     coordinator: &CoordinatorClient,
-    workspace: &str,
-    dest: PathBuf,
-    checkpoint: Option<&str>,
-    pack_cache: Option<PackCacheConfig>,
-    verify_existing: bool,
+    checkout: Checkout<'_>,
     out: Output,
 ) -> anyhow::Result<ExitCode> {
+    let Checkout {
+        workspace,
+        dest,
+        checkpoint,
+        pack_cache,
+        verify_existing,
+        warn_older_than,
+    } = checkout;
     let checkpoint = checkpoint
         .map(str::parse::<CheckpointId>)
         .transpose()
@@ -69,6 +86,13 @@ pub async fn run(
     let result = restore::restore(coordinator, &opts, &bar).await;
     bar.0.finish_and_clear();
     let report = result?;
+    if let Some(warning) = cairn_runner::report::staleness_warning(
+        &report,
+        warn_older_than,
+        std::time::SystemTime::now(),
+    ) {
+        eprintln!("{warning}");
+    }
     match out {
         Output::Json | Output::Yaml => print_document(out, &report.to_json())?,
         Output::Table | Output::Wide => {

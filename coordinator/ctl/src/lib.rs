@@ -165,6 +165,10 @@ pub enum Command {
         pack_cache: cairn_runner::cli::PackCacheArgs,
         #[command(flatten)]
         existing: cairn_runner::cli::ExistingFilesArgs,
+        /// Warn on stderr when the restored checkpoint is older than this
+        /// (the work after it is not in the tree); 0 never warns.
+        #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
+        warn_older_than: std::time::Duration,
     },
     /// Check that every pack each checkpoint references is in the store.
     Verify {
@@ -551,17 +555,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             checkpoint,
             pack_cache,
             existing,
+            warn_older_than,
         } => {
-            checkout::run(
-                &coordinator,
-                &workspace,
+            let checkout = checkout::Checkout {
+                workspace: &workspace,
                 dest,
-                checkpoint.as_deref(),
-                pack_cache.config(),
-                existing.verify_existing,
-                output,
-            )
-            .await
+                checkpoint: checkpoint.as_deref(),
+                pack_cache: pack_cache.config(),
+                verify_existing: existing.verify_existing,
+                warn_older_than,
+            };
+            checkout::run(&coordinator, checkout, output).await
         }
         Command::Verify {
             workspace,

@@ -10,7 +10,7 @@ use cairn_proto::domain::{CheckpointReason, WorkspaceState};
 use cairn_proto::pb;
 use cairn_proto::runs::{AttemptState, CheckpointLimits, HostState, RunState, from_proto_duration};
 use cairn_proto::size::human_bytes;
-use cairn_utils::text::human_age;
+use cairn_utils::text::{human_age, plural};
 use serde_json::{Value, json};
 
 /// Columns padded to their widest cell; the last column is not padded.
@@ -356,6 +356,27 @@ pub fn current_attempt(run: &pb::Run) -> Option<&pb::Attempt> {
     run.attempts.last()
 }
 
+/// The work a live attempt's workspace holds that no checkpoint has (what
+/// losing its sandbox would lose), as its runner last counted it: "-"
+/// when unknown or the attempt ended.
+pub fn at_risk(attempt: Option<&pb::Attempt>) -> String {
+    let Some(unsaved) = attempt
+        .filter(|a| a.state != pb::AttemptState::Ended as i32)
+        .and_then(|a| a.unsaved.as_ref())
+    else {
+        return "-".into();
+    };
+    if unsaved.files == 0 {
+        return "nothing".into();
+    }
+    format!(
+        "{}{}, {}",
+        if unsaved.complete { "" } else { "at least " },
+        plural(unsaved.files, "file", "files"),
+        human_bytes(unsaved.bytes)
+    )
+}
+
 pub fn attempt_json(a: &pb::Attempt) -> Value {
     json!({
         "number": a.number,
@@ -368,6 +389,12 @@ pub fn attempt_json(a: &pb::Attempt) -> Value {
         "end_reason": a.end_reason,
         "prepare": a.prepare,
         "restored_checkpoint_id": a.restored_checkpoint_id,
+        "unsaved": a.unsaved.as_ref().map(|u| json!({
+            "files": u.files,
+            "bytes": u.bytes,
+            "complete": u.complete,
+            "reported_at": rfc3339(time_of!(u.reported_at)),
+        })),
     })
 }
 

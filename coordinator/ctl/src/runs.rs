@@ -346,7 +346,8 @@ pub async fn list(
 }
 
 /// One row per run: where it is, on which host, how old its workspace's
-/// newest checkpoint is (the work losing the sandbox would lose), and why.
+/// newest checkpoint is and what its sandbox holds that no checkpoint has
+/// (the work losing the sandbox would lose), and why.
 /// `wide` adds the current attempt's generation, the run's labels, its last
 /// checkpoint and when it last changed, and gives the reason uncut.
 pub fn runs_table(runs: &[pb::Run], wide: bool) -> String {
@@ -365,6 +366,7 @@ pub fn runs_table(runs: &[pb::Run], wide: bool) -> String {
                 r.attempts.len().to_string(),
                 attempt.map_or_else(|| "-".into(), |a| output::or_dash(&a.host_id)),
                 output::age(time_of!(r.workspace_checkpointed_at)),
+                output::at_risk(attempt),
                 output::age(time_of!(r.created_at)),
             ];
             if wide {
@@ -390,6 +392,7 @@ pub fn runs_table(runs: &[pb::Run], wide: bool) -> String {
         "ATTEMPTS",
         "HOST",
         "CHECKPOINTED",
+        "AT RISK",
         "CREATED",
     ];
     if wide {
@@ -397,6 +400,23 @@ pub fn runs_table(runs: &[pb::Run], wide: bool) -> String {
     }
     headers.push("WHY");
     output::table(&headers, &rows)
+}
+
+/// What the live attempt's sandbox holds that no checkpoint has, and
+/// when its runner counted it.
+fn at_risk_details(run: &pb::Run) -> String {
+    let attempt = output::current_attempt(run);
+    let text = output::at_risk(attempt);
+    let counted = attempt
+        .and_then(|a| a.unsaved.as_ref())
+        .and_then(|u| time_of!(u.reported_at));
+    match counted {
+        Some(at) if text != "-" => format!(
+            "{text} in no checkpoint (counted {})",
+            cairn_utils::text::human_age(at)
+        ),
+        _ => text,
+    }
 }
 
 pub async fn show(
@@ -486,6 +506,7 @@ pub fn run_details(run: &pb::Run, wide: bool) -> String {
             "workspace checkpointed",
             output::when(time_of!(run.workspace_checkpointed_at)),
         ),
+        ("at risk", at_risk_details(run)),
         ("created", output::when(time_of!(run.created_at))),
         ("updated", output::when(time_of!(run.updated_at))),
     ]);
@@ -856,6 +877,13 @@ mod tests {
                 state: pb::AttemptState::Ended as i32,
                 end_reason: "host_lost".into(),
                 prepare: "restored ck-1".into(),
+                // Stale: the attempt ended.
+                unsaved: Some(pb::UnsavedWork {
+                    files: 9,
+                    bytes: 9,
+                    complete: true,
+                    reported_at: None,
+                }),
                 ..Default::default()
             }],
             question: "Which colour?".into(),
@@ -879,6 +907,35 @@ mod tests {
         assert_eq!(value_of("question").as_deref(), Some("Which colour?"));
         let checkpointed = value_of("workspace checkpointed").unwrap_or_default();
         assert!(checkpointed.ends_with("(2m ago)"), "{text}");
+        assert_eq!(value_of("at risk").as_deref(), Some("-"), "{text}");
+        let mut running = run.clone();
+        running.attempts[0].state = pb::AttemptState::Running as i32;
+        running.attempts[0].unsaved = Some(pb::UnsavedWork {
+            files: 3,
+            bytes: 3 << 20,
+            complete: false,
+            reported_at: Some(cairn_proto::domain::to_timestamp(
+                std::time::SystemTime::now() - Duration::from_secs(4),
+            )),
+        });
+        let details = run_details(&running, false);
+        let at_risk = details
+            .lines()
+            .find_map(|l| l.strip_prefix("at risk "))
+            .map(str::trim);
+        assert!(
+            at_risk.is_some_and(
+                |v| v.starts_with("at least 3 files, 3.0 MiB in no checkpoint (counted")
+            ),
+            "{details}"
+        );
+        let table = runs_table(std::slice::from_ref(&running), false);
+        let mut lines = table.lines();
+        let column = lines.next().unwrap().find("AT RISK").unwrap();
+        assert!(
+            lines.next().unwrap()[column..].starts_with("at least 3 files, 3.0 MiB"),
+            "{table}"
+        );
         let table = runs_table(std::slice::from_ref(&run), false);
         let mut lines = table.lines();
         let column = lines.next().unwrap().find("CHECKPOINTED").unwrap();
