@@ -242,7 +242,7 @@ impl RunnerService for FakeRunnerService {
         &self,
         request: Request<pb::ReportUnsavedRequest>,
     ) -> Result<Response<pb::ReportAck>, Status> {
-        let call = Call::Unsaved(request.get_ref().clone());
+        let call = Call::Unsaved(*request.get_ref());
         self.ack(&request, call)
     }
 }
