@@ -311,7 +311,7 @@ impl ChangeTracker {
             for name in names {
                 let rel = scan::join_rel(dir, name);
                 let before = listing.and_then(|l| l.node(name));
-                if !count.entry(&rel, before) {
+                if count.entry(&rel, before).is_none() {
                     return Some(count.unsaved);
                 }
             }
@@ -395,18 +395,21 @@ impl UnsavedCount<'_> {
     }
 
     /// Counts the entry at `rel` if it is not what the walk found
-    /// (`before`). Returns false once the bound is reached.
-    fn entry(&mut self, rel: &[u8], before: Option<&scan::Node>) -> bool {
+    /// (`before`). Returns whether it is a directory now (counted through
+    /// its own listing), or `None` once the bound is reached.
+    fn entry(&mut self, rel: &[u8], before: Option<&scan::Node>) -> Option<bool> {
         if self.left == 0 {
             self.unsaved.complete = false;
-            return false;
+            return None;
         }
         self.left -= 1;
         if self.is_excluded(rel, false) {
-            return true;
+            return Some(false);
         }
         let path = self.root.join(std::ffi::OsStr::from_bytes(rel));
-        match std::fs::symlink_metadata(&path) {
+        let meta = std::fs::symlink_metadata(&path);
+        let is_dir = meta.as_ref().is_ok_and(std::fs::Metadata::is_dir);
+        match meta {
             Ok(meta) if meta.is_file() => {
                 let now = crate::cache::Fingerprint::of(&meta);
                 if !matches!(before, Some(scan::Node { kind: NodeKind::File(was), .. }) if *was == now)
@@ -441,7 +444,7 @@ impl UnsavedCount<'_> {
                 }
             }
         }
-        true
+        Some(is_dir)
     }
 
     /// Counts what changed in the directory at `rel` against its listing
@@ -466,14 +469,11 @@ impl UnsavedCount<'_> {
         for name in &names {
             let child = scan::join_rel(rel, name);
             let before = listing.as_ref().and_then(|l| l.node(name));
-            if !self.entry(&child, before) {
+            let Some(is_dir) = self.entry(&child, before) else {
                 return false;
-            }
+            };
             // A new directory the events do not list again: its entries
             // are all new.
-            let is_dir =
-                std::fs::symlink_metadata(self.root.join(std::ffi::OsStr::from_bytes(&child)))
-                    .is_ok_and(|m| m.is_dir());
             if is_dir
                 && !self.dirty.contains(&child)
                 && self.previous.listing(&child).is_none()
