@@ -1,10 +1,12 @@
-//! `cairn-host --metrics-listen`: a scrape after two runs of one workspace
-//! on one host, the second starting on the tree the first left, read by
+//! `cairn-host --metrics-listen` and `cairn-coordinator serve
+//! --metrics-listen`: scrapes of both after two runs of one workspace on one
+//! host, the second starting on the tree the first left, read by
 //! Prometheus' own parser.
 
 use std::net::{SocketAddr, TcpListener};
 
-use cairn_e2e::fleet::{Fleet, HostOptions, on_workspace};
+use cairn_e2e::fleet::{Fleet, FleetTiming, HostOptions, on_workspace};
+use cairn_proto::pb;
 use cairn_proto::runs::RunState;
 use cairn_utils::testing::{Sample, parse_prometheus, sample_value as value};
 
@@ -28,8 +30,12 @@ fn scrape(fleet: &Fleet, address: SocketAddr) -> Vec<Sample> {
 }
 
 #[test]
-fn a_host_counts_its_sandboxes_kept_trees_and_what_its_runners_restored_and_checkpointed() {
-    let mut fleet = Fleet::start();
+fn a_host_and_its_coordinator_count_two_runs_the_second_on_a_kept_tree() {
+    let coordinator_address = free_address();
+    let mut fleet = Fleet::start_with_args(
+        FleetTiming::default(),
+        &["--metrics-listen", &coordinator_address.to_string()],
+    );
     let address = free_address();
     fleet.start_host(
         "a",
@@ -118,6 +124,57 @@ fn a_host_counts_its_sandboxes_kept_trees_and_what_its_runners_restored_and_chec
             "cairn_host_heartbeats_total",
             &[("outcome", "ok")]
         ) > 0.0
+    );
+
+    // The coordinator saw the same two runs.
+    let served = scrape(&fleet, coordinator_address);
+    let runs = |state| value(&served, "cairn_runs", &[("state", state)]);
+    assert_eq!(runs("succeeded"), 2.0);
+    for state in ["queued", "assigned", "starting", "running", "waiting"] {
+        assert_eq!(runs(state), 0.0, "{state}");
+    }
+    assert_eq!(value(&served, "cairn_hosts", &[("state", "ready")]), 1.0);
+    assert!(value(&served, "cairn_checkpoints_committed_total", &[]) >= 2.0);
+    assert!(value(&served, "cairn_checkpoint_pack_bytes_committed_total", &[]) > 0.0);
+    assert!(
+        value(
+            &served,
+            "cairn_restore_manifest_duration_seconds_count",
+            &[]
+        ) >= 1.0
+    );
+    assert_eq!(
+        value(
+            &served,
+            "cairn_run_first_assignment_wait_seconds_count",
+            &[]
+        ),
+        2.0
+    );
+    let tenant = fleet.block_on(async {
+        let mut admin = fleet.coordinator.admin().await;
+        admin
+            .workspaces
+            .get_workspace(pb::GetWorkspaceRequest {
+                workspace: first.workspace_id.clone(),
+            })
+            .await
+            .expect("the workspace exists")
+            .into_inner()
+            .tenant
+    });
+    assert!(
+        value(
+            &served,
+            "cairn_stored_bytes",
+            &[("tenant", &tenant), ("state", "live")]
+        ) > 0.0
+    );
+    assert!(
+        served
+            .iter()
+            .all(|s| s.name != "cairn_run_checkpoint_age_seconds"),
+        "no run has a sandbox any more"
     );
 
     // The example alerts name only host series a host serves.

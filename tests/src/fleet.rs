@@ -189,15 +189,17 @@ impl Fleet {
     }
 
     pub fn start_with(timing: FleetTiming) -> Self {
+        Self::start_with_args(timing, &[])
+    }
+
+    /// With more `cairn-coordinator serve` flags (`--metrics-listen ADDR`).
+    pub fn start_with_args(timing: FleetTiming, extra_args: &[&str]) -> Self {
         require_local_sandboxes();
         let lease = format!("{}ms", timing.host_lease.as_millis());
         let heartbeat = format!("{}ms", timing.heartbeat_interval.as_millis());
-        Self::around(Coordinator::start_with(&[
-            "--host-lease",
-            &lease,
-            "--heartbeat-interval",
-            &heartbeat,
-        ]))
+        let mut args = vec!["--host-lease", &lease, "--heartbeat-interval", &heartbeat];
+        args.extend_from_slice(extra_args);
+        Self::around(Coordinator::start_with(&args))
     }
 
     /// A coordinator with the default [`FleetTiming`] serving TLS (mutual
