@@ -126,8 +126,7 @@ impl HostMetrics {
             "Exchanges with the coordinator (registration or heartbeat), by outcome: ok or failed",
             heartbeats.clone(),
         );
-        // 1 ms to about 9 min.
-        let restore_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let restore_seconds = Histogram::new(duration_buckets());
         registry.register(
             "cairn_host_restore_duration_seconds",
             "Time a runner took to restore its workspace, as it reported",
@@ -145,7 +144,7 @@ impl HostMetrics {
             "File content restores wrote (files already right on disk are not written)",
             restore_written_bytes.clone(),
         );
-        let checkpoint_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let checkpoint_seconds = Histogram::new(duration_buckets());
         registry.register(
             "cairn_host_checkpoint_duration_seconds",
             "Time a runner took to cut and commit a checkpoint, as it reported",
@@ -298,6 +297,12 @@ impl HostMetrics {
             .expect("writing to a String cannot fail");
         text
     }
+}
+
+/// 1 ms to about 9 min: a restore of a large workspace on a slow link
+/// takes minutes.
+fn duration_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 20)
 }
 
 fn seconds(ms: u64) -> f64 {
