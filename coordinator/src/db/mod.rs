@@ -42,6 +42,7 @@
 //!   Every run state change writes a run event in the same transaction, and
 //!   after the commit the run's id is published to [`MetadataStore::subscribe_runs`].
 
+mod bells;
 mod checkpoints;
 mod compaction;
 mod gc;
@@ -62,6 +63,7 @@ mod token_cache;
 mod tokens;
 mod workspaces;
 
+pub use bells::OrderBells;
 pub use checkpoints::{CommitPacks, CommitPreflight};
 pub use compaction::Compacted;
 pub use gc::{PackDeletion, PackTally, TenantStorage, WorkspaceStorage};
@@ -353,6 +355,8 @@ pub struct MetadataStore {
     pool: AnyPool,
     backend: Backend,
     run_changes: broadcast::Sender<RunId>,
+    /// The bells of hosts watching for orders on this replica.
+    order_bells: Arc<OrderBells>,
     /// Host leases renewed by heartbeats that changed nothing else, and
     /// when: written in batches by [`MetadataStore::flush_heartbeats`].
     renewed_leases: Arc<std::sync::Mutex<HashMap<HostId, i64>>>,
@@ -405,6 +409,10 @@ impl RunChannel {
 /// What starts a notification that a token was revoked (run ids never do).
 const REVOKED_TOKEN_PREFIX: &str = "revoked-token:";
 
+/// What starts a notification that hosts were given orders (their ids
+/// follow, separated by commas; run ids never start so).
+const HOST_ORDERS_PREFIX: &str = "host-orders:";
+
 /// Most run ids one notification carries (PostgreSQL's payload limit is
 /// 8000 bytes; an id is 30 characters and a comma).
 const RUNS_PER_NOTIFICATION: usize = 200;
@@ -438,6 +446,8 @@ pub(crate) enum TxLock {
 pub(crate) struct WriteTx {
     tx: Transaction<'static, Any>,
     changed_runs: BTreeSet<RunId>,
+    /// Hosts given new orders (rung after the commit).
+    ordered_hosts: BTreeSet<HostId>,
     /// Released after `tx` ends (fields drop in order).
     gate: Option<OwnedMutexGuard<()>>,
     /// The host-rows turn this transaction may still take (see
@@ -480,6 +490,12 @@ impl WriteTx {
 
     fn touch(&mut self, run: &RunId) {
         self.changed_runs.insert(run.clone());
+    }
+
+    /// Notes that `host` was given an order (an assignment, a destroy
+    /// order): its agent hears of it once the transaction commits.
+    fn ring(&mut self, host: &HostId) {
+        self.ordered_hosts.insert(host.clone());
     }
 
     /// Undoes everything written in the transaction, announcing nothing,
@@ -609,6 +625,7 @@ impl MetadataStore {
             pool,
             backend,
             run_changes,
+            order_bells: Arc::default(),
             renewed_leases: Arc::default(),
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
             host_rows: Arc::default(),
@@ -644,6 +661,7 @@ impl MetadataStore {
         Ok(WriteTx {
             tx,
             changed_runs: BTreeSet::new(),
+            ordered_hosts: BTreeSet::new(),
             gate,
             host_rows: None,
             host_rows_turn: None,
@@ -682,6 +700,7 @@ impl MetadataStore {
         Ok(WriteTx {
             tx,
             changed_runs: BTreeSet::new(),
+            ordered_hosts: BTreeSet::new(),
             gate: None,
             host_rows: (lock == TxLock::Nothing).then(|| Arc::clone(&self.host_rows)),
             host_rows_turn: turn,
@@ -723,13 +742,15 @@ impl MetadataStore {
             .await
     }
 
-    /// Commits `tx` and announces the runs it changed: to this replica's
-    /// watchers at once, and on PostgreSQL to every replica's with the
-    /// commit (a `NOTIFY` is delivered when its transaction commits).
+    /// Commits `tx` and announces the runs it changed and the hosts it gave
+    /// orders to: to this replica's watchers at once, and on PostgreSQL to
+    /// every replica's with the commit (a `NOTIFY` is delivered when its
+    /// transaction commits).
     pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), DbError> {
         let WriteTx {
             mut tx,
             changed_runs,
+            ordered_hosts,
             gate,
             host_rows_turn,
             ..
@@ -742,6 +763,13 @@ impl MetadataStore {
                     .await
                     .map_err(query_error("announce run changes"))?;
             }
+            let hosts: Vec<&str> = ordered_hosts.iter().map(HostId::as_str).collect();
+            for chunk in hosts.chunks(RUNS_PER_NOTIFICATION) {
+                channel
+                    .announce(&mut tx, &format!("{HOST_ORDERS_PREFIX}{}", chunk.join(",")))
+                    .await
+                    .map_err(query_error("announce host orders"))?;
+            }
         }
         tx.commit().await.map_err(query_error("commit"))?;
         drop((gate, host_rows_turn));
@@ -749,7 +777,15 @@ impl MetadataStore {
             // No receiver is fine: nobody is watching.
             let _ = self.run_changes.send(run);
         }
+        for host in &ordered_hosts {
+            self.order_bells.ring(host);
+        }
         Ok(())
+    }
+
+    /// The bells of the hosts watching this replica for orders.
+    pub fn order_bells(&self) -> &Arc<OrderBells> {
+        &self.order_bells
     }
 
     /// Relays the run changes other replicas announce to this replica's
@@ -806,6 +842,9 @@ impl MetadataStore {
             for run in missed.iter().filter_map(|id| id.parse::<RunId>().ok()) {
                 let _ = self.run_changes.send(run);
             }
+            // Which hosts were given orders meanwhile is not recorded: each
+            // watching host heartbeats once and learns its own.
+            self.order_bells.ring_all();
             *lost_at = None;
         }
         loop {
@@ -816,6 +855,18 @@ impl MetadataStore {
                     Err(_) => {
                         tracing::warn!(payload = %id, "a revocation names no token; forgetting every token");
                         self.token_cache.forget_all();
+                    }
+                }
+                continue;
+            }
+            if let Some(ids) = notification.payload().strip_prefix(HOST_ORDERS_PREFIX) {
+                for id in ids.split(',') {
+                    match id.parse::<HostId>() {
+                        Ok(host) => self.order_bells.ring(&host),
+                        Err(_) => {
+                            tracing::warn!(payload = %id, "a host-orders announcement names no host; ringing every bell");
+                            self.order_bells.ring_all();
+                        }
                     }
                 }
                 continue;

@@ -494,6 +494,9 @@ pub(super) async fn order_destroy(
     let Some(attempt) = run.attempt_mut(number) else {
         return Ok(());
     };
+    if attempt.destroy_reason.is_none() {
+        tx.ring(&attempt.host_id);
+    }
     attempt
         .destroy_reason
         .get_or_insert_with(|| reason.to_owned());

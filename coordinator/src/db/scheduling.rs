@@ -518,6 +518,9 @@ async fn record_assignments(
         .execute(tx.conn())
         .await
         .map_err(query_error("insert attempts"))?;
+    for (_, attempt) in &attempts {
+        tx.ring(&attempt.host_id);
+    }
 
     // Each row joined to its values (a CASE per column would cost rows ×
     // values).
@@ -674,6 +677,7 @@ async fn assign_in(
     .execute(tx.conn())
     .await
     .map_err(query_error("insert attempt"))?;
+    tx.ring(host_id);
     sqlx::query("UPDATE runs SET attempt_count = $1 WHERE id = $2")
         .bind(i64::from(number))
         .bind(run_id.as_str())

@@ -1,12 +1,15 @@
 //! `cairn.v1.HostService`: host agents register and heartbeat (host and
 //! admin tokens). The heartbeat answer carries every assignment (with its
-//! run token, derived again each time) and destroy order still due.
+//! run token, derived again each time) and destroy order still due;
+//! `WatchOrders` tells a host the moment it has new ones, so it need not wait
+//! for its next heartbeat to hear them (see [`crate::db::OrderBells`]).
 //!
 //! A host token acts only as the host it is bound to: an enrollment token
 //! (bound to none) only registers a new host and gets that host's bound
 //! token in the answer; a bound token heartbeats and registers again only
 //! as its own host (see [`crate::tokens::Principal::registration`]).
 
+use std::pin::Pin;
 use std::time::SystemTime;
 
 use cairn_proto::domain::{to_timestamp, validate_name};
@@ -14,12 +17,18 @@ use cairn_proto::ids::{HostId, WorkspaceId};
 use cairn_proto::pb;
 use cairn_proto::pb::host_service_server::HostService;
 use cairn_proto::runs::{HostState, Labels, SandboxState, to_proto_duration};
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::{ServiceError, Shared};
 use crate::auth::principal;
 use crate::db::{BoundToken, HostRegistration, Registered, ReportedSandbox};
 use crate::tokens::{self, Action, Denied, Scope};
+
+/// The notices of a `WatchOrders` stream.
+type NoticeStream = Pin<Box<dyn Stream<Item = Result<pb::OrdersNotice, Status>> + Send>>;
 
 /// Most slots one host may offer.
 const MAX_SLOTS: u32 = 10_000;
@@ -219,6 +228,70 @@ impl HostService for HostApi {
             forget: answer.forget,
         }))
     }
+
+    type WatchOrdersStream = NoticeStream;
+
+    async fn watch_orders(
+        &self,
+        request: Request<pb::WatchOrdersRequest>,
+    ) -> Result<Response<Self::WatchOrdersStream>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::ActAsHost)
+            .map_err(ServiceError::Denied)?;
+        let host_id: HostId = request
+            .into_inner()
+            .host_id
+            .parse()
+            .map_err(ServiceError::from)?;
+        principal
+            .act_as_host(&host_id)
+            .map_err(Denied::into_status)?;
+        // A host that registered, so that nobody holds bells for made-up ids.
+        self.shared
+            .db
+            .host(&principal.tenant, host_id.as_str())
+            .await
+            .map_err(ServiceError::from)?;
+        let (sink, notices) = mpsc::channel(1);
+        tokio::spawn(ring_notices(self.shared.clone(), host_id, sink));
+        Ok(Response::new(Box::pin(ReceiverStream::new(notices))))
+    }
+}
+
+/// Sends `host` a notice at once, then one each time its bell rings, until
+/// the host hangs up or the server shuts down. Notices carry nothing but a
+/// count, so a stream outliving its token's revocation tells nothing: the
+/// heartbeat it prompts is checked as any other.
+async fn ring_notices(
+    shared: super::Shared,
+    host: HostId,
+    sink: mpsc::Sender<Result<pb::OrdersNotice, Status>>,
+) {
+    let bells = shared.db.order_bells().clone();
+    let mut bell = bells.listen(&host);
+    let mut sequence = 0;
+    loop {
+        sequence += 1;
+        // The channel holds one notice: a host that has not read the last
+        // one yet will heartbeat anyway, so nothing is queued behind it.
+        match sink.try_send(Ok(pb::OrdersNotice { sequence })) {
+            Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => break,
+        }
+        tokio::select! {
+            rung = bell.changed() => if rung.is_err() { break },
+            () = sink.closed() => break,
+            () = shared.shutdown.cancelled() => {
+                let _ = sink
+                    .send(Err(Status::unavailable("the coordinator is shutting down; watch again")))
+                    .await;
+                break;
+            }
+        }
+    }
+    drop(bell);
+    bells.release(&host);
 }
 
 /// Most kept workspaces a heartbeat may list.

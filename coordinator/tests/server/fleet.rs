@@ -299,6 +299,18 @@ impl FakeHost {
         response
     }
 
+    /// Opens this host's WatchOrders stream.
+    pub async fn watch_orders(
+        &mut self,
+    ) -> Result<tonic::Streaming<pb::OrdersNotice>, tonic::Status> {
+        self.client
+            .watch_orders(pb::WatchOrdersRequest {
+                host_id: self.id.clone(),
+            })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
     /// One heartbeat as it is, without acting on the answer.
     pub async fn client_heartbeat(&mut self) -> Result<pb::HeartbeatResponse, tonic::Status> {
         self.client

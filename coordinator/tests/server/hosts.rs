@@ -1,5 +1,6 @@
 //! Hosts: lost hosts and what happens to their runs, re-registration,
-//! cordon and drain; host tokens bound to their host.
+//! cordon and drain; host tokens bound to their host; orders told to a
+//! watching host as they are made.
 
 use std::time::Duration;
 
@@ -505,4 +506,63 @@ async fn a_revoked_host_token_stops_its_host_at_once() {
         Refusal::of(&refused),
         Some(Refusal::Token(TokenRefusal::Revoked))
     );
+}
+
+/// The next notice on `notices`, within the test's patience.
+async fn next_notice(notices: &mut tonic::Streaming<pb::OrdersNotice>) -> pb::OrdersNotice {
+    tokio::time::timeout(Duration::from_secs(30), notices.message())
+        .await
+        .expect("a notice within 30 s")
+        .expect("the stream is open")
+        .expect("the stream did not end")
+}
+
+#[tokio::test]
+async fn a_host_watching_for_orders_hears_of_each_as_it_is_made() {
+    let (server, mut clients, mut h) = patient_fleet("h", 1).await;
+    let enroll = enrollment_token(&mut clients).await;
+    let mut other = FakeHost::register(&server, &enroll, "other", &[("pool", "x")], 1).await;
+    let mut notices = h.watch_orders().await.unwrap();
+    let mut others = other.watch_orders().await.unwrap();
+    // The first notice comes at once: orders made before the host watched.
+    assert_eq!(next_notice(&mut notices).await.sequence, 1);
+    assert_eq!(next_notice(&mut others).await.sequence, 1);
+
+    // An assignment rings h's bell, before h heartbeats.
+    clients.host_request("cordon", &other.id).await.unwrap();
+    let run = clients.create_run(&[]).await;
+    assert_eq!(next_notice(&mut notices).await.sequence, 2);
+    let assignment = h.beat_until_assigned(&run.id).await;
+    // A destroy order too.
+    clients.cancel(&run.id, "no longer needed").await;
+    assert_eq!(next_notice(&mut notices).await.sequence, 3);
+    h.beat().await;
+    assert_eq!(
+        h.destroy_orders()
+            .get(&assignment.sandbox_id)
+            .map(String::as_str),
+        Some("cancelled")
+    );
+    // Neither was the other host's business.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), others.message())
+            .await
+            .is_err(),
+        "the other host heard of orders that were not its own"
+    );
+
+    // A host's token watches only its own host.
+    let other_token = other
+        .bound_token
+        .clone()
+        .expect("enrolled hosts get a bound token");
+    let mut as_other = host_service(&server, &other_token).await;
+    let refused = as_other
+        .watch_orders(pb::WatchOrdersRequest {
+            host_id: h.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    assert_eq!(wrong_host(&refused), Some((other.id.clone(), h.id.clone())));
 }
