@@ -12,7 +12,8 @@
 //!
 //! Only the replica holding the leader lease ([`crate::leader`]) runs
 //! passes. A pass runs when something wakes it ([`SchedulerHandle::wake`]: a new run,
-//! an answer, a freed slot, a host) and at least every [`MAX_PASS_INTERVAL`].
+//! an answer, a freed slot, a host), when the next hold runs out (a suspend
+//! waits for no timer), and at least every [`MAX_PASS_INTERVAL`].
 //! A pass's assignments are written in batches, a transaction each, in
 //! [`crate::db`], which re-checks every run and host under the write lock;
 //! a failed pass is logged and retried by the next.
@@ -159,11 +160,19 @@ pub async fn run(
         if !leads {
             leading_since = None;
         }
+        let mut next_pass = config.pass_interval;
         if leads {
             let since = *leading_since.get_or_insert_with(SystemTime::now);
             let started = Instant::now();
             match pass(&db, &run_tokens, &config, since).await {
-                Ok(first_waits) => metrics.scheduler_pass(started.elapsed(), &first_waits),
+                Ok(done) => {
+                    metrics.scheduler_pass(started.elapsed(), &done.first_waits);
+                    next_pass = until_next_pass(
+                        config.pass_interval,
+                        done.next_hold_expiry,
+                        SystemTime::now(),
+                    );
+                }
                 Err(e) if e.is_retryable() => {
                     tracing::warn!(error = %e, "scheduler pass failed; retrying");
                 }
@@ -173,29 +182,58 @@ pub async fn run(
         tokio::select! {
             () = stop.cancelled() => break,
             () = handle.wake.notified() => {}
-            () = tokio::time::sleep(config.pass_interval) => {}
+            () = tokio::time::sleep(next_pass) => {}
         }
     }
 }
 
-/// One pass: lost hosts, expired holds, placements. Returns how long each
-/// run assigned for the first time waited since it was created.
+/// How long the scheduler sleeps after a pass: the pass interval, or less
+/// when a hold runs out sooner (a millisecond after it, as holds are kept
+/// in milliseconds).
+fn until_next_pass(
+    pass_interval: Duration,
+    next_hold_expiry: Option<SystemTime>,
+    now: SystemTime,
+) -> Duration {
+    match next_hold_expiry {
+        Some(at) => {
+            let until = at.duration_since(now).unwrap_or_default() + Duration::from_millis(1);
+            until.min(pass_interval)
+        }
+        None => pass_interval,
+    }
+}
+
+/// What a pass did.
+#[derive(Debug, Default)]
+struct PassDone {
+    /// How long each run assigned for the first time waited since it was
+    /// created.
+    first_waits: Vec<Duration>,
+    /// When the next hold runs out.
+    next_hold_expiry: Option<SystemTime>,
+}
+
+/// One pass: lost hosts, expired holds, placements.
 async fn pass(
     db: &MetadataStore,
     run_tokens: &RunTokenKey,
     config: &SchedulerConfig,
     started: SystemTime,
-) -> Result<Vec<Duration>, DbError> {
+) -> Result<PassDone, DbError> {
     for host in db.mark_lost_hosts(config.lease, started).await? {
         tracing::warn!(%host, lease = %humantime::format_duration(config.lease), "host lost: no heartbeat within the lease");
     }
     for run in db.expire_holds().await? {
         tracing::info!(%run, "hold expired; releasing the sandbox");
     }
+    let mut done = PassDone {
+        next_hold_expiry: db.next_hold_expiry().await?,
+        ..PassDone::default()
+    };
     let queued = db.queued_runs().await?;
-    let mut first_waits = Vec::new();
     if queued.is_empty() {
-        return Ok(first_waits);
+        return Ok(done);
     }
     let hosts = db.ready_hosts().await?;
     let mut assignments = Vec::new();
@@ -229,7 +267,7 @@ async fn pass(
         for run in db.assign_runs(batch).await? {
             let attempt = run.current_attempt();
             if let Some(first) = attempt.filter(|a| a.number == 1) {
-                first_waits.push(
+                done.first_waits.push(
                     first
                         .started_at
                         .duration_since(run.created_at)
@@ -250,7 +288,7 @@ async fn pass(
             tracing::info!(%run, %reason, "run waits for a host");
         }
     }
-    Ok(first_waits)
+    Ok(done)
 }
 
 #[cfg(test)]
@@ -259,6 +297,26 @@ mod tests {
     use cairn_proto::runs::Labels;
 
     use super::*;
+
+    #[test]
+    fn the_scheduler_wakes_when_the_next_hold_runs_out_within_its_interval() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let interval = Duration::from_millis(200);
+        assert_eq!(until_next_pass(interval, None, now), interval);
+        assert_eq!(
+            until_next_pass(interval, Some(now + Duration::from_millis(30)), now),
+            Duration::from_millis(31)
+        );
+        assert_eq!(
+            until_next_pass(interval, Some(now + Duration::from_secs(5)), now),
+            interval
+        );
+        assert_eq!(
+            until_next_pass(interval, Some(now - Duration::from_millis(5)), now),
+            Duration::from_millis(1),
+            "a hold already out: the next pass at once"
+        );
+    }
 
     fn run(labels: &str) -> QueuedRun {
         QueuedRun {

@@ -252,6 +252,19 @@ impl MetadataStore {
         Ok(lost)
     }
 
+    /// When the next hold of a waiting run runs out, if one does.
+    pub async fn next_hold_expiry(&self) -> Result<Option<SystemTime>, DbError> {
+        let next: Option<i64> = sqlx::query_scalar(
+            "SELECT MIN(hold_until) FROM runs WHERE state = $1 AND hold_until > $2",
+        )
+        .bind(RunState::Waiting.as_str())
+        .bind(millis(SystemTime::now()))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(query_error("next hold expiry"))?;
+        Ok(next.map(from_millis))
+    }
+
     /// Orders the sandboxes of waiting runs whose hold ran out destroyed.
     /// Returns the runs.
     pub async fn expire_holds(&self) -> Result<Vec<RunId>, DbError> {
