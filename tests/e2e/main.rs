@@ -24,6 +24,9 @@
 //! (`cairn-host --metrics-listen` after runs on a kept tree), image (the
 //! runner image built here by scripts/runner-image; a run paused in a
 //! podman container on one exec-driver host, resumed in one on another).
+//! Issue 34: resume (orders pushed to hosts on WatchOrders, no heartbeat
+//! waited for), replicas (orders made on one replica reach a host watching
+//! the other).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!
@@ -52,6 +55,7 @@ mod partial;
 mod replicas;
 mod restore_space;
 mod restore_speed;
+mod resume;
 mod retention;
 mod runs;
 mod s3_store;

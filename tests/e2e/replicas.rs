@@ -3,8 +3,9 @@
 //! commit and checkpoint every second: the leading replica is killed
 //! (SIGKILL) mid-run and the other carries on. No run is lost or assigned
 //! twice, no committed checkpoint is lost, and the checkpoints committed
-//! through the survivor restore. Runs where `scripts/test` runs the
-//! end-to-end tests on PostgreSQL (`CAIRN_TEST_DATABASE`).
+//! through the survivor restore. And orders the leading replica makes reach
+//! a host that watches only the other one. Runs where `scripts/test` runs
+//! the end-to-end tests on PostgreSQL (`CAIRN_TEST_DATABASE`).
 
 use std::time::Duration;
 
@@ -17,12 +18,54 @@ use cairn_utils::testing::S3sFs;
 const BUCKET: &str = "cairn-replicas";
 const RUNS: usize = 4;
 
-#[test]
-fn killing_the_leading_replica_under_load_loses_no_run_and_no_checkpoint() {
+/// Whether the tests here can run: replicas share a PostgreSQL database.
+fn have_postgres() -> bool {
     if std::env::var_os("CAIRN_TEST_DATABASE").is_none() {
         eprintln!(
             "skipped here: replicas share a PostgreSQL database (CAIRN_TEST_DATABASE); scripts/test runs this on one"
         );
+        return false;
+    }
+    true
+}
+
+#[test]
+fn orders_made_on_the_leading_replica_reach_a_host_watching_the_other() {
+    if !have_postgres() {
+        return;
+    }
+    let timing = crate::resume::heartbeats_far_apart();
+    let lease = format!("{}ms", timing.host_lease.as_millis());
+    let heartbeat = format!("{}ms", timing.heartbeat_interval.as_millis());
+    let args = ["--host-lease", &lease, "--heartbeat-interval", &heartbeat];
+    // The first replica starts alone, so it leads and schedules; the host
+    // (and its sandboxes) know only the second.
+    let first = Coordinator::start_with(&args);
+    let second = Coordinator::start_replica_of(&first, &args, &[]);
+    let follower = second.grpc_url().to_owned();
+    let mut fleet = Fleet::around_replicas(first, second);
+    fleet.start_host(
+        "h",
+        HostOptions {
+            coordinator: Some(follower),
+            ..HostOptions::default()
+        },
+    );
+    let created =
+        fleet.create_run(fleet.run_request("across", "commit a.txt one\nask Which colour?"));
+    fleet.wait_for_state(&created.id, RunState::Waiting);
+    fleet.suspend(&created.id);
+    fleet.wait_for_state(&created.id, RunState::Suspended);
+    fleet
+        .answer(&created.id, "blue\ncommit b.txt two")
+        .expect("the suspended run takes the answer");
+    let done = fleet.wait_for_state(&created.id, RunState::Succeeded);
+    assert_eq!(done.attempts.len(), 2, "{done:?}");
+}
+
+#[test]
+fn killing_the_leading_replica_under_load_loses_no_run_and_no_checkpoint() {
+    if !have_postgres() {
         return;
     }
     let s3_dir = tempdir("s3s-fs");

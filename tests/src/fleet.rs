@@ -83,6 +83,9 @@ pub struct HostOptions {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// `--driver exec` with these commands (default: `--driver local`).
     pub exec: Option<ExecDriver>,
+    /// The `--coordinator` addresses this host is given (default: the
+    /// fleet's), e.g. one replica only.
+    pub coordinator: Option<String>,
 }
 
 /// `cairn-host --driver exec`: the templates, `--default-image`, and
@@ -108,6 +111,7 @@ impl Default for HostOptions {
             env: Vec::new(),
             metrics_listen: None,
             exec: None,
+            coordinator: None,
         }
     }
 }
@@ -276,8 +280,11 @@ impl Fleet {
             id: String::new(),
             home: tempdir(&format!("host-{name}")),
             child: None,
+            coordinator: options
+                .coordinator
+                .clone()
+                .unwrap_or_else(|| self.addresses.clone()),
             options,
-            coordinator: self.addresses.clone(),
             admin_token: self.coordinator.admin_token().to_owned(),
             ca: self.coordinator.ca().map(Path::to_path_buf),
         };

@@ -3,7 +3,8 @@
 //! One task owns all state (the sandboxes this host knows, keyed by id); the
 //! per-sandbox tasks of [`super::sandbox`] report to it over a channel. The
 //! loop wakes for a heartbeat every interval, at once when a sandbox changed
-//! state, and for shutdown.
+//! state or the coordinator has new orders ([`super::orders`]), and for
+//! shutdown.
 //!
 //! Choices where the contract leaves room:
 //! - An assignment arriving while all slots are taken (the coordinator counts
@@ -45,6 +46,7 @@ use super::driver::{Driver, Sandbox, SandboxSpec};
 use super::kept::KeptWorkspaces;
 use super::layout::{HostCredential, Layout, SandboxRecord, valid_sandbox_id};
 use super::metrics::HostMetrics;
+use super::orders::OrderWatch;
 use super::sandbox::{self, Cleanup, KeepOnEnd, REASON_HOST_SHUTDOWN, UNKNOWN_EXIT_CODE, Update};
 use super::{HostConfig, HostError};
 use cairn_engine::client::{AuthChannel, CoordinatorChannel};
@@ -116,6 +118,12 @@ pub struct Agent<D: Driver> {
     /// The client speaks with the host's bound token (kept in the data dir),
     /// not the one the agent was started with.
     bound: bool,
+    /// Counts the clients made, so the orders stream follows a new one.
+    client_generation: u64,
+    /// The orders stream, while registered.
+    order_watch: Option<OrderWatch>,
+    /// Notified when the coordinator has new orders for this host.
+    orders_rung: Arc<tokio::sync::Notify>,
     sandboxes: BTreeMap<String, Tracked>,
     tasks: JoinSet<()>,
     task_sandboxes: HashMap<tokio::task::Id, String>,
@@ -190,6 +198,9 @@ impl<D: Driver> Agent<D> {
             channel,
             client,
             bound,
+            client_generation: 0,
+            order_watch: None,
+            orders_rung: Arc::default(),
             sandboxes: BTreeMap::new(),
             tasks: JoinSet::new(),
             task_sandboxes: HashMap::new(),
@@ -225,6 +236,7 @@ impl<D: Driver> Agent<D> {
             {
                 break;
             }
+            self.watch_orders();
             tokio::select! {
                 () = &mut shutdown, if !self.shutting_down => {
                     tracing::info!("stopping: destroying every sandbox, taking no new assignments");
@@ -234,6 +246,7 @@ impl<D: Driver> Agent<D> {
                     self.apply(update);
                     next_exchange = Instant::now();
                 }
+                () = self.orders_rung.notified() => next_exchange = Instant::now(),
                 Some(joined) = self.tasks.join_next_with_id() => self.task_finished(joined),
                 () = tokio::time::sleep_until(next_exchange) => {
                     next_exchange = Instant::now() + self.exchange().await;
@@ -256,6 +269,31 @@ impl<D: Driver> Agent<D> {
                 Ok(())
             }
         }
+    }
+
+    /// Keeps the orders stream open while the host is registered and takes
+    /// assignments; closes it otherwise.
+    fn watch_orders(&mut self) {
+        let host_id = match &self.host_id {
+            Some(id) if self.registered && !self.shutting_down => id,
+            _ => {
+                self.order_watch = None;
+                return;
+            }
+        };
+        if self
+            .order_watch
+            .as_ref()
+            .is_some_and(|watch| watch.is_for(host_id, self.client_generation))
+        {
+            return;
+        }
+        self.order_watch = Some(OrderWatch::start(
+            self.client.clone(),
+            host_id.clone(),
+            self.client_generation,
+            self.orders_rung.clone(),
+        ));
     }
 
     fn begin_shutdown(&mut self) {
@@ -401,6 +439,7 @@ impl<D: Driver> Agent<D> {
             ))));
         }
         self.client = client;
+        self.client_generation += 1;
         self.bound = true;
         tracing::info!(%host_id, file = %self.layout.credential_file().display(), "kept the token bound to this host; it is used from now on");
         Ok(())

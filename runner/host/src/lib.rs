@@ -6,9 +6,11 @@
 //! ```text
 //!   coordinator ◄── RegisterHost(name, labels, slots, driver, old host id)
 //!        │      ◄── Heartbeat(every sandbox: state, exit status)  every interval,
-//!        │                                 and at once when a sandbox changes;
+//!        │                                 at once when a sandbox changes, and
+//!        │                                 at once on a WatchOrders notice;
 //!        │                 also the workspaces whose tree DIR/kept holds
 //!        └──► assignments · destroy orders · forget · host state (LOST?)
+//!   coordinator ──► WatchOrders: a notice when there are new orders (held open)
 //!
 //!   assignment ─► DIR/sandboxes/<id>/{workspace,home,cache} ─► driver.start
 //!                  (local: mount namespace, workspace at /workspace; exec: templates)
@@ -38,6 +40,8 @@
 //! Code map:
 //! - [`cli`]: the `cairn-host` command line.
 //! - [`agent`]: registration, heartbeats, assignments, orders, restart recovery.
+//! - `orders`: the WatchOrders stream that makes the agent heartbeat as
+//!   soon as the coordinator has orders for it.
 //! - [`sandbox`]: one sandbox's task: wait for it, destroy it, remove it, report.
 //! - [`driver`]: the driver traits; [`local`] and [`exec`] implement them.
 //! - [`process`]: process sessions: start, SIGTERM/grace/SIGKILL, sweeping.
@@ -56,6 +60,7 @@ pub mod kept;
 pub mod layout;
 pub mod local;
 pub mod metrics;
+mod orders;
 pub mod process;
 pub mod sandbox;
 pub mod template;

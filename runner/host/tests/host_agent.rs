@@ -37,12 +37,23 @@ struct FakeState {
     ended: HashSet<String>,
     /// Answer the next heartbeat with LOST.
     lost_next: bool,
+    /// The heartbeat interval registrations are given (None: 100 ms).
+    interval: Option<Duration>,
+    /// Serve WatchOrders (else it is refused as unimplemented, as by a
+    /// coordinator that predates it).
+    pushes_orders: bool,
+    /// WatchOrders streams opened.
+    order_watches: usize,
 }
 
 /// A coordinator's HostService, scripted by the test.
 #[derive(Clone, Default)]
 struct Fake {
     state: Arc<Mutex<FakeState>>,
+    /// Rung when the test gives the host orders (WatchOrders sends a notice).
+    bell: Arc<tokio::sync::Notify>,
+    /// Ends every WatchOrders stream, as a coordinator that shuts down does.
+    hung_up: tokio_util::sync::CancellationToken,
 }
 
 fn gone(report: &pb::SandboxReport) -> bool {
@@ -62,10 +73,12 @@ impl HostService for Fake {
         } else {
             request.host_id.clone()
         };
-        self.state.lock().unwrap().registrations.push(request);
+        let mut st = self.state.lock().unwrap();
+        st.registrations.push(request);
+        let interval = st.interval.unwrap_or(Duration::from_millis(100));
         Ok(Response::new(pb::RegisterHostResponse {
             host_id,
-            heartbeat_interval: Some(to_proto_duration(Duration::from_millis(100))),
+            heartbeat_interval: Some(to_proto_duration(interval)),
             lease: Some(to_proto_duration(Duration::from_secs(3))),
             // This double binds no token: the agent keeps the one it has.
             host_token: String::new(),
@@ -135,6 +148,43 @@ impl HostService for Fake {
             forget,
         }))
     }
+
+    type WatchOrdersStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::OrdersNotice, Status>>;
+
+    async fn watch_orders(
+        &self,
+        request: Request<pb::WatchOrdersRequest>,
+    ) -> Result<Response<Self::WatchOrdersStream>, Status> {
+        check_token(&request)?;
+        {
+            let mut st = self.state.lock().unwrap();
+            if !st.pushes_orders {
+                return Err(Status::unimplemented("WatchOrders"));
+            }
+            st.order_watches += 1;
+        }
+        let (sink, notices) = tokio::sync::mpsc::channel(1);
+        let (bell, hung_up) = (self.bell.clone(), self.hung_up.clone());
+        tokio::spawn(async move {
+            for sequence in 1.. {
+                if sink.send(Ok(pb::OrdersNotice { sequence })).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    () = bell.notified() => {}
+                    () = sink.closed() => return,
+                    () = hung_up.cancelled() => {
+                        let _ = sink.send(Err(Status::unavailable("shutting down"))).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            notices,
+        )))
+    }
 }
 
 fn check_token<T>(request: &Request<T>) -> Result<(), Status> {
@@ -150,6 +200,28 @@ fn check_token<T>(request: &Request<T>) -> Result<(), Status> {
 }
 
 impl Fake {
+    /// A coordinator that tells the host of orders as they come (the
+    /// WatchOrders stream) and gives it a heartbeat interval of an hour, so
+    /// that only the stream can bring them in time.
+    fn pushing_orders() -> Self {
+        let fake = Self::default();
+        {
+            let mut st = fake.state.lock().unwrap();
+            st.pushes_orders = true;
+            st.interval = Some(Duration::from_secs(3600));
+        }
+        fake
+    }
+
+    /// Tells a watching host that it has new orders.
+    fn ring(&self) {
+        self.bell.notify_one();
+    }
+
+    fn order_watches(&self) -> usize {
+        self.state.lock().unwrap().order_watches
+    }
+
     fn assign(&self, sandbox_id: &str) {
         self.state.lock().unwrap().assignments.push(pb::Assignment {
             sandbox_id: sandbox_id.into(),
@@ -290,6 +362,49 @@ fn spawn_agent(
         let _ = stopped.await;
     }));
     (stop, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_come_on_the_stream_without_waiting_for_a_heartbeat() {
+    let scratch = Scratch::new();
+    let driver = local_driver(&scratch);
+    // Heartbeats an hour apart: only the WatchOrders stream brings orders
+    // within the test's patience.
+    let fake = Fake::pushing_orders();
+    let server = Server::start(fake.clone(), None).await;
+    let addr = server.addr;
+    let (stop, agent) = spawn_agent(config(&scratch, &server.url(), 2), driver);
+    wait_until("the orders stream", || fake.order_watches() == 1).await;
+
+    fake.assign("sbx-push-a1");
+    fake.ring();
+    fake.wait_reported("sbx-push-a1", SandboxState::Running)
+        .await;
+    wait_for_file(&scratch.report_file("sbx-push-a1", "ready")).await;
+    fake.destroy("sbx-push-a1", "cancelled");
+    fake.ring();
+    fake.wait_reported("sbx-push-a1", SandboxState::Destroyed)
+        .await;
+
+    // The coordinator restarts: the agent opens the stream again, and
+    // orders keep coming on it.
+    fake.hung_up.cancel();
+    server.stop().await;
+    let restarted = Fake::pushing_orders();
+    let server = Server::start(restarted.clone(), Some(addr)).await;
+    wait_until("the orders stream on the restarted coordinator", || {
+        restarted.order_watches() >= 1
+    })
+    .await;
+    restarted.assign("sbx-push-a2");
+    restarted.ring();
+    restarted
+        .wait_reported("sbx-push-a2", SandboxState::Running)
+        .await;
+
+    stop.send(()).unwrap();
+    agent.await.unwrap().unwrap();
+    server.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
