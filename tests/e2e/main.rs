@@ -25,8 +25,9 @@
 //! runner image built here by scripts/runner-image; a run paused in a
 //! podman container on one exec-driver host, resumed in one on another).
 //! Issue 34: resume (orders pushed to hosts on WatchOrders, no heartbeat
-//! waited for), replicas (orders made on one replica reach a host watching
-//! the other).
+//! waited for; a write made while the runner's change tracking arms is
+//! kept), replicas (orders made on one replica reach a host watching the
+//! other).
 //! The issue-3 and -4 tests need root or user namespaces
 //! (cairn-host's local driver) and fail saying so otherwise.
 //!

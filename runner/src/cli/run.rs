@@ -9,7 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{RunArgs, default_cache_dir};
 use crate::run::{
-    Control, RemoteStore, RunOptions, StoreTarget, WorkspaceStore, cancel_on_signals, connect, run,
+    Arming, Control, RemoteStore, RunOptions, StoreTarget, WorkspaceStore, cancel_on_signals,
+    connect, run,
 };
 use crate::socket as control_socket;
 
@@ -26,6 +27,7 @@ pub(super) async fn main(args: RunArgs) -> anyhow::Result<()> {
     let pack_cache = args.pack_cache.config();
     let root = args.root;
     let resident: Arc<tokio::sync::OnceCell<_>> = Default::default();
+    let arming: Arc<Arming> = Default::default();
     let stores = |target: StoreTarget| -> Arc<dyn WorkspaceStore> {
         Arc::new(RemoteStore {
             coordinator: args.coordinator.clone(),
@@ -36,6 +38,7 @@ pub(super) async fn main(args: RunArgs) -> anyhow::Result<()> {
             target,
             limits: args.limits.limits(),
             resident: resident.clone(),
+            arming: arming.clone(),
         })
     };
     let root_for_socket = std::path::absolute(&root).unwrap_or_else(|_| root.clone());

@@ -68,7 +68,7 @@ use cairn_engine::tracker::Unsaved;
 pub use control::{Control, ControlError};
 pub use outcome::Outcome as OutcomeFile;
 pub use store::{
-    CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreTarget, WorkspaceStore,
+    Arming, CheckpointRequest, Checkpointed, RemoteStore, Restored, StoreTarget, WorkspaceStore,
     WorkspaceStoreError,
 };
 

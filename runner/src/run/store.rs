@@ -146,9 +146,39 @@ pub struct RemoteStore {
     /// What one checkpoint may hold, by the runner's own flags; the run's
     /// limits ([`StoreTarget::limits`]) can only tighten them.
     pub limits: cairn_proto::runs::CheckpointLimits,
-    /// Made by the first checkpoint (after the restore, whose writes the
-    /// change tracker need not see) and kept for the later ones.
+    /// Made after the restore (whose writes the change tracker need not
+    /// see), or by the first checkpoint, and kept for the later ones.
     pub resident: Arc<tokio::sync::OnceCell<Arc<Resident>>>,
+    /// Readying the runner for its first checkpoint after the restore
+    /// (change tracking armed, the cache loaded), while the run goes on.
+    pub arming: Arc<Arming>,
+}
+
+/// The readying that follows a restore, in the background: the restore is
+/// reported and the harness starts meanwhile. A checkpoint waits for it.
+///
+/// Nothing the harness changes meanwhile is lost, though no watch sees
+/// it: the first walk of the workspace, which the readying makes once the
+/// watches are in place, stats every file and compares it with what the
+/// restore wrote; the watches then see everything after it.
+#[derive(Debug, Default)]
+pub struct Arming(tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>);
+
+impl Arming {
+    async fn begin(&self, task: tokio::task::JoinHandle<()>) {
+        *self.0.lock().await = Some(task);
+    }
+
+    /// Waits until the readying, if one was begun, is done.
+    async fn done(&self) {
+        let mut task = self.0.lock().await;
+        if let Some(running) = task.take()
+            && let Err(e) = running.await
+            && e.is_panic()
+        {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
 }
 
 impl RemoteStore {
@@ -175,6 +205,23 @@ impl RemoteStore {
 }
 
 impl RemoteStore {
+    /// Arms change tracking, then loads the fingerprint cache of the
+    /// checkpoint the restore wrote and works out what it holds per listing
+    /// (from a first walk made after the watches are in place: see
+    /// [`Arming`]), so that the first checkpoint finds it all in memory.
+    async fn ready_after_restore(&self, workspace: WorkspaceId, key_id: String) {
+        let started = std::time::Instant::now();
+        let opts = self.checkpoint_options(CheckpointReason::Turn, None).await;
+        // As the checkpoint will name it.
+        let cache_dir =
+            std::fs::canonicalize(&self.cache_dir).unwrap_or_else(|_| self.cache_dir.clone());
+        checkpoint::prime(&opts, workspace, key_id, cache_dir).await;
+        tracing::debug!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "change tracking armed after the restore"
+        );
+    }
+
     /// Reports a restore or checkpoint to the host, if it asked for
     /// reports ([`host_reports`]); the run goes on whatever happens.
     fn tell_host(&self, report: &HostReport) {
@@ -263,19 +310,17 @@ impl WorkspaceStore for RemoteStore {
                     });
                     // The restore recorded what it wrote in the cache: the
                     // first checkpoint finds it in memory, with what the
-                    // restored checkpoint holds worked out meanwhile.
-                    if let Ok(workspace) = report.checkpoint.workspace_id.parse() {
-                        let opts = self.checkpoint_options(CheckpointReason::Turn, None).await;
-                        // As the checkpoint will name it.
-                        let cache_dir = std::fs::canonicalize(&self.cache_dir)
-                            .unwrap_or_else(|_| self.cache_dir.clone());
-                        checkpoint::prime(
-                            &opts,
-                            workspace,
-                            report.checkpoint.key_id.clone(),
-                            cache_dir,
-                        )
-                        .await;
+                    // restored checkpoint holds worked out meanwhile. None
+                    // of it is needed to report the restore or to start
+                    // the harness, so it happens beside them.
+                    if let Ok(workspace) = report.checkpoint.workspace_id.parse::<WorkspaceId>() {
+                        let store = self.clone();
+                        let key_id = report.checkpoint.key_id.clone();
+                        self.arming
+                            .begin(tokio::spawn(async move {
+                                store.ready_after_restore(workspace, key_id).await;
+                            }))
+                            .await;
                     }
                     Ok(Restored::Checkpoint {
                         id: report.checkpoint_id.clone(),
@@ -295,6 +340,7 @@ impl WorkspaceStore for RemoteStore {
         request: CheckpointRequest,
     ) -> BoxFuture<'_, Result<Option<Checkpointed>, WorkspaceStoreError>> {
         Box::pin(async move {
+            self.arming.done().await;
             let opts = self
                 .checkpoint_options(request.reason, request.harness)
                 .await;
