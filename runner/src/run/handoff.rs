@@ -17,6 +17,12 @@
 //! the staged, unstaged and untracked counts), "uncertain" from the error of
 //! a failed run, and "not stated" otherwise. The note names the fields the
 //! runner filled in.
+//!
+//! A run ends right after its last checkpoint, which read every
+//! repository's state (HEAD, and the counts, narrowed to what changed since
+//! the reading before): the note takes those instead of asking git again,
+//! which for a large repository costs a full `git status`. Git is asked
+//! only for the commits of a checkout whose HEAD moved.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -197,8 +203,11 @@ pub async fn heads(checkouts: &[Checkout]) -> Heads {
     Heads(heads)
 }
 
-/// What git says changed since `start`, one line per checkout.
-pub async fn changes(root: &Path, start: &Heads) -> String {
+/// What git says changed since `start`, one line per checkout. `read`: the
+/// repositories' states as the workspace's last checkpoint read them, if
+/// nothing changed since (by their path relative to the root, "" for the
+/// root); a checkout they do not cover is read from git.
+pub async fn changes(root: &Path, start: &Heads, read: Option<&[RepoState]>) -> String {
     let checkouts = find_checkouts(root);
     if checkouts.is_empty() {
         return "no git checkouts in the workspace".to_owned();
@@ -206,71 +215,92 @@ pub async fn changes(root: &Path, start: &Heads) -> String {
     let mut lines = Vec::new();
     for checkout in checkouts {
         let since = start.0.get(&checkout.name);
-        let range = match since {
-            Some(Some(head)) => format!("{head}..HEAD"),
-            _ => "HEAD".to_owned(),
+        let path = if checkout.name == "." {
+            ""
+        } else {
+            checkout.name.as_str()
         };
-        let limit = format!("-{}", COMMITS_SHOWN + 1);
-        let log = git(
-            &checkout.dir,
-            &[
-                "log",
-                "--no-decorate",
-                "--format=%h %s",
-                &limit,
-                &range,
-                "--",
-            ],
-            GIT_LIMIT,
-        )
-        .await;
-        let commits: Option<Vec<String>> = match &log {
-            Ok(out) if out.success() => Some(out.stdout.lines().map(str::to_owned).collect()),
-            _ => None,
-        };
-        let mut total = commits.as_ref().map_or(0, Vec::len) as u32;
-        // Unless the log listed every commit there is, count them.
-        if commits.as_ref().is_none_or(|c| c.len() > COMMITS_SHOWN)
-            && let Ok(count) = git(
-                &checkout.dir,
-                &["rev-list", "--count", &range, "--"],
-                GIT_LIMIT,
-            )
-            .await
-            && count.success()
-        {
-            total = count.text().parse().unwrap_or(total);
-        }
-        let commits = commits.unwrap_or_default();
+        let known = read.and_then(|states| states.iter().find(|s| s.path == path));
         let mut line = format!("{}: ", checkout.name);
         if since.is_none() {
             line.push_str("a repository new to this run, ");
         }
-        if total == 0 {
+        let head_unmoved = match (since, known) {
+            (Some(Some(start)), Some(state)) => *start == state.head,
+            (Some(None), Some(state)) => state.head.is_empty(),
+            _ => false,
+        };
+        if head_unmoved {
             line.push_str("no new commits");
         } else {
-            let mut shown: Vec<String> = commits.into_iter().take(COMMITS_SHOWN).collect();
-            if total as usize > shown.len() {
-                shown.push(format!("and {} more", total as usize - shown.len()));
-            }
-            line.push_str(&format!(
-                "{} ({})",
-                plural(u64::from(total), "new commit", "new commits"),
-                shown.join("; ")
-            ));
+            line.push_str(&commits_since(&checkout.dir, since).await);
         }
-        let state = tokio::task::spawn_blocking(move || {
-            cairn_engine::git::inspect(&checkout.dir, &checkout.name)
-        })
-        .await;
-        match state {
-            Ok(Ok(state)) => line.push_str(&uncommitted(&state)),
-            Ok(Err(e)) => line.push_str(&format!("; {e}")),
-            Err(e) => line.push_str(&format!("; git state unavailable: {e}")),
+        match known {
+            Some(state) => line.push_str(&uncommitted(state)),
+            None => {
+                let state = tokio::task::spawn_blocking(move || {
+                    cairn_engine::git::inspect(&checkout.dir, &checkout.name)
+                })
+                .await;
+                match state {
+                    Ok(Ok(state)) => line.push_str(&uncommitted(&state)),
+                    Ok(Err(e)) => line.push_str(&format!("; {e}")),
+                    Err(e) => line.push_str(&format!("; git state unavailable: {e}")),
+                }
+            }
         }
         lines.push(line);
     }
     lines.join("\n")
+}
+
+/// `no new commits`, or `2 new commits (abc1234 add c; def5678 add b)`: the
+/// commits of the checkout at `dir` since `since` (its HEAD at the start;
+/// `None`: a repository new to this run).
+async fn commits_since(dir: &Path, since: Option<&Option<String>>) -> String {
+    let range = match since {
+        Some(Some(head)) => format!("{head}..HEAD"),
+        _ => "HEAD".to_owned(),
+    };
+    let limit = format!("-{}", COMMITS_SHOWN + 1);
+    let log = git(
+        dir,
+        &[
+            "log",
+            "--no-decorate",
+            "--format=%h %s",
+            &limit,
+            &range,
+            "--",
+        ],
+        GIT_LIMIT,
+    )
+    .await;
+    let commits: Option<Vec<String>> = match &log {
+        Ok(out) if out.success() => Some(out.stdout.lines().map(str::to_owned).collect()),
+        _ => None,
+    };
+    let mut total = commits.as_ref().map_or(0, Vec::len) as u32;
+    // Unless the log listed every commit there is, count them.
+    if commits.as_ref().is_none_or(|c| c.len() > COMMITS_SHOWN)
+        && let Ok(count) = git(dir, &["rev-list", "--count", &range, "--"], GIT_LIMIT).await
+        && count.success()
+    {
+        total = count.text().parse().unwrap_or(total);
+    }
+    let commits = commits.unwrap_or_default();
+    if total == 0 {
+        return "no new commits".to_owned();
+    }
+    let mut shown: Vec<String> = commits.into_iter().take(COMMITS_SHOWN).collect();
+    if total as usize > shown.len() {
+        shown.push(format!("and {} more", total as usize - shown.len()));
+    }
+    format!(
+        "{} ({})",
+        plural(u64::from(total), "new commit", "new commits"),
+        shown.join("; ")
+    )
 }
 
 /// `; uncommitted: 1 staged change, 2 untracked files`, or `; nothing uncommitted`.
@@ -390,7 +420,7 @@ mod tests {
         sh_git(&lib, &["init", "-q"]);
         commit(&lib, "l.txt", "start lib");
 
-        let text = changes(root, &start).await;
+        let text = changes(root, &start, None).await;
         let b = sh_git(&app, &["rev-parse", "--short=7", "HEAD~1"]);
         let c = sh_git(&app, &["rev-parse", "--short=7", "HEAD"]);
         let lines: Vec<&str> = text.lines().collect();
@@ -410,7 +440,7 @@ mod tests {
         for i in 0..12 {
             commit(&lib, "l.txt", &format!("lib {i}"));
         }
-        let text = changes(root, &start).await;
+        let text = changes(root, &start, None).await;
         let lib_line = text.lines().nth(1).unwrap();
         assert!(
             lib_line.starts_with("lib: a repository new to this run, 13 new commits (")
@@ -419,9 +449,26 @@ mod tests {
             "{text}"
         );
 
+        // The last checkpoint's readings stand in for git's: the same note.
+        let read = vec![
+            cairn_engine::git::inspect(&app, "app").unwrap(),
+            cairn_engine::git::inspect(&lib, "lib").unwrap(),
+        ];
+        assert_eq!(changes(root, &start, Some(&read)).await, text);
+        // They are what the note says, not a second reading: a HEAD they
+        // give as unmoved has no new commits, whatever git's log holds.
+        let mut unmoved = read[0].clone();
+        unmoved.head = start.0["app"].clone().unwrap();
+        unmoved.untracked = 7;
+        let text = changes(root, &start, Some(&[unmoved])).await;
+        assert_eq!(
+            text.lines().next().unwrap(),
+            "app: no new commits; uncommitted: 1 unstaged change, 7 untracked files"
+        );
+
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(
-            changes(empty.path(), &Heads::default()).await,
+            changes(empty.path(), &Heads::default(), None).await,
             "no git checkouts in the workspace"
         );
     }

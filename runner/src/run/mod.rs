@@ -217,6 +217,7 @@ pub async fn run(
         listening: None,
         requests: None,
         unsaved_reported: None,
+        repos_read: None,
     };
     attempt.run().await
 }
@@ -291,6 +292,9 @@ struct Attempt {
     /// The unsaved work the coordinator has for this attempt: the last
     /// count reported, or nothing since the last commit.
     unsaved_reported: Option<Unsaved>,
+    /// The repositories' states as the last lifecycle checkpoint read them,
+    /// for the handoff note that follows it (taken by the note).
+    repos_read: Option<Vec<cairn_engine::git::RepoState>>,
 }
 
 /// How often the runner counts the work no checkpoint has yet, and reports
@@ -1011,9 +1015,11 @@ impl Attempt {
             harness: self.harness_session(),
             unless_unchanged: None,
         };
+        self.repos_read = None;
         match self.store.checkpoint(request).await {
             Ok(Some(checkpoint)) => {
                 self.committed(&checkpoint).await?;
+                self.repos_read = Some(checkpoint.repos.clone());
                 Ok(Cut::Committed(checkpoint))
             }
             Ok(None) => Ok(Cut::Failed(format!(
@@ -1126,9 +1132,12 @@ impl Attempt {
     }
 
     /// The run's handoff note: the agent's words where it gave them, the
-    /// rest from git and how the run ended.
-    async fn handoff_note(&self, ending: &handoff::Ending) -> pb::HandoffText {
-        let changed = handoff::changes(&self.options.root, &self.start_heads).await;
+    /// rest from git (as the checkpoint just committed read it, when there
+    /// is one: nothing runs in between) and how the run ended.
+    async fn handoff_note(&mut self, ending: &handoff::Ending) -> pb::HandoffText {
+        let read = self.repos_read.take();
+        let changed =
+            handoff::changes(&self.options.root, &self.start_heads, read.as_deref()).await;
         handoff::compose(self.agent_handoff.as_ref(), ending, &changed)
     }
 

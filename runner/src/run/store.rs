@@ -18,6 +18,7 @@ use cairn_engine::checkpoint::{
     self, Baseline, CheckpointError, CheckpointOptions, CheckpointReport, Resident,
 };
 use cairn_engine::client::CoordinatorClient;
+use cairn_engine::git::RepoState;
 use cairn_engine::host_reports::{self, HostReport};
 use cairn_engine::restore::{self, NoProgress, RestoreError, RestoreOptions};
 use cairn_engine::scan::ScanOptions;
@@ -57,6 +58,8 @@ pub struct Checkpointed {
     /// The JSON of `cairn-runner checkpoint --output json`, for the agent
     /// that asked for it.
     pub report: serde_json::Value,
+    /// Each repository's state as the checkpoint read it.
+    pub repos: Vec<RepoState>,
 }
 
 impl Checkpointed {
@@ -359,6 +362,7 @@ impl WorkspaceStore for RemoteStore {
                 root_tree: report.root_tree,
                 summary: describe(&report),
                 report: serde_json::to_value(&report).unwrap_or_default(),
+                repos: report.repos,
             }))
         })
     }

@@ -459,6 +459,7 @@ impl WorkspaceStore for SnapshotStore {
                     "workspace_id": WORKSPACE_ID,
                     "reason": request.reason.to_string(),
                 }),
+                repos: Vec::new(),
             }))
         })
     }
