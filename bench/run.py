@@ -2,7 +2,7 @@
 """Benchmark cairn against the peers' ways of checkpointing a workspace.
 
     cargo build --release --bins && python3 bench/run.py [--files N --ignored N] [--repeat 3] [--json out.json]
-        [--large-files N --large-ignored N --large-repeat N | --no-large]
+        [--large-files N --large-ignored N --large-repeat N | --no-large] [--only resume | --no-resume]
 
 Builds a workspace with ../shared/bench/make_workspace.py, then measures in
 one run, side by side, for each method:
@@ -59,6 +59,42 @@ one run, side by side, for each method:
                again: n/a; parts n/a), --large-repeat times (default
                --repeat). The 4x workspace (~1.3 GB) and each repeat's stores
                are removed at the end, unless --keep
+  resume       after the repeats of the rows above (before the 4x workspace;
+               --only resume runs nothing else, --no-resume skips it), once
+               per --repeat: a suspended run answered on another host,
+               through real hosts. A release coordinator (its default
+               --heartbeat-interval 1s and --host-lease 10s: the critical path
+               as shipped), two `cairn-host --driver local --slots 1`
+               processes (A and B, fresh data dirs under the repeat's
+               directory, kept trees on as by default) and a workspace
+               holding the benchmark workspace (`cairn-runner checkpoint` of
+               it). One run on it, harness `claude` played by
+               cairn-demo-agent (binary=), hold 2 s, every message `ask …`:
+               each turn asks a question, the run waits, its hold expires,
+               and the host destroys the sandbox (checkpoint) into
+               `suspended`. Legs, the other host cordoned each time: the
+               run's first attempt on A (not a resume); answer, resume on B,
+               which never had the workspace (cold); answer, resume on A,
+               which keeps the tree of the first attempt (warm); answer,
+               resume on B, which keeps the tree of the cold one (warm). So
+               per repeat 1 cold and 2 warm resumes (the script checks
+               DATA_DIR/kept/<workspace> before each answer, and the
+               restore's reused files after) and 4 suspends. Phases come
+               from the run's events (`cairnctl runs events --follow -o
+               json`, coordinator clock, millisecond times), from the
+               `answered` event (the AnswerRun's commit) on: answered ->
+               assigned -> claimed -> restored -> harness_started; the
+               runner's own restore duration is the "in N ms" of the
+               `restored` event's detail (the restore report). Suspend:
+               from the `hold_expired` event (the scheduler acting on the
+               run's hold_until; hold_until = the `waiting` event + the hold,
+               shown too) to the first event in state `suspended` (the
+               sandbox gone, `sandbox_released`), split by the destroy
+               checkpoint's event and the runner's `interrupted` (it stopped
+               on the destroy order). Resumes also show restored -> the last
+               `prepared` event (the fast-forward of app/, whose origin is
+               make_workspace.py's bare repository). Tables: per phase, cold
+               and warm, min / median / max in ms; the suspend phases likewise
 
 Nothing the run made is deleted before it ends: trees it is done with
 (restore targets, each repeat's stores) are set aside by a rename and deleted
@@ -107,16 +143,27 @@ and from issue 5:
                           both; the worst matched turn counts; the note gives the
                           medians too, and restic's incremental 4x/1x ratio: restic
                           grows with the tree), and <= 300 KB uploaded (worst repeat)
+and from issue 34 (the resume row; medians over every resume of every repeat):
+  warm resume             answered -> harness_started on a host keeping the tree <= 0.3 s
+  cold resume             median over cold resumes of (answered -> harness_started minus
+                          the runner's own restore duration) <= 0.15 s, i.e. the resume
+                          costs at most the restore alone + 0.15 s
+  answer -> claimed       answered -> claimed <= 50 ms, cold and warm (a row each)
+  suspend                 hold_expired -> suspended <= 0.3 s on an unchanged workspace
+                          (the note gives hold_until -> suspended too)
 """
 import argparse
+import datetime
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from store_link import StoreLink
@@ -135,6 +182,24 @@ STORE_LINK_MIB_S = 100
 RACY_GUARD_S = 3.1
 # make_workspace.py's defaults are 20000 tracked and 30000 ignored files.
 LARGE_FILES, LARGE_IGNORED = 80_000, 120_000
+# Issue 34: the resume row's targets, the run's hold, and the bound of every wait in it.
+WARM_RESUME_TARGET_S = 0.300
+COLD_RESUME_OVER_RESTORE_TARGET_S = 0.150
+ANSWER_TO_CLAIMED_TARGET_S = 0.050
+SUSPEND_TARGET_S = 0.300
+RESUME_HOLD_S = 2
+RESUME_WAIT_S = 180
+# (phase, from event, to event) of a resume, by the events' reasons.
+RESUME_PHASES = [
+    ("answer → assigned", "answered", "assigned"),
+    ("assigned → claimed", "assigned", "claimed"),
+    ("claimed → restored", "claimed", "restored"),
+    ("restored → harness started", "restored", "harness_started"),
+    ("answer → claimed", "answered", "claimed"),
+    ("answer → harness started", "answered", "harness_started"),
+]
+# The legs of one resume repeat: (host the run goes to, kind of resume); the first is the run's start.
+RESUME_LEGS = [("a", None), ("b", "cold"), ("a", "warm"), ("b", "warm")]
 
 METHODS = ["cairn", "tar-gz", "parts", "restic"]
 STEPS = ["full", "incremental", "unchanged", "restore"]
@@ -238,7 +303,8 @@ def human_bytes(n):
 
 def binaries(profile_dir):
     paths = {name: os.path.join(profile_dir, name)
-             for name in ["cairn-coordinator", "cairn-runner", "cairnctl", "cairn-write-floor"]}
+             for name in ["cairn-coordinator", "cairn-runner", "cairnctl", "cairn-write-floor", "cairn-host",
+                          "cairn-demo-agent"]}
     missing = [p for p in paths.values() if not os.access(p, os.X_OK)]
     if missing:
         sys.exit(f"missing {', '.join(missing)}: run `cargo build --release --bins` first")
@@ -552,6 +618,432 @@ def one_large_repeat(index, args, bins, work, large_root, results, have_restic):
         coordinator.stop()
     if not args.keep:
         set_aside(rep)
+
+
+# ---------------------------------------------------------------------------
+# resume (issue 34): a suspended run answered on another host, through real hosts.
+
+def ctl(bins, coordinator, cache, *args):
+    """`cairnctl -o json ARGS`: the parsed document (None when it printed nothing). No sync first,
+    unlike run(): this is for calls made while waiting."""
+    try:
+        proc = subprocess.run([bins["cairnctl"], "--output", "json", *args], env=coordinator.env(cache),
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"`cairnctl {' '.join(args)}` did not return within 120 s") from None
+    if proc.returncode != 0:
+        raise BenchError(f"`cairnctl {' '.join(args)}` exited {proc.returncode}:\n"
+                         f"{proc.stderr.decode(errors='replace').strip()[-2000:]}")
+    out = proc.stdout.decode(errors="replace").strip()
+    return json.loads(out) if out else None
+
+
+def local_sandboxes_work():
+    """Whether cairn-host's local driver can make sandboxes here: root, or unprivileged user
+    namespaces (as tests/src/fleet.rs's require_local_sandboxes asks)."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def sandbox_pids(sandbox_ids):
+    """Processes whose environment names one of sandbox_ids (CAIRN_SANDBOX_ID), as the tests find them."""
+    wanted = {f"CAIRN_SANDBOX_ID={i}".encode() for i in sandbox_ids}
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if env & wanted:
+            pids.append(int(entry))
+    return pids
+
+
+class Host:
+    """A release `cairn-host --driver local --slots 1` with its own data dir, as the end-to-end
+    tests start one (tests/src/fleet.rs): the admin token, the binaries' directory first on the
+    sandboxes' PATH, and (with setpriv) killed should this script die."""
+
+    def __init__(self, bins, coordinator, data_dir, name):
+        self.name = name
+        self.data_dir = data_dir
+        self.sandboxes = os.path.join(data_dir, "sandboxes")
+        self.log_path = data_dir + ".log"
+        os.makedirs(data_dir)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CAIRN_")}
+        env["CAIRN_TOKEN"] = coordinator.token
+        bin_dir = os.path.dirname(bins["cairn-host"])
+        cmd = [bins["cairn-host"], "--coordinator", coordinator.grpc, "--data-dir", data_dir, "--name", name,
+               "--slots", "1", "--driver", "local", "--env", f"PATH={bin_dir}:{os.environ.get('PATH', '')}"]
+        if os.access("/usr/bin/setpriv", os.X_OK):
+            cmd = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"] + cmd
+        self.log = open(self.log_path, "wb")
+        self.seen_sandboxes = set()
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"cairn-host {name} exited ({self.proc.returncode}) before it registered; "
+                                 f"see {self.log_path}")
+            try:
+                with open(os.path.join(data_dir, "host-id")) as f:
+                    self.id = f.read().strip()
+                if self.id.startswith("host-"):
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"cairn-host {name} did not register within 60 s; see {self.log_path}")
+            time.sleep(0.05)
+
+    def kept(self, workspace_id):
+        """Whether the host keeps a tree of the workspace (DATA_DIR/kept/<id>)."""
+        return os.path.isdir(os.path.join(self.data_dir, "kept", workspace_id))
+
+    def note_sandboxes(self):
+        if os.path.isdir(self.sandboxes):
+            self.seen_sandboxes.update(os.listdir(self.sandboxes))
+
+    def tail(self, lines=30):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self):
+        """SIGTERM (the host destroys its sandboxes and exits), SIGKILL after 60 s; then any process
+        of its sandboxes that outlived it, by pid."""
+        self.note_sandboxes()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log(f"cairn-host {self.name} still ran 60 s after SIGTERM: killing it")
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        left = sandbox_pids(self.seen_sandboxes)
+        for pid in left:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        if left:
+            log(f"killed {len(left)} process(es) of {self.name}'s sandboxes that outlived it: {left}")
+
+
+def event_time(at):
+    """An event's `at` (RFC 3339, milliseconds, UTC) as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+
+
+class EventFollower:
+    """`cairnctl runs events RUN --follow -o json`: the run's events, one JSON object a line, as
+    the coordinator commits them (it pushes them; nothing polls), collected by a thread."""
+
+    def __init__(self, bins, coordinator, cache, run_id, log_path):
+        self.run_id = run_id
+        self.events = []
+        self.closed = False
+        self.cond = threading.Condition()
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [bins["cairnctl"], "--output", "json", "runs", "events", run_id, "--follow"],
+            env=coordinator.env(cache), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            event["t"] = event_time(event["at"])
+            with self.cond:
+                self.events.append(event)
+                self.cond.notify_all()
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def wait_for(self, what, wanted, start=0, timeout=RESUME_WAIT_S):
+        """Index of the first event at or after start that wanted() accepts; BenchError when the run
+        ends, the stream closes or timeout passes first."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for i in range(start, len(self.events)):
+                    event = self.events[i]
+                    if wanted(event):
+                        return i
+                    if event["state"] in ("succeeded", "failed", "cancelled"):
+                        raise BenchError(f"run {self.run_id} ended {event['state']} while waiting for {what}:\n"
+                                         + self.describe())
+                start = max(start, len(self.events))
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    why = "the event stream closed" if self.closed else f"not within {timeout} s"
+                    raise BenchError(f"run {self.run_id}: {what}: {why}; its events:\n" + self.describe())
+                self.cond.wait(min(left, 1.0))
+
+    def describe(self, last=40):
+        return "\n".join(f"  {e['at']} {e['state']:<9} {e['reason']:<17} {e['host_id'] or '-':<22} "
+                         f"#{e['attempt']} {e['checkpoint_id'] or '-'} {e['detail'][:160]}"
+                         for e in self.events[-last:])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.thread.join(timeout=10)
+        self.log.close()
+
+
+class ResumeResults:
+    """The resume row's samples: every resume ({"cold": [...], "warm": [...]}) and every suspend."""
+
+    def __init__(self):
+        self.resumes = {"cold": [], "warm": []}
+        self.suspends = []
+
+    def values(self, kind, key):
+        samples = self.suspends if kind == "suspend" else self.resumes[kind]
+        return [s[key] for s in samples if s.get(key) is not None]
+
+    def median(self, kind, key):
+        values = self.values(kind, key)
+        return statistics.median(values) if values else None
+
+
+def first_event(events, start, reason, attempt=None):
+    for i in range(start, len(events)):
+        if events[i]["reason"] == reason and (attempt is None or events[i]["attempt"] == attempt):
+            return i
+    return None
+
+
+def resume_sample(events, answered, host, kind, repeat):
+    """A resume's phases from its events, answered (index) on: seconds between the events of
+    RESUME_PHASES, the runner's restore duration and what the restore kept."""
+    assigned = first_event(events, answered, "assigned")
+    if assigned is None:
+        raise BenchError("no assigned event after the answer")
+    attempt = events[assigned]["attempt"]
+    if events[assigned]["host_id"] != host.id:
+        raise BenchError(f"the answer resumed the run on {events[assigned]['host_id']}, not on {host.name} "
+                         f"({host.id}), the only uncordoned host")
+    at = {"answered": events[answered]["t"], "assigned": events[assigned]["t"]}
+    index = assigned
+    for reason in ["claimed", "restored", "harness_started"]:
+        found = first_event(events, index, reason, attempt)
+        if found is None:
+            raise BenchError(f"attempt {attempt}: no {reason} event")
+        at[reason] = events[found]["t"]
+        if reason == "restored":
+            restored = events[found]["detail"]
+            restored_at = found
+        index = found
+    sample = {"repeat": repeat, "kind": kind, "host": host.name, "attempt": attempt}
+    for name, start, end in RESUME_PHASES:
+        sample[name] = round(at[end] - at[start], 4)
+    # Prepare steps between the restore and the harness (the checkouts' fast-forward, services).
+    prepared = [e for e in events[restored_at:index] if e["reason"] == "prepared" and e["attempt"] == attempt]
+    if prepared:
+        sample["restored → last prepared"] = round(prepared[-1]["t"] - at["restored"], 4)
+        sample["prepared"] = [e["detail"] for e in prepared]
+    took = re.search(r"downloaded [^;]*? in (\d+) ms", restored)
+    reused = re.search(r"reused (\d+) files", restored)
+    sample["restore_s"] = int(took.group(1)) / 1000 if took else None
+    sample["files_reused"] = int(reused.group(1)) if reused else None
+    total = sample["answer → harness started"]
+    sample["less restore"] = None if took is None else round(total - sample["restore_s"], 4)
+    sample["restored_detail"] = restored
+    return sample
+
+
+def suspend_sample(events, waiting, expired, suspended, repeat, host):
+    """A suspend's phases: hold_until (the waiting event + the hold) -> hold_expired -> the
+    destroy checkpoint's event, if any -> the first event in state suspended."""
+    hold_until = events[waiting]["t"] + RESUME_HOLD_S
+    t_expired, t_suspended = events[expired]["t"], events[suspended]["t"]
+    sample = {"repeat": repeat, "host": host.name, "attempt": events[expired]["attempt"],
+              "hold_until → hold_expired": round(t_expired - hold_until, 4),
+              "hold_expired → suspended": round(t_suspended - t_expired, 4),
+              "hold_until → suspended": round(t_suspended - hold_until, 4),
+              "turn checkpoint": events[waiting]["checkpoint_id"] or None}
+    checkpoint = first_event(events[:suspended], expired, "checkpoint", events[expired]["attempt"])
+    # The runner's own report that it stopped (outcome interrupted), after the checkpoint and its
+    # handoff note; the host then reports the sandbox gone.
+    stopped = first_event(events[:suspended], expired, "interrupted", events[expired]["attempt"])
+    if checkpoint is not None:
+        sample["hold_expired → destroy checkpoint"] = round(events[checkpoint]["t"] - t_expired, 4)
+        sample["destroy checkpoint → suspended"] = round(t_suspended - events[checkpoint]["t"], 4)
+        sample["checkpoint_detail"] = events[checkpoint]["detail"]
+        if stopped is not None and stopped > checkpoint:
+            sample["destroy checkpoint → runner stopped"] = round(events[stopped]["t"] - events[checkpoint]["t"], 4)
+    if stopped is not None:
+        sample["runner stopped → suspended"] = round(t_suspended - events[stopped]["t"], 4)
+    sample["events"] = [f"{e['reason']}: {e['detail'][:200]}" for e in events[expired:suspended + 1]]
+    return sample
+
+
+def only_host(bins, coordinator, cache, hosts, name):
+    """Uncordons host name and cordons every other one: the scheduler can place only there."""
+    for other, host in hosts.items():
+        ctl(bins, coordinator, cache, "hosts", "uncordon" if other == name else "cordon", host.name)
+
+
+def wait_hosts_ready(bins, coordinator, cache, hosts):
+    deadline = time.monotonic() + 60
+    names = {h.name for h in hosts.values()}
+    while True:
+        listed = {h["name"]: h["state"] for h in ctl(bins, coordinator, cache, "hosts", "list") or []}
+        if all(listed.get(n) == "ready" for n in names):
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"hosts not ready within 60 s: {listed}")
+        time.sleep(0.1)
+
+
+def resume_repeat(index, args, bins, work, workspace_root, resume):
+    """Issue 34: one run on a workspace holding the benchmark workspace, resumed cold on B, warm on A,
+    warm on B (RESUME_LEGS), each suspend through its hold's expiry."""
+    turn = index + 1
+    rep = os.path.join(work, f"resume-{turn}")
+    os.makedirs(rep)
+    coordinator = Coordinator(bins["cairn-coordinator"], os.path.join(rep, "coordinator"))
+    hosts, follower = {}, None
+    try:
+        cache = os.path.join(rep, "ctl-cache")
+        workspace = ctl(bins, coordinator, cache, "workspace", "create", "--name", "resume")["id"]
+        log(f"resume, repeat {turn}/{args.repeat}: checkpointing the workspace into {workspace}")
+        cairn_checkpoint(bins, coordinator, workspace_root, workspace, os.path.join(rep, "runner-cache"))
+        for name in ["a", "b"]:
+            hosts[name] = Host(bins, coordinator, os.path.join(rep, f"host-{name}"), f"bench-{name}")
+        wait_hosts_ready(bins, coordinator, cache, hosts)
+        after = 0
+        for number, (name, kind) in enumerate(RESUME_LEGS, start=1):
+            host = hosts[name]
+            only_host(bins, coordinator, cache, hosts, name)
+            question = f"ask Leg {number} of the resume bench: go on?"
+            if kind is None:
+                log(f"resume, repeat {turn}/{args.repeat}: the run's first attempt on {host.name}")
+                run_ = ctl(bins, coordinator, cache, "runs", "create", "--workspace", workspace, "--harness", "claude",
+                           "--harness-config", f"binary={bins['cairn-demo-agent']}", "--prompt", question,
+                           "--hold", f"{RESUME_HOLD_S}s")
+                follower = EventFollower(bins, coordinator, cache, run_["id"], os.path.join(rep, "events.log"))
+                start = 0
+            else:
+                kept = host.kept(workspace)
+                if kept != (kind == "warm"):
+                    raise BenchError(f"a {kind} resume on {host.name}, which {'keeps' if kept else 'keeps no'} "
+                                     f"tree of {workspace}")
+                log(f"resume, repeat {turn}/{args.repeat}: answer, {kind} resume on {host.name}")
+                os.sync()
+                ctl(bins, coordinator, cache, "runs", "answer", follower.run_id, question)
+                start = follower.wait_for("the answer", lambda e: e["reason"] == "answered", after)
+            started = follower.wait_for("the harness to start", lambda e: e["reason"] == "harness_started", start)
+            waiting = follower.wait_for("the question", lambda e: e["reason"] == "waiting", started)
+            expired = follower.wait_for("the hold to expire", lambda e: e["reason"] == "hold_expired", waiting)
+            suspended = follower.wait_for("the run to be suspended", lambda e: e["state"] == "suspended", expired)
+            host.note_sandboxes()
+            events = list(follower.events)
+            if kind is not None:
+                sample = resume_sample(events, start, host, kind, turn)
+                if kind == "warm" and not sample["files_reused"]:
+                    raise BenchError(f"the warm resume on {host.name} kept no file: {sample['restored_detail']}")
+                resume.resumes[kind].append(sample)
+                log(f"  {kind} on {host.name}: answer -> harness started {sample['answer → harness started']:.3f} s "
+                    f"(restore {sample['restore_s']} s, {sample['files_reused']} files kept)")
+            sample = suspend_sample(events, waiting, expired, suspended, turn, host)
+            resume.suspends.append(sample)
+            log(f"  suspend on {host.name}: hold_expired -> suspended {sample['hold_expired → suspended']:.3f} s")
+            after = suspended + 1
+    except BenchError as e:
+        tails = "".join(f"\n--- {h.log_path} (last lines) ---\n{h.tail()}" for h in hosts.values())
+        raise BenchError(f"resume repeat {turn}: {e}{tails}\n(--workdir DIR --keep keeps the hosts' data dirs, "
+                         f"sandbox logs and the coordinator's)") from None
+    finally:
+        if follower:
+            follower.stop()
+        for host in hosts.values():
+            host.stop()
+        coordinator.stop()
+    if not args.keep:
+        set_aside(rep)
+
+
+def fmt_ms(values):
+    if not values:
+        return "n/a"
+    return f"{min(values) * 1000:.0f} / {statistics.median(values) * 1000:.0f} / {max(values) * 1000:.0f}"
+
+
+def resume_table(resume):
+    cold, warm = len(resume.resumes["cold"]), len(resume.resumes["warm"])
+    lines = [f"| resume phase | cold host, ms (min / median / max; {cold} resumes) | "
+             f"warm host, kept tree, ms (min / median / max; {warm} resumes) |", "|---|---|---|"]
+    rows = [(name, name) for name, _, _ in RESUME_PHASES[:4]] + [
+        ("  of which restored → last prepared (fast-forward of app/)", "restored → last prepared")] + [
+        (name, name) for name, _, _ in RESUME_PHASES[4:]] + [
+        ("runner's restore (the restored event's own duration)", "restore_s"),
+        ("answer → harness started less the runner's restore", "less restore")]
+    for label, key in rows:
+        lines.append(f"| {label} | {fmt_ms(resume.values('cold', key))} | {fmt_ms(resume.values('warm', key))} |")
+    kept = [resume.values(kind, "files_reused") for kind in ("cold", "warm")]
+    lines.append("| files the restore kept (median) | " + " | ".join(
+        f"{statistics.median(v):.0f}" if v else "n/a" for v in kept) + " |")
+    lines += ["", f"| suspend phase | ms (min / median / max; {len(resume.suspends)} suspends) |", "|---|---|"]
+    for key in ["hold_until → hold_expired", "hold_expired → destroy checkpoint", "destroy checkpoint → suspended",
+                "  of which destroy checkpoint → runner stopped", "  of which runner stopped → suspended",
+                "hold_expired → suspended", "hold_until → suspended"]:
+        lines.append(f"| {key} | {fmt_ms(resume.values('suspend', key.replace('  of which ', '')))} |")
+    details = [s["checkpoint_detail"] for s in resume.suspends if s.get("checkpoint_detail")]
+    if details:
+        lines.append(f"| the destroy checkpoint (last) | {details[-1]} |")
+    return "\n".join(lines)
+
+
+def resume_targets(resume):
+    out = []
+    value = resume.median("warm", "answer → harness started")
+    out.append(seconds_row("warm resume: answer → harness started", WARM_RESUME_TARGET_S, value,
+                           "not measured" if value is None else
+                           f"median of {len(resume.values('warm', 'answer → harness started'))} warm resumes"))
+    value = resume.median("cold", "less restore")
+    if value is None:
+        note = "not measured"
+    else:
+        note = (f"median over cold resumes of answer → harness started ({resume.median('cold', 'answer → harness started'):.3f} s "
+                f"median) less the runner's restore ({resume.median('cold', 'restore_s'):.3f} s median)")
+    out.append(seconds_row("cold resume: time beyond the restore alone", COLD_RESUME_OVER_RESTORE_TARGET_S, value, note))
+    for kind in ["cold", "warm"]:
+        value = resume.median(kind, "answer → claimed")
+        out.append(seconds_row(f"{kind} resume: answer → claimed", ANSWER_TO_CLAIMED_TARGET_S, value,
+                               "not measured" if value is None else f"median; assigned → claimed "
+                               f"{resume.median(kind, 'assigned → claimed') * 1000:.0f} ms of it"))
+    value = resume.median("suspend", "hold_expired → suspended")
+    out.append(seconds_row("suspend: hold expiry → suspended (unchanged workspace)", SUSPEND_TARGET_S, value,
+                           "not measured" if value is None else
+                           f"median of {len(resume.suspends)}, from the hold_expired event; from hold_until "
+                           f"{resume.median('suspend', 'hold_until → suspended'):.3f} s"))
+    return out
 
 
 def bake_before_turn(workspace_root, rep):
@@ -920,6 +1412,9 @@ def main():
                     help=f"ignored files of the 4x workspace (default {LARGE_IGNORED})")
     ap.add_argument("--large-repeat", type=int, help="repeats on the 4x workspace (default --repeat)")
     ap.add_argument("--no-large", action="store_true", help="skip the 4x workspace")
+    ap.add_argument("--only", choices=["resume"],
+                    help="measure only this row (resume: answer -> harness started on another host, and suspend)")
+    ap.add_argument("--no-resume", action="store_true", help="skip the resume row")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     ap.add_argument("--bin-dir", default=os.path.join(REPO, "target", "release"),
                     help="where the cairn binaries are (default target/release)")
@@ -932,8 +1427,20 @@ def main():
         args.large_repeat = args.repeat
     if args.large_repeat < 1:
         ap.error("--large-repeat must be at least 1")
+    if args.only == "resume" and args.no_resume:
+        ap.error("--only resume and --no-resume exclude each other")
+    only_resume = args.only == "resume"
+    if only_resume:
+        args.no_large = True
 
     bins = binaries(args.bin_dir)
+    if not args.no_resume and not local_sandboxes_work():
+        why = ("the resume row runs cairn-host's local driver, which needs root or unprivileged user "
+               "namespaces (`unshare --user --map-root-user --mount true` failed)")
+        if only_resume:
+            sys.exit(why)
+        log(why + ": skipped")
+        args.no_resume = True
     for path in [MAKE_WORKSPACE, BASELINES]:
         if not os.path.isfile(path):
             sys.exit(f"{path} is missing (the shared bench kit is expected at ../shared/bench)")
@@ -957,7 +1464,8 @@ def main():
         large_flags += ["--transcript-mb", str(args.transcript_mb)]
     large = None
 
-    results = Results([s for s in STEPS if not (args.no_large and s in LARGE_STEPS)])
+    results = Results([] if only_resume else [s for s in STEPS if not (args.no_large and s in LARGE_STEPS)])
+    resume = None if args.no_resume else ResumeResults()
     for method, why in [
             ("tar-gz", "no change detection: every checkpoint archives the whole workspace (its incremental row)"),
             ("parts", "no change detection: every checkpoint rewrites its bundle, diff and archives "
@@ -973,8 +1481,12 @@ def main():
             results.na(step, "restic", "restic not installed")
     try:
         files, dirs, size = build_workspace(workspace_root, flags)
-        for i in range(args.repeat):
-            one_repeat(i, args, bins, work, workspace_root, results, have_restic)
+        if not only_resume:
+            for i in range(args.repeat):
+                one_repeat(i, args, bins, work, workspace_root, results, have_restic)
+        if resume is not None:
+            for i in range(args.repeat):
+                resume_repeat(i, args, bins, work, workspace_root, resume)
         if not args.no_large:
             large = build_workspace(large_root, large_flags)
             for i in range(args.large_repeat):
@@ -989,15 +1501,23 @@ def main():
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 
-    rows = targets(results)
+    rows = ([] if only_resume else targets(results)) + ([] if resume is None else resume_targets(resume))
     print(f"Workspace: {files} files, {dirs} directories, {human_bytes(size)}; "
           f"{args.repeat} repeat(s); page caches warm (they cannot be dropped here).")
     if large:
         print(f"4x workspace (full-4x, incremental-4x): {large[0]} files, {large[1]} directories, "
               f"{human_bytes(large[2])}; {args.large_repeat} repeat(s).")
     print()
-    print(table(results))
-    print()
+    if not only_resume:
+        print(table(results))
+        print()
+    if resume is not None:
+        print(f"Resume: coordinator --heartbeat-interval 1s --host-lease 10s (its defaults); two cairn-host "
+              f"--driver local --slots 1; the demo agent as claude; hold {RESUME_HOLD_S} s; host A cordoned for "
+              f"B's resumes and B for A's; times from the run's events (coordinator clock, ms).")
+        print()
+        print(resume_table(resume))
+        print()
     print(targets_table(rows))
     if args.json:
         doc = {
@@ -1011,6 +1531,9 @@ def main():
             "write_floor": results.write_floor,
             "not_applicable": {f"{s}/{m}": why for (s, m), why in results.not_applicable.items()},
             "targets": rows,
+            "resume": None if resume is None else {
+                "hold_s": RESUME_HOLD_S, "legs": RESUME_LEGS, "resumes": resume.resumes,
+                "suspends": resume.suspends},
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
