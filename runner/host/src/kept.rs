@@ -6,8 +6,11 @@
 //!                         (it restored or checkpointed ws-A)   no ─► removed as before
 //!                         yes, no mount below, tree ≤ bound
 //!    rename workspace/, cache/ ─► DIR/kept/.staging-<id>/ + kept.json
-//!    rename ─► DIR/kept/ws-A/      (replacing an older tree of ws-A)
-//!    oldest trees evicted until the total is within --kept-workspaces-size
+//!    rename ─► DIR/kept/ws-A/      (an older tree of ws-A moved aside)
+//!    ── the sandbox is reported gone: the run goes on ──
+//!    settle: the tree measured (too large: deleted), the older one
+//!    deleted, oldest trees evicted until the total is within
+//!    --kept-workspaces-size
 //!
 //! every heartbeat lists the workspaces in DIR/kept; the coordinator's
 //! scheduler sends a queued run of one of them here while a slot is free
@@ -22,7 +25,12 @@
 //!
 //! Writing tens of thousands of files is most of a restore into an empty
 //! directory, and the pack cache cannot save it; a kept tree can, with two
-//! renames on the same file system. The restore still checks every file
+//! renames on the same file system. Keeping is renames too; measuring the
+//! tree (a stat of every file) and deleting what the bounds exclude come
+//! after the sandbox is reported gone ([`KeptWorkspaces::settle`]), so that
+//! a suspend or a run's end does not wait for them. Keeping moves bytes
+//! that were on the disk already: until the tree is settled the bound may
+//! be exceeded by it, never by new data. The restore still checks every file
 //! against the checkpoint, so a tree that changed after its last checkpoint
 //! (a crash, a destroy mid-turn) comes back as the checkpoint, not as it was
 //! left.
@@ -96,19 +104,40 @@ fn io_error<'p>(action: &'static str, path: &'p Path) -> impl FnOnce(io::Error) 
 /// What became of an ended sandbox's tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Keeping {
-    Kept {
-        bytes: u64,
-    },
+    /// Kept, to be settled ([`KeptWorkspaces::settle`]) once the sandbox
+    /// was reported gone.
+    Kept(KeptTree),
     /// Not kept, and why (the sandbox directory is removed as usual).
     Passed(String),
+}
+
+/// A tree just kept, not yet measured nor held to the bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptTree {
+    workspace: WorkspaceId,
+    kept_at_ns: u64,
+    /// The older tree of the workspace it replaced, moved aside.
+    replaced: Option<PathBuf>,
+}
+
+/// What settling a kept tree came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Within the bounds; its disk use.
+    Kept { bytes: u64 },
+    /// Deleted, and why.
+    Deleted(String),
+    /// A new sandbox of the workspace took it (or a newer tree replaced
+    /// it) before it was settled.
+    Gone,
 }
 
 /// A kept tree's record, written last into its directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct KeptRecord {
     workspace_id: WorkspaceId,
-    /// Disk use of the tree (allocated blocks).
-    bytes: u64,
+    /// Disk use of the tree (allocated blocks); `None` until it is settled.
+    bytes: Option<u64>,
     /// Nanoseconds since the epoch when it was kept.
     kept_at_ns: u64,
 }
@@ -125,7 +154,8 @@ pub struct KeptWorkspaces {
 
 impl KeptWorkspaces {
     /// Opens (creating, mode 0700) `dir`, clearing what an interrupted keep
-    /// left and what is past the bounds ([`Self::prune`]).
+    /// left, measuring trees a restart left unsettled, and deleting what is
+    /// past the bounds.
     pub fn open(dir: PathBuf, config: KeptConfig) -> Result<Self, KeptError> {
         fs::DirBuilder::new()
             .recursive(true)
@@ -137,7 +167,9 @@ impl KeptWorkspaces {
             config,
             lock: Mutex::new(()),
         };
-        kept.prune();
+        let _one_at_a_time = kept.lock.lock().unwrap_or_else(|e| e.into_inner());
+        kept.evict_locked(None, true);
+        drop(_one_at_a_time);
         Ok(kept)
     }
 
@@ -151,8 +183,9 @@ impl KeptWorkspaces {
     }
 
     /// Keeps the tree of an ended sandbox of `workspace`, moving its
-    /// `workspace/` and `cache/` out of `sandbox`. The caller removes what is
-    /// left of the sandbox directory either way.
+    /// `workspace/` and `cache/` out of `sandbox`: renames only. The caller
+    /// removes what is left of the sandbox directory either way, and
+    /// settles a kept tree once the sandbox is reported gone.
     pub fn keep(
         &self,
         workspace: &WorkspaceId,
@@ -175,19 +208,11 @@ impl KeptWorkspaces {
                 mount.display()
             )));
         }
-        let bytes = disk_use(&sandbox.workspace)? + disk_use(&sandbox.cache)?;
-        if bytes > self.config.max_bytes {
-            return Ok(Keeping::Passed(format!(
-                "it uses {}, more than the bound of {}",
-                cairn_proto::size::human_bytes(bytes),
-                cairn_proto::size::human_bytes(self.config.max_bytes)
-            )));
-        }
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let staging = self.dir.join(format!("{STAGING_PREFIX}{sandbox_id}"));
         let record = KeptRecord {
             workspace_id: workspace.clone(),
-            bytes,
+            bytes: None,
             kept_at_ns: unix_now_ns(),
         };
         if let Err(e) = self.stage(&staging, sandbox, &record) {
@@ -198,11 +223,58 @@ impl KeptWorkspaces {
             return Err(e);
         }
         let entry = self.entry_dir(workspace);
-        // An older tree of the same workspace gives way to the newer one.
-        layout::remove_tree(&entry)?;
+        // An older tree of the same workspace gives way to the newer one:
+        // moved aside now, deleted when the new one is settled (or by the
+        // next look at the kept trees, as a staging leftover).
+        let replaced = match fs::symlink_metadata(&entry) {
+            Ok(_) => {
+                let aside = self
+                    .dir
+                    .join(format!("{STAGING_PREFIX}replaced-{sandbox_id}"));
+                layout::remove_tree(&aside)?;
+                fs::rename(&entry, &aside).map_err(io_error("cannot move aside", &entry))?;
+                Some(aside)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_error("cannot inspect", &entry)(e)),
+        };
         fs::rename(&staging, &entry).map_err(io_error("cannot rename", &staging))?;
-        self.evict_locked(Some(workspace));
-        Ok(Keeping::Kept { bytes })
+        Ok(Keeping::Kept(KeptTree {
+            workspace: workspace.clone(),
+            kept_at_ns: record.kept_at_ns,
+            replaced,
+        }))
+    }
+
+    /// Measures a tree just kept and holds it to the bounds: deletes the
+    /// tree it replaced, the tree itself if it is larger than the size
+    /// bound, else the oldest others until the total is within it.
+    pub fn settle(&self, tree: KeptTree) -> Result<Settled, KeptError> {
+        if let Some(replaced) = &tree.replaced {
+            layout::remove_tree(replaced)?;
+        }
+        let entry = self.entry_dir(&tree.workspace);
+        // Without the lock: a stat of every file. A sandbox that takes the
+        // tree meanwhile makes the walk fail or the record go.
+        let measured = disk_use(&entry);
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut record = match read_record(&entry) {
+            Ok(Some(record)) if record.kept_at_ns == tree.kept_at_ns => record,
+            _ => return Ok(Settled::Gone),
+        };
+        let bytes = measured?;
+        if bytes > self.config.max_bytes {
+            layout::remove_tree(&entry)?;
+            return Ok(Settled::Deleted(format!(
+                "it uses {}, more than the bound of {}",
+                cairn_proto::size::human_bytes(bytes),
+                cairn_proto::size::human_bytes(self.config.max_bytes)
+            )));
+        }
+        record.bytes = Some(bytes);
+        write_record(&entry, &record)?;
+        self.evict_locked(Some(&tree.workspace), false);
+        Ok(Settled::Kept { bytes })
     }
 
     /// Moves the sandbox's tree and cache into `staging`, record last.
@@ -221,12 +293,7 @@ impl KeptWorkspaces {
             let to = staging.join(name);
             fs::rename(from, &to).map_err(io_error("cannot move into the kept trees", from))?;
         }
-        let record_path = staging.join(RECORD);
-        fs::write(
-            &record_path,
-            serde_json::to_vec(record).expect("a record always serialises"),
-        )
-        .map_err(io_error("cannot write", &record_path))
+        write_record(staging, record)
     }
 
     /// Moves the kept tree of `workspace`, if there is one, onto the fresh
@@ -263,7 +330,8 @@ impl KeptWorkspaces {
             }
         }
         layout::remove_tree(&entry)?;
-        Ok(Some(record.bytes))
+        // A tree taken before it was settled: its size is not known yet.
+        Ok(Some(record.bytes.unwrap_or(0)))
     }
 
     /// The workspaces a tree is kept for, for the coordinator to send their
@@ -286,10 +354,13 @@ impl KeptWorkspaces {
     /// which the next prune tries again.
     pub fn prune(&self) {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.evict_locked(None);
+        self.evict_locked(None, false);
     }
 
-    fn evict_locked(&self, newest: Option<&WorkspaceId>) {
+    /// `measure_unsettled`: trees kept but never settled (a restart came
+    /// between) are measured first; otherwise one that is being settled
+    /// counts as nothing until it is.
+    fn evict_locked(&self, newest: Option<&WorkspaceId>, measure_unsettled: bool) {
         let mut entries = match self.entries() {
             Ok(entries) => entries,
             Err(e) => {
@@ -304,7 +375,23 @@ impl KeptWorkspaces {
                 record.kept_at_ns,
             )
         });
-        let mut total: u64 = entries.iter().map(|(_, r)| r.bytes).sum();
+        if measure_unsettled {
+            for (path, record) in &mut entries {
+                if record.bytes.is_some() {
+                    continue;
+                }
+                match disk_use(path) {
+                    Ok(bytes) => {
+                        record.bytes = Some(bytes);
+                        if let Err(e) = write_record(path, record) {
+                            tracing::warn!(error = %e, "cannot record a kept tree's size");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot measure a kept tree"),
+                }
+            }
+        }
+        let mut total: u64 = entries.iter().filter_map(|(_, r)| r.bytes).sum();
         for (path, record) in entries {
             let expired = self.expired(&record);
             if !expired && total <= self.config.max_bytes {
@@ -312,7 +399,7 @@ impl KeptWorkspaces {
             }
             match layout::remove_tree(&path) {
                 Ok(()) => {
-                    total -= record.bytes;
+                    total -= record.bytes.unwrap_or(0);
                     tracing::info!(
                         workspace = %record.workspace_id,
                         reason = if expired { "older than the age bound" } else { "over the size bound" },
@@ -355,6 +442,18 @@ impl KeptWorkspaces {
         let age = Duration::from_nanos(unix_now_ns().saturating_sub(record.kept_at_ns));
         age > self.config.max_age
     }
+}
+
+/// Writes `record` into the tree at `entry`, whole or not at all.
+fn write_record(entry: &Path, record: &KeptRecord) -> Result<(), KeptError> {
+    let path = entry.join(RECORD);
+    let partial = entry.join(format!("{RECORD}.partial"));
+    fs::write(
+        &partial,
+        serde_json::to_vec(record).expect("a record always serialises"),
+    )
+    .map_err(io_error("cannot write", &partial))?;
+    fs::rename(&partial, &path).map_err(io_error("cannot write", &path))
 }
 
 fn read_record(entry: &Path) -> Result<Option<KeptRecord>, String> {
@@ -441,6 +540,19 @@ mod tests {
         paths
     }
 
+    /// Keeps the tree of `paths` and settles it, as a sandbox's end does.
+    fn keep_settled(
+        kept: &KeptWorkspaces,
+        workspace: &WorkspaceId,
+        sandbox_id: &str,
+        paths: &SandboxPaths,
+    ) -> Settled {
+        match kept.keep(workspace, sandbox_id, paths).unwrap() {
+            Keeping::Kept(tree) => kept.settle(tree).unwrap(),
+            Keeping::Passed(reason) => panic!("not kept: {reason}"),
+        }
+    }
+
     fn read(dir: &Path, name: &str) -> Option<String> {
         fs::read_to_string(dir.join(name)).ok()
     }
@@ -450,7 +562,7 @@ mod tests {
         let host = host(KeptConfig::default());
         let (a, b) = (WorkspaceId::generate(), WorkspaceId::generate());
         let ended = ended_sandbox(&host, "sbx-1", &a, true, &[("src/main.rs", "fn main() {}")]);
-        let Keeping::Kept { bytes } = host.kept.keep(&a, "sbx-1", &ended).unwrap() else {
+        let Settled::Kept { bytes } = keep_settled(&host.kept, &a, "sbx-1", &ended) else {
             panic!("not kept")
         };
         assert!(bytes > 0);
@@ -474,7 +586,13 @@ mod tests {
             true,
             &[("src/main.rs", "fn main() { 2 }")],
         );
-        let Keeping::Kept { bytes } = host.kept.keep(&a, "sbx-5", &newer).unwrap() else {
+        // Kept before it is settled: the heartbeat lists it, and the older
+        // tree is gone from the listing at once.
+        let Keeping::Kept(tree) = host.kept.keep(&a, "sbx-5", &newer).unwrap() else {
+            panic!("not kept")
+        };
+        assert_eq!(host.kept.workspaces(), vec![a.clone()]);
+        let Settled::Kept { bytes } = host.kept.settle(tree).unwrap() else {
             panic!("not kept")
         };
         assert_eq!(
@@ -500,7 +618,7 @@ mod tests {
         let host = host(KeptConfig::default());
         let ws = WorkspaceId::generate();
         let ended = ended_sandbox(&host, "sbx-1", &ws, true, &[("f", "x")]);
-        host.kept.keep(&ws, "sbx-1", &ended).unwrap();
+        keep_settled(&host.kept, &ws, "sbx-1", &ended);
         let next = host.layout.create_sandbox_dirs("sbx-2").unwrap();
         // The cache cannot replace a directory that is not empty.
         fs::write(next.cache.join("in-the-way"), "x").unwrap();
@@ -536,7 +654,8 @@ mod tests {
         let probe = host(KeptConfig::default());
         let ws = WorkspaceId::generate();
         let one = ended_sandbox(&probe, "sbx-p", &ws, true, &[("big", &big)]);
-        let Keeping::Kept { bytes: one_tree } = probe.kept.keep(&ws, "sbx-p", &one).unwrap() else {
+        let Settled::Kept { bytes: one_tree } = keep_settled(&probe.kept, &ws, "sbx-p", &one)
+        else {
             panic!("not kept")
         };
 
@@ -547,11 +666,11 @@ mod tests {
         });
         let ids: Vec<WorkspaceId> = (0..3).map(|_| WorkspaceId::generate()).collect();
         let first = ended_sandbox(&host, "sbx-1", &ids[0], true, &[("big", &big)]);
-        host.kept.keep(&ids[0], "sbx-1", &first).unwrap();
+        keep_settled(&host.kept, &ids[0], "sbx-1", &first);
         let second = ended_sandbox(&host, "sbx-3", &ids[1], true, &[("big", &big)]);
-        host.kept.keep(&ids[1], "sbx-3", &second).unwrap();
+        keep_settled(&host.kept, &ids[1], "sbx-3", &second);
         let third = ended_sandbox(&host, "sbx-4", &ids[2], true, &[("big", &big)]);
-        host.kept.keep(&ids[2], "sbx-4", &third).unwrap();
+        keep_settled(&host.kept, &ids[2], "sbx-4", &third);
 
         let taken: Vec<bool> = ids
             .iter()
@@ -583,9 +702,48 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(
-            strict.keep(&ids[0], "sbx-5", &small).unwrap(),
-            Keeping::Passed(reason) if reason.contains("more than the bound")
+            keep_settled(&strict, &ids[0], "sbx-5", &small),
+            Settled::Deleted(reason) if reason.contains("more than the bound")
         ));
+        assert!(strict.workspaces().is_empty());
+    }
+
+    #[test]
+    fn a_tree_taken_before_it_is_settled_is_left_to_its_taker() {
+        let host = host(KeptConfig::default());
+        let ws = WorkspaceId::generate();
+        let ended = ended_sandbox(&host, "sbx-1", &ws, true, &[("f", "x")]);
+        let Keeping::Kept(tree) = host.kept.keep(&ws, "sbx-1", &ended).unwrap() else {
+            panic!("not kept")
+        };
+        let next = host.layout.create_sandbox_dirs("sbx-2").unwrap();
+        assert!(host.kept.take(&ws, &next).unwrap().is_some());
+        assert_eq!(host.kept.settle(tree).unwrap(), Settled::Gone);
+        assert_eq!(read(&next.workspace, "f").as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn a_tree_a_restart_left_unsettled_is_measured_when_the_host_opens_again() {
+        let probe = host(KeptConfig::default());
+        let big = "x".repeat(64 << 10);
+        let ws = WorkspaceId::generate();
+        let ended = ended_sandbox(&probe, "sbx-1", &ws, true, &[("big", &big)]);
+        // Kept, then the host stopped before settling it.
+        let Keeping::Kept(_) = probe.kept.keep(&ws, "sbx-1", &ended).unwrap() else {
+            panic!("not kept")
+        };
+        let reopened = KeptWorkspaces::open(
+            probe.kept.dir().to_owned(),
+            KeptConfig {
+                max_bytes: 1,
+                ..KeptConfig::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            reopened.workspaces().is_empty(),
+            "measured, and over the bound"
+        );
     }
 
     #[test]
@@ -593,7 +751,7 @@ mod tests {
         let host = host(KeptConfig::default());
         let ws = WorkspaceId::generate();
         let ended = ended_sandbox(&host, "sbx-1", &ws, true, &[("f", "x")]);
-        host.kept.keep(&ws, "sbx-1", &ended).unwrap();
+        keep_settled(&host.kept, &ws, "sbx-1", &ended);
         // A keep cut short by a crash, and a tree kept two days ago.
         fs::create_dir_all(host.kept.dir().join(".staging-sbx-9/workspace")).unwrap();
         let record_path = host.kept.dir().join(ws.as_str()).join(RECORD);

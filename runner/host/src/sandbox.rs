@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::driver::ExitCode;
 use super::driver::{EnvVar, Sandbox, SandboxEvent, log_tail};
-use super::kept::{Keeping, KeptWorkspaces};
+use super::kept::{Keeping, KeptTree, KeptWorkspaces, Settled};
 use super::layout::{SandboxPaths, remove_tree};
 use super::metrics::HostMetrics;
 use cairn_engine::host_reports::ReportReader;
@@ -122,16 +122,15 @@ pub struct Cleanup {
 }
 
 impl Cleanup {
-    /// Keeps the tree if it can, then removes the sandbox directory. A tree
-    /// that is not kept goes with the directory, as without keeping.
-    fn run(self, sandbox_id: &str) -> Result<(), super::layout::LayoutError> {
+    /// Keeps the tree if it can (renames), then removes the sandbox
+    /// directory. A tree that is not kept goes with the directory, as
+    /// without keeping. Returns a kept tree, to settle once the sandbox is
+    /// reported gone ([`settle`]).
+    fn run(self, sandbox_id: &str) -> (Result<(), super::layout::LayoutError>, Option<ToSettle>) {
+        let mut kept = None;
         if let Some(keep) = &self.keep {
             match keep.kept.keep(&keep.workspace, sandbox_id, &self.paths) {
-                Ok(Keeping::Kept { bytes }) => tracing::info!(
-                    sandbox = %sandbox_id, workspace = %keep.workspace,
-                    size = %cairn_proto::size::human_bytes(bytes),
-                    "kept the workspace tree for the next sandbox of this workspace"
-                ),
+                Ok(Keeping::Kept(tree)) => kept = Some((keep.kept.clone(), tree)),
                 Ok(Keeping::Passed(reason)) => tracing::debug!(
                     sandbox = %sandbox_id, %reason, "the workspace tree is not kept"
                 ),
@@ -140,7 +139,33 @@ impl Cleanup {
                 ),
             }
         }
-        remove_tree(&self.paths.dir)
+        (remove_tree(&self.paths.dir), kept)
+    }
+}
+
+/// A tree just kept, and where: settled after the sandbox is reported gone.
+type ToSettle = (Arc<KeptWorkspaces>, KeptTree);
+
+/// Measures a tree kept from `sandbox_id` and holds it to the bounds, off
+/// the event loop, after the sandbox was reported gone.
+async fn settle(sandbox_id: &str, kept: Arc<KeptWorkspaces>, tree: KeptTree) {
+    let settled = tokio::task::spawn_blocking(move || kept.settle(tree))
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    match settled {
+        Ok(Settled::Kept { bytes }) => tracing::info!(
+            sandbox = %sandbox_id, size = %cairn_proto::size::human_bytes(bytes),
+            "kept the workspace tree for the next sandbox of this workspace"
+        ),
+        Ok(Settled::Deleted(reason)) => tracing::info!(
+            sandbox = %sandbox_id, %reason, "deleted the workspace tree kept from the sandbox"
+        ),
+        Ok(Settled::Gone) => tracing::debug!(
+            sandbox = %sandbox_id, "the kept workspace tree was taken before it was measured"
+        ),
+        Err(e) => tracing::warn!(
+            sandbox = %sandbox_id, error = %e, "cannot settle the kept workspace tree"
+        ),
     }
 }
 
@@ -211,7 +236,7 @@ pub async fn supervise<S: Sandbox>(
     // Walking and moving a workspace of tens of thousands of files is no
     // work for the agent's event loop.
     let id = sandbox_id.clone();
-    let removed = tokio::task::spawn_blocking(move || cleanup.run(&id))
+    let (removed, kept) = tokio::task::spawn_blocking(move || cleanup.run(&id))
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
     if let Err(e) = removed {
@@ -227,11 +252,16 @@ pub async fn supervise<S: Sandbox>(
         UNKNOWN_EXIT_CODE
     });
     let _ = updates.send(Update::Ended {
-        sandbox_id,
+        sandbox_id: sandbox_id.clone(),
         state,
         exit_code,
         detail,
     });
+    // Reported first: a suspend or a run's end waits for no walk of the
+    // tree. The agent waits for this task before it exits.
+    if let Some((kept, tree)) = kept {
+        settle(&sandbox_id, kept, tree).await;
+    }
 }
 
 fn exit_detail(code: ExitCode, log_file: &std::path::Path) -> String {
