@@ -257,6 +257,43 @@ fn each_watcher_checkpoint_restores_what_it_saw_while_unchanged_directories_are_
         "{last}"
     );
 
+    // Checkpoints of an unchanged workspace (a run's pause, end, destroy)
+    // are committed, read nothing, and leave the fingerprint cache the
+    // last one wrote as it is: a runner ending next waits for no write.
+    let fingerprints = cairn_engine::cache::FingerprintCache::path_for(
+        &client.cache_dir(),
+        &workspace.parse().expect("a workspace id"),
+    );
+    let written = |path: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).expect("the fingerprint cache is on disk");
+        (meta.ino(), meta.mtime(), meta.mtime_nsec())
+    };
+    let unchanged = keep(ask());
+    let before = written(&fingerprints);
+    let again = keep(ask());
+    for report in [&unchanged, &again] {
+        assert_eq!(json_u64(report, "stats.files_read"), 0, "{report}");
+        assert_ne!(report["checkpoint_id"], last["checkpoint_id"], "{report}");
+    }
+    assert_eq!(
+        written(&fingerprints),
+        before,
+        "the cache was written again"
+    );
+    cairn_e2e::write(&app.join("scratch/after.md"), "after the unchanged ones\n");
+    let changed = keep(ask());
+    let read = json_u64(&changed, "stats.files_read");
+    assert!(
+        read >= 1 && read * 10 < json_u64(&changed, "stats.files"),
+        "{changed}"
+    );
+    wait_until(
+        "the cache written after a change",
+        Duration::from_secs(20),
+        || written(&fingerprints) != before,
+    );
+
     for (n, (id, snapshot)) in cut.iter().enumerate() {
         let restored = tmp.path().join(format!("restored-{n}"));
         client

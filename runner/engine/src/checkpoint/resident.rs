@@ -105,6 +105,24 @@ impl Resident {
         *self.memo.lock().expect("memo lock") = None;
     }
 
+    /// Whether the memo and the cache already hold what `learned` teaches:
+    /// it was cut from the very walk the last checkpoint was (the tracker
+    /// saw nothing change since), read no file and found no blob anywhere
+    /// new, and the memo it was cut with is the last checkpoint's.
+    fn holds_already(&self, learned: &Learned) -> bool {
+        let same_walk = self
+            .last_cut
+            .lock()
+            .expect("last-cut lock")
+            .as_ref()
+            .is_some_and(|(_, walk)| Arc::ptr_eq(walk, &learned.walk));
+        let memo_current = match (&learned.memo, &*self.memo.lock().expect("memo lock")) {
+            (Some(used), Some(held)) => Arc::ptr_eq(used, held),
+            _ => false,
+        };
+        same_walk && memo_current && learned.content.files_read == 0 && learned.located.is_empty()
+    }
+
     /// Remembers what the last checkpoint found per listing.
     fn remember_memo(&self, memo: Memo) {
         *self.memo.lock().expect("memo lock") = Some(Arc::new(memo));
@@ -419,6 +437,15 @@ impl Recall for Arc<Resident> {
             checkpoint_id: committed.id.clone(),
             root_tree: learned.root,
         };
+        if self.holds_already(&learned) {
+            // An unchanged workspace's pause, end or destroy checkpoint: the
+            // memo and the cache the last checkpoint left hold all this one
+            // would, so nothing is worked out or written again (a runner
+            // that ends next waits for no cache to be written).
+            *self.last_cut.lock().expect("last-cut lock") = Some((baseline, learned.walk.clone()));
+            self.put_back(learned.cache).await;
+            return Ok(committed);
+        }
         // What this checkpoint found is worked out for the next one after
         // the answer, with the cache, which the next checkpoint waits for
         // first.
