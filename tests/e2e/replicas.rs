@@ -51,16 +51,7 @@ fn orders_made_on_the_leading_replica_reach_a_host_watching_the_other() {
             ..HostOptions::default()
         },
     );
-    let created =
-        fleet.create_run(fleet.run_request("across", "commit a.txt one\nask Which colour?"));
-    fleet.wait_for_state(&created.id, RunState::Waiting);
-    fleet.suspend(&created.id);
-    fleet.wait_for_state(&created.id, RunState::Suspended);
-    fleet
-        .answer(&created.id, "blue\ncommit b.txt two")
-        .expect("the suspended run takes the answer");
-    let done = fleet.wait_for_state(&created.id, RunState::Succeeded);
-    assert_eq!(done.attempts.len(), 2, "{done:?}");
+    crate::resume::ask_suspend_answer(&fleet, "across");
 }
 
 #[test]

@@ -22,13 +22,12 @@ pub fn heartbeats_far_apart() -> FleetTiming {
     }
 }
 
-#[test]
-fn assignments_and_destroy_orders_reach_the_host_without_waiting_for_a_heartbeat() {
-    let mut fleet = Fleet::start_with(heartbeats_far_apart());
-    fleet.start_host("a", HostOptions::default());
-
+/// A run on `workspace` asks, is suspended, is answered and ends: every
+/// step needs an order to reach the fleet's host (an assignment, a destroy
+/// order, an assignment again).
+pub fn ask_suspend_answer(fleet: &Fleet, workspace: &str) {
     let created = fleet.create_run(fleet.run_request(
-        "pushed",
+        workspace,
         &format!("commit notes/plan.md first plan\nask {QUESTION}"),
     ));
     // Assigned, started, claimed: the assignment came on the stream.
@@ -43,6 +42,13 @@ fn assignments_and_destroy_orders_reach_the_host_without_waiting_for_a_heartbeat
         .expect("the suspended run takes the answer");
     let done = fleet.wait_for_state(&created.id, RunState::Succeeded);
     assert_eq!(done.attempts.len(), 2, "{done:?}");
+}
+
+#[test]
+fn assignments_and_destroy_orders_reach_the_host_without_waiting_for_a_heartbeat() {
+    let mut fleet = Fleet::start_with(heartbeats_far_apart());
+    fleet.start_host("a", HostOptions::default());
+    ask_suspend_answer(&fleet, "pushed");
 }
 
 #[test]
