@@ -250,8 +250,12 @@ impl KeptWorkspaces {
     /// tree it replaced, the tree itself if it is larger than the size
     /// bound, else the oldest others until the total is within it.
     pub fn settle(&self, tree: KeptTree) -> Result<Settled, KeptError> {
-        if let Some(replaced) = &tree.replaced {
-            layout::remove_tree(replaced)?;
+        // A failure leaves it to the next look at the kept trees, which
+        // deletes staging leftovers; this tree is settled all the same.
+        if let Some(replaced) = &tree.replaced
+            && let Err(e) = layout::remove_tree(replaced)
+        {
+            tracing::warn!(error = %e, "cannot delete the kept tree a newer one replaced");
         }
         let entry = self.entry_dir(&tree.workspace);
         // Without the lock: a stat of every file. A sandbox that takes the
