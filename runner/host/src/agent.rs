@@ -603,8 +603,9 @@ impl<D: Driver> Agent<D> {
             let taken = keep.kept.take(&keep.workspace, &paths);
             self.metrics.kept_take(matches!(taken, Ok(Some(_))));
             match taken {
-                Ok(Some(bytes)) => tracing::info!(
-                    sandbox = %id, workspace = %keep.workspace, size = %cairn_proto::size::human_bytes(bytes),
+                Ok(Some(taken)) => tracing::info!(
+                    sandbox = %id, workspace = %keep.workspace,
+                    size = %taken.bytes.map_or_else(|| "not measured yet".to_owned(), cairn_proto::size::human_bytes),
                     "starting on the workspace tree an earlier sandbox of this workspace left"
                 ),
                 Ok(None) => {}

@@ -120,6 +120,13 @@ pub struct KeptTree {
     replaced: Option<PathBuf>,
 }
 
+/// A kept tree a new sandbox took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Taken {
+    /// Its disk use; `None` when it was taken before it was settled.
+    pub bytes: Option<u64>,
+}
+
 /// What settling a kept tree came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Settled {
@@ -301,12 +308,12 @@ impl KeptWorkspaces {
     }
 
     /// Moves the kept tree of `workspace`, if there is one, onto the fresh
-    /// and empty `workspace/` and `cache/` of `sandbox`. Returns its disk use.
+    /// and empty `workspace/` and `cache/` of `sandbox`.
     pub fn take(
         &self,
         workspace: &WorkspaceId,
         sandbox: &SandboxPaths,
-    ) -> Result<Option<u64>, KeptError> {
+    ) -> Result<Option<Taken>, KeptError> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let entry = self.entry_dir(workspace);
         let record = match read_record(&entry) {
@@ -334,8 +341,9 @@ impl KeptWorkspaces {
             }
         }
         layout::remove_tree(&entry)?;
-        // A tree taken before it was settled: its size is not known yet.
-        Ok(Some(record.bytes.unwrap_or(0)))
+        Ok(Some(Taken {
+            bytes: record.bytes,
+        }))
     }
 
     /// The workspaces a tree is kept for, for the coordinator to send their
@@ -605,7 +613,10 @@ mod tests {
             "what the heartbeat lists"
         );
         let next = host.layout.create_sandbox_dirs("sbx-3").unwrap();
-        assert_eq!(host.kept.take(&a, &next).unwrap(), Some(bytes));
+        assert_eq!(
+            host.kept.take(&a, &next).unwrap(),
+            Some(Taken { bytes: Some(bytes) })
+        );
         assert!(host.kept.workspaces().is_empty());
         assert_eq!(
             read(&next.workspace, "src/main.rs").as_deref(),
@@ -721,7 +732,11 @@ mod tests {
             panic!("not kept")
         };
         let next = host.layout.create_sandbox_dirs("sbx-2").unwrap();
-        assert!(host.kept.take(&ws, &next).unwrap().is_some());
+        assert_eq!(
+            host.kept.take(&ws, &next).unwrap(),
+            Some(Taken { bytes: None }),
+            "taken before it was measured"
+        );
         assert_eq!(host.kept.settle(tree).unwrap(), Settled::Gone);
         assert_eq!(read(&next.workspace, "f").as_deref(), Some("x"));
     }
