@@ -42,6 +42,10 @@ pub(crate) struct GroupCommit<T, A> {
     queue: Arc<Mutex<Queue<T, Result<A, DbError>>>>,
     run: BatchFn<T, A>,
     drainer: Drainer,
+    /// How many batches may run at once: one for writes, whose batches
+    /// take turns anyway; more for reads where the database serves them
+    /// side by side, so a burst is not read one batch after another.
+    drainers: usize,
 }
 
 /// Where a queue's batches run.
@@ -60,14 +64,15 @@ impl<T, A> Clone for GroupCommit<T, A> {
             queue: Arc::clone(&self.queue),
             run: self.run,
             drainer: self.drainer,
+            drainers: self.drainers,
         }
     }
 }
 
 struct Queue<T, R> {
     waiting: Vec<(T, oneshot::Sender<R>)>,
-    /// A drainer task is running: it takes what is queued before it ends.
-    draining: bool,
+    /// Drainer tasks running: each takes what is queued before it ends.
+    draining: usize,
 }
 
 impl<T, A> GroupCommit<T, A>
@@ -77,22 +82,24 @@ where
 {
     /// A queue of writes, run on the writer thread.
     pub(crate) fn new(run: BatchFn<T, A>) -> Self {
-        Self::with_drainer(run, Drainer::Writer)
+        Self::with_drainer(run, Drainer::Writer, 1)
     }
 
-    /// A queue of reads, run beside their callers.
-    pub(crate) fn reads(run: BatchFn<T, A>) -> Self {
-        Self::with_drainer(run, Drainer::Caller)
+    /// A queue of reads, run beside their callers, up to `drainers`
+    /// batches at once.
+    pub(crate) fn reads(run: BatchFn<T, A>, drainers: usize) -> Self {
+        Self::with_drainer(run, Drainer::Caller, drainers.max(1))
     }
 
-    fn with_drainer(run: BatchFn<T, A>, drainer: Drainer) -> Self {
+    fn with_drainer(run: BatchFn<T, A>, drainer: Drainer, drainers: usize) -> Self {
         Self {
             queue: Arc::new(Mutex::new(Queue {
                 waiting: Vec::new(),
-                draining: false,
+                draining: 0,
             })),
             run,
             drainer,
+            drainers,
         }
     }
 
@@ -102,7 +109,11 @@ where
         let start_drainer = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             queue.waiting.push((request, answer));
-            !std::mem::replace(&mut queue.draining, true)
+            let start = queue.draining < self.drainers;
+            if start {
+                queue.draining += 1;
+            }
+            start
         };
         if start_drainer {
             let drain = drain(Arc::clone(&self.queue), self.run, store.clone());
@@ -159,7 +170,7 @@ async fn drain<T, A>(
         let batch = {
             let mut queue = queue.lock().unwrap_or_else(PoisonError::into_inner);
             if queue.waiting.is_empty() {
-                queue.draining = false;
+                queue.draining -= 1;
                 release.armed = false;
                 return;
             }
@@ -194,7 +205,7 @@ impl<T, R> Drop for Release<'_, T, R> {
             self.queue
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .draining = false;
+                .draining -= 1;
         }
     }
 }
@@ -481,6 +492,68 @@ pub(crate) fn fail_all<R>(total: usize, cause: &DbError) -> Vec<Result<R, DbErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// Batches running now, the most seen at once, and the permits that let
+    /// one finish (the batch function is a plain `fn`: it reaches these
+    /// through statics, which no other test uses).
+    static RUNNING: AtomicUsize = AtomicUsize::new(0);
+    static MOST: AtomicUsize = AtomicUsize::new(0);
+    static FINISH: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
+
+    fn held_batch(
+        _store: MetadataStore,
+        batch: Vec<u32>,
+    ) -> BoxFuture<'static, Vec<Result<u32, DbError>>> {
+        Box::pin(async move {
+            let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
+            MOST.fetch_max(now, Ordering::SeqCst);
+            FINISH.acquire().await.expect("never closed").forget();
+            RUNNING.fetch_sub(1, Ordering::SeqCst);
+            batch.into_iter().map(|n| Ok(n * 10)).collect()
+        })
+    }
+
+    async fn until_running(n: usize) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while RUNNING.load(Ordering::SeqCst) != n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{n} batches never ran at once"));
+    }
+
+    #[tokio::test]
+    async fn a_read_queue_runs_up_to_its_drainers_batches_at_once_and_answers_each() {
+        let (_dir, store, _tenant) = crate::db::tests::open().await;
+        let queue = GroupCommit::reads(held_batch, 2);
+        let submit = |n: u32| {
+            let (queue, store) = (queue.clone(), store.clone());
+            tokio::spawn(async move { queue.submit(&store, n).await })
+        };
+        let first = submit(1);
+        until_running(1).await;
+        let second = submit(2);
+        until_running(2).await;
+        // Both drainers are busy: these wait, and share the next batch.
+        let rest: Vec<_> = (3..=5).map(submit).collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(RUNNING.load(Ordering::SeqCst), 2, "no third batch starts");
+        FINISH.add_permits(100);
+        let mut answers = vec![
+            first.await.unwrap().unwrap(),
+            second.await.unwrap().unwrap(),
+        ];
+        for waiting in rest {
+            answers.push(waiting.await.unwrap().unwrap());
+        }
+        assert_eq!(answers, [10, 20, 30, 40, 50], "each gets its own answer");
+        assert_eq!(MOST.load(Ordering::SeqCst), 2);
+        assert_eq!(RUNNING.load(Ordering::SeqCst), 0);
+    }
 
     #[test]
     fn a_failed_batch_keeps_each_requests_own_error_and_fails_the_rest() {

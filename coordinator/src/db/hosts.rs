@@ -670,6 +670,10 @@ struct PlannedWrites {
 }
 
 impl PlannedWrites {
+    fn is_empty(&self) -> bool {
+        self.kept.is_empty() && self.sandbox_states.is_empty()
+    }
+
     fn extend(&mut self, other: Self) {
         self.kept.extend(other.kept);
         self.sandbox_states.extend(other.sandbox_states);
@@ -696,6 +700,12 @@ impl PlannedWrites {
                 .await
                 .map_err(query_error("record heartbeats"))?;
         }
+        self.write_sandbox_states(tx.conn()).await
+    }
+
+    /// Writes the planned sandbox states: each one's row alone, so they
+    /// need no transaction of their own.
+    async fn write_sandbox_states(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
         let sandbox_states = last_per_key(&self.sandbox_states, |(sandbox, _)| sandbox);
         for chunk in sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
             let mut query = SqlBuilder::new("UPDATE attempts SET sandbox_state = v.column2 FROM (");
@@ -705,7 +715,7 @@ impl PlannedWrites {
             query.push(") AS v WHERE attempts.sandbox_id = v.column1");
             query
                 .build()
-                .execute(tx.conn())
+                .execute(&mut *conn)
                 .await
                 .map_err(query_error("record sandbox states"))?;
         }
@@ -816,6 +826,15 @@ impl WriteRequest for Heartbeat {
 /// The [`BatchFn`](super::group_commit::BatchFn) of heartbeats read
 /// together: what they all need, read in a few statements, then each one's
 /// answer, or its turn to write.
+///
+/// Where writes run beside each other (PostgreSQL), a heartbeat whose
+/// writes can be planned (sandbox states, kept trees) is planned here
+/// too, and the batch writes those plans in a few statements before it
+/// answers: the reports that follow an assignment wave then cost no second
+/// queue and no second read. Should that write fail, each such heartbeat
+/// goes to the write queue. On SQLite, whose one writer must not be taken
+/// beside the writer thread, every heartbeat that writes goes there
+/// ([`ReadAnswer::MustWrite`]).
 pub(crate) fn read_heartbeats(
     store: MetadataStore,
     batch: Vec<Heartbeat>,
@@ -827,22 +846,86 @@ pub(crate) fn read_heartbeats(
                 .acquire()
                 .await
                 .map_err(query_error("heartbeat"))?;
-            Preloaded::read(&mut conn, &batch).await
+            let preloaded = Preloaded::read(&mut conn, &batch).await?;
+            Ok::<_, DbError>((conn, preloaded))
         };
-        let preloaded = match read.await {
-            Ok(preloaded) => preloaded,
+        let (mut conn, preloaded) = match read.await {
+            Ok(read) => read,
             Err(e) => return fail_all(batch.len(), &e),
         };
-        let mut answers = Vec::with_capacity(batch.len());
+        let plan_here = store.effective(TxLock::Nothing) == TxLock::Nothing;
+        let mut planned = PlannedWrites::default();
+        let mut planned_hosts = std::collections::HashSet::new();
+        let mut outcomes = Vec::with_capacity(batch.len());
         for heartbeat in batch {
-            answers.push(match heartbeat.apply(Session::Read(&preloaded)).await {
-                Ok(Some(answer)) => Ok(ReadAnswer::Answered(answer)),
-                Ok(None) => Ok(ReadAnswer::MustWrite(heartbeat)),
-                Err(e) => Err(e),
-            });
+            // A host is planned once a batch: its second heartbeat reads
+            // what its first has yet to write, and so must write alone.
+            if plan_here && planned_hosts.insert(heartbeat.host_id.clone()) {
+                let mut own = PlannedWrites::default();
+                outcomes.push(
+                    match heartbeat.apply(Session::Plan(&preloaded, &mut own)).await {
+                        Ok(Some(answer)) if own.is_empty() => {
+                            ReadOutcome::Done(Ok(ReadAnswer::Answered(answer)))
+                        }
+                        Ok(Some(answer)) => {
+                            planned.extend(own);
+                            ReadOutcome::Planned(heartbeat, answer)
+                        }
+                        Ok(None) => ReadOutcome::Done(Ok(ReadAnswer::MustWrite(heartbeat))),
+                        Err(e) => ReadOutcome::Done(Err(e)),
+                    },
+                );
+                continue;
+            }
+            outcomes.push(ReadOutcome::Done(
+                match heartbeat.apply(Session::Read(&preloaded)).await {
+                    Ok(Some(answer)) => Ok(ReadAnswer::Answered(answer)),
+                    Ok(None) => Ok(ReadAnswer::MustWrite(heartbeat)),
+                    Err(e) => Err(e),
+                },
+            ));
         }
-        answers
+        let written = if planned.is_empty() {
+            Ok(())
+        } else if planned.kept.is_empty() {
+            // Each sandbox's state stands alone: no transaction needed.
+            planned.write_sandbox_states(&mut conn).await
+        } else {
+            drop(conn);
+            write_planned(&store, &planned).await
+        };
+        if let Err(e) = &written {
+            // Each is written again on its own turn, with its own answer.
+            tracing::debug!(error = %e, "heartbeats planned while read are written in the write queue");
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| match outcome {
+                ReadOutcome::Done(answer) => answer,
+                ReadOutcome::Planned(heartbeat, answer) => Ok(if written.is_ok() {
+                    ReadAnswer::Answered(answer)
+                } else {
+                    ReadAnswer::MustWrite(heartbeat)
+                }),
+            })
+            .collect()
     })
+}
+
+/// What reading one heartbeat of a batch came to, before the batch's
+/// planned writes are committed.
+enum ReadOutcome {
+    Done(Result<ReadAnswer, DbError>),
+    /// Answered once what it planned is written.
+    Planned(Heartbeat, HeartbeatAnswer),
+}
+
+/// Writes what heartbeats read together planned, in a transaction of its
+/// own that holds no write lock (see [`Heartbeat::locking`]).
+async fn write_planned(store: &MetadataStore, planned: &PlannedWrites) -> Result<(), DbError> {
+    let mut tx = store.begin_batch(TxLock::Nothing).await?;
+    planned.write(&mut tx).await?;
+    store.commit(tx).await
 }
 
 /// What a batch of heartbeats needs to be answered without a write: their

@@ -346,6 +346,12 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 const POSTGRES_CONNECTIONS: u32 = 16;
 const SQLITE_CONNECTIONS: u32 = 8;
 
+/// Heartbeat batches read (and, on PostgreSQL, their planned writes made)
+/// at once: a burst of heartbeats is served by several connections side by
+/// side rather than one batch after another, leaving most of the pool to
+/// everything else.
+const HEARTBEAT_READ_DRAINERS: usize = 4;
+
 /// A PostgreSQL connection idle longer is pinged before it is used.
 const POSTGRES_PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
@@ -630,7 +636,15 @@ impl MetadataStore {
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
             host_rows: Arc::default(),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
-            heartbeat_reads: group_commit::GroupCommit::reads(hosts::read_heartbeats),
+            heartbeat_reads: group_commit::GroupCommit::reads(
+                hosts::read_heartbeats,
+                match backend {
+                    // Every statement hops to a connection's thread: fewer,
+                    // larger batches serve a burst sooner.
+                    Backend::Sqlite => 1,
+                    Backend::Postgres => HEARTBEAT_READ_DRAINERS,
+                },
+            ),
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
             checkpoint_commits: (backend == Backend::Sqlite)
                 .then(|| group_commit::GroupCommit::new(checkpoints::commit_checkpoint_batch)),

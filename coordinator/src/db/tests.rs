@@ -1397,6 +1397,113 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
 }
 
 #[tokio::test]
+async fn heartbeats_read_together_write_their_plans_where_writes_run_side_by_side() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let mut started = Vec::new();
+    for name in ["a", "b", "c", "d"] {
+        let (host, run) = assigned_run(&db, &tenant, name).await;
+        let sandbox = format!("sbx-{}-a1", run.id);
+        started.push((host, run, sandbox));
+    }
+    let report = |n: usize, state: SandboxState| hosts::ReportedSandbox {
+        sandbox_id: started[n].2.clone(),
+        state,
+        exit_code: 0,
+        detail: String::new(),
+    };
+    let now = millis(std::time::SystemTime::now());
+    let heartbeat =
+        |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| hosts::Heartbeat {
+            tenant: tenant.clone(),
+            host_id: started[n].0.clone(),
+            reports,
+            stopping: false,
+            kept,
+            now,
+        };
+    let kept = vec![started[2].1.workspace_id.clone()];
+    let batch = vec![
+        // Host a: its sandbox runs now (a planned write).
+        heartbeat(0, vec![report(0, SandboxState::Running)], vec![]),
+        // Host b: its sandbox exited, which ends an attempt: never planned.
+        heartbeat(1, vec![report(1, SandboxState::Exited)], vec![]),
+        // Host c: keeps a tree now (a planned write of its host row).
+        heartbeat(2, vec![], kept.clone()),
+        // Host a again: its second heartbeat of a batch writes alone.
+        heartbeat(0, vec![report(0, SandboxState::Starting)], vec![]),
+        // Host d: nothing to write.
+        heartbeat(3, vec![], vec![]),
+    ];
+    let answers = hosts::read_heartbeats(db.clone(), batch).await;
+    let outcome: Vec<&str> = answers
+        .iter()
+        .map(|answer| match answer {
+            Ok(hosts::ReadAnswer::Answered(_)) => "answered",
+            Ok(hosts::ReadAnswer::MustWrite(_)) => "must write",
+            Err(e) => panic!("a heartbeat is refused: {e}"),
+        })
+        .collect();
+    let attempt = |n: usize| {
+        let run = started[n].1.id.clone();
+        let db = db.clone();
+        async move { db.attempt(&run, 1).await.unwrap().unwrap() }
+    };
+    let host = |n: usize| {
+        let id = started[n].0.clone();
+        let (db, tenant) = (db.clone(), tenant.clone());
+        async move { db.host(&tenant, id.as_str()).await.unwrap() }
+    };
+    if db.backend == Backend::Postgres {
+        assert_eq!(
+            outcome,
+            [
+                "answered",
+                "must write",
+                "answered",
+                "must write",
+                "answered"
+            ]
+        );
+        assert_eq!(attempt(0).await.sandbox_state, Some(SandboxState::Running));
+        assert_eq!(host(2).await.kept_workspaces, kept);
+    } else {
+        // SQLite's one writer is the writer thread's: reads only read.
+        assert_eq!(
+            outcome,
+            [
+                "must write",
+                "must write",
+                "must write",
+                "must write",
+                "answered"
+            ]
+        );
+        assert_eq!(attempt(0).await.sandbox_state, None);
+        assert!(host(2).await.kept_workspaces.is_empty());
+    }
+    assert_eq!(
+        attempt(1).await.sandbox_state,
+        None,
+        "left for its own write"
+    );
+    let Ok(hosts::ReadAnswer::Answered(answer)) = &answers[4] else {
+        unreachable!("checked above");
+    };
+    let assigned: Vec<&str> = answer
+        .assignments
+        .iter()
+        .map(|a| a.sandbox_id.as_str())
+        .collect();
+    assert_eq!(
+        assigned,
+        [started[3].2.as_str()],
+        "host d still has its run to start"
+    );
+}
+
+#[tokio::test]
 async fn a_heartbeat_batch_answers_each_whether_planned_or_left_to_write_alone() {
     use cairn_proto::runs::SandboxState;
 
