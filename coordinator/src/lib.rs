@@ -318,6 +318,16 @@ impl Coordinator {
         if admin_token_created {
             tracing::info!(path = %data_dir.admin_token().display(), "admin token written");
         }
+        // Uploads in flight when an earlier process died stay in the temp
+        // dir otherwise; none of them can be in flight now: this process
+        // holds the data directory's lock and serves nothing yet. Swept
+        // here, before the caller announces its endpoints, so that a
+        // coordinator that says it is up has swept.
+        match store::local::sweep_uploads(&data_dir.blobs()) {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(removed, "removed upload temp files an earlier run left"),
+            Err(e) => tracing::warn!(error = %e, "could not sweep the upload temp files"),
+        }
         Ok(Self {
             config,
             data_dir,
@@ -407,14 +417,6 @@ impl Coordinator {
             ),
             metrics: metrics.clone(),
         };
-        // Uploads in flight when an earlier process died stay in the temp
-        // dir otherwise; none of them can be in flight now, this process
-        // owns the store directory and has not started serving.
-        match store::local::sweep_uploads(&self.data_dir.blobs()) {
-            Ok(0) => {}
-            Ok(removed) => tracing::info!(removed, "removed upload temp files an earlier run left"),
-            Err(e) => tracing::warn!(error = %e, "could not sweep the upload temp files"),
-        }
         let caps = connection_caps(&self.config);
         let blob_router =
             BlobServer::new(self.data_dir.blobs(), self.signer.clone(), self.db.clone())
