@@ -46,6 +46,9 @@ pub struct FleetOptions {
     pub lease: Duration,
     /// CreateRun calls in flight at once.
     pub create_concurrency: usize,
+    /// Whether each host keeps a WatchOrders stream open and heartbeats as
+    /// soon as it hears of new orders, as `cairn-host` does.
+    pub watch_orders: bool,
     /// The phase stops here, reporting what it had.
     pub duration_limit: Duration,
 }
@@ -117,6 +120,13 @@ pub struct FleetReport {
     /// Heartbeat call latency (answered calls), over the whole phase.
     pub heartbeats: Latency,
     pub heartbeat_errors: Errors,
+    /// Whether hosts watched for orders (`--no-watch-orders` says not).
+    pub watch_orders: bool,
+    /// Order notices the hosts heard, each answered by a heartbeat at once.
+    pub order_notices: u64,
+    /// WatchOrders streams that failed to open or broke, by gRPC code
+    /// (reopened at the next heartbeat).
+    pub watch_errors: Errors,
     /// Destroy orders received (none expected: no run ends).
     pub destroy_orders: u64,
     /// Heartbeat answers that said the host was lost (none expected).
@@ -193,6 +203,8 @@ struct SimHost {
 struct HostTally {
     latencies: Vec<Duration>,
     errors: Errors,
+    notices: u64,
+    watch_errors: Errors,
     destroy_orders: u64,
     lost_answers: u64,
     over_capacity: u64,
@@ -221,6 +233,9 @@ async fn run(cluster: &Cluster, options: &FleetOptions) -> Result<FleetReport, L
         create_to_assign: Latency::default(),
         heartbeats: Latency::default(),
         heartbeat_errors: Errors::default(),
+        watch_orders: options.watch_orders,
+        order_notices: 0,
+        watch_errors: Errors::default(),
         destroy_orders: 0,
         lost_answers: 0,
         over_capacity: 0,
@@ -269,7 +284,15 @@ async fn run(cluster: &Cluster, options: &FleetOptions) -> Result<FleetReport, L
         .enumerate()
         .map(|(i, host)| {
             let first = beats_from + interval.mul_f64(f64::from(i as u32) / f64::from(count));
-            tokio::spawn(beat(host, first, interval, stop.clone(), received.clone()))
+            let watch = options.watch_orders;
+            tokio::spawn(beat(
+                host,
+                first,
+                interval,
+                watch,
+                stop.clone(),
+                received.clone(),
+            ))
         })
         .collect();
     drop(received);
@@ -335,6 +358,8 @@ async fn run(cluster: &Cluster, options: &FleetOptions) -> Result<FleetReport, L
             .map_err(|e| LoadError::Setup(format!("a simulated host panicked: {e}")))?;
         heartbeat_latencies.extend(tally.latencies);
         report.heartbeat_errors.merge(tally.errors);
+        report.order_notices += tally.notices;
+        report.watch_errors.merge(tally.watch_errors);
         report.destroy_orders += tally.destroy_orders;
         report.lost_answers += tally.lost_answers;
         report.over_capacity += tally.over_capacity;
@@ -429,21 +454,52 @@ async fn register(
     ))
 }
 
-/// One host's heartbeats from `first` on, every `interval`, until `stop`.
+/// One host's heartbeats from `first` on, until `stop`: each an interval
+/// after the last one answered, or at once when the host hears of new
+/// orders (with `watch`, as `cairn-host` does: the stream opens with the
+/// first beat, and again at the next beat after it breaks).
 async fn beat(
     mut host: SimHost,
     first: Instant,
     interval: Duration,
+    watch: bool,
     stop: CancellationToken,
     received: mpsc::UnboundedSender<Received>,
 ) -> HostTally {
     let mut tally = HostTally::default();
-    let mut ticks = tokio::time::interval_at(first, interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next = first;
+    let mut orders: Option<tonic::Streaming<pb::OrdersNotice>> = None;
     loop {
         tokio::select! {
             () = stop.cancelled() => return tally,
-            _ = ticks.tick() => {}
+            () = tokio::time::sleep_until(next) => {}
+            notice = async { orders.as_mut().expect("guarded").message().await }, if orders.is_some() => {
+                match notice {
+                    Ok(Some(_)) => tally.notices += 1,
+                    Ok(None) => orders = None,
+                    Err(status) => {
+                        tally.watch_errors.record(&status);
+                        orders = None;
+                    }
+                }
+                // A broken stream waits for the next beat to reopen.
+                if orders.is_none() {
+                    continue;
+                }
+            }
+        }
+        if watch && orders.is_none() {
+            let request = pb::WatchOrdersRequest {
+                host_id: host.id.clone(),
+            };
+            let opened = tokio::select! {
+                () = stop.cancelled() => return tally,
+                opened = host.client.watch_orders(request) => opened,
+            };
+            match opened {
+                Ok(stream) => orders = Some(stream.into_inner()),
+                Err(status) => tally.watch_errors.record(&status),
+            }
         }
         let request = pb::HeartbeatRequest {
             host_id: host.id.clone(),
@@ -456,6 +512,7 @@ async fn beat(
             () = stop.cancelled() => return tally,
             answered = host.client.heartbeat(request) => answered,
         };
+        next = Instant::now() + interval;
         let answer = match answered {
             Ok(answer) => {
                 tally.latencies.push(sent.elapsed());

@@ -84,6 +84,10 @@ struct FleetArgs {
     /// CreateRun calls in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=cairn_load::MAX_CONCURRENCY))]
     create_concurrency: u64,
+    /// Hosts heartbeat on their interval alone, without keeping a
+    /// WatchOrders stream open (cairn-host keeps one).
+    #[arg(long)]
+    no_watch_orders: bool,
     #[command(flatten)]
     common: Common,
 }
@@ -145,6 +149,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 heartbeat_interval: args.heartbeat_interval,
                 lease: args.lease,
                 create_concurrency: args.create_concurrency as usize,
+                watch_orders: !args.no_watch_orders,
                 duration_limit: args.common.duration_limit,
             };
             let report = cairn_load::fleet(options).await?;
@@ -252,6 +257,15 @@ fn print_fleet(r: &cairn_load::FleetReport) {
     println!("  create→assign       {}", latency(&r.create_to_assign));
     println!("  Heartbeat           {}", latency(&r.heartbeats));
     println!("  heartbeat errors    {}", errors(&r.heartbeat_errors));
+    if r.watch_orders {
+        println!(
+            "  order notices       {} ({})",
+            r.order_notices,
+            errors(&r.watch_errors)
+        );
+    } else {
+        println!("  order notices       not watched (--no-watch-orders)");
+    }
     println!(
         "  anomalies           {} destroy orders, {} lost answers, {} over capacity",
         r.destroy_orders, r.lost_answers, r.over_capacity

@@ -56,6 +56,7 @@ async fn every_run_of_a_small_fleet_reaches_one_host_once() {
         heartbeat_interval: Duration::from_millis(200),
         lease: Duration::from_secs(10),
         create_concurrency: 4,
+        watch_orders: true,
         duration_limit: Duration::from_secs(30),
     })
     .await
@@ -73,6 +74,9 @@ async fn every_run_of_a_small_fleet_reaches_one_host_once() {
     // Five hosts beat for at least two intervals after the last assignment.
     assert!(report.heartbeats.count >= 10, "{report:#?}");
     assert_eq!(report.heartbeat_errors.total, 0, "{report:#?}");
+    // Each host hears at least the notice its stream opens with.
+    assert!(report.order_notices >= 5, "{report:#?}");
+    assert_eq!(report.watch_errors.total, 0, "{report:#?}");
     assert_eq!(report.destroy_orders, 0, "{report:#?}");
     assert_eq!(report.lost_answers, 0, "{report:#?}");
     assert_eq!(report.over_capacity, 0, "{report:#?}");
