@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::io;
+use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
@@ -32,6 +33,42 @@ use cairn_engine::checkpoint::CheckpointReport;
 
 /// Longest request line accepted on the control socket.
 const MAX_REQUEST: u64 = 4096;
+
+/// The longest path a Unix socket address holds: Linux's `sun_path` is 108
+/// bytes, its terminating NUL included.
+const MAX_SOCKET_PATH: usize = 107;
+
+/// A path that names a socket and fits a socket address: the socket's own,
+/// or, for a longer one, its name under `/proc/self/fd/N`, N a handle on
+/// its directory held as long as this is. (The default path lies under the
+/// host's data directory; one a little deeper than usual would otherwise
+/// leave the runner without a control socket.)
+struct Reachable {
+    path: PathBuf,
+    _dir: Option<std::fs::File>,
+}
+
+impl Reachable {
+    fn new(socket: &Path) -> io::Result<Self> {
+        if socket.as_os_str().len() <= MAX_SOCKET_PATH {
+            return Ok(Self {
+                path: socket.to_owned(),
+                _dir: None,
+            });
+        }
+        let (Some(dir), Some(name)) = (socket.parent(), socket.file_name()) else {
+            return Ok(Self {
+                path: socket.to_owned(),
+                _dir: None,
+            });
+        };
+        let dir = std::fs::File::open(dir)?;
+        Ok(Self {
+            path: Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name),
+            _dir: Some(dir),
+        })
+    }
+}
 
 /// The control socket a resident runner of `root` (canonical) with
 /// `cache_dir` uses unless told otherwise, so `cairn-runner checkpoint`
@@ -129,7 +166,9 @@ pub fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating the directory of {}", socket.display()))?;
     }
-    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+    let reachable = Reachable::new(socket)
+        .with_context(|| format!("opening the directory of {}", socket.display()))?;
+    if std::os::unix::net::UnixStream::connect(&reachable.path).is_ok() {
         anyhow::bail!(
             "another runner already listens at {}; stop it first",
             socket.display()
@@ -140,8 +179,8 @@ pub fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("removing {}", socket.display())),
     }
-    let listener =
-        UnixListener::bind(socket).with_context(|| format!("listening at {}", socket.display()))?;
+    let listener = UnixListener::bind(&reachable.path)
+        .with_context(|| format!("listening at {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} private", socket.display()))?;
     Ok(listener)
@@ -169,7 +208,11 @@ where
 /// Sends `request` to the runner at `socket` and returns its answer;
 /// `Ok(None)` when nobody answers there (no listener, or no socket file).
 pub async fn ask(socket: &Path, request: &Request) -> anyhow::Result<Option<Response>> {
-    let stream = match UnixStream::connect(socket).await {
+    let connected = match Reachable::new(socket) {
+        Ok(reachable) => UnixStream::connect(&reachable.path).await,
+        Err(e) => Err(e),
+    };
+    let stream = match connected {
         Ok(stream) => stream,
         Err(e)
             if matches!(
@@ -194,4 +237,61 @@ pub async fn ask(socket: &Path, request: &Request) -> anyhow::Result<Option<Resp
         )
     })?;
     Ok(Some(response))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_socket_deeper_than_an_address_holds_is_bound_and_answers() {
+        let tmp = tempfile::tempdir().unwrap();
+        let deep = tmp.path().join("d".repeat(60)).join("e".repeat(60));
+        let socket = deep.join("watch-0123456789abcdef.sock");
+        assert!(socket.as_os_str().len() > MAX_SOCKET_PATH);
+        let listener = bind(&socket).unwrap();
+        assert!(socket.exists(), "the socket is made where it was asked for");
+        let taken = bind(&socket).unwrap_err();
+        assert!(
+            format!("{taken:#}").contains("another runner already listens"),
+            "{taken:#}"
+        );
+        let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // The probe that found this listener is the first to accept.
+        drop(listener.accept().await.unwrap());
+        let served = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            serve_connection(stream, |request| async move {
+                Response::failed(format!("heard {}", request.unwrap().workspace))
+            })
+            .await
+            .unwrap();
+        });
+        let request = Request {
+            workspace: "deep".into(),
+            reason: "manual".into(),
+            if_changed: false,
+        };
+        let answer = ask(&socket, &request)
+            .await
+            .unwrap()
+            .expect("someone answers");
+        assert_eq!(answer.error.as_deref(), Some("heard deep"));
+        served.await.unwrap();
+        // Its listener is gone: the next runner replaces the stale socket.
+        bind(&socket).expect("a stale socket is replaced");
+    }
+
+    #[tokio::test]
+    async fn nobody_answers_at_a_deep_path_with_no_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let socket = tmp.path().join("x".repeat(120)).join("watch.sock");
+        let request = Request {
+            workspace: "w".into(),
+            reason: "manual".into(),
+            if_changed: false,
+        };
+        assert!(ask(&socket, &request).await.unwrap().is_none());
+    }
 }
