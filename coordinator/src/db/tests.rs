@@ -1310,35 +1310,70 @@ async fn assignments_written_together_read_back_as_if_one_by_one() {
     );
 }
 
+/// Four hosts of one slot (a, b, c, d), each with a run on a new workspace
+/// assigned: host, run and sandbox id.
+struct FourAssigned {
+    tenant: TenantId,
+    started: Vec<(HostId, Run, String)>,
+}
+
+impl FourAssigned {
+    async fn new(db: &MetadataStore, tenant: &TenantId) -> Self {
+        let mut started = Vec::new();
+        for name in ["a", "b", "c", "d"] {
+            let (host, run) = assigned_run(db, tenant, name).await;
+            let sandbox = format!("sbx-{}-a1", run.id);
+            started.push((host, run, sandbox));
+        }
+        Self {
+            tenant: tenant.clone(),
+            started,
+        }
+    }
+
+    /// Host `n`'s sandbox, reported in `state`.
+    fn report(&self, n: usize, state: cairn_proto::runs::SandboxState) -> hosts::ReportedSandbox {
+        hosts::ReportedSandbox {
+            sandbox_id: self.started[n].2.clone(),
+            state,
+            exit_code: 0,
+            detail: String::new(),
+        }
+    }
+
+    /// A heartbeat of host `n` at `now`.
+    fn heartbeat(
+        &self,
+        n: usize,
+        reports: Vec<hosts::ReportedSandbox>,
+        kept: Vec<WorkspaceId>,
+        now: i64,
+    ) -> hosts::Heartbeat {
+        hosts::Heartbeat {
+            tenant: self.tenant.clone(),
+            host_id: self.started[n].0.clone(),
+            reports,
+            stopping: false,
+            kept,
+            now,
+        }
+    }
+}
+
 #[tokio::test]
 async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_write_alone() {
     use cairn_proto::runs::SandboxState;
     use group_commit::WriteRequest as _;
 
     let (_dir, db, tenant) = open().await;
-    let mut started = Vec::new();
-    for name in ["a", "b", "c", "d"] {
-        let (host, run) = assigned_run(&db, &tenant, name).await;
-        let sandbox = format!("sbx-{}-a1", run.id);
-        started.push((host, run, sandbox));
-    }
-    let report = |n: usize, state: SandboxState| hosts::ReportedSandbox {
-        sandbox_id: started[n].2.clone(),
-        state,
-        exit_code: 0,
-        detail: String::new(),
-    };
+    let four = FourAssigned::new(&db, &tenant).await;
+    let started = &four.started;
+    let report = |n: usize, state: SandboxState| four.report(n, state);
     // Later than registration, so a lease written shows.
     let now = millis(std::time::SystemTime::now()) + 1_000;
-    let heartbeat =
-        |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| hosts::Heartbeat {
-            tenant: tenant.clone(),
-            host_id: started[n].0.clone(),
-            reports,
-            stopping: false,
-            kept,
-            now,
-        };
+    let heartbeat = |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| {
+        four.heartbeat(n, reports, kept, now)
+    };
     let host_b = db.host(&tenant, started[1].0.as_str()).await.unwrap();
     let kept = vec![started[2].1.workspace_id.clone()];
     let batch = [
@@ -1401,28 +1436,13 @@ async fn heartbeats_read_together_write_their_plans_where_writes_run_side_by_sid
     use cairn_proto::runs::SandboxState;
 
     let (_dir, db, tenant) = open().await;
-    let mut started = Vec::new();
-    for name in ["a", "b", "c", "d"] {
-        let (host, run) = assigned_run(&db, &tenant, name).await;
-        let sandbox = format!("sbx-{}-a1", run.id);
-        started.push((host, run, sandbox));
-    }
-    let report = |n: usize, state: SandboxState| hosts::ReportedSandbox {
-        sandbox_id: started[n].2.clone(),
-        state,
-        exit_code: 0,
-        detail: String::new(),
-    };
+    let four = FourAssigned::new(&db, &tenant).await;
+    let started = &four.started;
+    let report = |n: usize, state: SandboxState| four.report(n, state);
     let now = millis(std::time::SystemTime::now());
-    let heartbeat =
-        |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| hosts::Heartbeat {
-            tenant: tenant.clone(),
-            host_id: started[n].0.clone(),
-            reports,
-            stopping: false,
-            kept,
-            now,
-        };
+    let heartbeat = |n: usize, reports: Vec<hosts::ReportedSandbox>, kept: Vec<WorkspaceId>| {
+        four.heartbeat(n, reports, kept, now)
+    };
     let kept = vec![started[2].1.workspace_id.clone()];
     let batch = vec![
         // Host a: its sandbox runs now (a planned write).
