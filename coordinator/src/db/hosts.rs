@@ -860,30 +860,24 @@ pub(crate) fn read_heartbeats(
         for heartbeat in batch {
             // A host is planned once a batch: its second heartbeat reads
             // what its first has yet to write, and so must write alone.
-            if plan_here && planned_hosts.insert(heartbeat.host_id.clone()) {
-                let mut own = PlannedWrites::default();
-                outcomes.push(
-                    match heartbeat.apply(Session::Plan(&preloaded, &mut own)).await {
-                        Ok(Some(answer)) if own.is_empty() => {
-                            ReadOutcome::Done(Ok(ReadAnswer::Answered(answer)))
-                        }
-                        Ok(Some(answer)) => {
-                            planned.extend(own);
-                            ReadOutcome::Planned(heartbeat, answer)
-                        }
-                        Ok(None) => ReadOutcome::Done(Ok(ReadAnswer::MustWrite(heartbeat))),
-                        Err(e) => ReadOutcome::Done(Err(e)),
-                    },
-                );
-                continue;
-            }
-            outcomes.push(ReadOutcome::Done(
-                match heartbeat.apply(Session::Read(&preloaded)).await {
-                    Ok(Some(answer)) => Ok(ReadAnswer::Answered(answer)),
-                    Ok(None) => Ok(ReadAnswer::MustWrite(heartbeat)),
-                    Err(e) => Err(e),
-                },
-            ));
+            let plan = plan_here && planned_hosts.insert(heartbeat.host_id.clone());
+            let mut own = PlannedWrites::default();
+            let session = if plan {
+                Session::Plan(&preloaded, &mut own)
+            } else {
+                Session::Read(&preloaded)
+            };
+            outcomes.push(match heartbeat.apply(session).await {
+                Ok(Some(answer)) if own.is_empty() => {
+                    ReadOutcome::Done(Ok(ReadAnswer::Answered(answer)))
+                }
+                Ok(Some(answer)) => {
+                    planned.extend(own);
+                    ReadOutcome::Planned(heartbeat, answer)
+                }
+                Ok(None) => ReadOutcome::Done(Ok(ReadAnswer::MustWrite(heartbeat))),
+                Err(e) => ReadOutcome::Done(Err(e)),
+            });
         }
         let written = if planned.is_empty() {
             Ok(())
