@@ -50,13 +50,11 @@ struct Reachable {
 
 impl Reachable {
     fn new(socket: &Path) -> io::Result<Self> {
-        if socket.as_os_str().len() <= MAX_SOCKET_PATH {
-            return Ok(Self {
-                path: socket.to_owned(),
-                _dir: None,
-            });
-        }
-        let (Some(dir), Some(name)) = (socket.parent(), socket.file_name()) else {
+        let too_long = socket.as_os_str().len() > MAX_SOCKET_PATH;
+        let Some((dir, name)) = too_long
+            .then(|| socket.parent().zip(socket.file_name()))
+            .flatten()
+        else {
             return Ok(Self {
                 path: socket.to_owned(),
                 _dir: None,
