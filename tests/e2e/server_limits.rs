@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cairn_e2e::{Coordinator, block_on, populate_small_workspace, put_url, sha256_hex, tempdir};
+use cairn_e2e::{
+    Coordinator, block_on, populate_small_workspace, port_of, put_url, sha256_hex, tempdir,
+};
 
 /// Opens `count` connections to `addr` that never send a byte, holds them,
 /// and reports (one JSON line) how many connected and how long each took to
@@ -203,14 +205,6 @@ fn connections_held(pid: u32, port: u16) -> usize {
         }
     }
     held
-}
-
-fn port_of(url: &str) -> u16 {
-    url.trim_end_matches('/')
-        .rsplit(':')
-        .next()
-        .and_then(|port| port.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {url}"))
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use cairn_e2e::fleet::{Fleet, HostOptions, state_of_host};
 use cairn_e2e::tls::TlsFiles;
 use cairn_e2e::{
-    Coordinator, assert_trees_equal, binary, block_on, json_u64, populate_small_workspace, run,
-    tempdir, write,
+    Coordinator, assert_trees_equal, binary, block_on, json_u64, populate_small_workspace, port_of,
+    run, tempdir, write,
 };
 use cairn_engine::tls::ClientTls;
 use cairn_proto::pb;
@@ -22,13 +22,6 @@ use cairn_proto::runs::{HostState, RunState};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-
-fn port_of(url: &str) -> u16 {
-    url.rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {url}"))
-}
 
 /// Whether the server closed `stream` within `within` (EOF or reset).
 fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {

@@ -60,6 +60,15 @@ pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
         .block_on(future)
 }
 
+/// The port of a coordinator URL (`http://127.0.0.1:PORT`).
+pub fn port_of(url: &str) -> u16 {
+    url.trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {url}"))
+}
+
 /// A temporary directory with a recognisable name.
 pub fn tempdir(label: &str) -> TempDir {
     tempfile::Builder::new()
