@@ -396,21 +396,39 @@ struct RunChannel {
     /// `cairn_runs`, suffixed with the schema: notifications are per
     /// database, and each schema holds another coordinator's metadata.
     name: String,
+    /// This replica's mark on what it announces: it hears its own
+    /// announcements too, and has acted on them already at its commit (a
+    /// second ring would make each host it gave orders to heartbeat twice).
+    origin: String,
 }
 
 impl RunChannel {
     /// Sends `payload` to every replica's listener when `conn`'s
-    /// transaction commits.
+    /// transaction commits, marked with this replica's origin.
     async fn announce(&self, conn: &mut AnyConnection, payload: &str) -> Result<(), sqlx::Error> {
         // pg_notify returns void, which the Any driver cannot read.
         sqlx::query("SELECT COUNT(*) FROM (SELECT pg_notify($1, $2)) AS sent")
             .bind(&self.name)
-            .bind(payload)
+            .bind(format!("{}{ORIGIN_END}{payload}", self.origin))
             .execute(conn)
             .await
             .map(drop)
     }
+
+    /// The payload of an announcement another replica made; `None` for
+    /// one of this replica's own. An announcement without an origin (from
+    /// a replica older than origins) counts as another's.
+    fn made_elsewhere<'a>(&self, announced: &'a str) -> Option<&'a str> {
+        match announced.split_once(ORIGIN_END) {
+            Some((origin, _)) if origin == self.origin => None,
+            Some((_, payload)) => Some(payload),
+            None => Some(announced),
+        }
+    }
 }
+
+/// What ends the origin that starts every announcement (ids never hold it).
+const ORIGIN_END: char = ' ';
 
 /// What starts a notification that a token was revoked (run ids never do).
 const REVOKED_TOKEN_PREFIX: &str = "revoked-token:";
@@ -622,6 +640,7 @@ impl MetadataStore {
                         Some(schema) => format!("cairn_runs_{schema}"),
                         None => "cairn_runs".to_owned(),
                     },
+                    origin: format!("{:016x}", rand::random::<u64>()),
                 };
                 (pool, Backend::Postgres, Some(channel))
             }
@@ -863,7 +882,11 @@ impl MetadataStore {
         }
         loop {
             let notification = listener.recv().await?;
-            if let Some(id) = notification.payload().strip_prefix(REVOKED_TOKEN_PREFIX) {
+            // This replica acted on its own at commit.
+            let Some(payload) = channel.made_elsewhere(notification.payload()) else {
+                continue;
+            };
+            if let Some(id) = payload.strip_prefix(REVOKED_TOKEN_PREFIX) {
                 match id.parse::<TokenId>() {
                     Ok(id) => self.token_cache.forget(&id),
                     Err(_) => {
@@ -873,7 +896,7 @@ impl MetadataStore {
                 }
                 continue;
             }
-            if let Some(ids) = notification.payload().strip_prefix(HOST_ORDERS_PREFIX) {
+            if let Some(ids) = payload.strip_prefix(HOST_ORDERS_PREFIX) {
                 for id in ids.split(',') {
                     match id.parse::<HostId>() {
                         Ok(host) => self.order_bells.ring(&host),
@@ -885,7 +908,7 @@ impl MetadataStore {
                 }
                 continue;
             }
-            for id in notification.payload().split(',') {
+            for id in payload.split(',') {
                 match id.parse::<RunId>() {
                     // No receiver is fine: nobody is watching.
                     Ok(run) => drop(self.run_changes.send(run)),

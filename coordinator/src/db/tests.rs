@@ -1613,6 +1613,66 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
 }
 
 #[tokio::test]
+async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() {
+    let (dir, db, tenant) = open().await;
+    if db.backend != Backend::Postgres {
+        eprintln!(
+            "skipped here: SQLite has one coordinator, and no announcements (CAIRN_TEST_DATABASE); scripts/test runs this on PostgreSQL"
+        );
+        return;
+    }
+    let other = MetadataStore::open(&test_location(dir.path()))
+        .await
+        .unwrap();
+    let host = register(&db, &tenant, "h", 1).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut here = db.order_bells().listen(&host);
+    let mut there = other.order_bells().listen(&host);
+    let relays = [&db, &other].map(|store| {
+        let (store, stop) = (store.clone(), stop.clone());
+        tokio::spawn(async move { store.relay_run_changes(stop.cancelled_owned()).await })
+    });
+    // Both listen once a replica's revocation reaches the other.
+    let bound = Duration::from_secs(30);
+    tokio::time::timeout(bound, async {
+        while !(db.token_cache.trusted() && other.token_cache.trusted()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both replicas listen for announcements");
+
+    let mut tx = db.begin_write().await.unwrap();
+    tx.ring(&host);
+    db.commit(tx).await.unwrap();
+    tokio::time::timeout(bound, there.wait_for(|rung| *rung >= 1))
+        .await
+        .expect("the other replica hears the announcement")
+        .unwrap();
+    // This replica heard its own announcement by now too (one listener
+    // each, the same notification): it must not ring again.
+    let mut tx = other.begin_write().await.unwrap();
+    tx.ring(&host);
+    other.commit(tx).await.unwrap();
+    tokio::time::timeout(bound, here.wait_for(|rung| *rung >= 2))
+        .await
+        .expect("this replica hears the other's announcement")
+        .unwrap();
+    // An echo of its own would have come before the other's announcement
+    // and rung a third time; give a late one a moment to show.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        *here.borrow(),
+        2,
+        "rung once at its own commit and once by the other's announcement"
+    );
+    stop.cancel();
+    for relay in relays {
+        relay.await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn every_text_column_on_postgresql_compares_bytes() {
     let (_dir, db, _tenant) = open().await;
     if db.backend != Backend::Postgres {

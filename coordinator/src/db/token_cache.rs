@@ -119,6 +119,13 @@ impl TokenCache {
         state.forget_all();
         state.trusted = trusted;
     }
+
+    /// Whether revocations reach this cache (on PostgreSQL: this replica
+    /// listens for announcements).
+    #[cfg(test)]
+    pub(crate) fn trusted(&self) -> bool {
+        self.state().trusted
+    }
 }
 
 impl State {
