@@ -541,7 +541,8 @@ impl Coordinator {
             leases,
             relaying
         );
-        // Heartbeats answered since the last flush.
+        // Reports and leases of heartbeats answered before the servers stopped.
+        self.db.write_deferred_reports().await;
         if let Err(e) = self.db.flush_heartbeats().await {
             tracing::warn!(error = %e, "could not record the last host leases");
         }

@@ -468,11 +468,13 @@ impl MetadataStore {
     ///
     /// Most heartbeats change nothing but the host's lease: they are
     /// answered from reads alone and the lease is renewed in memory
-    /// ([`MetadataStore::flush_heartbeats`] persists it in one batch). Only a
-    /// heartbeat that changes something (a sandbox's state, a sandbox gone,
-    /// the kept trees, a host stopping) takes a write transaction, and its
-    /// lease too waits in memory, so the write rate follows the work, not
-    /// the fleet size.
+    /// ([`MetadataStore::flush_heartbeats`] persists it in one batch). One
+    /// that reports a new sandbox state or kept trees is answered the same
+    /// way, and what it reports is written after the answer, shared with
+    /// other reports. Only a heartbeat that ends something (a sandbox gone,
+    /// a host stopping) takes a write transaction before it is answered, and
+    /// its lease too waits in memory, so the write rate follows the work,
+    /// not the fleet size.
     pub async fn heartbeat(
         &self,
         tenant: &TenantId,
@@ -499,6 +501,9 @@ impl MetadataStore {
                 Ok(answer)
             }
             ReadAnswer::MustWrite(heartbeat) => {
+                // After the reports this host was answered on: written
+                // later, they would overwrite what this one writes.
+                self.unwritten_reports.written(Some(host_id)).await;
                 let answer = self.heartbeat_writes.submit(self, heartbeat).await?;
                 // A heartbeat that writes leaves its lease to the flush
                 // too: lease renewals are written in one place.
@@ -506,6 +511,29 @@ impl MetadataStore {
                 Ok(answer)
             }
         }
+    }
+
+    /// Writes after their answers the reports heartbeats read together
+    /// planned (see [`read_heartbeats`]), sharing transactions with others
+    /// deferred meanwhile. A failed write is logged and dropped: the hosts
+    /// report the same again at their next heartbeat, which plans it again.
+    fn defer_reports(&self, planned: PlannedWrites) {
+        let hosts = planned.hosts.clone();
+        self.unwritten_reports.add(&hosts);
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.report_writes.submit(&store, planned).await {
+                tracing::warn!(error = %e, hosts = hosts.len(), "could not record the sandbox states and kept trees of heartbeats already answered; their hosts report them again");
+            }
+            store.unwritten_reports.remove(&hosts);
+        });
+    }
+
+    /// Waits until every report deferred so far is written (or dropped):
+    /// a coordinator that shuts down writes them before it closes the
+    /// database.
+    pub async fn write_deferred_reports(&self) {
+        self.unwritten_reports.written(None).await;
     }
 
     /// Renews `host`'s lease in memory until the next flush.
@@ -636,6 +664,62 @@ impl MetadataStore {
     }
 }
 
+/// The hosts with reports answered on and not written yet (see
+/// [`MetadataStore::defer_reports`]), each with how many writes of them
+/// are under way.
+#[derive(Debug, Default)]
+pub(super) struct UnwrittenReports {
+    hosts: std::sync::Mutex<HashMap<HostId, usize>>,
+    written: tokio::sync::Notify,
+}
+
+impl UnwrittenReports {
+    fn add(&self, hosts: &[HostId]) {
+        let mut unwritten = self.hosts.lock().expect("unwritten reports lock");
+        for host in hosts {
+            *unwritten.entry(host.clone()).or_default() += 1;
+        }
+    }
+
+    fn remove(&self, hosts: &[HostId]) {
+        {
+            let mut unwritten = self.hosts.lock().expect("unwritten reports lock");
+            for host in hosts {
+                if let Some(count) = unwritten.get_mut(host) {
+                    *count -= 1;
+                    if *count == 0 {
+                        unwritten.remove(host);
+                    }
+                }
+            }
+        }
+        self.written.notify_waiters();
+    }
+
+    /// Waits until no report of `host` (of any host, if `None`) is left to
+    /// write.
+    async fn written(&self, host: Option<&HostId>) {
+        loop {
+            let notified = self.written.notified();
+            tokio::pin!(notified);
+            // Registered before looking, so a write that ends in between
+            // still wakes this.
+            notified.as_mut().enable();
+            let pending = {
+                let unwritten = self.hosts.lock().expect("unwritten reports lock");
+                match host {
+                    Some(host) => unwritten.contains_key(host),
+                    None => !unwritten.is_empty(),
+                }
+            };
+            if !pending {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
 /// Where a heartbeat runs.
 enum Session<'a> {
     /// On what a batch of heartbeats read together: it answers only if
@@ -662,11 +746,15 @@ impl Session<'_> {
 
 /// The writes of heartbeats planned together, written in a few statements.
 #[derive(Default)]
-struct PlannedWrites {
+pub(crate) struct PlannedWrites {
     /// Host, kept workspaces (as stored), where they changed.
     kept: Vec<(HostId, String)>,
     /// Sandbox, state reported.
     sandbox_states: Vec<(String, SandboxState)>,
+    /// The hosts whose heartbeats planned these writes, when they are
+    /// written after the answer: until then a heartbeat of theirs that
+    /// writes waits (see [`UnwrittenReports`]).
+    pub(super) hosts: Vec<HostId>,
 }
 
 impl PlannedWrites {
@@ -674,9 +762,19 @@ impl PlannedWrites {
         self.kept.is_empty() && self.sandbox_states.is_empty()
     }
 
+    /// One sandbox's reported state, planned as a heartbeat of its host would.
+    #[cfg(test)]
+    pub(super) fn sandbox_state(sandbox: &str, state: SandboxState) -> Self {
+        Self {
+            sandbox_states: vec![(sandbox.to_owned(), state)],
+            ..Self::default()
+        }
+    }
+
     fn extend(&mut self, other: Self) {
         self.kept.extend(other.kept);
         self.sandbox_states.extend(other.sandbox_states);
+        self.hosts.extend(other.hosts);
     }
 
     /// Writes the planned rows, a statement per [`super::ROWS_PER_STATEMENT`]
@@ -703,8 +801,9 @@ impl PlannedWrites {
         self.write_sandbox_states(tx.conn()).await
     }
 
-    /// Writes the planned sandbox states: each one's row alone, so they
-    /// need no transaction of their own.
+    /// Writes the planned sandbox states. A sandbox recorded gone since it
+    /// was planned keeps the state it went with: a report written after its
+    /// answer may land after a later one that ended the attempt.
     async fn write_sandbox_states(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
         let sandbox_states = last_per_key(&self.sandbox_states, |(sandbox, _)| sandbox);
         for chunk in sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
@@ -712,7 +811,9 @@ impl PlannedWrites {
             query.push_values(chunk, |mut row, (sandbox, state)| {
                 row.push_bind(sandbox.as_str()).push_bind(state.as_str());
             });
-            query.push(") AS v WHERE attempts.sandbox_id = v.column1");
+            query.push(
+                ") AS v WHERE attempts.sandbox_id = v.column1 AND attempts.sandbox_gone_at IS NULL",
+            );
             query
                 .build()
                 .execute(&mut *conn)
@@ -827,14 +928,12 @@ impl WriteRequest for Heartbeat {
 /// together: what they all need, read in a few statements, then each one's
 /// answer, or its turn to write.
 ///
-/// Where writes run beside each other (PostgreSQL), a heartbeat whose
-/// writes can be planned (sandbox states, kept trees) is planned here
-/// too, and the batch writes those plans in a few statements before it
-/// answers: the reports that follow an assignment wave then cost no second
-/// queue and no second read. Should that write fail, each such heartbeat
-/// goes to the write queue. On SQLite, whose one writer must not be taken
-/// beside the writer thread, every heartbeat that writes goes there
-/// ([`ReadAnswer::MustWrite`]).
+/// A heartbeat whose writes can be planned (sandbox states, kept trees) is
+/// answered here too, and what it planned is written after the answer
+/// ([`MetadataStore::defer_reports`]): the answer does not depend on those
+/// writes, and a report lost with them comes again in the host's next
+/// heartbeat, which plans it again. So the reports that follow an
+/// assignment wave wait for no commit and no second queue.
 pub(crate) fn read_heartbeats(
     store: MetadataStore,
     batch: Vec<Heartbeat>,
@@ -846,80 +945,67 @@ pub(crate) fn read_heartbeats(
                 .acquire()
                 .await
                 .map_err(query_error("heartbeat"))?;
-            let preloaded = Preloaded::read(&mut conn, &batch).await?;
-            Ok::<_, DbError>((conn, preloaded))
+            Preloaded::read(&mut conn, &batch).await
         };
-        let (mut conn, preloaded) = match read.await {
-            Ok(read) => read,
+        let preloaded = match read.await {
+            Ok(preloaded) => preloaded,
             Err(e) => return fail_all(batch.len(), &e),
         };
-        let plan_here = store.effective(TxLock::Nothing) == TxLock::Nothing;
         let mut planned = PlannedWrites::default();
         let mut planned_hosts = std::collections::HashSet::new();
-        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut answers = Vec::with_capacity(batch.len());
         for heartbeat in batch {
             // A host is planned once a batch: its second heartbeat reads
             // what its first has yet to write, and so must write alone.
-            let plan = plan_here && planned_hosts.insert(heartbeat.host_id.clone());
+            let plan = planned_hosts.insert(heartbeat.host_id.clone());
             let mut own = PlannedWrites::default();
             let session = if plan {
                 Session::Plan(&preloaded, &mut own)
             } else {
                 Session::Read(&preloaded)
             };
-            outcomes.push(match heartbeat.apply(session).await {
-                Ok(Some(answer)) if own.is_empty() => {
-                    ReadOutcome::Done(Ok(ReadAnswer::Answered(answer)))
-                }
+            answers.push(match heartbeat.apply(session).await {
                 Ok(Some(answer)) => {
-                    planned.extend(own);
-                    ReadOutcome::Planned(heartbeat, answer)
+                    if !own.is_empty() {
+                        own.hosts.push(heartbeat.host_id);
+                        planned.extend(own);
+                    }
+                    Ok(ReadAnswer::Answered(answer))
                 }
-                Ok(None) => ReadOutcome::Done(Ok(ReadAnswer::MustWrite(heartbeat))),
-                Err(e) => ReadOutcome::Done(Err(e)),
+                Ok(None) => Ok(ReadAnswer::MustWrite(heartbeat)),
+                Err(e) => Err(e),
             });
         }
-        let written = if planned.is_empty() {
-            Ok(())
-        } else if planned.kept.is_empty() {
-            // Each sandbox's state stands alone: no transaction needed.
-            planned.write_sandbox_states(&mut conn).await
-        } else {
-            drop(conn);
-            write_planned(&store, &planned).await
-        };
-        if let Err(e) = &written {
-            // Each is written again on its own turn, with its own answer.
-            tracing::debug!(error = %e, "heartbeats planned while read are written in the write queue");
+        if !planned.is_empty() {
+            store.defer_reports(planned);
         }
-        outcomes
-            .into_iter()
-            .map(|outcome| match outcome {
-                ReadOutcome::Done(answer) => answer,
-                ReadOutcome::Planned(heartbeat, answer) => Ok(if written.is_ok() {
-                    ReadAnswer::Answered(answer)
-                } else {
-                    ReadAnswer::MustWrite(heartbeat)
-                }),
-            })
-            .collect()
+        answers
     })
 }
 
-/// What reading one heartbeat of a batch came to, before the batch's
-/// planned writes are committed.
-enum ReadOutcome {
-    Done(Result<ReadAnswer, DbError>),
-    /// Answered once what it planned is written.
-    Planned(Heartbeat, HeartbeatAnswer),
-}
-
-/// Writes what heartbeats read together planned, in a transaction of its
-/// own that holds no write lock (see [`Heartbeat::locking`]).
-async fn write_planned(store: &MetadataStore, planned: &PlannedWrites) -> Result<(), DbError> {
-    let mut tx = store.begin_batch(TxLock::Nothing).await?;
-    planned.write(&mut tx).await?;
-    store.commit(tx).await
+/// The [`BatchFn`](super::group_commit::BatchFn) of reports heartbeats were
+/// answered on: all of a batch in one transaction that holds no write lock
+/// (see [`Heartbeat::locking`]).
+pub(crate) fn write_reports(
+    store: MetadataStore,
+    batch: Vec<PlannedWrites>,
+) -> BoxFuture<'static, Vec<Result<(), DbError>>> {
+    Box::pin(async move {
+        let count = batch.len();
+        let mut all = PlannedWrites::default();
+        for planned in batch {
+            all.extend(planned);
+        }
+        let written = async {
+            let mut tx = store.begin_batch(TxLock::Nothing).await?;
+            all.write(&mut tx).await?;
+            store.commit(tx).await
+        };
+        match written.await {
+            Ok(()) => (0..count).map(|_| Ok(())).collect(),
+            Err(e) => fail_all(count, &e),
+        }
+    })
 }
 
 /// What a batch of heartbeats needs to be answered without a write: their
@@ -1362,7 +1448,39 @@ pub(super) async fn lose_host(
 
 #[cfg(test)]
 mod tests {
-    use super::last_per_key;
+    use super::{HostId, UnwrittenReports, last_per_key};
+
+    #[tokio::test]
+    async fn a_host_waits_for_its_own_unwritten_reports_and_no_others() {
+        let unwritten = std::sync::Arc::new(UnwrittenReports::default());
+        let (a, b) = (HostId::generate(), HostId::generate());
+        unwritten.add(std::slice::from_ref(&a));
+        unwritten.add(std::slice::from_ref(&a));
+        unwritten.written(Some(&b)).await;
+        let waiting = tokio::spawn({
+            let (unwritten, a) = (unwritten.clone(), a.clone());
+            async move { unwritten.written(Some(&a)).await }
+        });
+        let all = tokio::spawn({
+            let unwritten = unwritten.clone();
+            async move { unwritten.written(None).await }
+        });
+        unwritten.remove(std::slice::from_ref(&a));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(
+            !waiting.is_finished() && !all.is_finished(),
+            "one of host a's two writes is still under way"
+        );
+        unwritten.remove(std::slice::from_ref(&a));
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("host a's reports are all written")
+            .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(5), all)
+            .await
+            .expect("nothing is left to write")
+            .unwrap();
+    }
 
     #[test]
     fn a_key_planned_twice_keeps_its_later_plan_in_the_order_of_those_plans() {

@@ -346,8 +346,7 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 const POSTGRES_CONNECTIONS: u32 = 16;
 const SQLITE_CONNECTIONS: u32 = 8;
 
-/// Heartbeat batches read (and, on PostgreSQL, their planned writes made)
-/// at once: a burst of heartbeats is served by several connections side by
+/// Heartbeat batches read at once on PostgreSQL: a burst of heartbeats is served by several connections side by
 /// side rather than one batch after another, leaving most of the pool to
 /// everything else.
 const HEARTBEAT_READ_DRAINERS: usize = 4;
@@ -383,6 +382,11 @@ pub struct MetadataStore {
     /// Heartbeats that must write, in shared transactions under load.
     heartbeat_reads: group_commit::GroupCommit<hosts::Heartbeat, hosts::ReadAnswer>,
     heartbeat_writes: group_commit::GroupCommit<hosts::Heartbeat, HeartbeatAnswer>,
+    /// Sandbox states and kept trees of heartbeats already answered
+    /// (see [`hosts::read_heartbeats`]), in shared transactions, and the
+    /// hosts whose reports are still to be written.
+    report_writes: group_commit::GroupCommit<hosts::PlannedWrites, ()>,
+    unwritten_reports: Arc<hosts::UnwrittenReports>,
     /// On SQLite, checkpoint commits, made in shared transactions under
     /// load (PostgreSQL runs them side by side).
     checkpoint_commits:
@@ -665,6 +669,8 @@ impl MetadataStore {
                 },
             ),
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
+            report_writes: group_commit::GroupCommit::new(hosts::write_reports),
+            unwritten_reports: Arc::default(),
             checkpoint_commits: (backend == Backend::Sqlite)
                 .then(|| group_commit::GroupCommit::new(checkpoints::commit_checkpoint_batch)),
             // On PostgreSQL, trusted once this replica hears revocations.

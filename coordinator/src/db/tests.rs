@@ -695,8 +695,8 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
     assert_eq!(answer.assignments.len(), 1);
     assert_eq!(stored_heartbeat().await, registered, "no write for a lease");
 
-    // A sandbox report changes something: the state is written at once;
-    // the lease still waits in memory for the flush.
+    // A sandbox report changes something: the state is written right
+    // after the answer; the lease still waits in memory for the flush.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let running = [hosts::ReportedSandbox {
         sandbox_id: answer.assignments[0].sandbox_id.clone(),
@@ -712,6 +712,7 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
         answer.assignments.is_empty(),
         "a started sandbox is not assigned again"
     );
+    db.write_deferred_reports().await;
     let attempt = db.attempt(&created.id, 1).await.unwrap().unwrap();
     assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
     assert_eq!(stored_heartbeat().await, registered);
@@ -736,11 +737,12 @@ async fn a_heartbeat_that_changes_nothing_renews_the_lease_in_memory_until_flush
         "nothing left to write"
     );
 
-    // A changed kept-tree list is written at once.
+    // A changed kept-tree list is written right after the answer too.
     let kept = [created.workspace_id.clone()];
     db.heartbeat(&tenant, &host.id, &running, false, &kept)
         .await
         .unwrap();
+    db.write_deferred_reports().await;
     let host = db.host(&tenant, host.id.as_str()).await.unwrap();
     assert_eq!(host.kept_workspaces, kept);
 }
@@ -1072,6 +1074,8 @@ async fn concurrent_heartbeats_that_write_each_record_their_own_reports() {
             "a reported sandbox is not assigned again"
         );
     }
+    // The running ones are written after their answers.
+    db.write_deferred_reports().await;
     for (n, (_, run, _)) in started.iter().enumerate() {
         let attempt = db.attempt(run, 1).await.unwrap().unwrap();
         let expected = if n % 2 == 0 {
@@ -1432,7 +1436,7 @@ async fn heartbeats_written_together_record_what_each_reports_or_are_left_to_wri
 }
 
 #[tokio::test]
-async fn heartbeats_read_together_write_their_plans_where_writes_run_side_by_side() {
+async fn heartbeats_read_together_are_answered_and_what_they_report_is_written_after() {
     use cairn_proto::runs::SandboxState;
 
     let (_dir, db, tenant) = open().await;
@@ -1475,34 +1479,20 @@ async fn heartbeats_read_together_write_their_plans_where_writes_run_side_by_sid
         let (db, tenant) = (db.clone(), tenant.clone());
         async move { db.host(&tenant, id.as_str()).await.unwrap() }
     };
-    if db.backend == Backend::Postgres {
-        assert_eq!(
-            outcome,
-            [
-                "answered",
-                "must write",
-                "answered",
-                "must write",
-                "answered"
-            ]
-        );
-        assert_eq!(attempt(0).await.sandbox_state, Some(SandboxState::Running));
-        assert_eq!(host(2).await.kept_workspaces, kept);
-    } else {
-        // SQLite's one writer is the writer thread's: reads only read.
-        assert_eq!(
-            outcome,
-            [
-                "must write",
-                "must write",
-                "must write",
-                "must write",
-                "answered"
-            ]
-        );
-        assert_eq!(attempt(0).await.sandbox_state, None);
-        assert!(host(2).await.kept_workspaces.is_empty());
-    }
+    assert_eq!(
+        outcome,
+        [
+            "answered",
+            "must write",
+            "answered",
+            "must write",
+            "answered"
+        ]
+    );
+    // What hosts a and c reported is written after their answers.
+    db.write_deferred_reports().await;
+    assert_eq!(attempt(0).await.sandbox_state, Some(SandboxState::Running));
+    assert_eq!(host(2).await.kept_workspaces, kept);
     assert_eq!(
         attempt(1).await.sandbox_state,
         None,
@@ -1521,6 +1511,26 @@ async fn heartbeats_read_together_write_their_plans_where_writes_run_side_by_sid
         [started[3].2.as_str()],
         "host d still has its run to start"
     );
+}
+
+#[tokio::test]
+async fn a_report_written_after_its_answer_leaves_a_sandbox_gone_since_as_it_went() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let four = FourAssigned::new(&db, &tenant).await;
+    let now = millis(std::time::SystemTime::now());
+    // Host a reports its sandbox running, and its answer goes out; before
+    // that report is written, the host's next heartbeat reports it exited.
+    let running = hosts::PlannedWrites::sandbox_state(&four.started[0].2, SandboxState::Running);
+    let exited = four.heartbeat(0, vec![four.report(0, SandboxState::Exited)], vec![], now);
+    let answers = group_commit::write_together(&db, vec![exited]).await;
+    assert!(answers[0].is_ok(), "{:?}", answers[0].as_ref().err());
+    let written = hosts::write_reports(db.clone(), vec![running]).await;
+    assert!(written[0].is_ok());
+    let attempt = db.attempt(&four.started[0].1.id, 1).await.unwrap().unwrap();
+    assert_eq!(attempt.sandbox_state, Some(SandboxState::Exited));
+    assert!(attempt.sandbox_gone_at.is_some());
 }
 
 #[tokio::test]
@@ -1601,8 +1611,11 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
     }];
     tokio::time::timeout(bound, db.heartbeat(&tenant, &host, &running, false, &[]))
         .await
-        .expect("a sandbox report is written beside the write lock")
+        .expect("a sandbox report is answered beside the write lock")
         .unwrap();
+    tokio::time::timeout(bound, db.write_deferred_reports())
+        .await
+        .expect("a sandbox report is written beside the write lock");
     let attempt = db.attempt(&assigned.id, 1).await.unwrap().unwrap();
     assert_eq!(attempt.sandbox_state, Some(SandboxState::Running));
     assert_eq!(
