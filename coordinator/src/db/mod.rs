@@ -473,6 +473,7 @@ pub(crate) enum TxLock {
 /// the runs it changed (announced after the commit).
 pub(crate) struct WriteTx {
     tx: Transaction<'static, Any>,
+    backend: Backend,
     changed_runs: BTreeSet<RunId>,
     /// Hosts given new orders (rung after the commit).
     ordered_hosts: BTreeSet<HostId>,
@@ -699,6 +700,7 @@ impl MetadataStore {
         .map_err(query_error("begin"))?;
         Ok(WriteTx {
             tx,
+            backend: self.backend,
             changed_runs: BTreeSet::new(),
             ordered_hosts: BTreeSet::new(),
             gate,
@@ -738,6 +740,7 @@ impl MetadataStore {
         let tx = self.pool.begin().await.map_err(query_error("begin"))?;
         Ok(WriteTx {
             tx,
+            backend: self.backend,
             changed_runs: BTreeSet::new(),
             ordered_hosts: BTreeSet::new(),
             gate: None,
@@ -788,6 +791,7 @@ impl MetadataStore {
     pub(crate) async fn commit(&self, tx: WriteTx) -> Result<(), DbError> {
         let WriteTx {
             mut tx,
+            backend: _,
             changed_runs,
             ordered_hosts,
             gate,
