@@ -46,6 +46,8 @@ pub(crate) struct GroupCommit<T, A> {
     /// take turns anyway; more for reads where the database serves them
     /// side by side, so a burst is not read one batch after another.
     drainers: usize,
+    /// Most requests one batch takes.
+    max_batch: usize,
 }
 
 /// Where a queue's batches run.
@@ -65,6 +67,7 @@ impl<T, A> Clone for GroupCommit<T, A> {
             run: self.run,
             drainer: self.drainer,
             drainers: self.drainers,
+            max_batch: self.max_batch,
         }
     }
 }
@@ -82,16 +85,26 @@ where
 {
     /// A queue of writes, run on the writer thread.
     pub(crate) fn new(run: BatchFn<T, A>) -> Self {
-        Self::with_drainer(run, Drainer::Writer, 1)
+        Self::with_drainer(run, Drainer::Writer, 1, MAX_BATCH)
     }
 
     /// A queue of reads, run beside their callers, up to `drainers`
-    /// batches at once.
-    pub(crate) fn reads(run: BatchFn<T, A>, drainers: usize) -> Self {
-        Self::with_drainer(run, Drainer::Caller, drainers.max(1))
+    /// batches of up to `max_batch` requests at once.
+    pub(crate) fn reads(run: BatchFn<T, A>, drainers: usize, max_batch: usize) -> Self {
+        Self::with_drainer(
+            run,
+            Drainer::Caller,
+            drainers.max(1),
+            max_batch.clamp(1, MAX_BATCH),
+        )
     }
 
-    fn with_drainer(run: BatchFn<T, A>, drainer: Drainer, drainers: usize) -> Self {
+    fn with_drainer(
+        run: BatchFn<T, A>,
+        drainer: Drainer,
+        drainers: usize,
+        max_batch: usize,
+    ) -> Self {
         Self {
             queue: Arc::new(Mutex::new(Queue {
                 waiting: Vec::new(),
@@ -100,6 +113,7 @@ where
             run,
             drainer,
             drainers,
+            max_batch,
         }
     }
 
@@ -116,7 +130,12 @@ where
             start
         };
         if start_drainer {
-            let drain = drain(Arc::clone(&self.queue), self.run, store.clone());
+            let drain = drain(
+                Arc::clone(&self.queue),
+                self.run,
+                self.max_batch,
+                store.clone(),
+            );
             match self.drainer {
                 Drainer::Writer => drop(writer().spawn(drain)),
                 Drainer::Caller => drop(tokio::spawn(drain)),
@@ -157,6 +176,7 @@ fn writer() -> &'static tokio::runtime::Handle {
 async fn drain<T, A>(
     queue: Arc<Mutex<Queue<T, Result<A, DbError>>>>,
     run: BatchFn<T, A>,
+    max_batch: usize,
     store: MetadataStore,
 ) {
     // Should a batch panic, the next request starts a new drainer rather
@@ -174,7 +194,7 @@ async fn drain<T, A>(
                 release.armed = false;
                 return;
             }
-            let take = queue.waiting.len().min(MAX_BATCH);
+            let take = queue.waiting.len().min(max_batch);
             queue.waiting.drain(..take).collect::<Vec<_>>()
         };
         let (requests, answers): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
@@ -501,6 +521,7 @@ mod tests {
     /// through statics, which no other test uses).
     static RUNNING: AtomicUsize = AtomicUsize::new(0);
     static MOST: AtomicUsize = AtomicUsize::new(0);
+    static LARGEST: AtomicUsize = AtomicUsize::new(0);
     static FINISH: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
 
     fn held_batch(
@@ -510,6 +531,7 @@ mod tests {
         Box::pin(async move {
             let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
             MOST.fetch_max(now, Ordering::SeqCst);
+            LARGEST.fetch_max(batch.len(), Ordering::SeqCst);
             FINISH.acquire().await.expect("never closed").forget();
             RUNNING.fetch_sub(1, Ordering::SeqCst);
             batch.into_iter().map(|n| Ok(n * 10)).collect()
@@ -529,7 +551,7 @@ mod tests {
     #[tokio::test]
     async fn a_read_queue_runs_up_to_its_drainers_batches_at_once_and_answers_each() {
         let (_dir, store, _tenant) = crate::db::tests::open().await;
-        let queue = GroupCommit::reads(held_batch, 2);
+        let queue = GroupCommit::reads(held_batch, 2, 2);
         let submit = |n: u32| {
             let (queue, store) = (queue.clone(), store.clone());
             tokio::spawn(async move { queue.submit(&store, n).await })
@@ -538,7 +560,8 @@ mod tests {
         until_running(1).await;
         let second = submit(2);
         until_running(2).await;
-        // Both drainers are busy: these wait, and share the next batch.
+        // Both drainers are busy: these wait, and share the next batches,
+        // two at most each.
         let rest: Vec<_> = (3..=5).map(submit).collect();
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(RUNNING.load(Ordering::SeqCst), 2, "no third batch starts");
@@ -552,6 +575,7 @@ mod tests {
         }
         assert_eq!(answers, [10, 20, 30, 40, 50], "each gets its own answer");
         assert_eq!(MOST.load(Ordering::SeqCst), 2);
+        assert_eq!(LARGEST.load(Ordering::SeqCst), 2, "no batch over two");
         assert_eq!(RUNNING.load(Ordering::SeqCst), 0);
     }
 

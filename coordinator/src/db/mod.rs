@@ -346,10 +346,14 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 const POSTGRES_CONNECTIONS: u32 = 16;
 const SQLITE_CONNECTIONS: u32 = 8;
 
-/// Heartbeat batches read at once on PostgreSQL: a burst of heartbeats is served by several connections side by
-/// side rather than one batch after another, leaving most of the pool to
-/// everything else.
+/// Heartbeat batches read at once on PostgreSQL, and the most heartbeats
+/// each reads: a burst of heartbeats is served by several connections side
+/// by side rather than one batch after another, leaving most of the pool to
+/// everything else. Smaller batches spread a burst over those connections
+/// (and PostgreSQL's processes): with 64, one batch took most of a burst
+/// and its heartbeats waited for all of it.
 const HEARTBEAT_READ_DRAINERS: usize = 4;
+const HEARTBEAT_READ_BATCH: usize = 16;
 
 /// A PostgreSQL connection idle longer is pinged before it is used.
 const POSTGRES_PING_AFTER_IDLE: Duration = Duration::from_secs(1);
@@ -660,15 +664,15 @@ impl MetadataStore {
             write_gate: (backend == Backend::Sqlite).then(Arc::default),
             host_rows: Arc::default(),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
-            heartbeat_reads: group_commit::GroupCommit::reads(
-                hosts::read_heartbeats,
-                match backend {
+            heartbeat_reads: {
+                let (drainers, max_batch) = match backend {
                     // Every statement hops to a connection's thread: fewer,
                     // larger batches serve a burst sooner.
-                    Backend::Sqlite => 1,
-                    Backend::Postgres => HEARTBEAT_READ_DRAINERS,
-                },
-            ),
+                    Backend::Sqlite => (1, group_commit::MAX_BATCH),
+                    Backend::Postgres => (HEARTBEAT_READ_DRAINERS, HEARTBEAT_READ_BATCH),
+                };
+                group_commit::GroupCommit::reads(hosts::read_heartbeats, drainers, max_batch)
+            },
             heartbeat_writes: group_commit::GroupCommit::new(group_commit::write_batch),
             report_writes: group_commit::GroupCommit::new(hosts::write_reports),
             unwritten_reports: Arc::default(),
