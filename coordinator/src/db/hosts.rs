@@ -519,7 +519,6 @@ impl MetadataStore {
     /// report the same again at their next heartbeat, which plans it again.
     fn defer_reports(&self, planned: PlannedWrites) {
         let hosts = planned.hosts.clone();
-        self.unwritten_reports.add(&hosts);
         let store = self.clone();
         tokio::spawn(async move {
             if let Err(e) = store.report_writes.submit(&store, planned).await {
@@ -664,36 +663,73 @@ impl MetadataStore {
     }
 }
 
-/// The hosts with reports answered on and not written yet (see
-/// [`MetadataStore::defer_reports`]), each with how many writes of them
-/// are under way.
+/// The reports heartbeats were answered on and that are not written yet
+/// (see [`MetadataStore::defer_reports`]), by host. Until they are, this
+/// replica reads a host's attempts and kept trees with them laid over what
+/// the database says ([`Self::lay_over`]): a heartbeat that follows at once
+/// sees what the one before it reported (a sandbox it started, which it
+/// may leave out next if it lost track of it, is not taken for one it has
+/// yet to start).
 #[derive(Debug, Default)]
 pub(super) struct UnwrittenReports {
-    hosts: std::sync::Mutex<HashMap<HostId, usize>>,
+    hosts: std::sync::Mutex<HashMap<HostId, Unwritten>>,
     written: tokio::sync::Notify,
 }
 
+/// One host's reports not written yet.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Unwritten {
+    /// Writes of them under way: the entry goes when the last one ends.
+    writes: usize,
+    /// The latest state reported of each sandbox.
+    sandbox_states: HashMap<String, SandboxState>,
+    /// The latest kept trees reported, if they changed.
+    kept: Option<Vec<WorkspaceId>>,
+}
+
 impl UnwrittenReports {
-    fn add(&self, hosts: &[HostId]) {
+    /// Notes what a heartbeat of `host` reported and will be written.
+    fn add(
+        &self,
+        host: &HostId,
+        sandbox_states: &[(String, SandboxState)],
+        kept: Option<&[WorkspaceId]>,
+    ) {
         let mut unwritten = self.hosts.lock().expect("unwritten reports lock");
-        for host in hosts {
-            *unwritten.entry(host.clone()).or_default() += 1;
+        let entry = unwritten.entry(host.clone()).or_default();
+        entry.writes += 1;
+        entry.sandbox_states.extend(sandbox_states.iter().cloned());
+        if let Some(kept) = kept {
+            entry.kept = Some(kept.to_vec());
         }
     }
 
+    /// Notes that the writes of one heartbeat of each of `hosts` ended
+    /// (written or not: a report not written comes again).
     fn remove(&self, hosts: &[HostId]) {
         {
             let mut unwritten = self.hosts.lock().expect("unwritten reports lock");
             for host in hosts {
-                if let Some(count) = unwritten.get_mut(host) {
-                    *count -= 1;
-                    if *count == 0 {
+                if let Some(entry) = unwritten.get_mut(host) {
+                    entry.writes -= 1;
+                    if entry.writes == 0 {
                         unwritten.remove(host);
                     }
                 }
             }
         }
         self.written.notify_waiters();
+    }
+
+    /// What `hosts` reported and is not written yet. Taken before their
+    /// rows are read: a write that ends in between is then either in what
+    /// was read or in this.
+    fn of(&self, hosts: &[&HostId]) -> HashMap<HostId, Unwritten> {
+        let unwritten = self.hosts.lock().expect("unwritten reports lock");
+        hosts
+            .iter()
+            .filter_map(|host| Some(((*host).clone(), unwritten.get(*host)?.clone())))
+            .collect()
     }
 
     /// Waits until no report of `host` (of any host, if `None`) is left to
@@ -948,10 +984,13 @@ pub(crate) fn read_heartbeats(
                 .map_err(query_error("heartbeat"))?;
             Preloaded::read(&mut conn, store.backend, &batch).await
         };
-        let preloaded = match read.await {
+        let hosts: Vec<&HostId> = batch.iter().map(|h| &h.host_id).collect();
+        let unwritten = store.unwritten_reports.of(&hosts);
+        let mut preloaded = match read.await {
             Ok(preloaded) => preloaded,
             Err(e) => return fail_all(batch.len(), &e),
         };
+        preloaded.lay_over(unwritten);
         let mut planned = PlannedWrites::default();
         let mut planned_hosts = std::collections::HashSet::new();
         let mut answers = Vec::with_capacity(batch.len());
@@ -968,6 +1007,10 @@ pub(crate) fn read_heartbeats(
             answers.push(match heartbeat.apply(session).await {
                 Ok(Some(answer)) => {
                     if !own.is_empty() {
+                        let kept = (!own.kept.is_empty()).then_some(&heartbeat.kept[..]);
+                        store
+                            .unwritten_reports
+                            .add(&heartbeat.host_id, &own.sandbox_states, kept);
                         own.hosts.push(heartbeat.host_id);
                         planned.extend(own);
                     }
@@ -1018,6 +1061,24 @@ struct Preloaded {
 }
 
 impl Preloaded {
+    /// Lays what hosts reported and is not written yet over what was read
+    /// of them; a sandbox recorded gone since keeps the state it went with.
+    fn lay_over(&mut self, unwritten: HashMap<HostId, Unwritten>) {
+        for (host, reported) in unwritten {
+            for (sandbox, state) in reported.sandbox_states {
+                if let Some((_, attempt)) = self.known.by_sandbox.get_mut(&sandbox)
+                    && attempt.host_id == host
+                    && attempt.sandbox_gone_at.is_none()
+                {
+                    attempt.sandbox_state = Some(state);
+                }
+            }
+            if let (Some(kept), Some(row)) = (reported.kept, self.hosts.get_mut(&host)) {
+                row.kept_workspaces = kept;
+            }
+        }
+    }
+
     async fn read(
         conn: &mut AnyConnection,
         backend: Backend,
@@ -1481,8 +1542,8 @@ mod tests {
     async fn a_host_waits_for_its_own_unwritten_reports_and_no_others() {
         let unwritten = std::sync::Arc::new(UnwrittenReports::default());
         let (a, b) = (HostId::generate(), HostId::generate());
-        unwritten.add(std::slice::from_ref(&a));
-        unwritten.add(std::slice::from_ref(&a));
+        unwritten.add(&a, &[], None);
+        unwritten.add(&a, &[], None);
         unwritten.written(Some(&b)).await;
         let waiting = tokio::spawn({
             let (unwritten, a) = (unwritten.clone(), a.clone());

@@ -1514,6 +1514,51 @@ async fn heartbeats_read_together_are_answered_and_what_they_report_is_written_a
 }
 
 #[tokio::test]
+async fn a_sandbox_reported_and_not_written_yet_is_not_taken_for_one_to_start() {
+    use cairn_proto::runs::SandboxState;
+
+    let (_dir, db, tenant) = open().await;
+    let four = FourAssigned::new(&db, &tenant).await;
+    let (host, run, sandbox) = &four.started[0];
+    // Another writer holds the attempt's row: the report waits to be written.
+    let mut held = db.begin_write().await.unwrap();
+    sqlx::query("UPDATE attempts SET exit_code = exit_code WHERE sandbox_id = $1")
+        .bind(sandbox.as_str())
+        .execute(held.conn())
+        .await
+        .unwrap();
+    let bound = Duration::from_secs(30);
+    let running = [four.report(0, SandboxState::Running)];
+    let answer = tokio::time::timeout(bound, db.heartbeat(&tenant, host, &running, false, &[]))
+        .await
+        .expect("a report is answered before it is written")
+        .unwrap();
+    assert!(answer.assignments.is_empty());
+
+    // The host lost track of it and leaves it out: it is gone, not a
+    // sandbox to start again; that is written after the report before it.
+    let forgotten = tokio::spawn({
+        let (db, tenant, host) = (db.clone(), tenant.clone(), host.clone());
+        async move { db.heartbeat(&tenant, &host, &[], false, &[]).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !forgotten.is_finished(),
+        "the sandbox gone waits for the report before it to be written"
+    );
+    held.rollback().await.unwrap();
+    let answer = tokio::time::timeout(bound, forgotten)
+        .await
+        .expect("written once the row is free")
+        .unwrap()
+        .unwrap();
+    assert!(answer.assignments.is_empty(), "not assigned again");
+    let attempt = db.attempt(&run.id, 1).await.unwrap().unwrap();
+    assert_eq!(attempt.sandbox_state, Some(SandboxState::Failed));
+    assert!(attempt.sandbox_gone_at.is_some());
+}
+
+#[tokio::test]
 async fn a_report_written_after_its_answer_leaves_a_sandbox_gone_since_as_it_went() {
     use cairn_proto::runs::SandboxState;
 
