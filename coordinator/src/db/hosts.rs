@@ -798,6 +798,15 @@ impl PlannedWrites {
         self.kept.is_empty() && self.sandbox_states.is_empty()
     }
 
+    /// A host's reported kept trees, planned as its heartbeat would.
+    #[cfg(test)]
+    pub(super) fn kept(host: &HostId, kept: &[WorkspaceId]) -> Self {
+        Self {
+            kept: vec![(host.clone(), kept_json(kept))],
+            ..Self::default()
+        }
+    }
+
     /// One sandbox's reported state, planned as a heartbeat of its host would.
     #[cfg(test)]
     pub(super) fn sandbox_state(sandbox: &str, state: SandboxState) -> Self {
@@ -815,14 +824,15 @@ impl PlannedWrites {
 
     /// Writes the planned rows, a statement per [`super::ROWS_PER_STATEMENT`]
     /// (each row joined to its values, not matched against a `CASE` of all
-    /// of them: that costs rows × values). A host is planned once (a second
-    /// heartbeat of it is written on its own); a sandbox reported twice in
-    /// one heartbeat gets its later report.
+    /// of them: that costs rows × values). A host or sandbox planned twice
+    /// (reports of several heartbeats, written together after their
+    /// answers) gets its later plan.
     async fn write(&self, tx: &mut WriteTx) -> Result<(), DbError> {
         if !self.kept.is_empty() {
             tx.take_host_rows_turn().await;
         }
-        for chunk in self.kept.chunks(super::ROWS_PER_STATEMENT) {
+        let kept = last_per_key(&self.kept, |(host, _)| host);
+        for chunk in kept.chunks(super::ROWS_PER_STATEMENT) {
             let mut query = SqlBuilder::new("UPDATE hosts SET kept_workspaces = v.column2 FROM (");
             query.push_values(chunk, |mut row, (host, kept)| {
                 row.push_bind(host.as_str()).push_bind(kept.as_str());

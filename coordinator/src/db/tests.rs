@@ -1559,6 +1559,24 @@ async fn a_sandbox_reported_and_not_written_yet_is_not_taken_for_one_to_start() 
 }
 
 #[tokio::test]
+async fn reports_of_one_host_written_together_keep_its_later_kept_trees() {
+    let (_dir, db, tenant) = open().await;
+    let four = FourAssigned::new(&db, &tenant).await;
+    let host = &four.started[0].0;
+    let earlier = vec![four.started[1].1.workspace_id.clone()];
+    let later = vec![four.started[2].1.workspace_id.clone()];
+    // Two heartbeats' reports, deferred and written in one batch.
+    let batch = vec![
+        hosts::PlannedWrites::kept(host, &earlier),
+        hosts::PlannedWrites::kept(host, &later),
+    ];
+    let written = hosts::write_reports(db.clone(), batch).await;
+    assert!(written.iter().all(Result::is_ok));
+    let stored = db.host(&tenant, host.as_str()).await.unwrap();
+    assert_eq!(stored.kept_workspaces, later);
+}
+
+#[tokio::test]
 async fn a_report_written_after_its_answer_leaves_a_sandbox_gone_since_as_it_went() {
     use cairn_proto::runs::SandboxState;
 
