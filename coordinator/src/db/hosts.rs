@@ -678,7 +678,7 @@ pub(super) struct UnwrittenReports {
 
 /// One host's reports not written yet.
 #[derive(Debug, Clone, Default)]
-pub(super) struct Unwritten {
+struct Unwritten {
     /// Writes of them under way: the entry goes when the last one ends.
     writes: usize,
     /// The latest state reported of each sandbox.
@@ -790,7 +790,7 @@ pub(crate) struct PlannedWrites {
     /// The hosts whose heartbeats planned these writes, when they are
     /// written after the answer: until then a heartbeat of theirs that
     /// writes waits (see [`UnwrittenReports`]).
-    pub(super) hosts: Vec<HostId>,
+    hosts: Vec<HostId>,
 }
 
 impl PlannedWrites {
@@ -844,13 +844,9 @@ impl PlannedWrites {
                 .await
                 .map_err(query_error("record heartbeats"))?;
         }
-        self.write_sandbox_states(tx.conn()).await
-    }
-
-    /// Writes the planned sandbox states. A sandbox recorded gone since it
-    /// was planned keeps the state it went with: a report written after its
-    /// answer may land after a later one that ended the attempt.
-    async fn write_sandbox_states(&self, conn: &mut AnyConnection) -> Result<(), DbError> {
+        // A sandbox recorded gone since it was planned keeps the state it
+        // went with: a report written after its answer may land after a
+        // later one that ended the attempt.
         let sandbox_states = last_per_key(&self.sandbox_states, |(sandbox, _)| sandbox);
         for chunk in sandbox_states.chunks(super::ROWS_PER_STATEMENT) {
             let mut query = SqlBuilder::new("UPDATE attempts SET sandbox_state = v.column2 FROM (");
@@ -862,7 +858,7 @@ impl PlannedWrites {
             );
             query
                 .build()
-                .execute(&mut *conn)
+                .execute(tx.conn())
                 .await
                 .map_err(query_error("record sandbox states"))?;
         }
