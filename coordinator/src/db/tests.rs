@@ -32,6 +32,18 @@ pub(crate) async fn open() -> (tempfile::TempDir, MetadataStore, TenantId) {
     (dir, db, tenant)
 }
 
+/// Whether a test of what only PostgreSQL does is skipped here (the store
+/// is SQLite), and why; `scripts/test` runs it again on PostgreSQL.
+fn skipped_off_postgres(db: &MetadataStore, why: &str) -> bool {
+    let skipped = db.backend != Backend::Postgres;
+    if skipped {
+        eprintln!(
+            "skipped here: {why} (CAIRN_TEST_DATABASE); scripts/test runs this on PostgreSQL"
+        );
+    }
+    skipped
+}
+
 fn pack_id(n: u8) -> PackId {
     PackId::from_digest(&[n; 32])
 }
@@ -1649,10 +1661,7 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
     use cairn_proto::runs::SandboxState;
 
     let (_dir, db, tenant) = open().await;
-    if db.backend != Backend::Postgres {
-        eprintln!(
-            "skipped here: SQLite has one writer (CAIRN_TEST_DATABASE); scripts/test runs this on PostgreSQL"
-        );
+    if skipped_off_postgres(&db, "SQLite has one writer") {
         return;
     }
     let (host, assigned) = assigned_run(&db, &tenant, "h").await;
@@ -1691,10 +1700,7 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
 #[tokio::test]
 async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() {
     let (dir, db, tenant) = open().await;
-    if db.backend != Backend::Postgres {
-        eprintln!(
-            "skipped here: SQLite has one coordinator, and no announcements (CAIRN_TEST_DATABASE); scripts/test runs this on PostgreSQL"
-        );
+    if skipped_off_postgres(&db, "SQLite has one coordinator, and no announcements") {
         return;
     }
     let other = MetadataStore::open(&test_location(dir.path()))
@@ -1751,10 +1757,7 @@ async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() 
 #[tokio::test]
 async fn every_text_column_on_postgresql_compares_bytes() {
     let (_dir, db, _tenant) = open().await;
-    if db.backend != Backend::Postgres {
-        eprintln!(
-            "skipped here: a PostgreSQL schema's collations (CAIRN_TEST_DATABASE); scripts/test runs this on one"
-        );
+    if skipped_off_postgres(&db, "a PostgreSQL schema's collations") {
         return;
     }
     // A text column added later without COLLATE "C" would compare through
