@@ -464,6 +464,76 @@ async fn a_commit_absolves_the_condemned_packs_it_references_and_only_those() {
 }
 
 #[tokio::test]
+async fn a_commit_of_more_packs_than_a_statement_holds_rechecks_and_lists_them_all() {
+    let (_dir, db, tenant) = open().await;
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    // PostgreSQL rechecks the first chunk in the statement that writes the
+    // checkpoint and the rest apart: both must count.
+    let count = u16::try_from(2 * super::ROWS_PER_STATEMENT + 50).unwrap();
+    let id_of = |i: u16| {
+        let mut digest = [7u8; 32];
+        digest[..2].copy_from_slice(&i.to_be_bytes());
+        PackId::from_digest(&digest)
+    };
+    let ids: Vec<PackId> = (0..count).map(id_of).collect();
+    let packs = ids
+        .iter()
+        .map(|id| NewPack {
+            pack_id: id.clone(),
+            ..new_pack(1, &[])
+        })
+        .collect();
+    db.commit_checkpoint(&tenant, commit_of(&ws, packs, ids.clone()))
+        .await
+        .unwrap();
+
+    let first_chunk = id_of(3);
+    let beyond = id_of(count - 1);
+    sqlx::query("UPDATE packs SET superseded_at = 1 WHERE tenant = $1 AND id IN ($2, $3)")
+        .bind(tenant.as_str())
+        .bind(first_chunk.as_str())
+        .bind(beyond.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let refused = db
+        .commit_checkpoint(&tenant, commit_of(&ws, vec![], ids.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, DbError::PacksMissing { packs } if *packs == [first_chunk.clone(), beyond.clone()]),
+        "{refused:?}"
+    );
+    assert_eq!(
+        db.list_checkpoints(&ws.id, None, 10).await.unwrap().len(),
+        1
+    );
+
+    // Usable again, and condemned meanwhile: the next commit takes them
+    // all and absolves them all.
+    sqlx::query("UPDATE packs SET superseded_at = NULL, condemned_at = 1 WHERE tenant = $1")
+        .bind(tenant.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let made = db
+        .commit_checkpoint(&tenant, commit_of(&ws, vec![], ids.clone()))
+        .await
+        .unwrap();
+    assert_eq!(made.pack_count, u32::from(count));
+    let listed = db
+        .checkpoint_packs(std::slice::from_ref(&made.id))
+        .await
+        .unwrap();
+    let mut expected = ids.clone();
+    expected.sort();
+    let mut got = listed[&made.id].clone();
+    got.sort();
+    assert_eq!(got, expected);
+    assert_eq!(db.tenant_storage(&tenant).await.unwrap().condemned.packs, 0);
+}
+
+#[tokio::test]
 async fn commits_number_checkpoints_and_record_packs_and_blobs() {
     let (_dir, db, tenant) = open().await;
     let ws = db.create_workspace(&tenant, None).await.unwrap();
