@@ -103,7 +103,7 @@ use sqlx::{Any, Connection, Executor, Row, Transaction};
 use sqlx::{AnyConnection, AnyPool};
 
 use sql::SqlBuilder;
-use tokio::sync::{OwnedMutexGuard, broadcast};
+use tokio::sync::{OwnedMutexGuard, OwnedSemaphorePermit, Semaphore, broadcast};
 
 /// Key id of a tenant's first key.
 pub const FIRST_KEY_ID: &str = "k1";
@@ -344,6 +344,13 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 /// Connections a PostgreSQL pool keeps (SQLite's one writer gains nothing
 /// from more than its 8).
 const POSTGRES_CONNECTIONS: u32 = 16;
+
+/// Checkpoint commits holding a PostgreSQL connection at once, on one
+/// replica: half the pool. Commits queued behind another replica's write
+/// transaction wait for the write lock holding their connection, and the
+/// other half stays for reads and the one writer (`write_gate`). More
+/// would not commit faster: each is a few round trips on a busy database.
+const POSTGRES_COMMITS_AT_ONCE: usize = POSTGRES_CONNECTIONS as usize / 2;
 const SQLITE_CONNECTIONS: u32 = 8;
 
 /// Heartbeat batches read at once on PostgreSQL, and the most heartbeats
@@ -375,10 +382,17 @@ pub struct MetadataStore {
     run_channel: Option<RunChannel>,
     /// Tokens authenticated recently (see [`token_cache`]).
     token_cache: Arc<token_cache::TokenCache>,
-    /// On SQLite, taken before the database's write lock: writers wait
-    /// their turn here, in order, instead of in SQLite's busy handler,
-    /// which sleeps up to 100 ms between tries and lets newcomers overtake.
-    write_gate: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// Taken before the database's write lock: this process's writers
+    /// wait their turn here, in order, holding no connection. On SQLite
+    /// that replaces its busy handler, which sleeps up to 100 ms between
+    /// tries and lets newcomers overtake. On PostgreSQL it keeps writers
+    /// queued behind another replica's write from holding every
+    /// connection of the pool while they wait: reads (heartbeats among
+    /// them) would wait for one.
+    write_gate: Arc<tokio::sync::Mutex<()>>,
+    /// On PostgreSQL, where commits run side by side, the most that hold
+    /// a connection at once (see [`POSTGRES_COMMITS_AT_ONCE`]).
+    commit_turns: Option<Arc<Semaphore>>,
     /// On PostgreSQL, the turn [`TxLock::HostRows`] takes.
     host_rows: Arc<tokio::sync::Mutex<()>>,
     /// CreateRun requests, created in shared transactions under load.
@@ -493,7 +507,15 @@ pub(crate) struct WriteTx {
 pub(crate) struct CommitTx {
     tx: Transaction<'static, Any>,
     /// Released after `tx` ends (fields drop in order).
-    _gate: Option<OwnedMutexGuard<()>>,
+    _turn: CommitTurn,
+}
+
+/// A commit's place among this process's writers.
+enum CommitTurn {
+    /// SQLite: the write gate, as every writer.
+    Gate { _held: OwnedMutexGuard<()> },
+    /// PostgreSQL: one of [`POSTGRES_COMMITS_AT_ONCE`].
+    Permit { _held: OwnedSemaphorePermit },
 }
 
 impl CommitTx {
@@ -661,7 +683,9 @@ impl MetadataStore {
             run_changes,
             order_bells: Arc::default(),
             renewed_leases: Arc::default(),
-            write_gate: (backend == Backend::Sqlite).then(Arc::default),
+            write_gate: Arc::default(),
+            commit_turns: (backend == Backend::Postgres)
+                .then(|| Arc::new(Semaphore::new(POSTGRES_COMMITS_AT_ONCE))),
             host_rows: Arc::default(),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
             heartbeat_reads: {
@@ -696,7 +720,7 @@ impl MetadataStore {
     /// statement: no other write transaction or checkpoint commit runs
     /// beside it.
     pub(crate) async fn begin_write(&self) -> Result<WriteTx, DbError> {
-        let gate = self.write_turn().await;
+        let gate = Some(self.write_turn().await);
         let tx = match self.backend {
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
             Backend::Postgres => self.begin_locked("pg_advisory_xact_lock").await,
@@ -757,23 +781,29 @@ impl MetadataStore {
     /// first statement, the workspace row's update, orders the commits of
     /// one workspace), never beside a write transaction.
     pub(crate) async fn begin_commit(&self) -> Result<CommitTx, DbError> {
-        let gate = self.write_turn().await;
+        let turn = match &self.commit_turns {
+            Some(turns) => CommitTurn::Permit {
+                _held: Arc::clone(turns)
+                    .acquire_owned()
+                    .await
+                    .expect("the commit turns are never closed"),
+            },
+            None => CommitTurn::Gate {
+                _held: self.write_turn().await,
+            },
+        };
         let tx = match self.backend {
             // The first statement (an UPDATE) takes SQLite's one write lock.
             Backend::Sqlite => self.pool.begin().await,
             Backend::Postgres => self.begin_locked("pg_advisory_xact_lock_shared").await,
         }
         .map_err(query_error("begin commit"))?;
-        Ok(CommitTx { tx, _gate: gate })
+        Ok(CommitTx { tx, _turn: turn })
     }
 
-    /// Waits for this process's turn to write (SQLite only: PostgreSQL
-    /// queues lock waiters itself, and commits run side by side there).
-    async fn write_turn(&self) -> Option<OwnedMutexGuard<()>> {
-        match &self.write_gate {
-            Some(gate) => Some(Arc::clone(gate).lock_owned().await),
-            None => None,
-        }
+    /// Waits for this process's turn to write (see `write_gate`).
+    async fn write_turn(&self) -> OwnedMutexGuard<()> {
+        Arc::clone(&self.write_gate).lock_owned().await
     }
 
     async fn begin_locked(

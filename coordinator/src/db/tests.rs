@@ -430,6 +430,90 @@ async fn names_are_unique_per_tenant_and_lookups_work_by_id_or_name() {
 }
 
 #[tokio::test]
+async fn writers_and_commits_queued_for_the_write_lock_leave_the_pool_to_readers() {
+    let (_dir, db, tenant) = open().await;
+    if skipped_off_postgres(&db, "the write lock is PostgreSQL's advisory lock") {
+        return;
+    }
+    let ws = db.create_workspace(&tenant, None).await.unwrap();
+    db.commit_checkpoint(
+        &tenant,
+        commit_of(&ws, vec![new_pack(1, &[1])], vec![pack_id(1)]),
+    )
+    .await
+    .unwrap();
+    // Another replica's write transaction holds the lock a while (its
+    // connection is one of this pool's, standing in for the other's).
+    let mut other = db.pool.acquire().await.unwrap();
+    sqlx::query("BEGIN").execute(&mut *other).await.unwrap();
+    sqlx::query(&format!(
+        "SELECT CAST(pg_advisory_xact_lock({}) AS TEXT)",
+        super::WRITE_LOCK
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    // Far more writers and commits than the pool has connections queue
+    // for it.
+    let writers: Vec<_> = (0..2 * super::POSTGRES_CONNECTIONS)
+        .map(|_| {
+            let db = db.clone();
+            let tenant = tenant.clone();
+            tokio::spawn(async move { db.create_workspace(&tenant, None).await })
+        })
+        .collect();
+    let commits: Vec<_> = (0..2 * super::POSTGRES_CONNECTIONS)
+        .map(|_| {
+            let db = db.clone();
+            let tenant = tenant.clone();
+            let commit = commit_of(&ws, vec![], vec![pack_id(1)]);
+            tokio::spawn(async move { db.commit_checkpoint(&tenant, commit).await })
+        })
+        .collect();
+    // Until one of them waits on the lock in the database…
+    let watch = db.pool.acquire().await.unwrap();
+    let mut watch = watch.detach();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event = 'advisory'",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // …and the others had their chance to take connections too.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Reads (a heartbeat's, a restore's) are still served.
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        db.workspace(&tenant, &WorkspaceRef::Id(ws.id.clone())),
+    )
+    .await
+    .expect("a read waited for a connection behind the queued writers")
+    .unwrap();
+    assert!(read.is_some());
+
+    sqlx::query("COMMIT").execute(&mut *other).await.unwrap();
+    for writer in writers {
+        writer.await.unwrap().unwrap();
+    }
+    let mut sequences = Vec::new();
+    for commit in commits {
+        sequences.push(commit.await.unwrap().unwrap().sequence);
+    }
+    sequences.sort_unstable();
+    let expected: Vec<u64> = (2..2 + u64::from(2 * super::POSTGRES_CONNECTIONS)).collect();
+    assert_eq!(
+        sequences, expected,
+        "every queued commit went through, in turn"
+    );
+}
+
+#[tokio::test]
 async fn a_commit_absolves_the_condemned_packs_it_references_and_only_those() {
     let (_dir, db, tenant) = open().await;
     let ws = db.create_workspace(&tenant, None).await.unwrap();
