@@ -3,7 +3,7 @@
 //!
 //! Two kinds: what the coordinator counts as it works (checkpoint commits,
 //! refusals by reason, commit and restore-manifest latency, pack bytes
-//! committed, scheduler passes and how long runs waited for their first
+//! committed, heartbeat latency and failures, scheduler passes and how long runs waited for their first
 //! host, garbage collection cycles and what they deleted), and what it
 //! reads from the database at each scrape (runs and hosts by state, how
 //! long the oldest queued run has waited, what each tenant's packs hold,
@@ -75,6 +75,8 @@ pub struct Metrics {
     refusals: Family<ReasonLabel, Counter>,
     commit_seconds: Histogram,
     committed_bytes: Counter,
+    heartbeat_seconds: Histogram,
+    heartbeats_failed: Family<ReasonLabel, Counter>,
     runs: Family<StateLabel, Gauge>,
     hosts: Family<StateLabel, Gauge>,
     oldest_queued: SecondsGauge,
@@ -124,6 +126,18 @@ impl Metrics {
             "cairn_checkpoint_commit_duration_seconds",
             "Time to answer a checkpoint commit that succeeded",
             commit_seconds.clone(),
+        );
+        let heartbeat_seconds = Histogram::new(latency_buckets());
+        registry.register(
+            "cairn_heartbeat_duration_seconds",
+            "Time to answer a host's heartbeat that succeeded",
+            heartbeat_seconds.clone(),
+        );
+        let heartbeats_failed = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "cairn_heartbeats_failed",
+            "Heartbeats answered with an error, by status code",
+            heartbeats_failed.clone(),
         );
         let committed_bytes = Counter::default();
         registry.register(
@@ -226,6 +240,8 @@ impl Metrics {
             refusals,
             commit_seconds,
             committed_bytes,
+            heartbeat_seconds,
+            heartbeats_failed,
             runs,
             hosts,
             oldest_queued,
@@ -305,6 +321,22 @@ impl Metrics {
                     None => code_label(status.code()),
                 };
                 self.refusals.get_or_create(&ReasonLabel { reason }).inc();
+            }
+        }
+    }
+
+    /// Records a heartbeat answered in `took`, or the status it failed
+    /// with. A host whose heartbeats take near its lease, or fail, is
+    /// about to be taken for lost.
+    pub fn heartbeat(&self, took: Duration, answer: Result<(), &Status>) {
+        match answer {
+            Ok(()) => self.heartbeat_seconds.observe(took.as_secs_f64()),
+            Err(status) => {
+                self.heartbeats_failed
+                    .get_or_create(&ReasonLabel {
+                        reason: code_label(status.code()),
+                    })
+                    .inc();
             }
         }
     }

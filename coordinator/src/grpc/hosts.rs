@@ -43,6 +43,72 @@ impl HostApi {
     pub fn new(shared: Shared) -> Self {
         Self { shared }
     }
+
+    /// Answers a heartbeat ([`HostService::heartbeat`] times it).
+    async fn answer_heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let principal = principal(&request)?.clone();
+        principal
+            .authorize(Action::ActAsHost)
+            .map_err(ServiceError::Denied)?;
+        let req = request.into_inner();
+        let host_id: HostId = req.host_id.parse().map_err(ServiceError::from)?;
+        // Before anything is read or written: the answer carries the host's
+        // assignments and their run tokens.
+        principal
+            .act_as_host(&host_id)
+            .map_err(Denied::into_status)?;
+        let reports = req
+            .sandboxes
+            .into_iter()
+            .map(reported)
+            .collect::<Result<Vec<_>, _>>()?;
+        let answer = self
+            .shared
+            .db
+            .heartbeat(
+                &principal.tenant,
+                &host_id,
+                &reports,
+                req.stopping,
+                &kept_workspaces(req.kept_workspaces)?,
+            )
+            .await
+            .map_err(ServiceError::from)?;
+        let state = answer.state.unwrap_or(HostState::Ready);
+        if !answer.forget.is_empty() {
+            // Slots came free.
+            self.shared.scheduler.wake();
+        }
+        let assignments = answer
+            .assignments
+            .iter()
+            .map(|a| pb::Assignment {
+                sandbox_id: a.sandbox_id.clone(),
+                run_id: a.run_id.to_string(),
+                attempt: a.attempt,
+                generation: a.generation.0,
+                workspace_id: a.workspace_id.to_string(),
+                run_token: self.shared.run_tokens.token(&a.run_id, a.attempt).text,
+                image: a.image.clone(),
+            })
+            .collect();
+        Ok(Response::new(pb::HeartbeatResponse {
+            lease_expires_at: Some(to_timestamp(
+                SystemTime::now() + self.shared.host_timing.lease,
+            )),
+            state: pb::HostState::from(state) as i32,
+            assignments,
+            destroy: answer
+                .destroy
+                .into_iter()
+                .map(|(sandbox_id, reason)| pb::DestroyOrder { sandbox_id, reason })
+                .collect(),
+            forget: answer.forget,
+        }))
+    }
 }
 
 /// The host id a registration asks for (None: a new one).
@@ -168,65 +234,12 @@ impl HostService for HostApi {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let principal = principal(&request)?.clone();
-        principal
-            .authorize(Action::ActAsHost)
-            .map_err(ServiceError::Denied)?;
-        let req = request.into_inner();
-        let host_id: HostId = req.host_id.parse().map_err(ServiceError::from)?;
-        // Before anything is read or written: the answer carries the host's
-        // assignments and their run tokens.
-        principal
-            .act_as_host(&host_id)
-            .map_err(Denied::into_status)?;
-        let reports = req
-            .sandboxes
-            .into_iter()
-            .map(reported)
-            .collect::<Result<Vec<_>, _>>()?;
-        let answer = self
-            .shared
-            .db
-            .heartbeat(
-                &principal.tenant,
-                &host_id,
-                &reports,
-                req.stopping,
-                &kept_workspaces(req.kept_workspaces)?,
-            )
-            .await
-            .map_err(ServiceError::from)?;
-        let state = answer.state.unwrap_or(HostState::Ready);
-        if !answer.forget.is_empty() {
-            // Slots came free.
-            self.shared.scheduler.wake();
-        }
-        let assignments = answer
-            .assignments
-            .iter()
-            .map(|a| pb::Assignment {
-                sandbox_id: a.sandbox_id.clone(),
-                run_id: a.run_id.to_string(),
-                attempt: a.attempt,
-                generation: a.generation.0,
-                workspace_id: a.workspace_id.to_string(),
-                run_token: self.shared.run_tokens.token(&a.run_id, a.attempt).text,
-                image: a.image.clone(),
-            })
-            .collect();
-        Ok(Response::new(pb::HeartbeatResponse {
-            lease_expires_at: Some(to_timestamp(
-                SystemTime::now() + self.shared.host_timing.lease,
-            )),
-            state: pb::HostState::from(state) as i32,
-            assignments,
-            destroy: answer
-                .destroy
-                .into_iter()
-                .map(|(sandbox_id, reason)| pb::DestroyOrder { sandbox_id, reason })
-                .collect(),
-            forget: answer.forget,
-        }))
+        let started = std::time::Instant::now();
+        let answered = self.answer_heartbeat(request).await;
+        self.shared
+            .metrics
+            .heartbeat(started.elapsed(), answered.as_ref().map(drop));
+        answered
     }
 
     type WatchOrdersStream = NoticeStream;

@@ -5,6 +5,7 @@
 use cairn_proto::domain::PackKind;
 use cairn_proto::pb;
 use cairn_proto::pb::admin_service_client::AdminServiceClient;
+use cairn_proto::pb::host_service_client::HostServiceClient;
 use cairn_utils::testing::{Sample, parse_prometheus, sample_value as value};
 
 use crate::fleet::*;
@@ -46,6 +47,15 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_storage_gc_and_recovery_poi
     let mut host = FakeHost::register(&server, &server.admin_token, "h", &[], 1).await;
     let active = clients.create(run_on(&ws.id)).await;
     host.beat_until_assigned(&active.id).await;
+    // A heartbeat that fails: no such host id.
+    let refused = HostServiceClient::new(server.channel(&server.admin_token).await)
+        .heartbeat(pb::HeartbeatRequest {
+            host_id: "not a host id".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
 
     let response = reqwest::get(&metrics_url).await.unwrap();
     assert_eq!(response.status(), 200);
@@ -131,6 +141,18 @@ async fn a_scrape_counts_commits_refusals_runs_hosts_storage_gc_and_recovery_poi
         1.0
     );
     assert!(value(&samples, "cairn_scheduler_pass_duration_seconds_count", &[]) >= 1.0);
+
+    // The host's heartbeats were answered (one at least, the one that
+    // brought its assignment), and the one with a bad id failed.
+    assert!(value(&samples, "cairn_heartbeat_duration_seconds_count", &[]) >= 1.0);
+    assert_eq!(
+        value(
+            &samples,
+            "cairn_heartbeats_failed_total",
+            &[("reason", "invalid_argument")]
+        ),
+        1.0
+    );
 
     // Every state has a series; the two runs are where they should be.
     let runs = |state: &str| value(&samples, "cairn_runs", &[("state", state)]);
