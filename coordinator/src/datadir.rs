@@ -7,7 +7,8 @@
 //!   run-token.key       32 random bytes, mode 0600: seeds the run-token key
 //!                       (the database keeps the one all replicas use)
 //!   admin.token         the admin bearer token, one line, mode 0600
-//!   endpoints.json      {"grpc": URL, "blob": URL}, written after binding
+//!   endpoints.json      {"grpc": URL, "blob": URL, "metrics": URL if served},
+//!                       written after binding
 //!   coordinator.lock    locked while a coordinator serves from DIR
 //!   blobs/              the embedded object store (blobs/.tmp: uploads in flight)
 //! ```
@@ -151,10 +152,18 @@ impl DataDir {
         }
     }
 
-    /// Writes `endpoints.json` atomically.
-    pub fn write_endpoints(&self, grpc: &str, blob: &str) -> Result<(), DataDirError> {
+    /// Writes `endpoints.json` atomically; `metrics` when they are served.
+    pub fn write_endpoints(
+        &self,
+        grpc: &str,
+        blob: &str,
+        metrics: Option<&str>,
+    ) -> Result<(), DataDirError> {
         let path = self.endpoints();
-        let json = serde_json::json!({ "grpc": grpc, "blob": blob });
+        let mut json = serde_json::json!({ "grpc": grpc, "blob": blob });
+        if let Some(metrics) = metrics {
+            json["metrics"] = metrics.into();
+        }
         write_atomically(&path, format!("{json}\n").as_bytes(), 0o644)
     }
 
@@ -283,12 +292,22 @@ mod tests {
     fn endpoints_are_written_as_json_and_removed() {
         let parent = tempfile::tempdir().unwrap();
         let dir = DataDir::new(parent.path());
-        dir.write_endpoints("http://127.0.0.1:1", "http://127.0.0.1:2")
+        let read = || -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.endpoints()).unwrap()).unwrap()
+        };
+        dir.write_endpoints("http://127.0.0.1:1", "http://127.0.0.1:2", None)
             .unwrap();
-        let json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.endpoints()).unwrap()).unwrap();
+        let json = read();
         assert_eq!(json["grpc"], "http://127.0.0.1:1");
         assert_eq!(json["blob"], "http://127.0.0.1:2");
+        assert!(json.get("metrics").is_none(), "{json}");
+        dir.write_endpoints(
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+            Some("http://127.0.0.1:3/metrics"),
+        )
+        .unwrap();
+        assert_eq!(read()["metrics"], "http://127.0.0.1:3/metrics");
         dir.remove_endpoints().unwrap();
         assert!(!dir.endpoints().exists());
         dir.remove_endpoints().unwrap();

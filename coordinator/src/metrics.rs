@@ -95,9 +95,11 @@ pub struct Metrics {
     gc_bytes_freed: Counter,
 }
 
-/// 1 ms to about 65 s.
+/// 1 ms to about 85 s, each bucket half again as wide as the one before,
+/// so that a quantile read from them (`histogram_quantile`) is off by less
+/// than a quarter: doubling buckets cannot tell 35 ms from 60.
 fn latency_buckets() -> impl Iterator<Item = f64> {
-    exponential_buckets(0.001, 2.0, 17)
+    exponential_buckets(0.001, 1.5, 29)
 }
 
 impl Default for Metrics {

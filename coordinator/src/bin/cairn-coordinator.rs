@@ -250,14 +250,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc_listener = bind(&args.listen, "gRPC").await?;
     let blob_listener = bind(&args.blob_listen, "the blob server").await?;
+    let mut metrics_url = None;
     if let Some(address) = &args.metrics_listen {
         let listener = bind(address, "metrics").await?;
-        tracing::info!(metrics = %format!("{}/metrics", local_url(listener.local_addr()?, false)), "serving metrics");
+        let url = format!("{}/metrics", local_url(listener.local_addr()?, false));
+        tracing::info!(metrics = %url, "serving metrics");
+        metrics_url = Some(url);
         coordinator = coordinator.with_metrics_listener(listener);
     }
     let grpc_url = local_url(grpc_listener.local_addr()?, coordinator.uses_tls());
     let blob_url = local_url(blob_listener.local_addr()?, coordinator.uses_tls());
-    data_dir.write_endpoints(&grpc_url, &blob_url)?;
+    data_dir.write_endpoints(&grpc_url, &blob_url, metrics_url.as_deref())?;
 
     let shutdown = async move {
         tokio::select! {
