@@ -20,6 +20,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::LoadError;
+use crate::stats::Served;
 
 /// How long a coordinator may take to bind, write its endpoints and serve.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -101,6 +102,13 @@ pub struct ReplicaReport {
     pub log_errors: u64,
     /// The first warning and error lines of its log.
     pub log_excerpt: Vec<String>,
+    /// Heartbeats and commits as the coordinator timed them, from its
+    /// `/metrics` just before it was stopped: without the harness's share
+    /// of the machine and the connection (None: none answered).
+    pub served_heartbeats: Option<Served>,
+    pub served_commits: Option<Served>,
+    /// Why `/metrics` could not be read, when it could not.
+    pub metrics_error: Option<String>,
 }
 
 /// The PostgreSQL schema a run used, and what became of it.
@@ -118,6 +126,8 @@ pub struct SchemaReport {
 #[derive(Debug)]
 pub(crate) struct Replica {
     pub grpc_url: String,
+    /// Its `/metrics` (the harness serves them on an ephemeral port).
+    pub metrics_url: Option<String>,
     pub admin_token: String,
     pub channels: Vec<Channel>,
     child: Option<Child>,
@@ -155,6 +165,9 @@ impl Cluster {
     /// connects to each.
     pub async fn start(options: &ClusterOptions, serve_args: &[String]) -> Result<Self, LoadError> {
         options.validate()?;
+        // Uploads and scrapes go through reqwest with rustls (plain HTTP
+        // here, but its clients are built with a provider).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let schema = match (&options.database, &options.database_schema) {
             (Some(_), Some(schema)) => Some(schema.clone()),
             (Some(url), None)
@@ -207,6 +220,7 @@ impl Cluster {
             .arg("--data-dir")
             .arg(&data_dir)
             .args(["--listen", "127.0.0.1:0", "--blob-listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
             .args(serve_args)
             // Only what the harness says: no database, data dir or
             // failpoints from the caller's environment.
@@ -228,6 +242,7 @@ impl Cluster {
         })?;
         Ok(Replica {
             grpc_url: String::new(),
+            metrics_url: None,
             admin_token: String::new(),
             channels: Vec::new(),
             child: Some(child),
@@ -243,6 +258,18 @@ impl Cluster {
         let mut reports = Vec::with_capacity(self.replicas.len());
         for replica in &mut self.replicas {
             replica.channels.clear();
+            let scraped = match &replica.metrics_url {
+                Some(url) => scrape(url).await,
+                None => Err("the coordinator wrote no metrics URL".into()),
+            };
+            let (served_heartbeats, served_commits, metrics_error) = match scraped {
+                Ok(text) => (
+                    Served::of(&text, "cairn_heartbeat_duration_seconds"),
+                    Served::of(&text, "cairn_checkpoint_commit_duration_seconds"),
+                    None,
+                ),
+                Err(why) => (None, None, Some(why)),
+            };
             let (alive_at_end, cpu_seconds, exit) = match replica.child.take() {
                 Some(mut child) => {
                     let alive = matches!(child.try_wait(), Ok(None));
@@ -269,6 +296,9 @@ impl Cluster {
                 log_warnings,
                 log_errors,
                 log_excerpt,
+                served_heartbeats,
+                served_commits,
+                metrics_error,
             });
         }
         let schema = match self.schema.take() {
@@ -341,6 +371,30 @@ fn signal(child: &Child, sig: libc::c_int) {
 }
 
 /// SIGTERM, a bounded wait, SIGKILL; how it exited.
+/// How long a scrape of `/metrics` may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The text of a replica's `/metrics`.
+async fn scrape(url: &str) -> Result<String, String> {
+    let client = reqwest::Client::builder()
+        .timeout(SCRAPE_TIMEOUT)
+        .build()
+        .map_err(|e| format!("building an HTTP client: {e}"))?;
+    let response = client
+        .get(url)
+        .send()
+        .await
+        .map_err(|e| format!("GET {url}: {e}"))?;
+    let status = response.status();
+    if !status.is_success() {
+        return Err(format!("GET {url}: {status}"));
+    }
+    response
+        .text()
+        .await
+        .map_err(|e| format!("reading {url}: {e}"))
+}
+
 async fn terminate(child: &mut Child) -> String {
     if matches!(child.try_wait(), Ok(None)) {
         signal(child, libc::SIGTERM);
@@ -397,6 +451,10 @@ async fn wait_until_serving(replica: &mut Replica, channels: usize) -> Result<()
             && let Some(grpc) = json.get("grpc").and_then(|v| v.as_str())
         {
             replica.grpc_url = grpc.to_owned();
+            replica.metrics_url = json
+                .get("metrics")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned);
             replica.admin_token = token.trim().to_owned();
             break;
         }

@@ -119,9 +119,6 @@ pub struct CommitsReport {
 /// Starts the coordinators, runs the commits phase, stops them.
 pub async fn commits(options: CommitsOptions) -> Result<CommitsReport, LoadError> {
     options.validate()?;
-    // Uploads go through reqwest with rustls (plain HTTP here, but the
-    // client is built with a provider).
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let cluster = Cluster::start(&options.cluster, &[]).await?;
     let measured = run(&cluster, &options).await;
     let harness_cpu_seconds = crate::cluster::cpu_seconds("self");

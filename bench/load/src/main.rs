@@ -222,6 +222,20 @@ fn print_coordinators(
             c.log_warnings,
             c.log_errors
         );
+        for (what, served) in [
+            ("Heartbeat", &c.served_heartbeats),
+            ("CommitCheckpoint", &c.served_commits),
+        ] {
+            if let Some(s) = served {
+                println!(
+                    "      {what:<18}  p50 {:.1} ms  p99 {:.1} ms  ({} calls, as it timed them)",
+                    s.p50_ms, s.p99_ms, s.count
+                );
+            }
+        }
+        if let Some(why) = &c.metrics_error {
+            println!("      metrics unread: {why}");
+        }
         for line in &c.log_excerpt {
             println!("      {line}");
         }

@@ -1,4 +1,5 @@
-//! Latency summaries (nearest-rank percentiles) and errors counted by gRPC code.
+//! Latency summaries (nearest-rank percentiles, or read from a
+//! coordinator's histogram) and errors counted by gRPC code.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -88,6 +89,68 @@ pub fn rate(events: u64, span: Duration) -> f64 {
     }
 }
 
+/// Percentiles of what a coordinator timed itself, read from one of its
+/// latency histograms on `/metrics` as Prometheus' `histogram_quantile`
+/// reads them: interpolated within a bucket, so within one bucket's width
+/// (a bucket is half again the one before it).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Served {
+    pub count: u64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl Served {
+    /// Reads histogram `name` from `scrape` (Prometheus' text format).
+    /// None when the scrape has no observation of it.
+    pub fn of(scrape: &str, name: &str) -> Option<Self> {
+        let prefix = format!("{name}_bucket{{le=\"");
+        let mut buckets: Vec<(f64, f64)> = scrape
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix(&prefix)?;
+                let (le, rest) = rest.split_once("\"}")?;
+                let count: f64 = rest.trim().parse().ok()?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, count))
+            })
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let total = buckets.last()?.1;
+        if total <= 0.0 {
+            return None;
+        }
+        let quantile = |q: f64| {
+            let rank = q * total;
+            let mut below = (0.0, 0.0);
+            for &(le, count) in &buckets {
+                if count >= rank {
+                    if le.is_infinite() {
+                        return below.0;
+                    }
+                    let share = if count > below.1 {
+                        (rank - below.1) / (count - below.1)
+                    } else {
+                        1.0
+                    };
+                    return below.0 + (le - below.0) * share;
+                }
+                below = (le, count);
+            }
+            below.0
+        };
+        Some(Self {
+            count: total as u64,
+            p50_ms: quantile(0.5) * 1000.0,
+            p99_ms: quantile(0.99) * 1000.0,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,6 +173,30 @@ mod tests {
         assert_eq!(summary.p50_ms, 2.0);
         assert_eq!(summary.max_ms, 3.0);
         assert_eq!(Latency::of(Vec::new()), Latency::default());
+    }
+
+    #[test]
+    fn served_percentiles_are_interpolated_within_their_bucket() {
+        let scrape = "# TYPE cairn_heartbeat_duration_seconds histogram
+cairn_heartbeat_duration_seconds_sum 1.5
+cairn_heartbeat_duration_seconds_count 100
+cairn_heartbeat_duration_seconds_bucket{le=\"0.01\"} 50
+cairn_heartbeat_duration_seconds_bucket{le=\"0.02\"} 90
+cairn_heartbeat_duration_seconds_bucket{le=\"0.04\"} 100
+cairn_heartbeat_duration_seconds_bucket{le=\"+Inf\"} 100
+cairn_other_bucket{le=\"0.01\"} 7
+";
+        let served = Served::of(scrape, "cairn_heartbeat_duration_seconds").unwrap();
+        assert_eq!(served.count, 100);
+        // The 50th of 100 is the last of the first bucket: its top.
+        assert!((served.p50_ms - 10.0).abs() < 1e-9, "{served:?}");
+        // The 99th is 9 of the last bucket's 10: 20 ms + 0.9 × 20 ms.
+        assert!((served.p99_ms - 38.0).abs() < 1e-9, "{served:?}");
+        // Beyond the last finite bucket: its top, as Prometheus says.
+        let past = "h_bucket{le=\"0.5\"} 1\nh_bucket{le=\"+Inf\"} 10\n";
+        assert_eq!(Served::of(past, "h").unwrap().p99_ms, 500.0);
+        assert_eq!(Served::of("h_bucket{le=\"+Inf\"} 0\n", "h"), None);
+        assert_eq!(Served::of(scrape, "cairn_missing"), None);
     }
 
     #[test]

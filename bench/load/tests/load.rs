@@ -80,6 +80,21 @@ async fn every_run_of_a_small_fleet_reaches_one_host_once() {
     assert_eq!(report.destroy_orders, 0, "{report:#?}");
     assert_eq!(report.lost_answers, 0, "{report:#?}");
     assert_eq!(report.over_capacity, 0, "{report:#?}");
+    // The coordinator timed every heartbeat the hosts had answered (and
+    // those of their registrations' first beats, if any were cut off).
+    let served = report.coordinators[0]
+        .served_heartbeats
+        .as_ref()
+        .unwrap_or_else(|| panic!("no served heartbeats: {report:#?}"));
+    assert!(served.count >= report.heartbeats.count, "{report:#?}");
+    assert!(
+        served.p50_ms > 0.0 && served.p50_ms <= served.p99_ms,
+        "{report:#?}"
+    );
+    assert!(
+        report.coordinators[0].served_commits.is_none(),
+        "{report:#?}"
+    );
     stopped_cleanly(&report.coordinators);
     left_no_schema(report.database_schema.as_ref()).await;
 }
@@ -106,6 +121,12 @@ async fn concurrent_commits_all_succeed_in_sequence() {
     assert_eq!(report.sequence_errors, 0, "{report:#?}");
     assert!((11..=21).contains(&report.max_sequence), "{report:#?}");
     assert!(report.commits_per_second > 0.0, "{report:#?}");
+    // The coordinator timed the 20 and the two first checkpoints.
+    let served = report.coordinators[0]
+        .served_commits
+        .as_ref()
+        .unwrap_or_else(|| panic!("no served commits: {report:#?}"));
+    assert_eq!(served.count, 22, "{report:#?}");
     stopped_cleanly(&report.coordinators);
     left_no_schema(report.database_schema.as_ref()).await;
 }
