@@ -370,7 +370,6 @@ fn signal(child: &Child, sig: libc::c_int) {
     }
 }
 
-/// SIGTERM, a bounded wait, SIGKILL; how it exited.
 /// How long a scrape of `/metrics` may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -395,6 +394,7 @@ async fn scrape(url: &str) -> Result<String, String> {
         .map_err(|e| format!("reading {url}: {e}"))
 }
 
+/// SIGTERM, a bounded wait, SIGKILL; how it exited.
 async fn terminate(child: &mut Child) -> String {
     if matches!(child.try_wait(), Ok(None)) {
         signal(child, libc::SIGTERM);

@@ -344,6 +344,7 @@ const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
 /// Connections a PostgreSQL pool keeps (SQLite's one writer gains nothing
 /// from more than its 8).
 const POSTGRES_CONNECTIONS: u32 = 16;
+const SQLITE_CONNECTIONS: u32 = 8;
 
 /// Checkpoint commits holding a PostgreSQL connection at once, on one
 /// replica: half the pool. Commits queued behind another replica's write
@@ -351,7 +352,6 @@ const POSTGRES_CONNECTIONS: u32 = 16;
 /// other half stays for reads and the one writer (`write_gate`). More
 /// would not commit faster: each is a few round trips on a busy database.
 const POSTGRES_COMMITS_AT_ONCE: usize = POSTGRES_CONNECTIONS as usize / 2;
-const SQLITE_CONNECTIONS: u32 = 8;
 
 /// Heartbeat batches read at once on PostgreSQL, and the most heartbeats
 /// each reads: a burst of heartbeats is served by several connections side
