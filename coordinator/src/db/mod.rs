@@ -391,8 +391,9 @@ pub struct MetadataStore {
     /// them) would wait for one.
     write_gate: Arc<tokio::sync::Mutex<()>>,
     /// On PostgreSQL, where commits run side by side, the most that hold
-    /// a connection at once (see [`POSTGRES_COMMITS_AT_ONCE`]).
-    commit_turns: Option<Arc<Semaphore>>,
+    /// a connection at once (see [`POSTGRES_COMMITS_AT_ONCE`]); SQLite's
+    /// commits take the write gate instead.
+    commit_turns: Arc<Semaphore>,
     /// On PostgreSQL, the turn [`TxLock::HostRows`] takes.
     host_rows: Arc<tokio::sync::Mutex<()>>,
     /// CreateRun requests, created in shared transactions under load.
@@ -684,8 +685,7 @@ impl MetadataStore {
             order_bells: Arc::default(),
             renewed_leases: Arc::default(),
             write_gate: Arc::default(),
-            commit_turns: (backend == Backend::Postgres)
-                .then(|| Arc::new(Semaphore::new(POSTGRES_COMMITS_AT_ONCE))),
+            commit_turns: Arc::new(Semaphore::new(POSTGRES_COMMITS_AT_ONCE)),
             host_rows: Arc::default(),
             run_creations: group_commit::GroupCommit::new(group_commit::write_batch),
             heartbeat_reads: {
@@ -781,15 +781,15 @@ impl MetadataStore {
     /// first statement, the workspace row's update, orders the commits of
     /// one workspace), never beside a write transaction.
     pub(crate) async fn begin_commit(&self) -> Result<CommitTx, DbError> {
-        let turn = match &self.commit_turns {
-            Some(turns) => CommitTurn::Permit {
-                _held: Arc::clone(turns)
+        let turn = match self.backend {
+            Backend::Sqlite => CommitTurn::Gate {
+                _held: self.write_turn().await,
+            },
+            Backend::Postgres => CommitTurn::Permit {
+                _held: Arc::clone(&self.commit_turns)
                     .acquire_owned()
                     .await
                     .expect("the commit turns are never closed"),
-            },
-            None => CommitTurn::Gate {
-                _held: self.write_turn().await,
             },
         };
         let tx = match self.backend {
