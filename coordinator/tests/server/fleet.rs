@@ -159,6 +159,20 @@ impl Clients {
             .hosts
     }
 
+    /// Waits until host `host` is recorded as keeping `workspace`'s tree.
+    pub async fn wait_for_kept(&mut self, host: &str, workspace: &str) {
+        let mut deadline =
+            Deadline::new(&format!("host {host} to be recorded keeping {workspace}"));
+        loop {
+            let hosts = self.hosts().await;
+            let listed = hosts.iter().find(|h| h.id == host);
+            if listed.is_some_and(|h| h.kept_workspaces.iter().any(|w| w == workspace)) {
+                return;
+            }
+            deadline.tick().await;
+        }
+    }
+
     pub async fn tokens(&mut self) -> Vec<pb::TokenInfo> {
         self.admin
             .list_tokens(pb::ListTokensRequest {})

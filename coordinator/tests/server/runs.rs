@@ -101,8 +101,11 @@ async fn a_run_goes_to_the_host_that_keeps_its_workspace_tree() {
     a.beat().await;
 
     // b says it keeps the workspace's tree (as if the run had been there).
+    // The heartbeat is answered before its report is written: the
+    // scheduler places by what is written.
     b.kept = vec![first.workspace_id.clone()];
     b.beat().await;
+    clients.wait_for_kept(&b.id, &first.workspace_id).await;
     let second = clients.create(run_on(&first.workspace_id)).await;
     let placed = b.beat_until_assigned(&second.id).await;
     assert_eq!(placed.workspace_id, first.workspace_id);
