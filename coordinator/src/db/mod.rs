@@ -25,8 +25,8 @@
 //!   replace it (first writer wins) unless the recorded pack was found lost.
 //! - Run and host changes run in write transactions ([`WriteTx`]) that take
 //!   the write lock first (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: an
-//!   exclusive transaction-level advisory lock), so reads inside see the state
-//!   they change and no two of them interleave.
+//!   exclusive transaction-level advisory lock keyed by the schema), so reads
+//!   inside see the state they change and no two of them interleave.
 //! - On PostgreSQL, two kinds of batch write beside that lock ([`TxLock`]),
 //!   as no holder decides on what they write without re-checking it in the
 //!   statement that acts: runs created on new workspaces (rows under new
@@ -337,9 +337,24 @@ enum Backend {
     Postgres,
 }
 
-/// The PostgreSQL advisory lock write transactions take exclusively and
-/// checkpoint commits shared (an arbitrary constant: "cairn" in ASCII).
-const WRITE_LOCK: i64 = 0x63_61_69_72_6e;
+/// The key of the PostgreSQL advisory lock that write transactions take
+/// exclusively and checkpoint commits shared, for the tables in `schema`.
+///
+/// Advisory locks belong to the database, not to a schema: one constant key
+/// would make deployments in separate schemas of one database (and tests
+/// side by side) wait for each other's writes. The key is a digest of the
+/// schema's name as PostgreSQL resolves it (`current_schema()`), so
+/// replicas that name it differently (`public`, or nothing) still share
+/// it.
+fn write_lock_key(schema: &str) -> i64 {
+    let digest = ring::digest::digest(
+        &ring::digest::SHA256,
+        format!("cairn write lock\0{schema}").as_bytes(),
+    );
+    let mut key = [0u8; 8];
+    key.copy_from_slice(&digest.as_ref()[..8]);
+    i64::from_be_bytes(key)
+}
 
 /// Connections a PostgreSQL pool keeps (SQLite's one writer gains nothing
 /// from more than its 8).
@@ -370,6 +385,8 @@ const POSTGRES_PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 pub struct MetadataStore {
     pool: AnyPool,
     backend: Backend,
+    /// On PostgreSQL, the key of the write lock ([`write_lock_key`]).
+    write_lock: i64,
     run_changes: broadcast::Sender<RunId>,
     /// The bells of hosts watching for orders on this replica.
     order_bells: Arc<OrderBells>,
@@ -620,7 +637,7 @@ impl MetadataStore {
             location: location.clone(),
             source,
         };
-        let (pool, backend, run_channel) = match location {
+        let (pool, backend, run_channel, write_lock) = match location {
             DatabaseLocation::Sqlite(_) => {
                 let pool = AnyPoolOptions::new()
                     .max_connections(SQLITE_CONNECTIONS)
@@ -642,7 +659,7 @@ impl MetadataStore {
                     .await
                     .map_err(opened)?;
                 sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
-                (pool, Backend::Sqlite, None)
+                (pool, Backend::Sqlite, None, 0)
             }
             DatabaseLocation::Postgres { url, schema } => {
                 prepare_postgres(url, schema.as_deref())
@@ -666,6 +683,14 @@ impl MetadataStore {
                     .await
                     .map_err(opened)?;
                 sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+                let current_schema: Option<String> =
+                    sqlx::query_scalar("SELECT CAST(current_schema() AS TEXT)")
+                        .fetch_one(&pool)
+                        .await
+                        .map_err(query_error("find the current schema"))?;
+                let current_schema = current_schema.ok_or_else(|| {
+                    DbError::Corrupt("the connection's search_path names no schema".into())
+                })?;
                 let channel = RunChannel {
                     url: url.clone(),
                     name: match schema {
@@ -674,13 +699,19 @@ impl MetadataStore {
                     },
                     origin: format!("{:016x}", rand::random::<u64>()),
                 };
-                (pool, Backend::Postgres, Some(channel))
+                (
+                    pool,
+                    Backend::Postgres,
+                    Some(channel),
+                    write_lock_key(&current_schema),
+                )
             }
         };
         let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);
         let store = Self {
             pool,
             backend,
+            write_lock,
             run_changes,
             order_bells: Arc::default(),
             renewed_leases: Arc::default(),
@@ -814,7 +845,7 @@ impl MetadataStore {
         // several statements); the lock function returns void, which the
         // Any driver cannot read, so nothing is read back.
         self.pool
-            .begin_with(format!("BEGIN; SELECT {lock}({WRITE_LOCK})"))
+            .begin_with(format!("BEGIN; SELECT {lock}({})", self.write_lock))
             .await
     }
 

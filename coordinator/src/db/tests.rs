@@ -430,6 +430,59 @@ async fn names_are_unique_per_tenant_and_lookups_work_by_id_or_name() {
 }
 
 #[tokio::test]
+async fn stores_in_separate_schemas_do_not_wait_for_each_others_writes() {
+    let (_dir, db, tenant) = open().await;
+    if skipped_off_postgres(&db, "the write lock is PostgreSQL's advisory lock") {
+        return;
+    }
+    let (_other_dir, other, _) = open().await;
+    assert_ne!(
+        db.write_lock, other.write_lock,
+        "each schema has its own key"
+    );
+    // This schema's write lock is held by a transaction that stays open.
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
+    sqlx::query(&format!(
+        "SELECT CAST(pg_advisory_xact_lock({}) AS TEXT)",
+        db.write_lock
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    // The other schema's writers go on.
+    let wait = std::time::Duration::from_secs(10);
+    tokio::time::timeout(wait, other.create_workspace(&tenant, None))
+        .await
+        .expect("a write in another schema waited for this schema's lock")
+        .unwrap();
+    // This schema's writers wait for it, and go on once it is released.
+    let blocked = tokio::spawn({
+        let db = db.clone();
+        let tenant = tenant.clone();
+        async move { db.create_workspace(&tenant, None).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!blocked.is_finished(), "a write went on beside the lock");
+    sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
+    tokio::time::timeout(wait, blocked)
+        .await
+        .expect("the write went on once the lock was released")
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn the_write_lock_key_is_a_function_of_the_schema_alone() {
+    assert_eq!(write_lock_key("cairn_prod"), write_lock_key("cairn_prod"));
+    assert_ne!(
+        write_lock_key("cairn_prod"),
+        write_lock_key("cairn_staging")
+    );
+    assert_ne!(write_lock_key("public"), write_lock_key(""));
+}
+
+#[tokio::test]
 async fn writers_and_commits_queued_for_the_write_lock_leave_the_pool_to_readers() {
     let (_dir, db, tenant) = open().await;
     if skipped_off_postgres(&db, "the write lock is PostgreSQL's advisory lock") {
@@ -448,7 +501,7 @@ async fn writers_and_commits_queued_for_the_write_lock_leave_the_pool_to_readers
     sqlx::query("BEGIN").execute(&mut *other).await.unwrap();
     sqlx::query(&format!(
         "SELECT CAST(pg_advisory_xact_lock({}) AS TEXT)",
-        super::WRITE_LOCK
+        db.write_lock
     ))
     .execute(&mut *other)
     .await
