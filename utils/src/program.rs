@@ -1,13 +1,18 @@
 //! How every cairn binary runs its `main`: one multi-threaded runtime,
 //! and an error printed on stderr as `error: …` with its causes.
 
-use std::fmt::Display;
+use std::error::Error;
 use std::future::Future;
 use std::process::ExitCode;
 
 /// Runs `main` to completion: its exit code, or `FAILURE` after printing
-/// its error (`{:#}`, so an `anyhow` error shows its whole chain).
-pub fn run<E: Display>(main: impl Future<Output = Result<ExitCode, E>>) -> ExitCode {
+/// its error with its causes, each said once ([`crate::text::one_line`]:
+/// many errors name their cause in their own message, and a chain printed
+/// whole would say it twice).
+pub fn run<E>(main: impl Future<Output = Result<ExitCode, E>>) -> ExitCode
+where
+    E: Into<Box<dyn Error + Send + Sync + 'static>>,
+{
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -21,7 +26,8 @@ pub fn run<E: Display>(main: impl Future<Output = Result<ExitCode, E>>) -> ExitC
     match runtime.block_on(main) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let error: Box<dyn Error + Send + Sync> = e.into();
+            eprintln!("error: {}", crate::text::one_line(&*error));
             ExitCode::FAILURE
         }
     }

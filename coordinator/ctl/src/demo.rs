@@ -732,7 +732,7 @@ impl Demo {
                     }
                 }
                 if let Err(e) = outcome {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", cairn_utils::text::one_line(e.as_ref()));
                 }
                 let verdict = if passed { "passed" } else { "FAILED" };
                 text.push_str(&format!("\ndemo {verdict} in {:.1}s", took.as_secs_f64()));
@@ -767,7 +767,7 @@ impl Demo {
             .collect();
         json!({
             "passed": passed,
-            "error": outcome.as_ref().err().map(|e| format!("{e:#}")),
+            "error": outcome.as_ref().err().map(|e| cairn_utils::text::one_line(e.as_ref())),
             "duration_ms": took.as_millis() as u64,
             "coordinator": self.facts.coordinator,
             "driver": self.facts.driver,

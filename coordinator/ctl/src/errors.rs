@@ -56,10 +56,13 @@ impl fmt::Display for Explained {
     }
 }
 
+/// The cause and the hint are all it says: the chain is in the cause.
+impl std::error::Error for Explained {}
+
 /// `error` with the cause restated where cairnctl can say it better, and
 /// the next step where it knows one.
 pub fn explain(error: &anyhow::Error, circumstances: &Circumstances) -> Explained {
-    let whole = format!("{error:#}");
+    let whole = cairn_utils::text::one_line(error.as_ref());
     if let Some(connect) = error.chain().find_map(|e| e.downcast_ref::<ConnectError>()) {
         let (cause, hint) = connect_advice(connect);
         return Explained {

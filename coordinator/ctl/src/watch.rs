@@ -197,7 +197,8 @@ pub async fn run(
             // left open; the first look must work, though.
             Err(e) if looked => {
                 eprintln!(
-                    "warning: {e:#}; trying again in {}",
+                    "warning: {}; trying again in {}",
+                    cairn_utils::text::one_line(e.as_ref()),
                     humantime::format_duration(args.interval)
                 );
                 continue;

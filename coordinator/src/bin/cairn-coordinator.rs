@@ -288,7 +288,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cairn_utils::text::one_line(e.as_ref()));
             ExitCode::FAILURE
         }
     }

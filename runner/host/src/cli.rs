@@ -276,7 +276,7 @@ pub fn main() -> ExitCode {
     let config = match args.into_config() {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cairn_utils::text::one_line(e.as_ref()));
             return ExitCode::FAILURE;
         }
     };
