@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 /// Longest schema name PostgreSQL keeps (NAMEDATALEN - 1).
-const MAX_SCHEMA_LEN: usize = 63;
+pub(super) const MAX_SCHEMA_LEN: usize = 63;
 
 /// The metadata database a coordinator opens.
 #[derive(Clone, PartialEq, Eq)]

@@ -433,8 +433,9 @@ pub struct MetadataStore {
 #[derive(Debug, Clone)]
 struct RunChannel {
     url: String,
-    /// `cairn_runs`, suffixed with the schema: notifications are per
-    /// database, and each schema holds another coordinator's metadata.
+    /// `cairn_runs_`, then the schema's digest (that of [`write_lock_key`]):
+    /// notifications are per database, and each schema holds another
+    /// coordinator's metadata.
     name: String,
     /// This replica's mark on what it announces: it hears its own
     /// announcements too, and has acted on them already at its commit (a
@@ -691,20 +692,16 @@ impl MetadataStore {
                 let current_schema = current_schema.ok_or_else(|| {
                     DbError::Corrupt("the connection's search_path names no schema".into())
                 })?;
+                let write_lock = write_lock_key(&current_schema);
                 let channel = RunChannel {
                     url: url.clone(),
-                    name: match schema {
-                        Some(schema) => format!("cairn_runs_{schema}"),
-                        None => "cairn_runs".to_owned(),
-                    },
+                    // From the schema as resolved, as the lock's key is:
+                    // replicas that name it differently hear each other,
+                    // and a name of any length fits PostgreSQL's 63 bytes.
+                    name: format!("cairn_runs_{:016x}", write_lock.cast_unsigned()),
                     origin: format!("{:016x}", rand::random::<u64>()),
                 };
-                (
-                    pool,
-                    Backend::Postgres,
-                    Some(channel),
-                    write_lock_key(&current_schema),
-                )
+                (pool, Backend::Postgres, Some(channel), write_lock)
             }
         };
         let (run_changes, _) = broadcast::channel(RUN_CHANGES_CAPACITY);

@@ -1962,6 +1962,70 @@ async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() 
 }
 
 #[tokio::test]
+async fn replicas_hear_each_other_however_they_name_a_long_schema() {
+    let (dir, db, tenant) = open().await;
+    if skipped_off_postgres(&db, "SQLite has one coordinator, and no announcements") {
+        return;
+    }
+    let (url, short) = cairn_utils::testing::test_database(dir.path()).unwrap();
+    // As long as a schema's name may be.
+    let schema = format!(
+        "{short}_{}",
+        "x".repeat(location::MAX_SCHEMA_LEN - short.len() - 1)
+    );
+    let named = url
+        .parse::<DatabaseLocation>()
+        .unwrap()
+        .in_schema(&schema)
+        .unwrap();
+    let one = MetadataStore::open(&named).await.unwrap();
+    // The other names no schema: its search_path finds the same one.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let by_path: DatabaseLocation = format!("{url}{separator}options=-c%20search_path%3D{schema}")
+        .parse()
+        .unwrap();
+    let other = MetadataStore::open(&by_path).await.unwrap();
+    one.ensure_tenant(&tenant).await.unwrap();
+    let host = register(&one, &tenant, "h", 1).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut here = one.order_bells().listen(&host);
+    let mut there = other.order_bells().listen(&host);
+    let relays = [&one, &other].map(|store| {
+        let (store, stop) = (store.clone(), stop.clone());
+        tokio::spawn(async move { store.relay_run_changes(stop.cancelled_owned()).await })
+    });
+    let bound = Duration::from_secs(30);
+    tokio::time::timeout(bound, async {
+        while !(one.token_cache.trusted() && other.token_cache.trusted()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both replicas listen for announcements");
+
+    let mut tx = one.begin_write().await.unwrap();
+    tx.ring(&host);
+    one.commit(tx)
+        .await
+        .expect("an announcement on a long schema's channel");
+    tokio::time::timeout(bound, there.wait_for(|rung| *rung >= 1))
+        .await
+        .expect("the replica that names no schema hears the one that does")
+        .unwrap();
+    let mut tx = other.begin_write().await.unwrap();
+    tx.ring(&host);
+    other.commit(tx).await.unwrap();
+    tokio::time::timeout(bound, here.wait_for(|rung| *rung >= 2))
+        .await
+        .expect("the replica that names the schema hears the one that does not")
+        .unwrap();
+    stop.cancel();
+    for relay in relays {
+        relay.await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn every_text_column_on_postgresql_compares_bytes() {
     let (_dir, db, _tenant) = open().await;
     if skipped_off_postgres(&db, "a PostgreSQL schema's collations") {
