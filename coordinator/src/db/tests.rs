@@ -1904,6 +1904,39 @@ async fn runs_on_new_workspaces_and_sandbox_reports_are_written_while_the_write_
     held.rollback().await.unwrap();
 }
 
+/// Two replicas relaying each other's announcements, as their servers do.
+struct Relays {
+    stop: tokio_util::sync::CancellationToken,
+    tasks: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl Relays {
+    /// Starts both relays and waits until both listen (a replica trusts
+    /// its token cache once it hears revocations).
+    async fn listening(one: &MetadataStore, other: &MetadataStore) -> Self {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let tasks = [one, other].map(|store| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move { store.relay_run_changes(stop.cancelled_owned()).await })
+        });
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !(one.token_cache.trusted() && other.token_cache.trusted()) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("both replicas listen for announcements");
+        Self { stop, tasks }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() {
     let (dir, db, tenant) = open().await;
@@ -1914,22 +1947,10 @@ async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() 
         .await
         .unwrap();
     let host = register(&db, &tenant, "h", 1).await;
-    let stop = tokio_util::sync::CancellationToken::new();
     let mut here = db.order_bells().listen(&host);
     let mut there = other.order_bells().listen(&host);
-    let relays = [&db, &other].map(|store| {
-        let (store, stop) = (store.clone(), stop.clone());
-        tokio::spawn(async move { store.relay_run_changes(stop.cancelled_owned()).await })
-    });
-    // Both listen once a replica's revocation reaches the other.
+    let relays = Relays::listening(&db, &other).await;
     let bound = Duration::from_secs(30);
-    tokio::time::timeout(bound, async {
-        while !(db.token_cache.trusted() && other.token_cache.trusted()) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("both replicas listen for announcements");
 
     let mut tx = db.begin_write().await.unwrap();
     tx.ring(&host);
@@ -1955,10 +1976,7 @@ async fn a_replica_rings_the_hosts_it_ordered_once_and_the_other_replicas_too() 
         2,
         "rung once at its own commit and once by the other's announcement"
     );
-    stop.cancel();
-    for relay in relays {
-        relay.await.unwrap();
-    }
+    relays.stop().await;
 }
 
 #[tokio::test]
@@ -1987,21 +2005,10 @@ async fn replicas_hear_each_other_however_they_name_a_long_schema() {
     let other = MetadataStore::open(&by_path).await.unwrap();
     one.ensure_tenant(&tenant).await.unwrap();
     let host = register(&one, &tenant, "h", 1).await;
-    let stop = tokio_util::sync::CancellationToken::new();
     let mut here = one.order_bells().listen(&host);
     let mut there = other.order_bells().listen(&host);
-    let relays = [&one, &other].map(|store| {
-        let (store, stop) = (store.clone(), stop.clone());
-        tokio::spawn(async move { store.relay_run_changes(stop.cancelled_owned()).await })
-    });
+    let relays = Relays::listening(&one, &other).await;
     let bound = Duration::from_secs(30);
-    tokio::time::timeout(bound, async {
-        while !(one.token_cache.trusted() && other.token_cache.trusted()) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("both replicas listen for announcements");
 
     let mut tx = one.begin_write().await.unwrap();
     tx.ring(&host);
@@ -2019,10 +2026,7 @@ async fn replicas_hear_each_other_however_they_name_a_long_schema() {
         .await
         .expect("the replica that names the schema hears the one that does not")
         .unwrap();
-    stop.cancel();
-    for relay in relays {
-        relay.await.unwrap();
-    }
+    relays.stop().await;
 }
 
 #[tokio::test]
