@@ -3,8 +3,9 @@
 //!
 //! Two kinds: what the coordinator counts as it works (checkpoint commits,
 //! refusals by reason, commit and restore-manifest latency, pack bytes
-//! committed, heartbeat latency and failures, scheduler passes and how long runs waited for their first
-//! host, garbage collection cycles and what they deleted), and what it
+//! committed, heartbeat latency and failures, scheduler passes and how
+//! long runs waited for their first host, garbage collection cycles and
+//! what they deleted), and what it
 //! reads from the database at each scrape (runs and hosts by state, how
 //! long the oldest queued run has waited, what each tenant's packs hold,
 //! and each active run's recovery point: the age of its workspace's newest

@@ -604,8 +604,9 @@ async fn a_commit_absolves_the_condemned_packs_it_references_and_only_those() {
 async fn a_commit_of_more_packs_than_a_statement_holds_rechecks_and_lists_them_all() {
     let (_dir, db, tenant) = open().await;
     let ws = db.create_workspace(&tenant, None).await.unwrap();
-    // PostgreSQL rechecks the first chunk in the statement that writes the
-    // checkpoint and the rest apart: both must count.
+    // A commit rechecks, absolves and lists its packs a chunk per
+    // statement (PostgreSQL lists the first chunk in the statement that
+    // writes the checkpoint): every chunk must count.
     let count = u16::try_from(2 * super::ROWS_PER_STATEMENT + 50).unwrap();
     let id_of = |i: u16| {
         let mut digest = [7u8; 32];
