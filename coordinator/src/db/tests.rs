@@ -451,7 +451,7 @@ async fn stores_in_separate_schemas_do_not_wait_for_each_others_writes() {
     .await
     .unwrap();
     // The other schema's writers go on.
-    let wait = std::time::Duration::from_secs(10);
+    let wait = Duration::from_secs(10);
     tokio::time::timeout(wait, other.create_workspace(&tenant, None))
         .await
         .expect("a write in another schema waited for this schema's lock")
@@ -462,7 +462,7 @@ async fn stores_in_separate_schemas_do_not_wait_for_each_others_writes() {
         let tenant = tenant.clone();
         async move { db.create_workspace(&tenant, None).await }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!blocked.is_finished(), "a write went on beside the lock");
     sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
     tokio::time::timeout(wait, blocked)
@@ -1998,11 +1998,8 @@ async fn replicas_hear_each_other_however_they_name_a_long_schema() {
         .in_schema(&schema)
         .unwrap();
     let one = MetadataStore::open(&named).await.unwrap();
-    // The other names no schema: its search_path finds the same one.
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let by_path: DatabaseLocation = format!("{url}{separator}options=-c%20search_path%3D{schema}")
-        .parse()
-        .unwrap();
+    // The other names no schema: its URL's search_path finds the same one.
+    let by_path: DatabaseLocation = named.sqlx_url().parse().unwrap();
     let other = MetadataStore::open(&by_path).await.unwrap();
     one.ensure_tenant(&tenant).await.unwrap();
     let host = register(&one, &tenant, "h", 1).await;
